@@ -1,0 +1,53 @@
+"""The known group actions (papers/001 Table 1.1 and Ch. 4, papers/002), registered on import."""
+
+from teleopt.actions.attention import AttentionHeadPermutation, AttentionQK, AttentionVO
+from teleopt.actions.axis import AxisAction, Member
+from teleopt.actions.base import ExampleProblem, GroupAction
+from teleopt.actions.batchnorm import BatchNormScaling
+from teleopt.actions.data_dependent import DataDependentGL, DataDependentGLLstsq
+from teleopt.actions.feedforward import (
+    GLLinear,
+    HiddenPermutation,
+    PositiveRescaling,
+    RadialOrthogonal,
+    RBFPermutation,
+    SignFlipAction,
+)
+from teleopt.actions.lora import LoRAGL
+from teleopt.actions.nonlinear import NonlinearGL
+from teleopt.actions.softmax import SoftmaxTranslation
+from teleopt.actions.test_functions import Booth, QuadraticOrthogonal, Rosenbrock
+from teleopt.registry import register_action
+
+KNOWN_ACTIONS = (
+    GLLinear,
+    PositiveRescaling,
+    SignFlipAction,
+    RadialOrthogonal,
+    BatchNormScaling,
+    SoftmaxTranslation,
+    HiddenPermutation,
+    RBFPermutation,
+    AttentionQK,
+    AttentionVO,
+    AttentionHeadPermutation,
+    LoRAGL,
+    DataDependentGL,
+    DataDependentGLLstsq,
+    NonlinearGL,
+    Rosenbrock,
+    Booth,
+    QuadraticOrthogonal,
+)
+
+for _cls in KNOWN_ACTIONS:
+    register_action(_cls)
+
+__all__ = [
+    "GroupAction",
+    "AxisAction",
+    "Member",
+    "ExampleProblem",
+    "KNOWN_ACTIONS",
+    *[c.__name__ for c in KNOWN_ACTIONS],
+]

@@ -1,0 +1,254 @@
+"""Linear actions given by one group acting on an axis of several tensors.
+
+Every exact linear symmetry of papers/001 Table 1.1 has this form: a group G acts on
+a "hidden" axis of length h (neurons, channels, heads, LoRA rank), and each member
+tensor carries that axis somewhere and transforms on it by a representation of G:
+
+* the layer *writing* the axis (rows of W1, entries of b1) by g (``power=+1``);
+* the layer *reading* the axis (columns of W2) by g^{-T} (``power=-1``),
+  so that W2 g^{-1} g W1 = W2 W1 (papers/001 Prop. 1.2.3);
+* for homogeneous activations of degree alpha, ``power=-alpha`` on the reader
+  (Ex. 1.2.4); BatchNorm running variances scale with ``power=2`` (Ex. 1.2.7).
+
+A member may act only on a slice ``[start, stop)`` of its axis (q, k, v rows of a
+fused ``qkv`` projection).  Because the action is linear, its Jacobian is J = rho(g)
+and gradients transform by the contragredient representation (``-power``),
+papers/001 Prop. 4.5.1.  Detection (``teleopt.find_symmetries``) builds these
+actions with many members (a residual stream ties every block that reads or writes
+it); the registry holds the canonical two-layer forms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from teleopt.actions.base import ExampleProblem, Exactness, GroupAction, Params, check_exactness
+from teleopt.groups import GeneralLinear, Group, Orthogonal, Permutation, PositiveScaling, SignFlip
+
+__all__ = ["Member", "AxisAction", "GROUP_TYPES"]
+
+GROUP_TYPES: dict[str, type[Group]] = {
+    "general": GeneralLinear,
+    "orthogonal": Orthogonal,
+    "diagonal": PositiveScaling,
+    "sign": SignFlip,
+    "permutation": Permutation,
+}
+
+
+@dataclass(frozen=True)
+class Member:
+    """How one tensor transforms: on ``axis`` (optionally its slice ``[start, stop)``) by ``rho(g)**power``.
+
+    ``power=+1`` is the standard representation (g), ``power=-1`` the contragredient
+    (g^{-T}); scaling groups accept any real power (c**power).
+    """
+
+    name: str
+    axis: int
+    power: float = 1
+    optional: bool = False
+    start: int | None = None
+    stop: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"member name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.axis, int) or isinstance(self.axis, bool):
+            raise TypeError(f"member {self.name!r}: axis must be an int, got {self.axis!r}")
+        if (self.start is None) != (self.stop is None):
+            raise ValueError(f"member {self.name!r}: give both start and stop, or neither")
+        if self.start is not None and not (0 <= self.start < self.stop):  # type: ignore[operator]
+            raise ValueError(f"member {self.name!r}: need 0 <= start < stop, got [{self.start}, {self.stop})")
+
+    def axis_length(self, t: Tensor) -> int:
+        """Length of the part of the axis the group acts on."""
+        if not -t.ndim <= self.axis < t.ndim:
+            raise ValueError(f"member {self.name!r}: axis {self.axis} out of range for shape {tuple(t.shape)}")
+        if self.start is None:
+            return t.shape[self.axis]
+        if self.stop > t.shape[self.axis]:  # type: ignore[operator]
+            raise ValueError(
+                f"member {self.name!r}: slice [{self.start}, {self.stop}) exceeds axis {self.axis} "
+                f"of length {t.shape[self.axis]}"
+            )
+        return self.stop - self.start  # type: ignore[operator]
+
+    def transform(self, t: Tensor, fn: Callable[[Tensor, int], Tensor]) -> Tensor:
+        """Apply ``fn(part, axis)`` to the acted-on part of ``t`` and reassemble (out of place)."""
+        if self.start is None:
+            return fn(t, self.axis)
+        axis = self.axis % t.ndim
+        before = t.narrow(axis, 0, self.start)
+        part = t.narrow(axis, self.start, self.stop - self.start)  # type: ignore[operator]
+        after = t.narrow(axis, self.stop, t.shape[axis] - self.stop)  # type: ignore[operator]
+        return torch.cat([before, fn(part, axis), after], dim=axis)
+
+
+class AxisAction(GroupAction):
+    """An exact linear action: ``group`` acting on an axis of every member (see module docs).
+
+    Parameters
+    ----------
+    name, reference, group_name:
+        Registry name, paper reference and printable group.
+    group:
+        ``"general"`` (GL), ``"orthogonal"`` (O), ``"diagonal"`` (positive scaling),
+        ``"sign"`` (Z_2) or ``"permutation"`` (S).
+    members:
+        One :class:`Member` per tensor, in the order ``act`` takes them.
+    blocks:
+        For matrix groups, the number of independent copies along the axis (heads).
+    unit_size:
+        For permutations, the size of each permuted unit (head dimension).
+    exactness:
+        ``"exact"`` or ``"approximate"`` (e.g. BatchNorm input scaling with eps > 0).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        group: str,
+        members: Sequence[Member],
+        *,
+        reference: str = "",
+        group_name: str | None = None,
+        blocks: int | None = None,
+        unit_size: int = 1,
+        exactness: Exactness = "exact",
+        example: Callable[[torch.Generator | None, torch.dtype], ExampleProblem] | None = None,
+    ) -> None:
+        if group not in GROUP_TYPES:
+            raise ValueError(f"group must be one of {sorted(GROUP_TYPES)}, got {group!r}")
+        members = tuple(members)
+        if not members or not all(isinstance(m, Member) for m in members):
+            raise TypeError("members must be a non-empty sequence of Member")
+        if len({m.name for m in members}) != len(members):
+            raise ValueError("member names must be unique")
+        if all(m.optional for m in members):
+            raise ValueError("at least one member must be required")
+        check_exactness(exactness)
+        if exactness == "data-dependent":
+            raise ValueError("AxisAction is not data-dependent: use a data-dependent action class")
+        for m in members:
+            if group in ("general", "orthogonal") and m.power not in (1, -1):
+                raise ValueError(f"member {m.name!r}: {group} groups use power +1 or -1, got {m.power}")
+            if group == "sign" and float(m.power) != int(m.power):
+                raise ValueError(f"member {m.name!r}: sign flips need an integer power, got {m.power}")
+        if blocks is not None and group not in ("general", "orthogonal"):
+            raise ValueError("blocks applies to matrix groups only ('general', 'orthogonal')")
+        if unit_size != 1 and group != "permutation":
+            raise ValueError("unit_size applies to permutations only")
+        self.name = name
+        self.group_kind = group
+        self.group_type = GROUP_TYPES[group]
+        self.group_name = group_name or self._default_group_name(group, blocks)
+        self.reference = reference
+        self.exactness = exactness
+        self.linear = True
+        self.members = members
+        self.member_names = tuple(m.name for m in members)
+        self.optional_members = frozenset(m.name for m in members if m.optional)
+        self.blocks = blocks
+        self.unit_size = unit_size
+        self._example = example
+
+    @staticmethod
+    def _default_group_name(group: str, blocks: int | None) -> str:
+        base = {"general": "GL_h(R)", "orthogonal": "O(h)", "diagonal": "R_{>0}^h", "sign": "Z_2^h", "permutation": "S_h"}[group]
+        return base if blocks is None else f"({base})^{blocks}"
+
+    def config(self) -> dict[str, Any]:
+        """A plain-data description from which ``AxisAction.from_config`` rebuilds the action."""
+        return {
+            "name": self.name,
+            "group": self.group_kind,
+            "members": [asdict(m) for m in self.members],
+            "reference": self.reference,
+            "group_name": self.group_name,
+            "blocks": self.blocks,
+            "unit_size": self.unit_size,
+            "exactness": self.exactness,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> AxisAction:
+        """Inverse of :meth:`config` (the example problem is not serialised)."""
+        cfg = dict(config)
+        members = [Member(**m) for m in cfg.pop("members")]
+        name, group = cfg.pop("name"), cfg.pop("group")
+        return cls(name, group, members, **cfg)
+
+    # -- group ------------------------------------------------------------------
+    def axis_length(self, params: Params) -> int:
+        """Length of the acted-on axis, checked to agree across members."""
+        params = self.check_params(params)
+        length = None
+        for m, p in zip(self.members, params):
+            if p is None:
+                continue
+            n = m.axis_length(p)
+            if length is None:
+                length, first = n, m.name
+            elif n != length:
+                raise ValueError(
+                    f"{self.name}: member {m.name!r} has axis length {n} but {first!r} has {length}: "
+                    "they cannot share one group"
+                )
+        assert length is not None
+        return length
+
+    def group(self, params: Params) -> Group:
+        n = self.axis_length(params)
+        if self.group_kind in ("general", "orthogonal"):
+            b = self.blocks or 1
+            if n % b:
+                raise ValueError(f"{self.name}: axis length {n} is not divisible into {b} blocks")
+            return self.group_type(n // b, blocks=self.blocks)  # type: ignore[call-arg]
+        if self.group_kind == "permutation":
+            if n % self.unit_size:
+                raise ValueError(f"{self.name}: axis length {n} is not divisible into units of {self.unit_size}")
+            return Permutation(n // self.unit_size, unit_size=self.unit_size)
+        return self.group_type(n)
+
+    # -- action -------------------------------------------------------------------
+    def _apply(self, g: Tensor, params: Params, sign: int, square: bool = False) -> Params:
+        grp = self.group(params)
+        out = []
+        for m, p in zip(self.members, params):
+            if p is None:
+                out.append(None)
+                continue
+            power = sign * m.power
+            if square:
+                power = grp.second_moment_power(power)
+            out.append(m.transform(p, lambda part, axis, power=power: grp.act_on_axis(g, part, axis, power)))
+        return tuple(out)
+
+    def act(self, g: Tensor, params: Params, data: Any = None) -> Params:
+        """g . params: each member transformed on its axis by rho(g)**power."""
+        params = self.check_params(params)
+        self.group(params).validate(g.detach())
+        return self._apply(g, params, +1)
+
+    def transport_gradient(self, g: Tensor, grads: Params) -> Params:
+        """Gradients transform by the contragredient representation (power -> -power)."""
+        grads = self.check_params(grads)
+        return self._apply(g, grads, -1)
+
+    def transport_second_moment(self, g: Tensor, moments: Params) -> Params | None:
+        """Exact for diagonal, sign and permutation groups; ``None`` for GL and O(h)."""
+        moments = self.check_params(moments)
+        if self.group(moments).second_moment_power(1) is None:
+            return None
+        return self._apply(g, moments, -1, square=True)
+
+    def example(self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> ExampleProblem:
+        if self._example is None:
+            raise TypeError(f"{self.name}: no example problem was given for this action")
+        return self._example(generator, dtype)

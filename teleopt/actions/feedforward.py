@@ -1,0 +1,195 @@
+"""Symmetries of two-layer networks, papers/001 Table 1.1 (Ex. 1.2.2, 1.2.4-1.2.6, 1.2.9, 1.2.10).
+
+Shapes follow ``torch.nn.Linear``: data X is (k, n) with one sample per row,
+W1 is (h, n), b1 is (h,), W2 is (m, h); the network is
+f(X) = sigma(X W1^T + b1) W2^T (+ b2, which no action touches).  In the papers'
+column convention this is W2 sigma(W1 X + b1); the actions are identical:
+
+* GL_h:            (W2 g^{-1}, g W1, g b1), sigma = identity          (Ex. 1.2.2)
+* R_{>0}^h:        (W2 g^{-alpha}, g W1, g b1), sigma homogeneous      (Ex. 1.2.4)
+* Z_2^h:           (W2 g^{-1}, g W1, g b1), sigma odd                  (Ex. 1.2.5)
+* O(h):            (W2 g^{-1}, g W1, g b1), sigma radial rescaling     (Ex. 1.2.6)
+* S_h:             (W2 g^{-1}, g W1, g b1), sigma any pointwise         (Ex. 1.2.9)
+* S_k on RBF components (w_i, b_i, c_i)                                 (Ex. 1.2.10)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from teleopt.actions.activations import Activation, get_activation
+from teleopt.actions.axis import AxisAction, Member
+from teleopt.actions.base import ExampleProblem, Params
+
+__all__ = [
+    "GLLinear",
+    "PositiveRescaling",
+    "SignFlipAction",
+    "RadialOrthogonal",
+    "HiddenPermutation",
+    "RBFPermutation",
+    "two_layer_example",
+]
+
+
+def _randn(shape, generator, dtype) -> Tensor:
+    return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
+
+
+def two_layer_example(
+    activation: Activation,
+    generator: torch.Generator | None,
+    dtype: torch.dtype,
+    m: int = 3,
+    h: int = 5,
+    n: int = 4,
+    k: int = 7,
+) -> ExampleProblem:
+    """Random (W1, b1, W2) and X for f(X) = act(X W1^T + b1) W2^T."""
+    params = (_randn((h, n), generator, dtype), _randn((h,), generator, dtype), _randn((m, h), generator, dtype))
+    X = _randn((k, n), generator, dtype)
+
+    def fn(p: Params, x: Tensor) -> Tensor:
+        W1, b1, W2 = p
+        z = x @ W1.T if b1 is None else x @ W1.T + b1
+        return activation(z) @ W2.T
+
+    return ExampleProblem(params, X, fn)
+
+
+def _hidden_members(reader_power: float) -> tuple[Member, ...]:
+    return (Member("W1", 0, 1), Member("b1", 0, 1, optional=True), Member("W2", 1, reader_power))
+
+
+class GLLinear(AxisAction):
+    """GL_h acting between two linear layers with biases: papers/001 Ex. 1.2.2.
+
+    g . (W1, b1, W2) = (g W1, g b1, W2 g^{-1}).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(
+            "gl_linear",
+            "general",
+            _hidden_members(-1),
+            reference="papers/001 Ex. 1.2.2",
+            group_name="GL_h(R)",
+            example=lambda gen, dt: two_layer_example(get_activation("identity"), gen, dt),
+        )
+
+
+class PositiveRescaling(AxisAction):
+    """Positive rescaling through a homogeneous activation of degree alpha: papers/001 Ex. 1.2.4.
+
+    g . (W1, b1, W2) = (g W1, g b1, W2 g^{-alpha}) for g in R_{>0}^h.  ``activation``
+    is ``"relu"``, ``"leaky_relu"`` (with ``negative_slope``) or ``"identity"``
+    (degree 1), or ``"relu_power"`` for z -> relu(z)**alpha with any alpha > 0.
+    """
+
+    def __init__(self, activation: str = "leaky_relu", alpha: float | None = None, negative_slope: float = 0.1) -> None:
+        if activation == "relu_power":
+            alpha = 2.0 if alpha is None else float(alpha)
+            if not alpha > 0:
+                raise ValueError(f"alpha must be > 0, got {alpha}")
+            act = Activation(f"relu^{alpha}", lambda z: torch.relu(z) ** alpha, degree=alpha)
+        else:
+            act = get_activation(activation, negative_slope if activation == "leaky_relu" else None)
+            if act.degree is None:
+                raise ValueError(f"{activation} is not positively homogeneous: no positive rescaling symmetry")
+            if alpha is not None and alpha != act.degree:
+                raise ValueError(f"{activation} has degree {act.degree}, not {alpha}")
+            alpha = act.degree
+        self.activation = act
+        self.alpha = alpha
+        super().__init__(
+            "positive_rescaling",
+            "diagonal",
+            _hidden_members(-alpha),
+            reference="papers/001 Ex. 1.2.4",
+            group_name="R_{>0}^h",
+            example=lambda gen, dt: two_layer_example(act, gen, dt),
+        )
+
+
+class SignFlipAction(AxisAction):
+    """Sign flips Z_2^h through an odd activation (tanh): papers/001 Ex. 1.2.5."""
+
+    def __init__(self, activation: str = "tanh") -> None:
+        act = get_activation(activation)
+        if not act.odd:
+            raise ValueError(f"{activation} is not odd: no sign-flip symmetry")
+        super().__init__(
+            "sign_flip",
+            "sign",
+            _hidden_members(-1),
+            reference="papers/001 Ex. 1.2.5",
+            group_name="Z_2^h",
+            example=lambda gen, dt: two_layer_example(act, gen, dt),
+        )
+
+
+def radial_rescaling(z: Tensor) -> Tensor:
+    """A radial rescaling activation sigma(z) = f(|z|) z with f(r) = 1 / (1 + r) (per sample)."""
+    return z / (1.0 + z.norm(dim=-1, keepdim=True))
+
+
+class RadialOrthogonal(AxisAction):
+    """O(h) through a radial rescaling activation sigma(z) = f(|z|) z: papers/001 Ex. 1.2.6."""
+
+    def __init__(self) -> None:
+        act = Activation("radial", radial_rescaling)
+        super().__init__(
+            "radial_orthogonal",
+            "orthogonal",
+            _hidden_members(-1),
+            reference="papers/001 Ex. 1.2.6",
+            group_name="O(h)",
+            example=lambda gen, dt: two_layer_example(act, gen, dt),
+        )
+
+
+class HiddenPermutation(AxisAction):
+    """Permutations S_h of hidden units through any pointwise activation: papers/001 Ex. 1.2.9."""
+
+    def __init__(self, activation: str = "gelu") -> None:
+        act = get_activation(activation)
+        super().__init__(
+            "hidden_permutation",
+            "permutation",
+            _hidden_members(1),
+            reference="papers/001 Ex. 1.2.9",
+            group_name="S_h",
+            example=lambda gen, dt: two_layer_example(act, gen, dt),
+        )
+
+
+def _rbf_example(generator: torch.Generator | None, dtype: torch.dtype, k: int = 6, n: int = 3, samples: int = 5) -> ExampleProblem:
+    w = _randn((k,), generator, dtype)
+    b = _randn((k,), generator, dtype).abs() + 0.5
+    c = _randn((k, n), generator, dtype)
+    X = _randn((samples, n), generator, dtype)
+
+    def fn(p: Params, x: Tensor) -> Tensor:
+        w, b, c = p
+        r = torch.cdist(x, c) / b
+        return torch.exp(-(r**2)) @ w
+
+    return ExampleProblem((w, b, c), X, fn)
+
+
+class RBFPermutation(AxisAction):
+    """Permutations S_k of radial-basis components (w_i, b_i, c_i): papers/001 Ex. 1.2.10.
+
+    f(x) = sum_i w_i phi(|x - c_i| / b_i); members w (k,), b (k,), c (k, n).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(
+            "rbf_permutation",
+            "permutation",
+            (Member("w", 0), Member("b", 0), Member("c", 0)),
+            reference="papers/001 Ex. 1.2.10",
+            group_name="S_k",
+            example=_rbf_example,
+        )

@@ -1,0 +1,37 @@
+"""GL_r symmetry of a low-rank adaptation W + U V: papers/001 Ex. 1.2.13.
+
+g . (U, V) = (U g^{-1}, g V) for g in GL_r; U is (out, r), V is (r, in) as in
+``y = x (W + U V)^T``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from teleopt.actions.axis import AxisAction, Member
+from teleopt.actions.base import ExampleProblem, Params
+
+__all__ = ["LoRAGL"]
+
+
+def _example(generator: torch.Generator | None, dtype: torch.dtype, out: int = 6, inp: int = 5, r: int = 3) -> ExampleProblem:
+    def randn(*shape: int) -> Tensor:
+        return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
+
+    W, U, V, X = randn(out, inp), randn(out, r), randn(r, inp), randn(7, inp)
+    return ExampleProblem((U, V), X, lambda p, x: x @ (W + p[0] @ p[1]).T)
+
+
+class LoRAGL(AxisAction):
+    """GL_r on the LoRA factors (U, V): papers/001 Ex. 1.2.13."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "lora_gl",
+            "general",
+            (Member("U", 1, -1), Member("V", 0, 1)),
+            reference="papers/001 Ex. 1.2.13",
+            group_name="GL_r(R)",
+            example=_example,
+        )
