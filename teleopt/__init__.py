@@ -3,26 +3,51 @@
 Group actions and their registry (papers/001 Table 1.1), symmetry teleportation
 (papers/001 Ch. 4-5), symmetry removal with syre (papers/003) and learned group
 actions (papers/000), as drop-in ``torch.optim`` wrappers.
+
+Public names are imported lazily (PEP 562), so ``import teleopt`` is cheap and the
+pytest plugin ``teleopt.testing.plugin`` does not import torch until a fixture runs.
+Importing any of them imports ``teleopt.actions``, which registers the known actions.
 """
 
-from teleopt import actions
-from teleopt.actions.axis import AxisAction, Member
-from teleopt.actions.base import ExampleProblem, GroupAction
-from teleopt.registry import get_action, list_actions, register_action, unregister_action
-from teleopt.site import Site
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0.dev0"
 
-__all__ = [
-    "GroupAction",
-    "AxisAction",
-    "Member",
-    "ExampleProblem",
-    "Site",
-    "register_action",
-    "unregister_action",
-    "get_action",
-    "list_actions",
-    "actions",
-    "__version__",
-]
+# public name -> module that defines it (add new public names here)
+_LAZY = {
+    "GroupAction": "teleopt.actions.base",
+    "ExampleProblem": "teleopt.actions.base",
+    "AxisAction": "teleopt.actions.axis",
+    "Member": "teleopt.actions.axis",
+    "Site": "teleopt.site",
+    "register_action": "teleopt.registry",
+    "unregister_action": "teleopt.registry",
+    "get_action": "teleopt.registry",
+    "list_actions": "teleopt.registry",
+}
+
+__all__ = [*_LAZY, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'teleopt' has no attribute {name!r}")
+    importlib.import_module("teleopt.actions")  # registers the known actions
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from teleopt.actions.axis import AxisAction, Member
+    from teleopt.actions.base import ExampleProblem, GroupAction
+    from teleopt.registry import get_action, list_actions, register_action, unregister_action
+    from teleopt.site import Site
