@@ -11,11 +11,13 @@ factory, so configurable actions are fetched with their options::
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
-from teleopt.actions.base import GroupAction
+if TYPE_CHECKING:
+    from teleopt.actions.base import GroupAction
 
 __all__ = ["register_action", "unregister_action", "get_action", "list_actions", "format_table"]
 
@@ -33,7 +35,14 @@ class _Entry:
 _REGISTRY: dict[str, _Entry] = {}
 
 
+def _known() -> None:
+    """Import the known actions (they register themselves); a no-op after the first call."""
+    importlib.import_module("teleopt.actions")
+
+
 def _add(target: Any, name: str | None, overwrite: bool) -> None:
+    from teleopt.actions.base import GroupAction
+
     if isinstance(target, GroupAction):
         instance, factory, configurable = target, (lambda: target), False
     elif callable(target):
@@ -83,6 +92,7 @@ def register_action(action=None, *, name=None, overwrite=False):
 
 def unregister_action(name: str) -> None:
     """Remove a registered action (``KeyError`` if absent)."""
+    _known()
     if name not in _REGISTRY:
         raise KeyError(f"no action named {name!r} is registered")
     del _REGISTRY[name]
@@ -95,6 +105,7 @@ def get_action(name: str, **config: Any) -> GroupAction:
     """
     if not isinstance(name, str):
         raise TypeError(f"action name must be a string, got {type(name).__name__}")
+    _known()
     try:
         entry = _REGISTRY[name]
     except KeyError:
@@ -108,6 +119,7 @@ def get_action(name: str, **config: Any) -> GroupAction:
 
 def list_actions() -> list[dict[str, Any]]:
     """One description row per registered action: name, group, continuous, exactness, linear, members, reference."""
+    _known()
     return [entry.default.describe() | {"name": entry.name} for entry in sorted(_REGISTRY.values(), key=lambda e: e.name)]
 
 
