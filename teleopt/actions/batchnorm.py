@@ -14,7 +14,6 @@ which :func:`batchnorm_scaling_bound` evaluates.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from teleopt.actions.axis import AxisAction, Member
@@ -61,11 +60,14 @@ class BatchNormScaling(AxisAction):
         X = randn(k, n)
         eps = self.eps
 
+        def normalise(z: Tensor, mean: Tensor, var: Tensor) -> Tensor:
+            # BatchNorm1d's formula, written out so that eps = 0 (exact invariance) is allowed
+            return (z - mean) / torch.sqrt(var + eps) * gamma + beta
+
         def fn(p: Params, x: Tensor) -> Tensor:
             W, b, rm, rv = p
             z = x @ W.T + b
-            train = F.batch_norm(z, None, None, gamma, beta, training=True, eps=eps)
-            evaluation = F.batch_norm(z, rm, rv, gamma, beta, training=False, eps=eps)
-            return torch.cat([train, evaluation], dim=0)
+            train = normalise(z, z.mean(0), z.var(0, unbiased=False))
+            return torch.cat([train, normalise(z, rm, rv)], dim=0)
 
         return ExampleProblem((W, b, running_mean, running_var), X, fn)

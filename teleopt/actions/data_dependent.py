@@ -99,8 +99,10 @@ class _TwoLayerDataDependent(GroupAction):
         def randn(*shape: int) -> Tensor:
             return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
 
-        W1, b1, W2, X = randn(h, n) / n**0.5, randn(h) * 0.1, randn(m, h), randn(k, n)
         act = self.activation
+        # bounded activations (tanh, sigmoid): keep sigma(z) inside its range with room for g
+        x_scale = 0.3 if act.range is not None else 1.0
+        W1, b1, W2, X = randn(h, n) / n**0.5, randn(h) * 0.1, randn(m, h), randn(k, n) * x_scale
 
         def fn(p: Params, x: Tensor) -> Tensor:
             return act(x @ p[0].T + p[1]) @ p[2].T

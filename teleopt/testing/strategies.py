@@ -57,7 +57,7 @@ def coordinates_norm(coords: Tensor) -> Tensor:
 def default_max_norm(group: Group) -> float:
     """Default bound on coordinates: GL condition number < 10, scales in [1/4, 4], any rotation."""
     return {
-        "general": math.log(10) / 2,
+        "general": math.log(9.9) / 2,
         "diagonal": math.log(4),
         "orthogonal": math.pi,
         "translation": 1.0,

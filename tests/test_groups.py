@@ -1,0 +1,141 @@
+"""Groups: exact elements, axioms, representations and bad input (teleopt.groups)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from teleopt.groups import GeneralLinear, Orthogonal, Permutation, PositiveScaling, SignFlip, Translation
+from teleopt.testing import assert_close, coordinates_norm, default_max_norm, lie_algebra_coordinates, permutations, seeds
+
+# float64 round-off of products/solves of 3x3..6x6 matrices with condition number < 10
+# stays below ~1e-14; 1e-12 leaves margin and still catches any first-order shortcut (errors ~1e-3).
+RTOL = 1e-12
+
+CONTINUOUS = [GeneralLinear(4), GeneralLinear(3, blocks=2), Orthogonal(4), Orthogonal(2, blocks=3), PositiveScaling(5), Translation(3)]
+DISCRETE = [SignFlip(5), Permutation(4), Permutation(3, unit_size=2)]
+
+
+def _element(group, seed, scale=0.5):
+    return group.random(torch.Generator().manual_seed(seed), scale=scale)
+
+
+@pytest.mark.parametrize("group", CONTINUOUS + DISCRETE, ids=repr)
+@settings(deadline=None, max_examples=20)
+@given(seed1=seeds(), seed2=seeds(), seed3=seeds())
+def test_group_axioms(group, seed1, seed2, seed3):
+    a, b, c = (_element(group, s) for s in (seed1, seed2, seed3))
+    e = group.identity()
+    for g in (a, b, c):
+        group.validate(g)
+    close = (lambda x, y: torch.equal(x, y)) if group.kind == "permutation" else (lambda x, y: assert_close(x, y, RTOL) is not None)
+    assert close(group.compose(group.compose(a, b), c), group.compose(a, group.compose(b, c)))
+    assert close(group.compose(e, a), a) and close(group.compose(a, e), a)
+    assert close(group.compose(a, group.inverse(a)), e) and close(group.compose(group.inverse(a), a), e)
+
+
+@pytest.mark.parametrize("group", [g for g in CONTINUOUS + DISCRETE if g.kind != "translation"], ids=repr)
+@settings(deadline=None, max_examples=20)
+@given(seed1=seeds(), seed2=seeds(), power=st.sampled_from([1, -1]))
+def test_representation_is_a_homomorphism(group, seed1, seed2, power):
+    """rho(a) rho(b) x = rho(a b) x on an axis, and rho(a^-1) undoes rho(a)."""
+    a, b = _element(group, seed1), _element(group, seed2)
+    x = torch.randn(3, group.dim, 2, generator=torch.Generator().manual_seed(seed1 ^ seed2), dtype=torch.float64)
+    lhs = group.act_on_axis(a, group.act_on_axis(b, x, 1, power), 1, power)
+    rhs = group.act_on_axis(group.compose(a, b), x, 1, power)
+    assert_close(lhs, rhs, RTOL, "homomorphism")
+    assert_close(group.act_on_axis(group.inverse(a), group.act_on_axis(a, x, 1, power), 1, power), x, RTOL, "inverse")
+
+
+@pytest.mark.parametrize("group", [GeneralLinear(4), GeneralLinear(2, blocks=3), Orthogonal(3), PositiveScaling(4)], ids=repr)
+@settings(deadline=None, max_examples=20)
+@given(seed=seeds())
+def test_contragredient_pairs_to_identity(group, seed):
+    """<rho(g) x, rho^*(g) y> = <x, y>: the pairing that makes W2 g^{-1} g W1 = W2 W1."""
+    g = _element(group, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x, y = (torch.randn(group.dim, 3, generator=gen, dtype=torch.float64) for _ in range(2))
+    lhs = (group.act_on_axis(g, x, 0, 1) * group.act_on_axis(g, y, 0, -1)).sum(0)
+    assert_close(lhs, (x * y).sum(0), RTOL)
+
+
+@settings(deadline=None, max_examples=30)
+@given(coords=lie_algebra_coordinates((4, 4), max_norm=default_max_norm(GeneralLinear(4))))
+@example(coords=torch.zeros(4, 4, dtype=torch.float64))
+def test_gl_exp_is_exact_and_well_conditioned(coords):
+    """exp(X) has inverse exp(-X) exactly (not I - X) and condition number <= e^{2|X|_2} < 10."""
+    g = GeneralLinear(4).exp(coords)
+    assert_close(g @ GeneralLinear(4).exp(-coords), torch.eye(4, dtype=torch.float64), RTOL)
+    assert torch.linalg.cond(g) <= math.exp(2 * float(coordinates_norm(coords))) * (1 + 1e-12) < 10
+
+
+def test_orthogonal_exp_is_orthogonal_and_scaling_exp_positive():
+    gen = torch.Generator().manual_seed(0)
+    q = Orthogonal(5).exp(torch.randn(5, 5, generator=gen, dtype=torch.float64) * 3)
+    assert_close(q.T @ q, torch.eye(5, dtype=torch.float64), RTOL)
+    c = PositiveScaling(4).exp(torch.tensor([-30.0, 0.0, 1.0, 30.0], dtype=torch.float64))
+    assert bool((c > 0).all())
+
+
+def test_block_gl_acts_per_block():
+    g = GeneralLinear(2, blocks=2).random(torch.Generator().manual_seed(3))
+    x = torch.randn(4, 5, dtype=torch.float64)
+    y = GeneralLinear(2, blocks=2).act_on_axis(g, x, 0)
+    assert_close(y[:2], g[0] @ x[:2], RTOL)
+    assert_close(y[2:], g[1] @ x[2:], RTOL)
+
+
+@given(p=permutations(4))
+@settings(deadline=None, max_examples=20)
+def test_permutation_with_units_moves_whole_units(p):
+    x = torch.arange(12.0).reshape(12, 1)
+    y = Permutation(4, unit_size=3).act_on_axis(p, x, 0)
+    assert torch.equal(y.reshape(4, 3), x.reshape(4, 3)[p])
+
+
+def test_second_moment_rules():
+    assert PositiveScaling(2).second_moment_power(-1) == -2
+    assert GeneralLinear(2).second_moment_power(-1) is None
+    assert Orthogonal(2).second_moment_power(1) is None
+    assert Permutation(2).second_moment_power(-1) == 1
+
+
+@pytest.mark.parametrize(
+    "group, bad, error, match",
+    [
+        (GeneralLinear(2), torch.tensor([[1.0, 2.0], [2.0, 4.0]], dtype=torch.float64), ValueError, "not invertible"),
+        (GeneralLinear(2), torch.tensor([[1.0, float("nan")], [0.0, 1.0]], dtype=torch.float64), ValueError, "non-finite"),
+        (GeneralLinear(2), torch.eye(3, dtype=torch.float64), ValueError, "shape"),
+        (GeneralLinear(2), [[1.0, 0.0], [0.0, 1.0]], TypeError, "torch.Tensor"),
+        (GeneralLinear(2), torch.eye(2, dtype=torch.long), TypeError, "floating point"),
+        (Orthogonal(2), torch.tensor([[1.0, 1.0], [0.0, 1.0]], dtype=torch.float64), ValueError, "not orthogonal"),
+        (PositiveScaling(2), torch.tensor([1.0, -1.0], dtype=torch.float64), ValueError, "positive"),
+        (PositiveScaling(2), torch.tensor([1.0, float("inf")], dtype=torch.float64), ValueError, "non-finite"),
+        (SignFlip(2), torch.tensor([1.0, 0.5], dtype=torch.float64), ValueError, r"\+1 or -1"),
+        (Permutation(3), torch.tensor([0, 0, 1]), ValueError, "not a permutation"),
+        (Permutation(3), torch.tensor([0.0, 1.0, 2.0]), TypeError, "torch.long"),
+        (Translation(2), torch.tensor([0.0, float("nan")], dtype=torch.float64), ValueError, "non-finite"),
+    ],
+)
+def test_invalid_elements_are_rejected(group, bad, error, match):
+    with pytest.raises(error, match=match):
+        group.validate(bad)
+
+
+def test_bad_group_construction_and_axis():
+    with pytest.raises(ValueError, match="positive int"):
+        GeneralLinear(0)
+    with pytest.raises(ValueError, match="blocks"):
+        GeneralLinear(2, blocks=0)
+    with pytest.raises(ValueError, match="axis of length 4"):
+        GeneralLinear(4).act_on_axis(torch.eye(4, dtype=torch.float64), torch.zeros(3, 2, dtype=torch.float64), 0)
+    with pytest.raises(ValueError, match="power"):
+        GeneralLinear(2).act_on_axis(torch.eye(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64), 0, power=2)
+    with pytest.raises(TypeError, match="discrete"):
+        Permutation(3).exp(torch.zeros(3))
+    with pytest.raises(TypeError, match="affinely"):
+        Translation(2).act_on_axis(torch.zeros(2), torch.zeros(2), 0)
