@@ -1,0 +1,558 @@
+"""syre: remove parameter-space symmetries with a static random bias (papers/003).
+
+papers/003 trains on
+
+    eq. 6:  l_r(theta)  = l(theta + theta_0) + gamma_p |theta|^2
+    eq. 7:  l_ar(theta) = l(theta + theta_0) + gamma_p |theta|_D^2,   |theta|_D^2 = theta^T D theta
+
+with a small fixed random ``theta_0`` and, for eq. 7, a random positive diagonal
+``D ~ Uniform(1 - eps, 1 + eps)`` with distinct entries.  The model only ever sees
+``w = theta + theta_0``, so in the model's own weights ``w`` (what the parameters
+hold) both are ``l(w) + gamma_p |w - theta_0|_D^2``: weight decay that pulls the
+weights towards the random static *anchor* ``theta_0`` instead of towards zero
+(papers/003 Sec. 5.1, "equivalently ... a random bias in the L2 regularization").
+Zero is a symmetric point of every reflection symmetry with ``theta' = 0``
+(permutation, rescaling, sign flip, rotation), so ordinary weight decay pulls into
+the collapsed low-capacity states; the random anchor is not symmetric under any of
+them with probability one (Theorem 1), and with distinct ``D`` neither under the
+infinitely many reflections of a rotation symmetry (Theorem 2).
+
+:class:`Syre` adds this decay to any ``torch.optim`` optimizer (CONVENTIONS.md
+section 1 wrapper contract).  Units and conventions:
+
+* ``gamma`` is torch's ``weight_decay`` coefficient: the decay adds
+  ``gamma * D * (w - theta_0)`` to the gradient (coupled) or subtracts
+  ``lr * gamma * D * (w - theta_0)`` from the weights (decoupled).  Written as a
+  loss this is ``(gamma / 2) |w - theta_0|_D^2``, i.e. the paper's ``gamma_p`` is
+  ``gamma / 2`` (the paper's experiments use "the standard implementation" of
+  weight decay, Sec. 5.4, so its quoted weight decays are our ``gamma``).
+* ``sigma0`` is relative to the standard initialisation scale (Sec. 5.4): every
+  anchor entry is drawn with standard deviation ``sigma0 / sqrt(fan_in)``, where
+  ``fan_in`` is torch.nn.init's fan-in of the tensor (``shape[1] * prod(shape[2:])``,
+  the fan-in the default initialisers use).  The default ``sigma0 = 0.01`` is the
+  paper's recommended ``0.01 / sqrt(d)``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from teleopt.wrapper import OptimizerWrapper
+
+__all__ = ["Syre", "fan_in"]
+
+_MASK64 = (1 << 64) - 1
+_ANCHOR_STREAM = 0
+_DIAGONAL_STREAM = 1
+_OPTION_NAMES = ("gamma", "sigma0", "decoupled", "diagonal_eps", "enabled", "exclude_1d", "fan_in", "seed")
+
+
+def fan_in(shape: Iterable[int]) -> int | None:
+    """torch.nn.init's fan-in of a weight of this shape (``shape[1] * prod(shape[2:])``); None below 2-D.
+
+    This is the fan-in the default initialisers scale by, so ``sigma0`` is relative
+    to the initialisation scale as in papers/003 Sec. 5.4: ``(out, in)`` Linear
+    weights have fan-in ``in``, ``(out, in / groups, *kernel)`` conv weights
+    ``in / groups * prod(kernel)``.  1-D and 0-D tensors (biases, norm weights,
+    scalars) have no defined fan-in.
+    """
+    dims = tuple(int(s) for s in shape)
+    if len(dims) < 2:
+        return None
+    return dims[1] * math.prod(dims[2:])
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _generator(seed: int, index: int, stream: int) -> torch.Generator:
+    """A CPU generator for (seed, parameter index, stream): the same numbers in every process and on every rank."""
+    mixed = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ index) ^ stream)
+    return torch.Generator(device="cpu").manual_seed(mixed)
+
+
+def _draw_dtype(dtype: torch.dtype) -> torch.dtype:
+    # float64 parameters get float64 draws; everything else is drawn in float32 and rounded.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _is_real_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_options(options: dict[str, Any], where: str) -> None:
+    """Validate syre hyperparameters (names without prefix); raises ValueError/TypeError naming the option."""
+    unknown = set(options) - set(_OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"{where}: unknown syre option(s) {sorted(unknown)}; known: {list(_OPTION_NAMES)}")
+    for name in ("gamma", "sigma0"):
+        if name in options:
+            value = options[name]
+            if not _is_real_number(value):
+                raise TypeError(f"{where}: {name} must be a finite real number, got {value!r}")
+            if value < 0:
+                raise ValueError(f"{where}: {name} must be >= 0, got {value}")
+    if "diagonal_eps" in options:
+        value = options["diagonal_eps"]
+        if not _is_real_number(value):
+            raise TypeError(f"{where}: diagonal_eps must be a finite real number, got {value!r}")
+        if not 0 <= value < 1:
+            raise ValueError(f"{where}: diagonal_eps must lie in [0, 1) so that D is positive, got {value}")
+    for name in ("decoupled", "enabled", "exclude_1d"):
+        if name in options and not isinstance(options[name], bool):
+            raise TypeError(f"{where}: {name} must be a bool, got {options[name]!r}")
+    if "fan_in" in options and options["fan_in"] is not None:
+        value = options["fan_in"]
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{where}: fan_in must be None or a positive int, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{where}: fan_in must be a positive int, got {value}")
+    if "seed" in options and (not isinstance(options["seed"], int) or isinstance(options["seed"], bool)):
+        raise TypeError(f"{where}: seed must be an int, got {options['seed']!r}")
+
+
+class Syre(OptimizerWrapper):
+    r"""Weight decay towards a random static anchor: syre (papers/003 eq. 6) and advanced removal (eq. 7).
+
+    Wraps any ``torch.optim`` / torch-optimizer optimizer (the drop-in contract of
+    :class:`~teleopt.wrapper.OptimizerWrapper`) and, in every ``step()``, decays each
+    parameter ``w`` towards its anchor ``theta_0``:
+
+    * **coupled** (``decoupled=False``, default): the base optimizer sees the gradient
+      ``grad + gamma * D * (w - theta_0)`` (the data gradient in ``p.grad`` is left
+      untouched for the caller).  This *is* eq. 6 (eq. 7 with ``D``): all torch
+      optimizers without their own weight decay update translation-equivariantly
+      (the step depends on gradients and state, not on the parameter's value), so
+      running the base optimizer on eq. 6's ``theta = w - theta_0`` with
+      ``grad_theta l_r = grad l(w) + 2 gamma_p (w - theta_0)`` gives exactly this
+      trajectory of ``w``, with ``gamma = 2 gamma_p``.  It is what the paper's
+      implementation (model evaluated at ``theta + theta_0``, "weight decay the same
+      as the standard implementation", Sec. 5.4) does with SGD or
+      ``Adam(weight_decay=gamma)``.  The decay passes through the base's momentum and
+      preconditioner (like Adam's L2).
+    * **decoupled** (``decoupled=True``): before the base step,
+      ``w <- w - lr * gamma * D * (w - theta_0)`` (``torch.lerp`` towards the anchor
+      when ``D = 1``), like AdamW.  It equals the paper's implementation with
+      ``AdamW(weight_decay=gamma)`` on ``theta``.
+
+    The two coincide (up to rounding) for plain SGD without momentum; they differ
+    with momentum (the decay accumulates in the buffer) and with adaptive methods
+    (coupled decay is divided by Adam's ``sqrt(v)``, so coordinates with large
+    gradients are barely pulled towards the anchor).  In both modes the anchor is a
+    fixed point of the decay and, under pure decay, ``|w - theta_0|`` contracts by
+    ``1 - lr * gamma * D`` per SGD step.
+
+    Anchors are drawn once per parameter tensor from a CPU ``torch.Generator``
+    seeded by ``(seed, parameter index)`` (the parameter's position in
+    ``state_dict`` order), with standard deviation ``sigma0 / sqrt(fan_in)``
+    (:func:`fan_in`; Sec. 5.4's relative units), in float32 (float64 for float64
+    parameters), then moved to the parameter's device and dtype: every process, rank
+    and device gets the same anchors.  ``D`` is drawn the same way from a second
+    stream.  With ``store_anchors=True`` they are kept (created at first use, so the
+    model may still be moved to its device after the optimizer is made) and saved in
+    ``state_dict``; with ``store_anchors=False`` they are regenerated tensor by tensor
+    in every step (no persistent memory, extra time) and ``state_dict`` keeps only
+    the seeds.  Loaded anchors always take precedence over regenerated ones.
+
+    Every option is a per-group hyperparameter stored as
+    ``"teleopt_syre_<name>"`` in the base's param groups (set your own value in a
+    group before wrapping, or use :meth:`param_group`); schedulers may change
+    ``gamma``.  ``enabled=False`` opts a group out; ``exclude_1d=True`` skips 1-D and
+    0-D tensors (biases, norm weights: timm's weight-decay exclusion); ``fan_in``
+    overrides the fan-in of every tensor of a group (tensors below 2-D have none,
+    and are an error unless excluded or given one).
+
+    Composition: ``Syre(Teleport(base))`` works (hyperparameters live under
+    separate prefixes, state dicts nest).  Syre breaks the symmetries teleportation
+    moves along: the data loss is still invariant along an orbit, the decay term is
+    not, so a teleport changes the regularised objective even though it keeps the
+    data loss (and a gradient-norm objective computed from the data loss ignores the
+    decay).  Wrapping a ``Syre`` in another ``Syre`` is rejected.
+
+    Parameters
+    ----------
+    optimizer:
+        The base optimizer; give it ``weight_decay=0`` (a nonzero base decay pulls
+        towards zero at the same time, so the target becomes a mixture: warned).
+    gamma:
+        Decay strength, torch's ``weight_decay`` units (see above); ``>= 0``.
+        ``gamma = 0`` makes the wrapper bitwise transparent.
+    sigma0:
+        Anchor scale relative to ``1 / sqrt(fan_in)`` (default 0.01, Sec. 5.4); ``>= 0``.
+    decoupled:
+        AdamW-style decoupled decay instead of the coupled eq. 6 gradient.
+    diagonal_eps:
+        ``eps`` of eq. 7's ``D ~ Uniform(1 - eps, 1 + eps)``; 0 (default) is eq. 6.
+    exclude_1d:
+        Leave tensors with fewer than two dimensions alone.
+    seed:
+        Seed of the anchors (and ``D``).
+    store_anchors:
+        Keep anchors in memory (default) or regenerate them in every step.
+    """
+
+    prefix = "teleopt_syre_"
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        *,
+        gamma: float,
+        sigma0: float = 0.01,
+        decoupled: bool = False,
+        diagonal_eps: float = 0.0,
+        exclude_1d: bool = False,
+        seed: int = 0,
+        store_anchors: bool = True,
+    ) -> None:
+        options = {
+            "gamma": gamma,
+            "sigma0": sigma0,
+            "decoupled": decoupled,
+            "diagonal_eps": diagonal_eps,
+            "enabled": True,
+            "exclude_1d": exclude_1d,
+            "fan_in": None,
+            "seed": seed,
+        }
+        _check_options(options, "Syre")
+        if not isinstance(store_anchors, bool):
+            raise TypeError(f"Syre: store_anchors must be a bool, got {store_anchors!r}")
+        inner = optimizer
+        while isinstance(inner, OptimizerWrapper):
+            if isinstance(inner, Syre):
+                raise ValueError("Syre: the optimizer is already wrapped by Syre (both would share the same group keys)")
+            inner = inner.base
+        self.store_anchors = store_anchors
+        self._anchors: dict[Tensor, Tensor] = {}
+        self._diagonals: dict[Tensor, Tensor] = {}
+        super().__init__(optimizer, {**options, "gamma": float(gamma), "sigma0": float(sigma0)})
+        start = 0
+        for number, group in enumerate(self.param_groups):
+            self._check_group(group, number, start)
+            start += len(group["params"])
+        self._warn_base_weight_decay(self.param_groups)
+
+    # -- groups -----------------------------------------------------------------------
+    @classmethod
+    def param_group(cls, params: Iterable[Tensor] | Tensor, **options: Any) -> dict[str, Any]:
+        """A param group dict with syre options (names without prefix) for the base optimizer's constructor.
+
+        Example: ``AdamW([{"params": body}, Syre.param_group(head, gamma=0.0)])``.
+        """
+        _check_options(options, "Syre.param_group")
+        group: dict[str, Any] = {"params": [params] if isinstance(params, Tensor) else list(params)}
+        group.update({cls.prefix + name: value for name, value in options.items()})
+        return group
+
+    def _options(self, group: dict[str, Any]) -> dict[str, Any]:
+        return {name: group[self.prefix + name] for name in _OPTION_NAMES}
+
+    def _check_group(self, group: dict[str, Any], number: int, start: int) -> None:
+        options = self._options(group)
+        _check_options(options, f"Syre (param group {number})")
+        if not options["enabled"]:
+            return
+        for offset, p in enumerate(group["params"]):
+            where = f"Syre: parameter {start + offset} (param group {number}, shape {tuple(p.shape)})"
+            if not p.is_floating_point():
+                raise TypeError(f"{where} has dtype {p.dtype}; syre needs real floating-point parameters")
+            if self._excluded(options, p):
+                continue
+            if options["fan_in"] is None:
+                size = fan_in(p.shape)
+                if size is None:
+                    raise ValueError(
+                        f"{where} has no defined fan-in (fewer than 2 dimensions): pass exclude_1d=True "
+                        f"(timm-style) or set '{self.prefix}fan_in' in its param group"
+                    )
+                if size == 0:
+                    raise ValueError(f"{where} has fan-in 0, so sigma0 / sqrt(fan_in) is undefined")
+
+    @staticmethod
+    def _excluded(options: dict[str, Any], p: Tensor) -> bool:
+        return options["exclude_1d"] and p.dim() < 2
+
+    def _warn_base_weight_decay(self, groups: list[dict[str, Any]]) -> None:
+        numbers = [
+            number
+            for number, group in enumerate(groups)
+            if group[self.prefix + "enabled"] and group[self.prefix + "gamma"] > 0 and group.get("weight_decay", 0) > 0
+        ]
+        if numbers:
+            warnings.warn(
+                f"Syre: the base optimizer also applies weight_decay > 0 in param group(s) {numbers}, so the "
+                "weights are pulled towards zero and towards the anchors at once (a mixture); give the base "
+                "optimizer weight_decay=0",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the base optimizer with the syre defaults; validated like the constructor's groups."""
+        if getattr(self, "_initialising", False):
+            return
+        if not isinstance(param_group, dict):
+            raise TypeError(f"Syre.add_param_group: param_group must be a dict, got {type(param_group).__name__}")
+        params = param_group.get("params")
+        if params is not None and not isinstance(params, Tensor):
+            param_group = {**param_group, "params": list(params)}
+        start = sum(len(group["params"]) for group in self.param_groups)
+        super().add_param_group(param_group)
+        try:
+            self._check_group(self.param_groups[-1], len(self.param_groups) - 1, start)
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
+        self._warn_base_weight_decay([self.param_groups[-1]])
+
+    # -- anchors ----------------------------------------------------------------------
+    def _targets(self) -> Iterator[tuple[int, dict[str, Any], Tensor]]:
+        """(index, group, parameter) of every parameter syre acts on (enabled group, not excluded)."""
+        for index, group, p in self.iter_params():
+            if group[self.prefix + "enabled"] and not (group[self.prefix + "exclude_1d"] and p.dim() < 2):
+                yield index, group, p
+
+    def _draw_anchor(self, index: int, group: dict[str, Any], p: Tensor) -> Tensor:
+        size = group[self.prefix + "fan_in"] or fan_in(p.shape)
+        std = group[self.prefix + "sigma0"] / math.sqrt(size)
+        generator = _generator(group[self.prefix + "seed"], index, _ANCHOR_STREAM)
+        noise = torch.randn(p.shape, generator=generator, dtype=_draw_dtype(p.dtype))
+        return noise.mul_(std).to(device=p.device, dtype=p.dtype)
+
+    def _draw_diagonal(self, index: int, group: dict[str, Any], p: Tensor) -> Tensor | None:
+        eps = group[self.prefix + "diagonal_eps"]
+        if eps == 0:
+            return None
+        generator = _generator(group[self.prefix + "seed"], index, _DIAGONAL_STREAM)
+        uniform = torch.rand(p.shape, generator=generator, dtype=_draw_dtype(p.dtype))
+        return uniform.mul_(2 * eps).add_(1 - eps).to(device=p.device, dtype=p.dtype)
+
+    def _check_match(self, index: int, p: Tensor, value: Tensor, what: str) -> Tensor:
+        if value.shape != p.shape:
+            raise ValueError(f"Syre: the {what} of parameter {index} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}")
+        if value.device != p.device or value.dtype != p.dtype:
+            raise ValueError(
+                f"Syre: parameter {index} is a {p.dtype} tensor on {p.device} but its {what} is a {value.dtype} tensor "
+                f"on {value.device}; the parameter was moved or cast after its {what} was made: move the model "
+                "before the first step, or round-trip the optimizer's state_dict (it is cast to the parameters)"
+            )
+        return value
+
+    def _anchor_of(self, index: int, group: dict[str, Any], p: Tensor) -> Tensor:
+        anchor = self._anchors.get(p)
+        if anchor is None:
+            anchor = self._draw_anchor(index, group, p)
+            if self.store_anchors:
+                self._anchors[p] = anchor
+            return anchor
+        return self._check_match(index, p, anchor, "anchor")
+
+    def _diagonal_of(self, index: int, group: dict[str, Any], p: Tensor) -> Tensor | None:
+        diagonal = self._diagonals.get(p)
+        if diagonal is None:
+            diagonal = self._draw_diagonal(index, group, p)
+            if diagonal is not None and self.store_anchors:
+                self._diagonals[p] = diagonal
+            return diagonal
+        return self._check_match(index, p, diagonal, "diagonal D")
+
+    def _locate(self, p: Tensor) -> tuple[int, dict[str, Any]]:
+        for index, group, q in self._targets():
+            if q is p:
+                return index, group
+        raise ValueError("Syre: this tensor is not a parameter syre acts on (not in the optimizer, opted out or excluded)")
+
+    def anchor(self, p: Tensor) -> Tensor:
+        """The anchor ``theta_0`` of parameter ``p`` (papers/003 eq. 6), on ``p``'s device and dtype; do not modify it."""
+        index, group = self._locate(p)
+        return self._anchor_of(index, group, p)
+
+    def diagonal(self, p: Tensor) -> Tensor | None:
+        """The diagonal of eq. 7's ``D`` for parameter ``p``, or None when ``diagonal_eps`` is 0 (eq. 6)."""
+        index, group = self._locate(p)
+        return self._diagonal_of(index, group, p)
+
+    def penalty(self) -> Tensor:
+        """The decay as a loss: sum over groups of ``(gamma / 2) |w - theta_0|_D^2`` (float64 scalar on CPU).
+
+        Differentiable in the parameters; its gradient is exactly what coupled mode adds
+        to the data gradient, so coupled syre trains on ``loss + penalty()`` (eq. 6/7 with
+        ``gamma_p = gamma / 2``).  Useful for logging the regularised objective.
+        """
+        total = torch.zeros((), dtype=torch.float64)
+        for index, group, p in self._targets():
+            gamma = group[self.prefix + "gamma"]
+            if gamma == 0:
+                continue
+            diff = p - self._anchor_of(index, group, p)
+            diagonal = self._diagonal_of(index, group, p)
+            squares = diff * diff if diagonal is None else diff * diff * diagonal
+            total = total + (0.5 * gamma) * squares.sum().to(device="cpu", dtype=torch.float64)
+        return total
+
+    # -- step -------------------------------------------------------------------------
+    @staticmethod
+    def _use_foreach(group: dict[str, Any], tensors: list[Tensor]) -> bool:
+        """The base's choice: foreach/fused when it asked for them, torch's default (CUDA only) otherwise."""
+        if group.get("foreach") is not None:
+            return bool(group["foreach"])
+        if group.get("fused"):
+            return True
+        return all(t.device.type == "cuda" for t in tensors)
+
+    def _acting(self) -> Iterator[tuple[dict[str, Any], list[tuple[int, Tensor]]]]:
+        """Groups that decay in this step with their (index, parameter) members that have a gradient."""
+        members: dict[int, list[tuple[int, Tensor]]] = {}
+        groups: dict[int, dict[str, Any]] = {}
+        for index, group, p in self._targets():
+            if p.grad is None or group[self.prefix + "gamma"] == 0:
+                continue
+            groups[id(group)] = group
+            members.setdefault(id(group), []).append((index, p))
+        for key, group in groups.items():
+            yield group, members[key]
+
+    @staticmethod
+    def _decay_list(
+        params: list[Tensor],
+        grads: list[Tensor],
+        anchors: list[Tensor],
+        diagonals: list[Tensor] | None,
+        coefficient: float,
+        decoupled: bool,
+        foreach: bool,
+    ) -> list[Tensor]:
+        """Apply the decay to one device/dtype bucket; returns the new gradients (coupled) or []."""
+        if foreach:
+            if decoupled and diagonals is None:
+                torch._foreach_lerp_(params, anchors, coefficient)
+                return []
+            diffs = torch._foreach_sub(params, anchors)
+            if decoupled:
+                torch._foreach_addcmul_(params, diffs, diagonals, value=-coefficient)
+                return []
+            if diagonals is None:
+                return list(torch._foreach_add(grads, diffs, alpha=coefficient))
+            return list(torch._foreach_addcmul(grads, diffs, diagonals, value=coefficient))
+        new_grads = []
+        for i, (p, a) in enumerate(zip(params, anchors)):
+            d = None if diagonals is None else diagonals[i]
+            if decoupled and d is None:
+                p.lerp_(a, coefficient)
+                continue
+            diff = p - a
+            if decoupled:
+                p.addcmul_(diff, d, value=-coefficient)
+            elif d is None:
+                new_grads.append(grads[i].add(diff, alpha=coefficient))
+            else:
+                new_grads.append(grads[i].addcmul(diff, d, value=coefficient))
+        return new_grads
+
+    def _decay_group(self, group: dict[str, Any], members: list[tuple[int, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+        """Decay one group's parameters; returns (parameter, original gradient) pairs swapped in coupled mode."""
+        gamma = group[self.prefix + "gamma"]
+        decoupled = group[self.prefix + "decoupled"]
+        if decoupled:
+            coefficient = float(group["lr"]) * gamma
+        else:
+            # maximize=True negates the gradient inside the base; the decay must still pull towards the anchor.
+            coefficient = -gamma if group.get("maximize", False) else gamma
+        swapped: list[tuple[Tensor, Tensor]] = []
+        if not decoupled:
+            for index, p in members:
+                if p.grad.is_sparse:
+                    raise TypeError(f"Syre: parameter {index} has a sparse gradient; coupled decay needs dense gradients")
+
+        def install(ps: list[Tensor], new_grads: list[Tensor]) -> None:
+            for p, g in zip(ps, new_grads):
+                swapped.append((p, p.grad))
+                p.grad = g
+
+        if not self.store_anchors:
+            # Regenerate tensor by tensor: never more than one anchor in memory.
+            for index, p in members:
+                anchor = self._anchor_of(index, group, p)
+                diagonal = self._diagonal_of(index, group, p)
+                new = self._decay_list([p], [p.grad], [anchor], None if diagonal is None else [diagonal],
+                                       coefficient, decoupled, foreach=False)
+                install([p], new)
+            return swapped
+        buckets: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]] = {}
+        has_diagonal = group[self.prefix + "diagonal_eps"] > 0
+        for index, p in members:
+            anchor = self._anchor_of(index, group, p)
+            diagonal = self._diagonal_of(index, group, p)
+            ps, gs, anchors, diagonals = buckets.setdefault((p.device, p.dtype), ([], [], [], []))
+            ps.append(p)
+            gs.append(p.grad)
+            anchors.append(anchor)
+            if diagonal is not None:
+                diagonals.append(diagonal)
+        for ps, gs, anchors, diagonals in buckets.values():
+            foreach = self._use_foreach(group, ps)
+            new = self._decay_list(ps, gs, anchors, diagonals if has_diagonal else None, coefficient, decoupled, foreach)
+            install(ps, new)
+        return swapped
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Run the closure (if any), decay towards the anchors, then take the base optimizer's step."""
+        loss = self._run_closure(closure)
+        acting = list(self._acting())
+        for group, _ in acting:
+            _check_options({"gamma": group[self.prefix + "gamma"]}, "Syre.step")
+        if self.store_anchors:
+            # Materialise and check every anchor first, so a bad one fails before any tensor changes.
+            for group, members in acting:
+                for index, p in members:
+                    self._anchor_of(index, group, p)
+                    self._diagonal_of(index, group, p)
+        swapped: list[tuple[Tensor, Tensor]] = []
+        try:
+            for group, members in acting:
+                swapped.extend(self._decay_group(group, members))
+            self._base.step()
+        finally:
+            for p, grad in swapped:
+                p.grad = grad
+        return loss
+
+    # -- state --------------------------------------------------------------------------
+    def _wrapper_state(self) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
+        per_param: dict[int, dict[str, Any]] = {}
+        for index, group, p in self._targets():
+            if not self.store_anchors and p not in self._anchors:
+                continue  # regenerated from the group's seed
+            entry = {"anchor": self._anchor_of(index, group, p)}
+            diagonal = self._diagonal_of(index, group, p)
+            if diagonal is not None:
+                entry["diagonal"] = diagonal
+            per_param[index] = entry
+        return per_param, {}
+
+    def _load_wrapper_state(self, per_param: dict[int, dict[str, Any]], top: dict[str, Any]) -> None:
+        params = {index: p for index, _, p in self.iter_params()}
+        anchors: dict[Tensor, Tensor] = {}
+        diagonals: dict[Tensor, Tensor] = {}
+        for index, entries in per_param.items():
+            p = params[index]
+            for key, value in entries.items():
+                if key not in ("anchor", "diagonal") or not isinstance(value, Tensor):
+                    raise ValueError(f"Syre.load_state_dict: unexpected entry {self.prefix + key!r} for parameter {index}")
+                what = "anchor" if key == "anchor" else "diagonal D"
+                (anchors if key == "anchor" else diagonals)[p] = self._check_match(index, p, value, what)
+        self._anchors = anchors
+        self._diagonals = diagonals
