@@ -27,6 +27,7 @@ _LAZY = {
     "unregister_action": "teleopt.registry",
     "get_action": "teleopt.registry",
     "list_actions": "teleopt.registry",
+    "Syre": "teleopt.syre",
 }
 
 __all__ = [*_LAZY, "__version__"]
@@ -51,3 +52,4 @@ if TYPE_CHECKING:
     from teleopt.actions.base import ExampleProblem, GroupAction
     from teleopt.registry import get_action, list_actions, register_action, unregister_action
     from teleopt.site import Site
+    from teleopt.syre import Syre

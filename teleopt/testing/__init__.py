@@ -7,6 +7,8 @@ Install with the ``testing`` extra (``pip install teleopt[testing]``).  It gives
 * assertions (``assertions``): output/loss invariance, the group axioms and
   gradient transport against autograd (papers/001 Prop. 4.5.1), norm-relative,
   with messages that show the worst entry; ``check_action`` runs them all;
+* a conformance suite for ``torch.optim`` wrappers (``conformance``:
+  ``WrapperConformance``, ``check_wrapper``; CONVENTIONS.md section 3);
 * a ``pytest11`` plugin (``plugin``) with fixtures; it imports torch lazily.
 
 Names are imported lazily (PEP 562) so that loading the plugin stays cheap.
@@ -58,6 +60,7 @@ _LAZY = {
         ),
         "teleopt.testing.strategies",
     ),
+    **dict.fromkeys(("WrapperConformance", "check_wrapper"), "teleopt.testing.conformance"),
 }
 
 __all__ = list(_LAZY)
@@ -87,6 +90,7 @@ if TYPE_CHECKING:
         default_rtol,
         relative_error,
     )
+    from teleopt.testing.conformance import WrapperConformance, check_wrapper
     from teleopt.testing.strategies import (
         coordinates_norm,
         default_max_norm,
