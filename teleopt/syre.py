@@ -237,6 +237,7 @@ class Syre(OptimizerWrapper):
         self.store_anchors = store_anchors
         self._anchors: dict[Tensor, Tensor] = {}
         self._diagonals: dict[Tensor, Tensor] = {}
+        self._scratch: dict[Tensor, Tensor] = {}
         super().__init__(optimizer, {**options, "gamma": float(gamma), "sigma0": float(sigma0)})
         start = 0
         for number, group in enumerate(self.param_groups):
@@ -433,33 +434,56 @@ class Syre(OptimizerWrapper):
         coefficient: float,
         decoupled: bool,
         foreach: bool,
+        scratch: list[Tensor] | None = None,
     ) -> list[Tensor]:
-        """Apply the decay to one device/dtype bucket; returns the new gradients (coupled) or []."""
+        """Apply the decay to one device/dtype bucket; returns the new gradients (coupled) or [].
+
+        ``w - theta_0`` is formed first, so it is exactly 0 at the anchor (the fixed
+        point stays exact even under Adam's normalisation); coupled mode then builds
+        ``grad + coefficient * D * (w - theta_0)`` in the same buffer.  The buffers are
+        ``scratch`` when given (reused across steps: on the CPU a fresh gradient-sized
+        allocation per step costs more in page faults than the arithmetic), else new.
+        """
         if foreach:
             if decoupled and diagonals is None:
                 torch._foreach_lerp_(params, anchors, coefficient)
                 return []
-            diffs = torch._foreach_sub(params, anchors)
+            if scratch is None:
+                diffs = list(torch._foreach_sub(params, anchors))
+            else:
+                diffs = scratch
+                torch._foreach_copy_(diffs, params)
+                torch._foreach_sub_(diffs, anchors)
             if decoupled:
                 torch._foreach_addcmul_(params, diffs, diagonals, value=-coefficient)
                 return []
-            if diagonals is None:
-                return list(torch._foreach_add(grads, diffs, alpha=coefficient))
-            return list(torch._foreach_addcmul(grads, diffs, diagonals, value=coefficient))
+            if diagonals is not None:
+                torch._foreach_mul_(diffs, diagonals)
+            torch._foreach_mul_(diffs, coefficient)
+            torch._foreach_add_(diffs, grads)
+            return diffs
         new_grads = []
         for i, (p, a) in enumerate(zip(params, anchors)):
             d = None if diagonals is None else diagonals[i]
             if decoupled and d is None:
                 p.lerp_(a, coefficient)
                 continue
-            diff = p - a
+            diff = p - a if scratch is None else torch.sub(p, a, out=scratch[i])
             if decoupled:
                 p.addcmul_(diff, d, value=-coefficient)
-            elif d is None:
-                new_grads.append(grads[i].add(diff, alpha=coefficient))
-            else:
-                new_grads.append(grads[i].addcmul(diff, d, value=coefficient))
+                continue
+            if d is not None:
+                diff.mul_(d)
+            new_grads.append(diff.mul_(coefficient).add_(grads[i]))
         return new_grads
+
+    def _scratch_of(self, p: Tensor) -> Tensor:
+        """A reused parameter-sized buffer for ``w - theta_0`` (stored-anchor mode only; never saved)."""
+        buffer = self._scratch.get(p)
+        if buffer is None or buffer.shape != p.shape or buffer.dtype != p.dtype or buffer.device != p.device:
+            buffer = torch.empty_like(p, memory_format=torch.contiguous_format)
+            self._scratch[p] = buffer
+        return buffer
 
     def _decay_group(self, group: dict[str, Any], members: list[tuple[int, Tensor]]) -> list[tuple[Tensor, Tensor]]:
         """Decay one group's parameters; returns (parameter, original gradient) pairs swapped in coupled mode."""
@@ -503,7 +527,10 @@ class Syre(OptimizerWrapper):
                 diagonals.append(diagonal)
         for ps, gs, anchors, diagonals in buckets.values():
             foreach = self._use_foreach(group, ps)
-            new = self._decay_list(ps, gs, anchors, diagonals if has_diagonal else None, coefficient, decoupled, foreach)
+            lerp_only = decoupled and not has_diagonal
+            scratch = None if lerp_only else [self._scratch_of(p) for p in ps]
+            new = self._decay_list(ps, gs, anchors, diagonals if has_diagonal else None, coefficient, decoupled,
+                                   foreach, scratch)
             install(ps, new)
         return swapped
 
@@ -531,6 +558,11 @@ class Syre(OptimizerWrapper):
         return loss
 
     # -- state --------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_scratch"] = {}  # scratch buffers are not state
+        return state
+
     def _wrapper_state(self) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
         per_param: dict[int, dict[str, Any]] = {}
         for index, group, p in self._targets():
