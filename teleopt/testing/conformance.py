@@ -18,7 +18,9 @@ The suite knows nothing about a particular wrapper: you give it callables.
 
 Problems: a small tanh regression with a fixed sequence of mini-batches (weights
 ``(8, 4)``, ``(3, 8)`` and biases, one param group or two with different learning
-rates) and, for convergence, Rosenbrock's function on a ``(1, 2)`` tensor (two
+rates; ``activation="relu"`` or ``"leaky_relu"`` makes its hidden layer positively
+homogeneous, so a wrapper that needs a continuous symmetry, such as Teleport's
+positive rescaling of the hidden units, has one) and, for convergence, Rosenbrock's function on a ``(1, 2)`` tensor (two
 ``(1, 1)`` tensors with two groups).  A wrapper that needs per-parameter settings
 (such as a fan-in for 1-D tensors) sets them in its factory.
 
@@ -166,13 +168,21 @@ def _assert_same(actual: Any, expected: Any, what: str) -> None:
         raise AssertionError(f"{what}: {actual!r} != expected {expected!r}")
 
 
+_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "tanh": torch.tanh,
+    "relu": torch.relu,
+    "leaky_relu": lambda z: torch.nn.functional.leaky_relu(z, 0.1),
+}
+
+
 class _Regression:
-    """Two-layer tanh regression with a fixed sequence of mini-batches (the suite's training problem)."""
+    """Two-layer regression (tanh by default) with a fixed sequence of mini-batches (the suite's training problem)."""
 
     batches = 4
     batch_size = 8
 
-    def __init__(self, dtype: torch.dtype, seed: int) -> None:
+    def __init__(self, dtype: torch.dtype, seed: int, activation: str = "tanh") -> None:
+        self.activation = _ACTIVATIONS[activation]
         generator = torch.Generator().manual_seed(seed)
 
         def draw(*shape: int, scale: float = 1.0) -> Tensor:
@@ -195,7 +205,7 @@ class _Regression:
     def loss(self, params: Sequence[Tensor], t: int) -> Tensor:
         w1, b1, w2, b2 = params[:4]
         rows = slice((t % self.batches) * self.batch_size, (t % self.batches + 1) * self.batch_size)
-        prediction = torch.tanh(self.x[rows] @ w1.T + b1) @ w2.T + b2
+        prediction = self.activation(self.x[rows] @ w1.T + b1) @ w2.T + b2
         loss = ((prediction - self.y[rows]) ** 2).mean()
         for extra in params[4:]:  # parameters added with add_param_group: a quadratic pull towards 1
             loss = loss + ((extra - 1) ** 2).sum()
@@ -231,6 +241,9 @@ class WrapperConformance:
         Parameter dtype of the regression problem (float32 by default, as in training).
     seed:
         Seed of the problem's data and initial weights.
+    activation:
+        Hidden activation of the regression problem: ``"tanh"`` (default), ``"relu"``
+        or ``"leaky_relu"`` (slope 0.1).
     """
 
     def __init__(
@@ -243,6 +256,7 @@ class WrapperConformance:
         steps: int = 4,
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
+        activation: str = "tanh",
     ) -> None:
         if not callable(make_wrapper):
             raise TypeError("WrapperConformance: make_wrapper must be callable (base optimizer -> wrapper)")
@@ -263,7 +277,9 @@ class WrapperConformance:
         self.base = base
         self.n_groups = n_groups
         self.steps = steps
-        self.problem = _Regression(dtype, seed)
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"WrapperConformance: activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+        self.problem = _Regression(dtype, seed, activation)
 
     # -- running ------------------------------------------------------------------------
     def run(self, check: str) -> None:
