@@ -1,0 +1,91 @@
+"""What a teleport reads from the model and the optimizer, by tensor name.
+
+Sites name tensors by their qualified names in ``model.state_dict()``; the
+optimizer knows parameters by identity.  A :class:`TeleportContext` joins the two
+once per teleport: live tensors, trainable parameters, their param groups and
+optimizer state, the functional model of the optimizer's update and the state
+policies.  Quantities of parameters no site touches are constant during the
+search and are summed once (:meth:`TeleportContext.constant_terms`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from teleopt.teleport.optimizer_model import OptimizerModel
+from teleopt.teleport.state_policy import StatePolicy
+
+__all__ = ["TeleportContext"]
+
+
+@dataclass
+class TeleportContext:
+    """Named view of a model and its optimizer for one teleport.
+
+    ``tensors`` holds every parameter and buffer (live), ``trainable`` the
+    parameters the optimizer updates (name -> parameter), ``groups`` their param
+    groups.
+    """
+
+    module: nn.Module
+    optimizer: Optimizer
+    model: OptimizerModel
+    policy: StatePolicy
+    tensors: dict[str, Tensor]
+    trainable: dict[str, Tensor]
+    groups: dict[str, dict[str, Any]]
+
+    @classmethod
+    def build(cls, module: nn.Module, optimizer: Optimizer, policy: StatePolicy) -> TeleportContext:
+        """Join ``module``'s named tensors with ``optimizer``'s groups."""
+        group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        tensors: dict[str, Tensor] = {}
+        trainable: dict[str, Tensor] = {}
+        groups: dict[str, dict[str, Any]] = {}
+        for name, p in module.named_parameters():
+            tensors[name] = p
+            if id(p) in group_of and p.requires_grad:
+                trainable[name] = p
+                groups[name] = group_of[id(p)]
+        for name, b in module.named_buffers():
+            tensors[name] = b
+        return cls(module, optimizer, OptimizerModel(optimizer), policy, tensors, trainable, groups)
+
+    def state(self, name: str) -> dict[str, Any]:
+        """The optimizer state of trainable parameter ``name`` (empty if not initialised yet)."""
+        return self.optimizer.state.get(self.trainable[name], {})
+
+    def states(self, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """Non-empty optimizer states of the trainable parameters among ``names``."""
+        out = {}
+        for n in names:
+            if n in self.trainable:
+                st = self.state(n)
+                if st:
+                    out[n] = st
+        return out
+
+    def grads(self, names: Iterable[str]) -> dict[str, Tensor]:
+        """``.grad`` of the trainable parameters among ``names`` that have one."""
+        return {n: self.trainable[n].grad for n in names if n in self.trainable and self.trainable[n].grad is not None}
+
+    @torch.no_grad()
+    def constant_terms(self, exclude: set[str], with_decrease: bool) -> tuple[float, float]:
+        """Sum of ||grad||^2 and of <grad, update> over trainable parameters not in ``exclude``."""
+        sq = 0.0
+        dec = 0.0
+        for name, p in self.trainable.items():
+            if name in exclude or p.grad is None:
+                continue
+            g = p.grad
+            sq += float(g.to(torch.float64).square().sum())
+            if with_decrease:
+                u = self.model.update(self.groups[name], p, g, self.state(name))
+                dec += float((g.to(torch.float64) * u.to(torch.float64)).sum())
+        return sq, dec

@@ -1,0 +1,100 @@
+"""Teleporting under ``torch.distributed``: every rank ends a teleport with identical parameters.
+
+DDP all-reduces gradients only; any other change of the parameters must be
+identical on every rank (CONVENTIONS.md section 1).  A teleport is made
+rank-consistent by
+
+* broadcasting the chosen group coordinates from rank 0 (each rank searched on
+  its own gradients, which DDP already made identical; the broadcast removes any
+  doubt, e.g. data-dependent objectives on per-rank batches), so every rank
+  applies the same element with the same deterministic arithmetic;
+* broadcasting the moved tensors of data-dependent sites from rank 0 (their
+  action depends on the rank's batch) and averaging fresh gradients computed at
+  the teleported point over ranks, as DDP would;
+* taking the accept/rollback decision jointly (any rank rejects: all roll back).
+
+FSDP shards parameters across ranks, so a site's tensors are not whole on any
+rank and the group actions cannot be applied; :func:`check_not_fsdp` raises a
+clear error instead of teleporting a shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = ["is_distributed", "unwrap", "check_not_fsdp", "broadcast_", "all_reduce_mean_", "any_rank"]
+
+
+def is_distributed() -> bool:
+    """Whether a default process group with more than one rank is initialised."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside ``DistributedDataParallel``/``DataParallel`` wrappers."""
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    return model
+
+
+def check_not_fsdp(model: nn.Module) -> None:
+    """Raise ``TypeError`` if ``model`` uses FSDP (sharded parameters cannot be teleported)."""
+    kinds = []
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        kinds.append(FullyShardedDataParallel)
+    except ImportError:  # pragma: no cover - builds without distributed
+        pass
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        kinds.append(FSDPModule)
+    except ImportError:  # pragma: no cover - older torch
+        pass
+    for m in model.modules():
+        if kinds and isinstance(m, tuple(kinds)):
+            raise TypeError(
+                "Teleport does not support FSDP: FSDP shards each parameter across ranks, so no rank holds the "
+                "whole tensors a group action transforms. Use DistributedDataParallel, or teleport a full "
+                "(unsharded) copy and load it back."
+            )
+
+
+@torch.no_grad()
+def broadcast_(tensors: Sequence[Tensor], src: int = 0) -> None:
+    """Overwrite ``tensors`` in place with rank ``src``'s values (no-op when not distributed)."""
+    if not is_distributed() or not tensors:
+        return
+    for t in tensors:
+        buf = t.detach().contiguous()
+        dist.broadcast(buf, src=src)
+        if buf.data_ptr() != t.data_ptr():
+            t.copy_(buf)
+
+
+@torch.no_grad()
+def all_reduce_mean_(tensors: Sequence[Tensor]) -> None:
+    """Average ``tensors`` over ranks in place (no-op when not distributed)."""
+    if not is_distributed():
+        return
+    world = dist.get_world_size()
+    for t in tensors:
+        buf = t.detach().contiguous()
+        dist.all_reduce(buf)
+        buf.div_(world)
+        if buf.data_ptr() != t.data_ptr():
+            t.copy_(buf)
+
+
+def any_rank(flag: bool, device: torch.device | str | None = None) -> bool:
+    """True if ``flag`` is true on any rank (``device``: where the backend communicates, e.g. CUDA for NCCL)."""
+    if not is_distributed():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)

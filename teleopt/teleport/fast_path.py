@@ -1,0 +1,228 @@
+"""The fast path: teleport objectives over group coordinates with no pass of the model.
+
+For an exact site whose action has a constant Jacobian J (linear or affine), the
+gradient at g . w is (J^{-1})^T times the gradient at w (papers/001 Prop. 4.5.1,
+eq. 4.19).  The gradient of the current batch is already in ``.grad`` when the
+optimizer steps, so Algorithm 1's objective ||grad L(g . w)||^2 is a closed-form
+function of the group coordinates: no forward or backward pass is needed.
+
+It is cheaper still after a one-off reduction of every gradient tensor to the
+group's size (:class:`GradientNormModel`):
+
+* a tensor acted on by scalings only (on one or several axes): the sums of squares
+  over the other axes, S; then ||grad'||^2 = sum S * prod_k c_k^{-2 p_k};
+* a tensor acted on by one matrix group on one axis: the Gram matrix K = G G^T of
+  that axis; then ||A G||^2 = tr(A K A^T) with A the contragredient
+  representation of g (g^{-T} for writers, g for readers);
+* anything else (slices of fused tensors, two matrix groups on one tensor,
+  affine actions such as the Booth rotation): the tensors of its connected
+  component are transported explicitly with ``action.transport_gradient``.
+
+Each ascent step then costs O(h^2)-O(h^3) in the group size h, not O(#params).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from teleopt.actions.axis import AxisAction, Member
+from teleopt.groups import Group, PositiveScaling
+from teleopt.site import Site
+from teleopt.teleport.context import TeleportContext
+from teleopt.teleport.transport import transport
+
+__all__ = ["GradientNormModel", "FastEvaluator", "fast_path_eligible", "member_tensors"]
+
+
+def member_tensors(site: Site, tensors: Mapping[str, Tensor]) -> tuple[Tensor | None, ...]:
+    """The member tensors of ``site`` looked up by name in ``tensors``."""
+    return tuple(None if n is None else tensors[n] for n in site.members)
+
+
+def fast_path_eligible(site: Site) -> bool:
+    """Whether ``site`` can take the fast path: exact, data-independent, continuous, constant Jacobian."""
+    action = site.action
+    return (
+        action.exactness == "exact"
+        and not action.needs_data
+        and action.continuous
+        and bool(action.has_gradient_transport)
+    )
+
+
+def _components(sites: Sequence[Site], names: set[str]) -> list[tuple[list[int], list[str]]]:
+    """Connected components of the site--tensor graph restricted to tensors in ``names``."""
+    parent = list(range(len(sites)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[str, int] = {}
+    for i, site in enumerate(sites):
+        for n in site.tensor_names:
+            if n not in names:
+                continue
+            if n in owner:
+                parent[find(i)] = find(owner[n])
+            else:
+                owner[n] = i
+    comps: dict[int, tuple[list[int], list[str]]] = {}
+    for i in range(len(sites)):
+        comps.setdefault(find(i), ([], []))[0].append(i)
+    for n, i in owner.items():
+        comps[find(i)][1].append(n)
+    return [c for c in comps.values() if c[1]]
+
+
+class _Reduced:
+    """One gradient tensor reduced to its group axes (see module docs)."""
+
+    def __init__(self, grad: Tensor, entries: list[tuple[int, Member, Group]]) -> None:
+        self.entries = entries
+        g64 = grad.detach().to(torch.float64)
+        axes = [m.axis % grad.ndim for _, m, _ in entries]
+        if all(isinstance(grp, PositiveScaling) for _, _, grp in entries):
+            self.kind = "scaling"
+            other = [d for d in range(grad.ndim) if d not in axes]
+            sq = g64.square()
+            S = sq.sum(dim=other) if other else sq
+            # S has the acted axes in increasing order; remember where each entry's axis went
+            order = sorted(axes)
+            self.positions = [order.index(a) for a in axes]
+            self.S = S
+        else:
+            self.kind = "matrix"
+            (_, member, grp) = entries[0]
+            flat = g64.movedim(axes[0], 0).reshape(grad.shape[axes[0]], -1)
+            self.K = flat @ flat.T
+            self.eye = torch.eye(grp.dim, dtype=torch.float64, device=grad.device)
+
+    def value(self, elements: Sequence[Tensor]) -> Tensor:
+        if self.kind == "scaling":
+            total = self.S
+            for (i, member, _), pos in zip(self.entries, self.positions):
+                shape = [1] * self.S.ndim
+                shape[pos] = -1
+                total = total * (elements[i] ** (-2.0 * member.power)).reshape(shape)
+            return total.sum()
+        (i, member, grp) = self.entries[0]
+        A = grp.act_on_axis(elements[i], self.eye, 0, -member.power)
+        return ((A @ self.K) * A).sum()
+
+
+def _reducible(entries: list[tuple[int, Member, Group]], ndim: int) -> bool:
+    if any(m.start is not None for _, m, _ in entries):
+        return False
+    axes = [m.axis % ndim for _, m, _ in entries]
+    if len(set(axes)) != len(axes):
+        return False
+    if len(entries) == 1:
+        return True
+    return all(isinstance(grp, PositiveScaling) for _, _, grp in entries)
+
+
+class GradientNormModel:
+    """||grad L(g . w)||^2 over the sites' tensors as a function of the elements (no model pass).
+
+    Parameters
+    ----------
+    sites:
+        Fast-path sites (:func:`fast_path_eligible`), in composition order.
+    grads:
+        Gradient at w of every site member that has one (tensor name -> gradient).
+    like:
+        Every site member (tensor name -> live tensor), for shapes.
+    """
+
+    def __init__(self, sites: Sequence[Site], grads: Mapping[str, Tensor], like: Mapping[str, Tensor]) -> None:
+        self.sites = list(sites)
+        self.groups = [site.action.group(member_tensors(site, like)) for site in self.sites]
+        self.reduced: list[_Reduced] = []
+        self.explicit: list[tuple[list[int], dict[str, Tensor]]] = []
+        for site_ids, names in _components(self.sites, set(grads)):
+            entries: dict[str, list[tuple[int, Member, Group]]] = {n: [] for n in names}
+            axis_only = all(isinstance(self.sites[i].action, AxisAction) for i in site_ids)
+            if axis_only:
+                for i in site_ids:
+                    action = self.sites[i].action
+                    for member, n in zip(action.members, self.sites[i].members):  # type: ignore[attr-defined]
+                        if n in entries:
+                            entries[n].append((i, member, self.groups[i]))
+            if axis_only and all(_reducible(entries[n], grads[n].ndim) for n in names):
+                self.reduced.extend(_Reduced(grads[n], entries[n]) for n in names)
+            else:
+                self.explicit.append((site_ids, {n: grads[n] for n in names}))
+        self.like = like
+
+    def value(self, elements: Sequence[Tensor]) -> Tensor:
+        """Sum over the sites' tensors of the squared transported gradient (float64)."""
+        total = torch.zeros((), dtype=torch.float64, device=elements[0].device if elements else None)
+        for r in self.reduced:
+            total = total + r.value(elements)
+        for site_ids, grads in self.explicit:
+            moved, _ = transport([self.sites[i] for i in site_ids], [elements[i] for i in site_ids], grads, self.like, "covector")
+            for t in moved.values():
+                total = total + t.to(torch.float64).square().sum()
+        return total
+
+
+class FastEvaluator:
+    """Teleport quantities at g . w for fast-path sites, from ``.grad`` alone (see module docs).
+
+    Parameters
+    ----------
+    sites:
+        Fast-path sites in composition order.
+    ctx:
+        The model/optimizer view of this teleport.
+    with_decrease:
+        Whether :meth:`first_order_decrease` will be needed (precomputes the
+        constant part over parameters no site touches).
+    """
+
+    path = "fast"
+
+    def __init__(self, sites: Sequence[Site], ctx: TeleportContext, with_decrease: bool = False) -> None:
+        self.sites = list(sites)
+        self.ctx = ctx
+        names = {n for site in self.sites for n in site.tensor_names}
+        self.like = {n: ctx.tensors[n] for n in names}
+        self.grads = ctx.grads(names)
+        self.norm_model = GradientNormModel(self.sites, self.grads, self.like)
+        self.other_sq, self.other_decrease = ctx.constant_terms(names, with_decrease)
+
+    def elements(self, coords: Sequence[Tensor]) -> list[Tensor]:
+        """exp of each site's coordinates."""
+        return [site.action.exp(xi, member_tensors(site, self.like)) for site, xi in zip(self.sites, coords)]
+
+    def grad_norm_sq(self, elements: Sequence[Tensor]) -> Tensor:
+        """||grad L(g . w)||^2 over all trainable parameters (float64)."""
+        return self.norm_model.value(elements) + self.other_sq
+
+    def transported_grads(self, elements: Sequence[Tensor]) -> dict[str, Tensor]:
+        """Gradients of the site members at g . w."""
+        return transport(self.sites, elements, self.grads, self.like, "covector")[0]
+
+    def site_params(self, elements: Sequence[Tensor]) -> dict[str, Tensor]:
+        """Site members at g . w."""
+        return transport(self.sites, elements, self.like, self.like, "params")[0]
+
+    def first_order_decrease(self, elements: Sequence[Tensor]) -> Tensor:
+        """<grad, u> of the base optimizer's next step from g . w, summed over all trainable parameters."""
+        ctx = self.ctx
+        grads = self.transported_grads(elements)
+        params = self.site_params(elements)
+        states = ctx.states(grads)
+        moved = ctx.policy.move(ctx.optimizer, self.sites, elements, states, self.like, ctx.groups)
+        total = torch.zeros((), dtype=torch.float64) + self.other_decrease
+        for name, g in grads.items():
+            state = moved.values.get(name, {})
+            u = ctx.model.update(ctx.groups[name], params[name], g, state)
+            total = total + (g.to(torch.float64) * u.to(torch.float64)).sum()
+        return total

@@ -1,0 +1,217 @@
+"""The general path: teleport objectives evaluated with ``torch.func`` on a batch.
+
+Data-dependent actions (papers/001 Prop. 4.4.2, eq. 4.13 and 4.16; papers/002
+Theorem 2.4.1), approximate ones and learned ones (papers/000) have no
+closed-form gradient transport: the gradient at g . w must be computed at g . w,
+on the batch the symmetry holds on.  The model is evaluated with
+``torch.func.functional_call`` on a dictionary of tensors, with *copies* of its
+buffers, so BatchNorm running statistics are never touched by the extra passes
+(CONVENTIONS.md section 1), and the objective is differentiated with respect to
+the group coordinates through the model (a double backward for gradient norms).
+
+Sites act in list order (see :mod:`teleopt.teleport.transport`).  A
+data-dependent site reads its batch input (the input of the module its
+``data_input`` names) at the parameters produced by the sites before it, so
+chained data-dependent GL actions stay exact; the first-order teleport of the
+papers' code reads stale hidden states instead (:mod:`teleopt.teleport.paper_compat`).
+Every site acts through ``GroupAction.act`` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from teleopt.site import Site
+from teleopt.teleport.context import TeleportContext
+
+__all__ = ["Batch", "as_batch", "FunctionalModel", "GeneralEvaluator"]
+
+Batch = tuple[tuple[Any, ...], Any]
+LossFn = Callable[[Any, Any], Tensor]
+
+
+def as_batch(batch: Any) -> Batch:
+    """Normalise a batch to ``(inputs tuple, target)``.
+
+    Accepted: ``(inputs, target)`` where ``inputs`` is a tensor or a tuple/list of
+    positional model inputs, and ``target`` anything the loss function takes
+    (``None`` when the model output is the loss itself).
+    """
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise TypeError(
+            "a teleport batch must be a pair (inputs, target): inputs a tensor or a tuple of model inputs, "
+            f"target what loss_fn(output, target) takes; got {type(batch).__name__}"
+        )
+    inputs, target = batch
+    if isinstance(inputs, Tensor):
+        inputs = (inputs,)
+    elif isinstance(inputs, list):
+        inputs = tuple(inputs)
+    elif not isinstance(inputs, tuple):
+        raise TypeError(f"batch inputs must be a tensor or a tuple of tensors, got {type(inputs).__name__}")
+    return inputs, target
+
+
+class _Captured(Exception):
+    """Raised by a forward pre-hook to stop a pass once a module input is captured."""
+
+
+class FunctionalModel:
+    """A module evaluated functionally on name -> tensor dictionaries, buffers copied.
+
+    ``loss_fn(output, target)`` gives the scalar loss; with ``loss_fn=None`` the
+    model output must itself be the scalar loss.
+    """
+
+    def __init__(self, module: nn.Module, loss_fn: LossFn | None) -> None:
+        self.module = module
+        self.loss_fn = loss_fn
+        self.buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+
+    def output(self, tensors: Mapping[str, Tensor], batch: Batch) -> Any:
+        inputs, _ = batch
+        merged = {**self.buffers, **tensors}
+        return functional_call(self.module, merged, inputs, strict=False, tie_weights=True)
+
+    def loss(self, tensors: Mapping[str, Tensor], batch: Batch) -> Tensor:
+        """The scalar loss at ``tensors`` (names missing from it take the live values)."""
+        out = self.output(tensors, batch)
+        loss = out if self.loss_fn is None else self.loss_fn(out, batch[1])
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError("the teleport loss must be a scalar tensor: pass loss_fn(output, target) to Teleport")
+        return loss.reshape(())
+
+    def module_input(self, tensors: Mapping[str, Tensor], batch: Batch, module_name: str) -> Tensor:
+        """The first positional input of submodule ``module_name`` at ``tensors`` (partial forward)."""
+        try:
+            sub = self.module.get_submodule(module_name)
+        except AttributeError:
+            raise ValueError(f"data_input {module_name!r} is not a submodule of {type(self.module).__name__}") from None
+        captured: list[Tensor] = []
+
+        def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
+            captured.append(args[0])
+            raise _Captured
+
+        handle = sub.register_forward_pre_hook(hook)
+        try:
+            self.output(tensors, batch)
+        except _Captured:
+            pass
+        finally:
+            handle.remove()
+        if not captured:
+            raise ValueError(f"data_input {module_name!r} was not called in the forward pass")
+        return captured[0]
+
+
+class GeneralEvaluator:
+    """Teleport quantities at g . w computed through the model on a batch (see module docs).
+
+    Parameters
+    ----------
+    sites:
+        All sites of the teleport, in composition order.
+    ctx:
+        The model/optimizer view of this teleport.
+    batch:
+        ``(inputs, target)`` the objective and the data-dependent actions use.
+    loss_fn:
+        ``loss_fn(output, target) -> scalar``; ``None`` if the output is the loss.
+    """
+
+    path = "general"
+
+    def __init__(self, sites: Sequence[Site], ctx: TeleportContext, batch: Any, loss_fn: LossFn | None) -> None:
+        self.sites = list(sites)
+        self.ctx = ctx
+        self.batch = as_batch(batch)
+        self.fmodel = FunctionalModel(ctx.module, loss_fn)
+        self.names = {n for site in self.sites for n in site.tensor_names}
+        self.like = {n: ctx.tensors[n] for n in self.names}
+        self.base = {n: t.detach().requires_grad_(n in ctx.trainable) for n, t in ctx.tensors.items() if n in ctx.trainable or n in self.names}
+
+    def elements(self, coords: Sequence[Tensor]) -> list[Tensor]:
+        """exp of each site's coordinates."""
+        return [
+            site.action.exp(xi, tuple(None if n is None else self.like[n] for n in site.members))
+            for site, xi in zip(self.sites, coords)
+        ]
+
+    def params(self, elements: Sequence[Tensor]) -> dict[str, Tensor]:
+        """Every trainable parameter and site member at g . w (sites in order, inputs re-read)."""
+        cur = dict(self.base)
+        for site, g in zip(self.sites, elements):
+            data = None
+            if site.action.needs_data or site.data_input is not None:
+                if site.data_input is None:
+                    raise ValueError(f"site {site.name!r} is data-dependent but names no data_input module")
+                data = self.fmodel.module_input(cur, self.batch, site.data_input)
+            vals = tuple(None if n is None else cur[n] for n in site.members)
+            new = site.action.act(g, vals, data)
+            for n, v in zip(site.members, new):
+                if n is not None:
+                    cur[n] = v
+        return cur
+
+    def site_params(self, elements: Sequence[Tensor]) -> dict[str, Tensor]:
+        """Site members at g . w."""
+        params = self.params(elements)
+        return {n: params[n] for n in self.names}
+
+    def loss(self, params: Mapping[str, Tensor]) -> Tensor:
+        """The batch loss at ``params``."""
+        return self.fmodel.loss(params, self.batch)
+
+    def grads(self, params: Mapping[str, Tensor], create_graph: bool = True) -> dict[str, Tensor]:
+        """Gradient of the batch loss at ``params`` for every trainable parameter."""
+        names = list(self.ctx.trainable)
+        with torch.enable_grad():
+            loss = self.loss(params)
+            gs = torch.autograd.grad(loss, [params[n] for n in names], create_graph=create_graph, allow_unused=True)
+        return {n: torch.zeros_like(params[n]) if g is None else g for n, g in zip(names, gs)}
+
+    def grad_norm_sq(self, elements: Sequence[Tensor]) -> Tensor:
+        """||grad L(g . w)||^2 over all trainable parameters (float64)."""
+        grads = self.grads(self.params(elements))
+        return sum((g.to(torch.float64).square().sum() for g in grads.values()), torch.zeros((), dtype=torch.float64))
+
+    def _updates(self, params: Mapping[str, Tensor], grads: Mapping[str, Tensor], elements: Sequence[Tensor]) -> dict[str, Tensor]:
+        ctx = self.ctx
+        states = ctx.states(ctx.trainable)
+        moved = ctx.policy.move(ctx.optimizer, self.sites, elements, {n: s for n, s in states.items() if n in self.names}, self.like, ctx.groups)
+        out = {}
+        for name, g in grads.items():
+            state = moved.values.get(name, states.get(name, {}))
+            out[name] = ctx.model.update(ctx.groups[name], params[name], g, state)
+        return out
+
+    def first_order_decrease(self, elements: Sequence[Tensor]) -> Tensor:
+        """<grad, u> of the base optimizer's next step from g . w, over all trainable parameters."""
+        params = self.params(elements)
+        grads = self.grads(params)
+        updates = self._updates(params, grads, elements)
+        return sum(((g.to(torch.float64) * updates[n].to(torch.float64)).sum() for n, g in grads.items()), torch.zeros((), dtype=torch.float64))
+
+    def lookahead_loss(self, elements: Sequence[Tensor]) -> Tensor:
+        """L(g . w - u): the batch loss after the base optimizer's next step from g . w."""
+        params = self.params(elements)
+        grads = self.grads(params)
+        updates = self._updates(params, grads, elements)
+        stepped = dict(params)
+        for name, u in updates.items():
+            stepped[name] = params[name] - u
+        return self.loss(stepped)
+
+    def perturbed_loss(self, elements: Sequence[Tensor], direction: Mapping[str, Tensor], t: float) -> Tensor:
+        """L(g . w + t d) on the batch, for a direction ``d`` over the trainable parameters."""
+        params = self.params(elements)
+        moved = dict(params)
+        for name, d in direction.items():
+            moved[name] = params[name] + t * d
+        return self.loss(moved)

@@ -1,0 +1,245 @@
+"""What a teleport optimises over the orbit: papers/001 Algorithm 1 and Ch. 5.
+
+Every objective is a function of the group elements, evaluated by an evaluator
+(:class:`~teleopt.teleport.fast_path.FastEvaluator` from ``.grad`` alone, or
+:class:`~teleopt.teleport.general_path.GeneralEvaluator` through the model on a
+batch) and maximised or minimised by projected ascent on the coordinates
+(:mod:`teleopt.teleport.ascent`):
+
+``GradientNorm`` (``"grad_norm"``)
+    ||grad L(g . w)||^2, Algorithm 1 line 3.  Unbounded on non-compact orbits, so
+    it is always used inside the trust region and under the gain caps of
+    :class:`~teleopt.teleport.safety.SafetyConfig`.  Fast path.
+``PreconditionedNorm`` (``"preconditioned_norm"``)
+    <grad, u>, where u is the base optimizer's next update from g . w given the
+    transported state: the optimizer's own rate of loss decrease (eq. 4.17 with
+    eta its preconditioner; Sec. 5.4.1, eq. 5.7 ||grad||_A for AdaGrad with
+    A = (eps + diag G_{t+1})^{-1/2}).  Fast path.
+``Lookahead`` (``"lookahead"``)
+    L(g . w - u): the batch loss after the base optimizer's next step, bounded
+    below by the loss floor, so maximising the decrease cannot run off to
+    infinity.  Needs a batch (general path).
+``Sharpness`` (``"sharpness"``)
+    phi(w, T, D) = mean over t in T, d in D of L(w + t d) (eq. 5.1), with D drawn
+    uniformly on the unit sphere (normalised Gaussians, an unbiased choice) once
+    per teleport.  Needs a batch.  Decrease by default (flatter minima).
+``Curvature`` (``"curvature"``)
+    psi(w, k) = mean_i kappa(gamma_{M_i}, 0) (eq. 5.2), the curvature of the
+    orbit curves gamma_M(t) = exp(t M) . w for k random Lie algebra elements,
+    with gamma' and gamma'' from nested ``torch.func.jvp`` vectorised over the k
+    curves with ``torch.func.vmap``.  No loss is involved, so exact sites need no
+    batch.  Increase by default (Sec. 5.3: larger curvature, lower test loss).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Objective",
+    "GradientNorm",
+    "PreconditionedNorm",
+    "Lookahead",
+    "Sharpness",
+    "Curvature",
+    "get_objective",
+    "OBJECTIVES",
+]
+
+Direction = Literal["increase", "decrease"]
+
+
+def _check_direction(direction: str) -> Direction:
+    if direction not in ("increase", "decrease"):
+        raise ValueError(f"direction must be 'increase' or 'decrease', got {direction!r}")
+    return direction  # type: ignore[return-value]
+
+
+class Objective(ABC):
+    """A quantity of the teleported point to increase or decrease.
+
+    Subclasses implement :meth:`value`; :meth:`prepare` draws any randomness once
+    per teleport (so the objective is deterministic during the search) from the
+    teleport's generator.
+    """
+
+    name: str = ""
+    needs_batch: bool = False
+    needs_optimizer_model: bool = False
+    direction: Direction = "increase"
+
+    def prepare(self, evaluator: Any, generator: torch.Generator) -> Any:
+        """Per-teleport randomness (``None`` for deterministic objectives)."""
+        return None
+
+    @abstractmethod
+    def value(self, evaluator: Any, elements: Sequence[Tensor], prepared: Any) -> Tensor:
+        """The objective at g . w (a float64 scalar, differentiable in the elements)."""
+
+    def score(self, evaluator: Any, elements: Sequence[Tensor], prepared: Any) -> Tensor:
+        """What the ascent maximises: the value, negated for ``direction="decrease"``."""
+        v = self.value(evaluator, elements, prepared)
+        return v if self.direction == "increase" else -v
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(direction={self.direction!r})"
+
+
+class GradientNorm(Objective):
+    """||grad L(g . w)||^2 (papers/001 Algorithm 1, line 3)."""
+
+    name = "grad_norm"
+
+    def __init__(self, direction: Direction = "increase") -> None:
+        self.direction = _check_direction(direction)
+
+    def value(self, evaluator: Any, elements: Sequence[Tensor], prepared: Any) -> Tensor:
+        return evaluator.grad_norm_sq(elements)
+
+
+class PreconditionedNorm(Objective):
+    """<grad, u(grad, state)> of the base optimizer's next step (papers/001 eq. 4.17, Sec. 5.4.1 eq. 5.7)."""
+
+    name = "preconditioned_norm"
+    needs_optimizer_model = True
+
+    def __init__(self, direction: Direction = "increase") -> None:
+        self.direction = _check_direction(direction)
+
+    def value(self, evaluator: Any, elements: Sequence[Tensor], prepared: Any) -> Tensor:
+        return evaluator.first_order_decrease(elements)
+
+
+class Lookahead(Objective):
+    """L(g . w - u): the loss after the base optimizer's next step from the teleported point."""
+
+    name = "lookahead"
+    needs_batch = True
+    needs_optimizer_model = True
+
+    def __init__(self, direction: Direction = "decrease") -> None:
+        self.direction = _check_direction(direction)
+
+    def value(self, evaluator: Any, elements: Sequence[Tensor], prepared: Any) -> Tensor:
+        return evaluator.lookahead_loss(elements).to(torch.float64)
+
+
+class Sharpness(Objective):
+    """phi(w, T, D) = mean_{t, d} L(w + t d) over random unit directions (papers/001 eq. 5.1).
+
+    Parameters
+    ----------
+    direction:
+        ``"decrease"`` (default: flatter) or ``"increase"``.
+    displacements:
+        The set T of step lengths t.
+    directions:
+        |D|, the number of unit directions over all trainable parameters.
+    """
+
+    name = "sharpness"
+    needs_batch = True
+
+    def __init__(self, direction: Direction = "decrease", displacements: Sequence[float] = (0.01, 0.05), directions: int = 4) -> None:
+        self.direction = _check_direction(direction)
+        disp = tuple(float(t) for t in displacements)
+        if not disp or any(not t > 0 for t in disp):
+            raise ValueError(f"displacements must be positive numbers, got {displacements!r}")
+        if not isinstance(directions, int) or isinstance(directions, bool) or directions < 1:
+            raise ValueError(f"directions must be a positive int, got {directions!r}")
+        self.displacements = disp
+        self.directions = directions
+
+    def prepare(self, evaluator: Any, generator: torch.Generator) -> list[dict[str, Tensor]]:
+        trainable = evaluator.ctx.trainable
+        out = []
+        for _ in range(self.directions):
+            raw = {n: torch.randn(p.shape, generator=generator, dtype=torch.float64) for n, p in trainable.items()}
+            norm = torch.sqrt(sum(d.square().sum() for d in raw.values()))
+            out.append({n: (d / norm).to(device=trainable[n].device, dtype=trainable[n].dtype) for n, d in raw.items()})
+        return out
+
+    def value(self, evaluator: Any, elements: Sequence[Tensor], prepared: list[dict[str, Tensor]]) -> Tensor:
+        total = torch.zeros((), dtype=torch.float64)
+        for d in prepared:
+            for t in self.displacements:
+                total = total + evaluator.perturbed_loss(elements, d, t).to(torch.float64)
+        return total / (len(prepared) * len(self.displacements))
+
+
+class Curvature(Objective):
+    """psi(w, k): mean curvature of k random orbit curves through g . w (papers/001 eq. 5.2).
+
+    kappa = sqrt(|g'|^2 |g''|^2 - (g' . g'')^2) / |g'|^3 at t = 0 for
+    gamma(t) = exp(t M) . w, with M drawn per site as Gaussian Lie algebra
+    coordinates (scale 1/sqrt(n) for matrix groups).
+    """
+
+    name = "curvature"
+
+    def __init__(self, direction: Direction = "increase", curves: int = 4) -> None:
+        self.direction = _check_direction(direction)
+        if not isinstance(curves, int) or isinstance(curves, bool) or curves < 1:
+            raise ValueError(f"curves must be a positive int, got {curves!r}")
+        self.curves = curves
+
+    def prepare(self, evaluator: Any, generator: torch.Generator) -> list[Tensor]:
+        out = []
+        for site in evaluator.sites:
+            group = site.action.group(tuple(None if n is None else evaluator.like[n] for n in site.members))
+            shape = (self.curves, *group.coord_shape)
+            scale = 1.0 / group.n**0.5 if len(group.coord_shape) >= 2 else 1.0
+            device = next(evaluator.like[n] for n in site.tensor_names).device
+            out.append((torch.randn(shape, generator=generator, dtype=torch.float64) * scale).to(device))
+        return out
+
+    def value(self, evaluator: Any, elements: Sequence[Tensor], prepared: list[Tensor]) -> Tensor:
+        sites = evaluator.sites
+        like = evaluator.like
+
+        def curve(t: Tensor, Ms: Sequence[Tensor]) -> Tensor:
+            moved = []
+            for site, M, g in zip(sites, Ms, elements):
+                params = tuple(None if n is None else like[n] for n in site.members)
+                moved.append(site.action.compose(site.action.exp(t * M, params), g))
+            pts = evaluator.site_params(moved)
+            return torch.cat([pts[n].reshape(-1).to(torch.float64) for n in sorted(pts)])
+
+        def derivatives(*Ms: Tensor) -> tuple[Tensor, Tensor]:
+            t0 = torch.zeros((), dtype=torch.float64, device=Ms[0].device)
+            one = torch.ones_like(t0)
+
+            def velocity(t: Tensor) -> Tensor:
+                return torch.func.jvp(lambda s: curve(s, Ms), (t,), (one,))[1]
+
+            v, a = torch.func.jvp(velocity, (t0,), (one,))
+            return v, a
+
+        v, a = torch.func.vmap(derivatives)(*prepared)
+        vv = (v * v).sum(-1)
+        aa = (a * a).sum(-1)
+        va = (v * a).sum(-1)
+        kappa = (vv * aa - va * va).clamp_min(0).sqrt() / vv.clamp_min(torch.finfo(torch.float64).tiny) ** 1.5
+        return kappa.mean()
+
+
+OBJECTIVES: dict[str, type[Objective]] = {
+    cls.name: cls for cls in (GradientNorm, PreconditionedNorm, Lookahead, Sharpness, Curvature)
+}
+
+
+def get_objective(spec: str | Objective) -> Objective:
+    """An :class:`Objective` from its name (``"grad_norm"``, ``"preconditioned_norm"``, ``"lookahead"``,
+    ``"sharpness"``, ``"curvature"``) or an instance."""
+    if isinstance(spec, Objective):
+        return spec
+    if isinstance(spec, str):
+        if spec not in OBJECTIVES:
+            raise ValueError(f"unknown teleport objective {spec!r}; known: {sorted(OBJECTIVES)}")
+        return OBJECTIVES[spec]()
+    raise TypeError(f"objective must be a name or an Objective, got {type(spec).__name__}")

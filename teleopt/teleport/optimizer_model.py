@@ -1,0 +1,187 @@
+"""Functional models of the base optimizers: the roles of their state tensors and their next update.
+
+Teleportation moves the parameters along a loss-invariant orbit, so the question it
+answers is where the *next steps of the base optimizer* make the most progress.
+Two things about the base optimizer are needed for that:
+
+* what each per-parameter state tensor *is* (its role), so it can follow the
+  parameters consistently: first moments (SGD momentum, Adam's ``exp_avg``) are
+  covectors like gradients, second moments (Adam's ``exp_avg_sq``, Adagrad's
+  ``sum``, RMSprop's ``square_avg``) are elementwise squares of covectors,
+  step counters are scalars (papers/001 Sec. 5.4.1; CONVENTIONS.md section 2);
+* the displacement u(grad, state) its next step would subtract, computed
+  functionally (without touching the real state), for the preconditioned-norm
+  objective <grad, u> (papers/001 eq. 4.17 with eta the optimizer's own
+  preconditioner, eq. 5.7 for AdaGrad) and the one-step lookahead objective
+  L(w - u).
+
+Models exist for ``SGD`` (momentum, dampening, Nesterov, weight decay),
+``Adagrad``, ``RMSprop`` (centered, momentum) and ``Adam``/``AdamW`` (amsgrad,
+decoupled weight decay), including ``maximize``.  Other optimizers (e.g.
+torch-optimizer's Lamb, RAdam, Yogi) still get their state roles, but objectives
+that need the update raise ``TypeError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch.optim import SGD, Adagrad, Adam, Optimizer, RMSprop
+
+__all__ = ["StateRole", "state_role", "OptimizerModel"]
+
+StateRole = Literal["first_moment", "second_moment", "step", "derived", "update", "unknown"]
+
+# state key -> role, shared by torch.optim and torch-optimizer
+_ROLES: dict[str, StateRole] = {
+    "momentum_buffer": "first_moment",
+    "exp_avg": "first_moment",
+    "grad_avg": "first_moment",
+    "exp_avg_sq": "second_moment",
+    "max_exp_avg_sq": "second_moment",
+    "square_avg": "second_moment",
+    "sum": "second_moment",
+    "exp_avg_var": "second_moment",
+    "step": "step",
+    # recomputed from scratch on every step (torch-optimizer's Lamb diagnostics)
+    "weight_norm": "derived",
+    "adam_norm": "derived",
+    "trust_ratio": "derived",
+}
+
+
+def state_role(optimizer: Optimizer, key: str) -> StateRole:
+    """The role of the per-parameter state entry ``key`` of ``optimizer`` (see module docs).
+
+    RMSprop's ``momentum_buffer`` accumulates *updates* grad / sqrt(v), which are
+    neither covectors nor their squares: its role is ``"update"`` (no exact
+    transport rule; it is reset by default).
+    """
+    if key == "momentum_buffer" and isinstance(optimizer, RMSprop):
+        return "update"
+    return _ROLES.get(key, "unknown")
+
+
+def _step_value(state: dict[str, Any]) -> float:
+    step = state.get("step", 0)
+    return float(step.item()) if isinstance(step, Tensor) else float(step)
+
+
+def _float(value: Any) -> float:
+    return float(value.item()) if isinstance(value, Tensor) else float(value)
+
+
+class OptimizerModel:
+    """The next update of a known base optimizer as a pure function (see module docs).
+
+    ``update(group, param, grad, state)`` returns the displacement u such that the
+    base optimizer's next step would set ``param <- param - u`` given gradient
+    ``grad`` and per-parameter ``state`` (tensors may carry autograd history; the
+    real optimizer state is never modified).  ``supported`` is False for optimizers
+    without a model.
+    """
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        if isinstance(optimizer, Adam):  # AdamW subclasses Adam
+            self.family = "adam"
+        elif isinstance(optimizer, SGD):
+            self.family = "sgd"
+        elif isinstance(optimizer, Adagrad):
+            self.family = "adagrad"
+        elif isinstance(optimizer, RMSprop):
+            self.family = "rmsprop"
+        else:
+            self.family = None
+        self.optimizer_name = type(optimizer).__name__
+
+    @property
+    def supported(self) -> bool:
+        """Whether the next update of this optimizer can be computed functionally."""
+        return self.family is not None
+
+    def require(self, what: str) -> None:
+        """Raise ``TypeError`` naming ``what`` if the optimizer has no model."""
+        if not self.supported:
+            raise TypeError(
+                f"{what} needs a functional model of the base optimizer's update, which teleopt has for "
+                f"SGD, Adagrad, RMSprop, Adam and AdamW, not {self.optimizer_name}; use objective='grad_norm'"
+            )
+
+    def update(self, group: dict[str, Any], param: Tensor, grad: Tensor, state: dict[str, Any]) -> Tensor:
+        """The displacement of the next step (``param_next = param - update``)."""
+        self.require("this objective")
+        maximize = bool(group.get("maximize", False))
+        g = -grad if maximize else grad
+        lr = _float(group["lr"])
+        wd = _float(group.get("weight_decay", 0.0))
+        if self.family == "sgd":
+            return self._sgd(group, param, g, state, lr, wd)
+        if self.family == "adagrad":
+            return self._adagrad(group, param, g, state, lr, wd)
+        if self.family == "rmsprop":
+            return self._rmsprop(group, param, g, state, lr, wd)
+        return self._adam(group, param, g, state, lr, wd)
+
+    @staticmethod
+    def _sgd(group: dict[str, Any], p: Tensor, g: Tensor, state: dict[str, Any], lr: float, wd: float) -> Tensor:
+        d = g + wd * p if wd else g
+        mu = float(group.get("momentum", 0.0))
+        if mu:
+            buf = state.get("momentum_buffer")
+            buf = d if buf is None else mu * buf + (1.0 - float(group.get("dampening", 0.0))) * d
+            d = d + mu * buf if group.get("nesterov", False) else buf
+        return lr * d
+
+    @staticmethod
+    def _adagrad(group: dict[str, Any], p: Tensor, g: Tensor, state: dict[str, Any], lr: float, wd: float) -> Tensor:
+        step = _step_value(state) + 1
+        clr = lr / (1.0 + (step - 1) * float(group.get("lr_decay", 0.0)))
+        if wd:
+            g = g + wd * p
+        acc = state.get("sum")
+        if acc is None:
+            acc = torch.full_like(p, float(group.get("initial_accumulator_value", 0.0)))
+        acc = acc + g * g
+        return clr * g / (acc.sqrt() + float(group["eps"]))
+
+    @staticmethod
+    def _rmsprop(group: dict[str, Any], p: Tensor, g: Tensor, state: dict[str, Any], lr: float, wd: float) -> Tensor:
+        if wd:
+            g = g + wd * p
+        alpha, eps = float(group["alpha"]), float(group["eps"])
+        sq = state.get("square_avg")
+        sq = (1 - alpha) * g * g if sq is None else alpha * sq + (1 - alpha) * g * g
+        if group.get("centered", False):
+            ga = state.get("grad_avg")
+            ga = (1 - alpha) * g if ga is None else alpha * ga + (1 - alpha) * g
+            avg = (sq - ga * ga).sqrt() + eps
+        else:
+            avg = sq.sqrt() + eps
+        mu = float(group.get("momentum", 0.0))
+        if mu > 0:
+            buf = state.get("momentum_buffer")
+            buf = g / avg if buf is None else mu * buf + g / avg
+            return lr * buf
+        return lr * g / avg
+
+    @staticmethod
+    def _adam(group: dict[str, Any], p: Tensor, g: Tensor, state: dict[str, Any], lr: float, wd: float) -> Tensor:
+        beta1, beta2 = (_float(b) for b in group["betas"])
+        eps = float(group["eps"])
+        step = _step_value(state) + 1
+        decoupled = bool(group.get("decoupled_weight_decay", False))
+        decay = lr * wd * p if (wd and decoupled) else None
+        if wd and not decoupled:
+            g = g + wd * p
+        m, v = state.get("exp_avg"), state.get("exp_avg_sq")
+        m = (1 - beta1) * g if m is None else beta1 * m + (1 - beta1) * g
+        v = (1 - beta2) * g * g if v is None else beta2 * v + (1 - beta2) * g * g
+        if group.get("amsgrad", False):
+            vmax = state.get("max_exp_avg_sq")
+            v = v if vmax is None else torch.maximum(vmax, v)
+        bc1 = 1 - beta1**step
+        bc2 = 1 - beta2**step
+        u = (lr / bc1) * m / (v.sqrt() / bc2**0.5 + eps)
+        return u if decay is None else u + decay

@@ -1,0 +1,121 @@
+"""The official first-order teleport of papers/001 Sec. 4.6.1, for comparisons only.
+
+**This mode is not loss-preserving and is never the default.**  It reproduces
+what the papers' MLP experiments do (Sec. 4.6.1: "We use the first order
+approximation of the exponential map ... we replace g_m by I + T and g_m^{-1} by
+I - T in equation 4.13, where T is initialized to 0.  Then we perform gradient
+ascent steps on T"), so that teleopt's exact teleports can be compared with it
+at the same settings.  Per ascent step:
+
+1. T_m = 0 for every site; the gradient norm sum ||dL/dW||^2 is evaluated with
+   g_m = I + T_m applied through eq. 4.13 layer by layer, hidden states
+   recomputed after each lower layer moved;
+2. T_m <- lr * d(sum ||dL/dW||^2)/dT_m (one fixed-learning-rate step from 0);
+3. every pair is updated with W_m <- W_m (I - T_m) and
+   W_{m-1} <- sigma^{-1}((I + T_m) sigma(W_{m-1} h_{m-2})) h_{m-2}^+ , where the
+   hidden states h_{m-2} are those of the weights *before* this ascent step
+   (stale once a lower layer moved).
+
+Both approximations change the loss: (I - T) is not (I + T)^{-1}, and the stale
+hidden states break eq. 4.13's invariance for every layer above the first.
+The report of a paper-compat teleport measures the drift like any other.
+Supported sites: ``data_dependent_gl`` (eq. 4.13) without first-layer bias, and
+GL sites between linear layers (``gl_linear``, where eq. 4.13 reduces to g W1,
+g b1, W2 g^{-1}, approximated the same way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from teleopt.actions.axis import AxisAction
+from teleopt.actions.data_dependent import DataDependentGL
+from teleopt.groups import GeneralLinear
+from teleopt.site import Site
+from teleopt.teleport.general_path import FunctionalModel
+
+__all__ = ["check_paper_compat_sites", "paper_compat_teleport"]
+
+
+def check_paper_compat_sites(sites: Sequence[Site]) -> None:
+    """Raise ``ValueError`` unless every site is a GL action the official code's approximation applies to."""
+    for site in sites:
+        action = site.action
+        if isinstance(action, DataDependentGL):
+            if site.members[1] is not None:
+                raise ValueError(f"paper_compat: site {site.name!r} has a first-layer bias; the official MLP teleport has none")
+            if site.data_input is None:
+                raise ValueError(f"paper_compat: data-dependent site {site.name!r} names no data_input module")
+        elif not (isinstance(action, AxisAction) and action.group_type is GeneralLinear and action.blocks is None):
+            raise ValueError(
+                f"paper_compat reproduces the official first-order GL teleport (I + T, I - T); site {site.name!r} "
+                f"({action.name}, {action.group_name}) is not a GL site"
+            )
+
+
+def _first_order(site: Site, T: Tensor, cur: dict[str, Tensor], hidden: Tensor | None) -> None:
+    eye = torch.eye(T.shape[0], dtype=T.dtype, device=T.device)
+    action = site.action
+    if isinstance(action, DataDependentGL):
+        n1, _, n2 = site.members
+        W1, W2 = cur[n1], cur[n2]  # type: ignore[index]
+        act = action.activation
+        # row convention: Z = H W1^T (samples x hidden); (I + T) acts on the hidden axis
+        Z = act(hidden @ W1.T) @ (eye + T).T
+        cur[n1] = (torch.linalg.pinv(hidden) @ act.inverse(Z)).T  # type: ignore[index, misc]
+        cur[n2] = W2 @ (eye - T)  # type: ignore[index]
+        return
+    for member, name in zip(action.members, site.members):  # type: ignore[attr-defined]
+        if name is None:
+            continue
+        t = cur[name]
+        factor = (eye + T) if member.power == 1 else (eye - T).T
+        cur[name] = torch.movedim(torch.tensordot(factor, t.movedim(member.axis, 0), dims=1), 0, member.axis)
+
+
+def paper_compat_teleport(
+    fmodel: FunctionalModel,
+    sites: Sequence[Site],
+    batch: Any,
+    trainable: Sequence[str],
+    live: dict[str, Tensor],
+    steps: int,
+    lr: float,
+) -> None:
+    """Run the official first-order teleport in place on ``live`` (see module docs)."""
+    for _ in range(steps):
+        base = {n: t.detach() for n, t in live.items()}
+        stale = [None if site.data_input is None else fmodel.module_input(base, batch, site.data_input) for site in sites]
+        with torch.enable_grad():
+            cur = {n: t.clone().requires_grad_(n in trainable) for n, t in base.items()}
+            Ts = []
+            for site in sites:
+                ref = cur[site.tensor_names[0]]
+                width = _hidden_width(site, cur)
+                T = torch.zeros(width, width, dtype=ref.dtype, device=ref.device, requires_grad=True)
+                Ts.append(T)
+                hidden = None if site.data_input is None else fmodel.module_input(cur, batch, site.data_input)
+                _first_order(site, T, cur, hidden)
+            loss = fmodel.loss(cur, batch)
+            grads = torch.autograd.grad(loss, [cur[n] for n in trainable], create_graph=True)
+            objective = sum(g.square().sum() for g in grads)
+            dTs = torch.autograd.grad(objective, Ts, allow_unused=True)
+        with torch.no_grad():
+            moved = dict(base)
+            for site, T0, dT, hidden in zip(sites, Ts, dTs, stale):
+                _first_order(site, lr * (torch.zeros_like(T0) if dT is None else dT), moved, hidden)
+            for n, t in live.items():
+                if moved[n] is not base[n]:
+                    t.copy_(moved[n])
+
+
+def _hidden_width(site: Site, cur: dict[str, Tensor]) -> int:
+    action = site.action
+    if isinstance(action, DataDependentGL):
+        return cur[site.members[0]].shape[0]  # type: ignore[index]
+    member, name = next((m, n) for m, n in zip(action.members, site.members) if n is not None)  # type: ignore[attr-defined]
+    return cur[name].shape[member.axis]

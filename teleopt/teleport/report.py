@@ -1,0 +1,154 @@
+"""What a teleport did: the record ``Teleport.teleport()`` returns and post-teleport hooks receive."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from teleopt.actions.axis import AxisAction
+from teleopt.site import Site, lookup_tensor
+from teleopt.teleport.transport import transport
+
+__all__ = ["TeleportReport", "sites_to_state", "sites_from_state"]
+
+
+def sites_to_state(sites: list[Site]) -> list[tuple[str, Any]]:
+    """Picklable form of ``sites``: exact linear actions as plain config (their example problems hold lambdas)."""
+    return [("config", s.to_dict()) if isinstance(s.action, AxisAction) else ("site", s) for s in sites]
+
+
+def sites_from_state(state: list[tuple[str, Any]]) -> list[Site]:
+    """Inverse of :func:`sites_to_state`."""
+    return [Site.from_dict(v) if kind == "config" else v for kind, v in state]
+
+
+@dataclass
+class TeleportReport:
+    """One teleport (or one rollback) of :class:`~teleopt.teleport.Teleport`.
+
+    Attributes
+    ----------
+    step:
+        The optimizer step before whose update it happened.
+    path:
+        ``"fast"`` (closed-form transport), ``"general"`` (through the model on a
+        batch) or ``"paper_compat"``.
+    objective:
+        Name of the objective.
+    accepted:
+        Whether the parameters are now at the teleported point.
+    reason:
+        ``"accepted"`` or why not (declined by the caps, rolled back by a
+        post-condition, rolled back after the teleport by the watch).
+    loss_before, loss_after:
+        Teleport-batch loss at w and g . w (``None`` when no batch or closure was given).
+    heldout_before, heldout_after:
+        The same on the held-out batch, when given.
+    grad_norm_before, grad_norm_after:
+        ||grad L|| over all trainable parameters at w and at g . w.
+    objective_before, objective_after:
+        The objective's value at w and g . w.
+    site_gains:
+        Per site: ||grad L||^2 ratio when only that site moves (fast path), or
+        ``None`` on the general path.
+    coordinate_norms:
+        Per site: the largest |coordinate| of the chosen element (log-scale or
+        generator entry), 0 for the identity.
+    shrink:
+        The factor s in [0, 1] the caps scaled the coordinates by (1: not needed).
+    elements:
+        Per site name: the applied element (float64, detached); use
+        :meth:`apply_to` to move an EMA/SWA copy of the model along.
+    state_decisions:
+        Count of each state policy decision taken (``"transport"``, ``"keep"``,
+        ``"fallback:reset"``, ...).
+    time_s:
+        Wall-clock seconds the teleport took.
+    """
+
+    step: int
+    path: str
+    objective: str
+    accepted: bool = False
+    reason: str = ""
+    loss_before: float | None = None
+    loss_after: float | None = None
+    heldout_before: float | None = None
+    heldout_after: float | None = None
+    grad_norm_before: float | None = None
+    grad_norm_after: float | None = None
+    objective_before: float | None = None
+    objective_after: float | None = None
+    site_gains: dict[str, float | None] = field(default_factory=dict)
+    coordinate_norms: dict[str, float] = field(default_factory=dict)
+    shrink: float = 1.0
+    elements: dict[str, Tensor] = field(default_factory=dict)
+    state_decisions: dict[str, int] = field(default_factory=dict)
+    time_s: float = 0.0
+    sites: list[Site] = field(default_factory=list, repr=False)
+
+    @property
+    def loss_drift(self) -> float | None:
+        """|L(g . w) - L(w)| / |L(w)| on the teleport batch (``None`` if unknown)."""
+        if self.loss_before is None or self.loss_after is None:
+            return None
+        return abs(self.loss_after - self.loss_before) / max(abs(self.loss_before), torch.finfo(torch.float64).tiny)
+
+    @property
+    def gain(self) -> float | None:
+        """||grad L(g . w)||^2 / ||grad L(w)||^2."""
+        if self.grad_norm_before is None or self.grad_norm_after is None or self.grad_norm_before == 0:
+            return None
+        return (self.grad_norm_after / self.grad_norm_before) ** 2
+
+    @torch.no_grad()
+    def apply_to(self, module: nn.Module) -> None:
+        """Move another copy of the model (EMA, SWA, Lookahead slow weights) by the same elements.
+
+        Only data-independent sites can be replayed this way (a data-dependent
+        element depends on the batch and the weights it was computed at).
+        """
+        if not self.accepted:
+            return
+        sites = [s for s in self.sites if s.name in self.elements]
+        for site in sites:
+            if site.action.needs_data:
+                raise ValueError(f"site {site.name!r} is data-dependent: its element cannot be replayed on another model")
+        live = {n: lookup_tensor(module, n) for s in sites for n in s.tensor_names}
+        device = next(iter(live.values())).device if live else None
+        elements = [self.elements[s.name].to(device) for s in sites]
+        moved, _ = transport(sites, elements, live, live, "params")
+        for n, t in live.items():
+            t.copy_(moved[n])
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["sites"] = sites_to_state(self.sites)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        state["sites"] = sites_from_state(state["sites"])
+        self.__dict__.update(state)
+
+    def summary(self) -> Mapping[str, Any]:
+        """Plain-data view (for logging)."""
+        return {
+            "step": self.step,
+            "path": self.path,
+            "objective": self.objective,
+            "accepted": self.accepted,
+            "reason": self.reason,
+            "loss_before": self.loss_before,
+            "loss_after": self.loss_after,
+            "loss_drift": self.loss_drift,
+            "grad_norm_before": self.grad_norm_before,
+            "grad_norm_after": self.grad_norm_after,
+            "gain": self.gain,
+            "shrink": self.shrink,
+            "time_s": self.time_s,
+        }

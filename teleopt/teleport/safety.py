@@ -1,0 +1,166 @@
+"""Keeping teleports safe: caps before, checks at, and a watch after the teleport.
+
+A teleport must never silently corrupt training (DESIGN.md).  Three layers:
+
+**Caps (before).**  The gradient norm is unbounded on GL and scaling orbits, and
+a huge gradient at the teleported point makes the next steps of a fixed learning
+rate unstable (the papers' 3x teleport learning rate diverges).  Besides the
+trust region on the coordinates, a teleport is scaled back towards the identity
+(:func:`~teleopt.teleport.ascent.shrink_to_feasible`) until
+
+* ``max_gain``: ||grad L(g . w)||^2 <= max_gain * ||grad L(w)||^2, and
+* ``max_predicted_decrease``: the first-order decrease of the base optimizer's
+  next step, <grad', u'>, is at most this multiple of L(w) - loss_floor.  For a
+  quadratic model, L(w - eta grad) >= loss_floor forces
+  eta * lambda >= 2 - 2 / ratio along the gradient (lambda the curvature there),
+  so a large ratio means the step sits at the edge of GD's stability region
+  eta * lambda < 2.  This ties the cap to the learning rate; it needs the loss
+  (a closure or batch) and a modelled optimizer, and is skipped otherwise.
+
+**Post-conditions (at).**  Invariance is checked, not assumed: the loss on the
+teleport batch (and on a held-out batch when given) must change by at most
+``loss_tol`` (relative; default 1e-10 in float64, 1e-5 in float32, 1e-2 in
+half precisions), and every moved tensor must be finite.  Otherwise the teleport
+is rolled back from a snapshot of the moved tensors and the report says why.
+
+**Watch (after).**  For ``watch_steps`` steps after an accepted teleport a
+snapshot of all parameters, buffers and optimizer state is kept.  If within that
+window a gradient is non-finite, the squared gradient norm exceeds
+``watch_factor`` times max(before, after the teleport), or the loss exceeds
+``watch_factor`` times its pre-teleport value, everything is restored to the
+pre-teleport point (the steps since are discarded), the trust region and caps
+are multiplied by ``backoff`` for later teleports, and a rollback report is
+issued.  ``watch_steps=0`` turns the watch (and its memory cost: one copy of the
+parameters and optimizer state) off.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+__all__ = ["SafetyConfig", "Snapshot", "default_loss_tol"]
+
+
+def default_loss_tol(dtype: torch.dtype) -> float:
+    """Relative loss change a loss-preserving teleport may show: 1e-10 (float64), 1e-5 (float32), 1e-2 otherwise."""
+    if dtype == torch.float64:
+        return 1e-10
+    if dtype == torch.float32:
+        return 1e-5
+    return 1e-2
+
+
+def _positive(value: Any, what: str, allow_none: bool = True) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{what} must be a positive finite number{' or None' if allow_none else ''}, got {value!r}")
+    return float(value)
+
+
+@dataclass
+class SafetyConfig:
+    """Safety settings of a :class:`~teleopt.teleport.Teleport` (see module docs)."""
+
+    max_gain: float | None = None
+    max_predicted_decrease: float | None = 8.0
+    loss_floor: float = 0.0
+    loss_tol: float | None = None
+    heldout_tol: float | None = None
+    watch_steps: int = 10
+    watch_factor: float = 10.0
+    backoff: float = 0.5
+
+    def __post_init__(self) -> None:
+        self.max_gain = _positive(self.max_gain, "max_gain")
+        if self.max_gain is not None and self.max_gain < 1:
+            raise ValueError(f"max_gain must be >= 1 (1 allows no gain), got {self.max_gain}")
+        self.max_predicted_decrease = _positive(self.max_predicted_decrease, "max_predicted_decrease")
+        if isinstance(self.loss_floor, bool) or not isinstance(self.loss_floor, (int, float)) or not math.isfinite(self.loss_floor):
+            raise ValueError(f"loss_floor must be a finite number, got {self.loss_floor!r}")
+        self.loss_tol = _positive(self.loss_tol, "loss_tol")
+        self.heldout_tol = _positive(self.heldout_tol, "heldout_tol")
+        if not isinstance(self.watch_steps, int) or isinstance(self.watch_steps, bool) or self.watch_steps < 0:
+            raise ValueError(f"watch_steps must be an int >= 0, got {self.watch_steps!r}")
+        self.watch_factor = _positive(self.watch_factor, "watch_factor", allow_none=False)  # type: ignore[assignment]
+        if not 0 < self.backoff <= 1:
+            raise ValueError(f"backoff must be in (0, 1], got {self.backoff!r}")
+
+
+class Snapshot:
+    """Copies of named tensors, and of the optimizer state and ``.grad`` of ``params``, to roll back to."""
+
+    def __init__(
+        self,
+        tensors: dict[str, Tensor],
+        optimizer: Optimizer | None = None,
+        params: list[Tensor] | None = None,
+        grads: bool = False,
+    ) -> None:
+        self.live = tensors
+        self.saved = {n: t.detach().clone() for n, t in tensors.items()}
+        self.optimizer = optimizer
+        self.state: dict[int, dict[str, Any]] = {}
+        self.params = params or []
+        self.grads = {i: p.grad.detach().clone() for i, p in enumerate(self.params) if grads and p.grad is not None}
+        if optimizer is not None:
+            for i, p in enumerate(self.params):
+                st = optimizer.state.get(p)
+                if st:
+                    self.state[i] = {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in st.items()}
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Copy everything back in place (tensor identity is kept)."""
+        for n, t in self.live.items():
+            t.copy_(self.saved[n])
+        for i, g in self.grads.items():
+            cur = self.params[i].grad
+            if cur is not None and cur.shape == g.shape:
+                cur.copy_(g)
+            else:
+                self.params[i].grad = g.clone()
+        if self.optimizer is None:
+            return
+        for i, p in enumerate(self.params):
+            saved = self.state.get(i)
+            if saved is None:
+                self.optimizer.state.pop(p, None)
+                continue
+            st = self.optimizer.state[p]
+            for k in [k for k in st if k not in saved]:
+                del st[k]
+            for k, v in saved.items():
+                cur = st.get(k)
+                if isinstance(v, Tensor) and isinstance(cur, Tensor) and cur.shape == v.shape:
+                    cur.copy_(v)
+                else:
+                    st[k] = v.clone() if isinstance(v, Tensor) else v
+
+    def to_state(self) -> dict[str, Any]:
+        """Plain data for ``state_dict`` (tensors, ints, floats, strings only)."""
+        return {"tensors": dict(self.saved), "state": {i: dict(s) for i, s in self.state.items()}}
+
+    @classmethod
+    def from_state(cls, data: dict[str, Any], tensors: dict[str, Tensor], optimizer: Optimizer, params: list[Tensor]) -> Snapshot:
+        """Rebuild a snapshot saved by :meth:`to_state` against the live tensors."""
+        snap = cls.__new__(cls)
+        snap.live = {n: tensors[n] for n in data["tensors"]}
+        snap.saved = {n: v.to(device=tensors[n].device, dtype=tensors[n].dtype) for n, v in data["tensors"].items()}
+        snap.optimizer = optimizer
+        snap.params = params
+        snap.state = {}
+        snap.grads = {}
+        for i, st in data["state"].items():
+            p = params[int(i)]
+            snap.state[int(i)] = {
+                k: (v.to(device=p.device, dtype=p.dtype) if isinstance(v, Tensor) and v.is_floating_point() and k != "step" else v)
+                for k, v in st.items()
+            }
+        return snap

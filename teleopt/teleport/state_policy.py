@@ -1,0 +1,236 @@
+"""What a teleport does to the base optimizer's per-parameter state.
+
+After a teleport the optimizer continues from g . w, and its state must describe
+that point consistently (papers/001 Sec. 5.4.1 compares teleporting momentum,
+keeping it and resetting it).  Each state tensor gets one policy:
+
+``"transport"``
+    the exact covector rule: first moments (SGD momentum, Adam's ``exp_avg``,
+    RMSprop's ``grad_avg``) move like gradients, (J^{-1})^T m; elementwise second
+    moments (Adam's ``exp_avg_sq``/``max_exp_avg_sq``, Adagrad's ``sum``,
+    RMSprop's ``square_avg``) move by the squared rule, which exists only for
+    scalings, sign flips and permutations.  Where no exact rule exists (second
+    moments under GL, anything under a data-dependent or learned action) the
+    *fallback* policy applies and the report says so.
+``"reset"``
+    the value a fresh optimizer would start from.  Resetting a second moment of a
+    bias-corrected optimizer (Adam family) also resets that parameter's first
+    moment and step count, since a zero second moment under an old step count
+    makes the bias correction blow the next update up by 1/sqrt(1 - beta2)
+    (about 30x for beta2 = 0.999).  Adagrad's ``sum`` resets to its
+    ``initial_accumulator_value``.
+``"keep"``
+    leave the tensor as it is.  Step counts and per-step diagnostics are always kept
+    unless a reset above applies.
+
+Defaults: transport first and second moments, except Adagrad's ``sum``, which is
+kept (benchmarks/teleport_mlp.py: on the papers' MLP regression, keeping the sum
+reaches AdaGrad's final loss about twice as fast as transporting it, because the
+transported sum makes AdaGrad's next update the same vector as before the
+teleport); fallback when no exact rule: reset first moments, keep second moments (a kept second moment has the right
+magnitude, a reset one makes an adaptive optimizer's next step a sign step);
+RMSprop's momentum buffer, which holds updates rather than covectors, is reset.
+Policies are given per state key (``{"sum": "keep"}``) or per role
+(``{"second_moment": "keep"}``) or as one string for all.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Adagrad, Optimizer
+
+from teleopt.site import Site
+from teleopt.teleport.optimizer_model import StateRole, state_role
+from teleopt.teleport.transport import transport
+
+__all__ = ["StatePolicy", "POLICIES", "MovedState"]
+
+POLICIES = ("transport", "reset", "keep")
+_ROLES = ("first_moment", "second_moment", "step", "derived", "update", "unknown")
+_DEFAULT: dict[str, str] = {
+    "first_moment": "transport",
+    "second_moment": "transport",
+    "step": "keep",
+    "derived": "keep",
+    "update": "reset",
+    "unknown": "keep",
+}
+_DEFAULT_FALLBACK: dict[str, str] = {"first_moment": "reset", "second_moment": "keep", "update": "reset", "unknown": "keep"}
+
+
+def _check_spec(spec: str | Mapping[str, str] | None, what: str) -> dict[str, str]:
+    if spec is None:
+        return {}
+    if isinstance(spec, str):
+        if spec not in POLICIES:
+            raise ValueError(f"{what} must be one of {POLICIES} or a dict of them, got {spec!r}")
+        return {role: spec for role in ("first_moment", "second_moment", "update")}
+    if not isinstance(spec, Mapping):
+        raise TypeError(f"{what} must be a string or a dict (state key or role -> policy), got {type(spec).__name__}")
+    out = {}
+    for key, value in spec.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{what}: keys must be state keys or roles (strings), got {key!r}")
+        if value not in POLICIES:
+            raise ValueError(f"{what}[{key!r}] must be one of {POLICIES}, got {value!r}")
+        out[key] = value
+    return out
+
+
+@dataclass
+class MovedState:
+    """The optimizer state at g . w for the site parameters (not yet written back).
+
+    ``values[name][key]`` is the new tensor (or Python number for int step counts),
+    ``decisions[name][key]`` the policy that produced it (``"fallback:reset"`` etc.
+    when no exact rule existed).
+    """
+
+    values: dict[str, dict[str, Any]] = field(default_factory=dict)
+    decisions: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+class StatePolicy:
+    """Per-state-tensor policies for a teleport (see module docs).
+
+    Parameters
+    ----------
+    policy:
+        ``"transport"``/``"reset"``/``"keep"`` for every moment, or a dict from state
+        keys or roles to policies; unspecified entries take the defaults.
+    fallback:
+        Policies used where ``"transport"`` has no exact rule (same forms).
+    """
+
+    def __init__(self, policy: str | Mapping[str, str] | None = None, fallback: str | Mapping[str, str] | None = None) -> None:
+        self.policy = _check_spec(policy, "state_policy")
+        self.fallback = _check_spec(fallback, "state_fallback")
+        for key, value in self.fallback.items():
+            if value == "transport":
+                raise ValueError(f"state_fallback[{key!r}] cannot be 'transport': it applies where no exact rule exists")
+        self._warned: set[str] = set()
+
+    def resolve(self, key: str, role: StateRole, optimizer: Optimizer | None = None) -> str:
+        """The policy for state entry ``key`` with ``role`` (of ``optimizer``, for per-optimizer defaults)."""
+        if key in self.policy:
+            return self.policy[key]
+        if role in self.policy:
+            return self.policy[role]
+        if key == "sum" and isinstance(optimizer, Adagrad):
+            return "keep"
+        return _DEFAULT[role]
+
+    def resolve_fallback(self, key: str, role: StateRole) -> str:
+        """The policy used for ``key`` where transport has no exact rule."""
+        return self.fallback.get(key, self.fallback.get(role, _DEFAULT_FALLBACK.get(role, "keep")))
+
+    def describe(self) -> dict[str, str]:
+        """Effective policy per role (for reports and docs)."""
+        return {role: self.resolve(role, role) for role in _ROLES}  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------------------
+    def move(
+        self,
+        optimizer: Optimizer,
+        sites: Sequence[Site],
+        elements: Sequence[Tensor],
+        states: Mapping[str, Mapping[str, Any]],
+        like: Mapping[str, Tensor],
+        groups: Mapping[str, dict[str, Any]],
+    ) -> MovedState:
+        """The state of every site parameter at g . w (differentiable in the elements).
+
+        ``states`` maps parameter names to their optimizer state (names without
+        state are skipped), ``groups`` parameter names to their param group.
+        """
+        roles: dict[str, dict[str, StateRole]] = {}
+        by_role: dict[str, dict[str, Tensor]] = {"first_moment": {}, "second_moment": {}}
+        for name, st in states.items():
+            roles[name] = {}
+            for key, value in st.items():
+                role = state_role(optimizer, key)
+                roles[name][key] = role
+                if role == "unknown" and key not in self._warned and self.resolve(key, role, optimizer) == "keep" and key not in self.policy:
+                    self._warned.add(key)
+                    warnings.warn(
+                        f"Teleport: optimizer state entry {key!r} of {type(optimizer).__name__} has no known role; it is "
+                        "kept unchanged by teleports (pass state_policy={" + repr(key) + ": 'reset'} to reset it)",
+                        stacklevel=3,
+                    )
+                if role in by_role and isinstance(value, Tensor) and self.resolve(key, role, optimizer) == "transport":
+                    by_role[role][f"{name}\x00{key}"] = value
+        moved: dict[str, dict[str, Tensor]] = {}
+        no_rule: dict[str, set[str]] = {}
+        for role, kind in (("first_moment", "covector"), ("second_moment", "second_moment")):
+            # transport() works on tensor names; one state key at a time
+            keys = {k.split("\x00", 1)[1] for k in by_role[role]}
+            for key in keys:
+                values = {k.split("\x00", 1)[0]: v for k, v in by_role[role].items() if k.endswith("\x00" + key)}
+                out, missing = transport(sites, elements, values, like, kind)  # type: ignore[arg-type]
+                moved[key] = out
+                no_rule[key] = missing
+        result = MovedState()
+        for name, st in states.items():
+            vals: dict[str, Any] = {}
+            dec: dict[str, str] = {}
+            fresh = False
+            for key, value in st.items():
+                role = roles[name][key]
+                policy = self.resolve(key, role, optimizer)
+                if policy == "transport" and role in ("first_moment", "second_moment") and isinstance(value, Tensor):
+                    if name in no_rule.get(key, set()):
+                        policy = self.resolve_fallback(key, role)
+                        dec[key] = "fallback:" + policy
+                    else:
+                        vals[key] = moved[key][name]
+                        dec[key] = "transport"
+                        continue
+                elif policy == "transport":
+                    # steps, diagnostics, update buffers and unknown entries have no covector rule
+                    policy = self.resolve_fallback(key, role) if role in ("update", "unknown") else "keep"
+                    dec[key] = "fallback:" + policy if role in ("update", "unknown") else policy
+                else:
+                    dec[key] = policy
+                if policy == "reset":
+                    vals[key] = self._fresh(optimizer, groups[name], key, value)
+                    if role == "second_moment" and "step" in st and "exp_avg" in st and not isinstance(optimizer, Adagrad):
+                        fresh = True
+                else:
+                    vals[key] = value
+            if fresh:
+                for key, value in st.items():
+                    if roles[name][key] in ("first_moment", "second_moment", "step"):
+                        vals[key] = self._fresh(optimizer, groups[name], key, value)
+                        if not dec[key].endswith("reset"):
+                            dec[key] = "reset:bias-correction"
+            result.values[name] = vals
+            result.decisions[name] = dec
+        return result
+
+    @staticmethod
+    def _fresh(optimizer: Optimizer, group: dict[str, Any], key: str, value: Any) -> Any:
+        if not isinstance(value, Tensor):
+            return type(value)(0) if isinstance(value, (int, float)) else value
+        if key == "sum" and isinstance(optimizer, Adagrad):
+            return torch.full_like(value, float(group.get("initial_accumulator_value", 0.0)))
+        return torch.zeros_like(value)
+
+    @staticmethod
+    @torch.no_grad()
+    def write(states: Mapping[str, dict[str, Any]], moved: MovedState) -> None:
+        """Write moved values into the real optimizer state in place (tensor identity kept)."""
+        for name, vals in moved.values.items():
+            st = states[name]
+            for key, value in vals.items():
+                old = st[key]
+                if isinstance(old, Tensor) and isinstance(value, Tensor):
+                    if value is not old:
+                        old.copy_(value.detach())
+                else:
+                    st[key] = value

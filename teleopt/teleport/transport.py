@@ -1,0 +1,98 @@
+"""Moving named tensors along a list of sites: parameters, covectors and second moments.
+
+A teleport applies one element per site.  Sites may overlap: two positive
+rescalings of adjacent hidden layers share the middle weight matrix (rows by one,
+columns by the other), and a residual stream ties many tensors.  The composition
+order is fixed and documented: **sites act in list order, each on the result of
+the sites before it** (``g = g_n ... g_2 g_1``).  For linear actions on different
+axes of a shared tensor (the usual overlap) the order does not matter, since left
+and right multiplication commute; for actions on the same axis it does.
+
+With this order, the three kinds of tensors a teleport moves follow one rule each
+(papers/001 Prop. 4.5.1, eq. 4.19):
+
+* parameters (and buffers that are site members): ``action.act``;
+* covectors (gradients, first moments): ``action.transport_gradient``;
+* elementwise second moments: ``action.transport_second_moment`` (exact for
+  scalings, signs and permutations; ``None`` otherwise, reported as "no rule").
+
+Covectors of sites without a constant Jacobian (data-dependent, learned) have no
+closed-form rule either and are reported the same way.
+
+Members absent from the mapping (a buffer has no gradient, a fresh optimizer has
+no state yet) are transported as zeros and left out of the result.  A tensor may
+appear as several members of one site when they act on disjoint slices of it (q
+and k rows of a fused ``qkv`` projection): each member's output differs from the
+input only in its slice, so the results are merged as x + sum_i (out_i - x).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from teleopt.site import Site
+
+__all__ = ["transport", "TensorKind"]
+
+TensorKind = Literal["params", "covector", "second_moment"]
+
+
+def transport(
+    sites: Sequence[Site],
+    elements: Sequence[Tensor],
+    values: Mapping[str, Tensor],
+    like: Mapping[str, Tensor],
+    kind: TensorKind,
+) -> tuple[dict[str, Tensor], set[str]]:
+    """Move ``values`` (tensor name -> tensor) along ``sites`` in list order.
+
+    ``like`` maps every member name to a tensor of its shape (the live tensor) for
+    members absent from ``values``.  Only data-independent actions are moved here
+    (data-dependent sites are applied by the general path, which computes each
+    site's batch input at the parameters the sites before it produced).
+
+    Returns the moved mapping and the names for which some site had no exact rule
+    (second moments under GL, covectors under non-linear actions); those keep the
+    value they had before that site.
+    """
+    out = dict(values)
+    no_rule: set[str] = set()
+    for site, g in zip(sites, elements):
+        names = site.members
+        if not any(n is not None and n in out for n in names):
+            continue
+        vals = tuple(None if n is None else (out[n] if n in out else torch.zeros_like(like[n])) for n in names)
+        if kind == "params":
+            new = site.action.act(g, vals)
+        elif kind == "covector":
+            if not site.action.has_gradient_transport:
+                no_rule.update(n for n in names if n is not None and n in values)
+                continue
+            new = site.action.transport_gradient(g, vals)
+        else:
+            moved = site.action.transport_second_moment(g, vals)
+            if moved is None:
+                no_rule.update(n for n in names if n is not None and n in values)
+                continue
+            new = moved
+        for n, v in _merged(names, vals, new).items():
+            if n in values:
+                out[n] = v
+    return out, no_rule
+
+
+def _merged(names: Sequence[str | None], inputs: Sequence[Tensor | None], outputs: Sequence[Tensor | None]) -> dict[str, Tensor]:
+    """Outputs by tensor name; members sharing a tensor (disjoint slices) are merged."""
+    merged: dict[str, Tensor] = {}
+    for n, x, y in zip(names, inputs, outputs):
+        if n is None or y is None:
+            continue
+        if n in merged:
+            merged[n] = merged[n] + (y - x)  # type: ignore[operator]
+        else:
+            merged[n] = y
+    return merged

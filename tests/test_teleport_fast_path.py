@@ -1,0 +1,329 @@
+"""Fast path: closed-form transport over group coordinates (papers/001 Prop. 4.5.1), tested in float64.
+
+Tolerances: exact symmetries in float64 reach ~1e-15 relative error; with scales in
+[1/4, 4] and GL elements of condition number < 10 the error stays below 1e-12, so
+1e-10 (teleopt.testing.default_rtol) leaves margin while catching any real error
+(a wrong exponent or a first-order inverse gives 1e-3 or more).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from torch import nn
+
+from teleopt import AxisAction, Member, Site, get_action
+from teleopt.teleport import SafetyConfig, Teleport
+from teleopt.teleport.fast_path import GradientNormModel
+from teleopt.teleport.transport import transport
+from teleopt.testing import assert_close, seeds
+
+RTOL = 1e-10
+LEAKY = get_action("positive_rescaling", activation="leaky_relu", negative_slope=0.1)
+
+
+def mlp(seed: int = 0, bias: bool = True) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(5, 6, bias=bias), nn.LeakyReLU(0.1), nn.Linear(6, 7, bias=bias), nn.LeakyReLU(0.1), nn.Linear(7, 3)
+    ).double()
+
+
+def rescaling_sites(bias: bool = True) -> list[Site]:
+    return [
+        Site(LEAKY, ("0.weight", "0.bias" if bias else None, "2.weight")),
+        Site(LEAKY, ("2.weight", "2.bias" if bias else None, "4.weight")),
+    ]
+
+
+def data(seed: int = 1, n: int = 16):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 5, generator=gen, dtype=torch.float64), torch.randn(n, 3, generator=gen, dtype=torch.float64)
+
+
+def mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def true_gradients(model, x, y):
+    model.zero_grad()
+    loss = mse(model(x), y)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_fast_teleport_is_exact_and_moves_grad_to_the_new_gradient():
+    model = mlp()
+    x, y = data()
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, rescaling_sites())
+    loss, _ = true_gradients(model, x, y)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    report = opt.teleport()
+    assert report.accepted and report.path == "fast"
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    moved = {n: p.grad.clone() for n, p in model.named_parameters()}
+    new_loss, fresh = true_gradients(model, x, y)
+    assert abs(new_loss - loss) <= RTOL * loss
+    for n in fresh:
+        assert_close(moved[n], fresh[n], RTOL, f"transported .grad of {n}")
+    assert report.gain > 1 and report.grad_norm_after == pytest.approx(
+        math.sqrt(sum(float(g.square().sum()) for g in fresh.values())), rel=1e-10
+    )
+
+
+def test_teleport_with_closure_verifies_the_loss():
+    model = mlp()
+    x, y = data()
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, rescaling_sites())
+
+    def closure():
+        opt.zero_grad()
+        loss = mse(model(x), y)
+        loss.backward()
+        return loss
+
+    report = opt.teleport(closure)
+    assert report.accepted
+    assert report.loss_drift is not None and report.loss_drift <= RTOL
+
+
+def _gl(name: str, members: tuple[Member, ...], **kw) -> AxisAction:
+    return AxisAction(name, "general", members, **kw)
+
+
+def _site_configs():
+    """(sites, tensors) exercising each reduction and the explicit fallback."""
+    gen = torch.Generator().manual_seed(7)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    scaling = get_action("positive_rescaling", activation="relu")
+    relu_sq = get_action("positive_rescaling", activation="relu_power", alpha=2.0)
+    gl = get_action("gl_linear")
+    tensors = {"w1": r(6, 5), "b1": r(6), "w2": r(7, 6), "b2": r(7), "w3": r(3, 7), "conv": r(6, 4, 3, 3)}
+    qkv = AxisAction(
+        "fused_qk",
+        "general",
+        (Member("Q", 0, 1, start=0, stop=4), Member("K", 0, -1, start=4, stop=8)),
+        blocks=2,
+    )
+    tensors["qkv"] = r(12, 5)
+    return [
+        ("overlapping scalings", [Site(scaling, ("w1", "b1", "w2")), Site(relu_sq, ("w2", "b2", "w3"))]),
+        ("scaling on conv", [Site(AxisAction("c", "diagonal", (Member("W", 0), Member("V", 1, -1))), ("conv", "w2"))]),
+        ("single GL", [Site(gl, ("w1", "b1", "w2"))]),
+        ("two GL on one tensor", [Site(gl, ("w1", "b1", "w2")), Site(gl, ("w2", "b2", "w3"))]),
+        ("fused qkv slices", [Site(qkv, ("qkv", "qkv"))]),
+        ("GL beside scaling", [Site(gl, ("w1", "b1", "w2")), Site(scaling, ("w2", "b2", "w3"))]),
+    ], tensors
+
+
+CONFIGS, TENSORS = _site_configs()
+
+
+@settings(deadline=None, max_examples=10)
+@given(seed=seeds())
+@example(seed=0)
+@pytest.mark.parametrize("label,sites", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_reduced_gradient_norm_equals_explicit_transport(label, sites, seed):
+    gen = torch.Generator().manual_seed(seed)
+    names = {n for s in sites for n in s.tensor_names}
+    like = {n: TENSORS[n] for n in names}
+    grads = {n: torch.randn(TENSORS[n].shape, generator=gen, dtype=torch.float64) for n in names}
+    model = GradientNormModel(sites, grads, like)
+    elements = []
+    for s in sites:
+        group = s.action.group(tuple(None if n is None else like[n] for n in s.members))
+        coords = torch.randn(group.coord_shape, generator=gen, dtype=torch.float64) * 0.3
+        elements.append(s.action.exp(coords, tuple(None if n is None else like[n] for n in s.members)))
+    moved, _ = transport(sites, elements, grads, like, "covector")
+    explicit = sum(float(t.square().sum()) for t in moved.values())
+    assert float(model.value(elements)) == pytest.approx(explicit, rel=1e-12)
+
+
+def test_reductions_are_used_where_they_apply():
+    sites = dict(CONFIGS)
+    like = TENSORS
+
+    def model_for(label):
+        s = sites[label]
+        names = {n for site in s for n in site.tensor_names}
+        return GradientNormModel(s, {n: like[n] for n in names}, like)
+
+    assert not model_for("overlapping scalings").explicit
+    assert not model_for("single GL").explicit
+    assert model_for("two GL on one tensor").explicit
+    assert model_for("fused qkv slices").explicit
+
+
+def test_fused_slices_transport_like_separate_tensors():
+    """Members sharing a tensor on disjoint slices compose like the same action on split tensors."""
+    gen = torch.Generator().manual_seed(3)
+    qkv = TENSORS["qkv"]
+    fused = dict(CONFIGS)["fused qkv slices"][0]
+    split = AxisAction("split_qk", "general", (Member("Q", 0, 1), Member("K", 0, -1)), blocks=2)
+    g = fused.action.exp(torch.randn(2, 2, 2, generator=gen, dtype=torch.float64) * 0.5, (qkv, qkv))
+    moved, _ = transport([fused], [g], {"qkv": qkv}, {"qkv": qkv}, "params")
+    q, k = split.act(g, (qkv[:4], qkv[4:8]))
+    assert_close(moved["qkv"], torch.cat([q, k, qkv[8:]]), RTOL, "fused qkv")
+
+
+def test_overlapping_sites_compose_in_list_order():
+    """Sites act in list order on the result of the sites before; scalings on different axes commute."""
+    gl = get_action("gl_linear")
+    w = {"w1": TENSORS["w1"], "b1": TENSORS["b1"], "w2": TENSORS["w2"]}
+    gen = torch.Generator().manual_seed(5)
+    params = (w["w1"], w["b1"], w["w2"])
+    g1 = gl.exp(torch.randn(6, 6, generator=gen, dtype=torch.float64) * 0.3, params)
+    g2 = gl.exp(torch.randn(6, 6, generator=gen, dtype=torch.float64) * 0.3, params)
+    site = Site(gl, ("w1", "b1", "w2"))
+    moved, _ = transport([site, site], [g1, g2], w, w, "params")
+    expected = gl.act(gl.compose(g2, g1), params)
+    for n, e in zip(("w1", "b1", "w2"), expected):
+        assert_close(moved[n], e, RTOL, f"{n} after g1 then g2")
+    swapped, _ = transport([site, site], [g2, g1], w, w, "params")
+    assert (swapped["w1"] - moved["w1"]).abs().max() > 1e-3  # GL on one axis: the order matters
+
+    sites = rescaling_sites(bias=False)
+    model = mlp(bias=False)
+    live = {n: p.detach() for n, p in model.named_parameters()}
+    c1 = torch.exp(torch.randn(6, generator=gen, dtype=torch.float64))
+    c2 = torch.exp(torch.randn(7, generator=gen, dtype=torch.float64))
+    a, _ = transport(sites, [c1, c2], live, live, "params")
+    b, _ = transport(sites[::-1], [c2, c1], live, live, "params")
+    for n in a:
+        assert_close(a[n], b[n], RTOL, f"{n}: scalings of rows and columns commute")
+
+
+def _adam_setup(action_sites, state_policy=None):
+    model = mlp()
+    x, y = data()
+    base = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = Teleport(base, model, action_sites, state_policy=state_policy, ascent_steps=20)
+    for _ in range(3):
+        opt.zero_grad()
+        mse(model(x), y).backward()
+        opt.step()
+    opt.zero_grad()
+    mse(model(x), y).backward()
+    return model, base, opt
+
+
+def test_adam_state_is_transported_exactly_for_scalings():
+    sites = rescaling_sites()
+    model, base, opt = _adam_setup(sites)
+    params = dict(model.named_parameters())
+    old = {n: {k: v.clone() for k, v in base.state[p].items()} for n, p in params.items()}
+    report = opt.teleport()
+    assert report.accepted
+    elements = [report.elements[s.name] for s in sites]
+    like = {n: p.detach() for n, p in params.items()}
+    m, _ = transport(sites, elements, {n: old[n]["exp_avg"] for n in params}, like, "covector")
+    v, _ = transport(sites, elements, {n: old[n]["exp_avg_sq"] for n in params}, like, "second_moment")
+    for n, p in params.items():
+        assert_close(base.state[p]["exp_avg"], m[n], RTOL, f"exp_avg of {n}")
+        assert_close(base.state[p]["exp_avg_sq"], v[n], RTOL, f"exp_avg_sq of {n}")
+        assert torch.equal(base.state[p]["step"], old[n]["step"])
+    assert report.state_decisions["transport"] > 0
+
+
+def test_gl_second_moments_fall_back_and_are_reported():
+    model = mlp()
+    gl = get_action("gl_linear")
+    model[1] = nn.Identity()  # linear between layer 0 and 2: GL_6 is exact
+    x, y = data()
+    base = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = Teleport(base, model, [Site(gl, ("0.weight", "0.bias", "2.weight"))], ascent_steps=10)
+    for _ in range(2):
+        opt.zero_grad()
+        mse(model(x), y).backward()
+        opt.step()
+    opt.zero_grad()
+    mse(model(x), y).backward()
+    w2 = model[2].weight
+    v_before = base.state[w2]["exp_avg_sq"].clone()
+    report = opt.teleport()
+    assert report.accepted
+    assert report.state_decisions.get("fallback:keep", 0) >= 3  # exp_avg_sq of 0.weight, 0.bias, 2.weight
+    assert torch.equal(base.state[w2]["exp_avg_sq"], v_before)
+
+
+def test_reset_policy_gives_a_fresh_adam_state():
+    model, base, opt = _adam_setup(rescaling_sites(), state_policy={"exp_avg_sq": "reset"})
+    report = opt.teleport()
+    assert report.accepted
+    w = model[0].weight
+    assert float(base.state[w]["exp_avg_sq"].abs().max()) == 0.0
+    assert float(base.state[w]["exp_avg"].abs().max()) == 0.0  # reset with it: bias correction restarts
+    assert float(base.state[w]["step"]) == 0.0
+    assert report.state_decisions["reset:bias-correction"] > 0
+
+
+def test_adagrad_sum_is_kept_by_default_and_transported_on_request():
+    for policy, expect_same in ((None, True), ({"sum": "transport"}, False)):
+        model = mlp()
+        x, y = data()
+        base = torch.optim.Adagrad(model.parameters(), lr=0.01)
+        opt = Teleport(base, model, rescaling_sites(), state_policy=policy)
+        opt.zero_grad()
+        mse(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        mse(model(x), y).backward()
+        w = model[2].weight
+        before = base.state[w]["sum"].clone()
+        assert opt.teleport().accepted
+        assert torch.equal(base.state[w]["sum"], before) is expect_same
+
+
+def test_trust_region_bounds_the_log_scales():
+    model = mlp()
+    x, y = data()
+    r = 0.3
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, rescaling_sites(), trust_region=r)
+    true_gradients(model, x, y)
+    report = opt.teleport()
+    assert report.accepted
+    for s in opt.sites:
+        assert float(report.elements[s.name].log().abs().max()) <= r + 1e-12
+    assert max(report.coordinate_norms.values()) == pytest.approx(r)  # the gradient norm pins the boundary
+
+
+def test_gain_cap_holds():
+    model = mlp()
+    x, y = data()
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        model,
+        rescaling_sites(),
+        trust_region=3.0,
+        safety=SafetyConfig(max_gain=2.0, max_predicted_decrease=None),
+    )
+    true_gradients(model, x, y)
+    report = opt.teleport()
+    assert report.accepted and report.shrink < 1
+    assert 1.0 < report.gain <= 2.0
+
+
+def test_predicted_decrease_cap_ties_the_gain_to_the_learning_rate():
+    """With the loss known, lr * ||grad'||^2 <= ratio * (L - floor) for SGD."""
+    model = mlp()
+    x, y = data()
+    lr, ratio = 0.5, 0.5
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=lr),
+        model,
+        rescaling_sites(),
+        trust_region=3.0,
+        loss_fn=mse,
+        safety=SafetyConfig(max_predicted_decrease=ratio),
+    )
+    true_gradients(model, x, y)
+    report = opt.teleport(batch=(x, y))
+    assert report.accepted
+    assert lr * report.grad_norm_after**2 <= ratio * report.loss_before * (1 + 1e-9)
+    assert report.shrink < 1
