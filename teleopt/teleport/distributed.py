@@ -8,9 +8,11 @@ rank-consistent by
   its own gradients, which DDP already made identical; the broadcast removes any
   doubt, e.g. data-dependent objectives on per-rank batches), so every rank
   applies the same element with the same deterministic arithmetic;
-* broadcasting the moved tensors of data-dependent sites from rank 0 (their
-  action depends on the rank's batch) and averaging fresh gradients computed at
-  the teleported point over ranks, as DDP would;
+* evaluating general-path teleports on rank 0's batch everywhere (a
+  data-dependent action is exact on the batch it was computed for, so every rank
+  must use the same one), broadcasting the moved tensors from rank 0 as a
+  guard, and averaging fresh gradients at the teleported point over ranks, as DDP
+  would;
 * taking the accept/rollback decision jointly (any rank rejects: all roll back).
 
 FSDP shards parameters across ranks, so a site's tensors are not whole on any
@@ -21,12 +23,13 @@ clear error instead of teleporting a shard.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["is_distributed", "unwrap", "check_not_fsdp", "broadcast_", "all_reduce_mean_", "any_rank"]
+__all__ = ["is_distributed", "unwrap", "check_not_fsdp", "broadcast_", "broadcast_batch", "all_reduce_mean_", "any_rank"]
 
 
 def is_distributed() -> bool:
@@ -75,6 +78,25 @@ def broadcast_(tensors: Sequence[Tensor], src: int = 0) -> None:
         dist.broadcast(buf, src=src)
         if buf.data_ptr() != t.data_ptr():
             t.copy_(buf)
+
+
+@torch.no_grad()
+def broadcast_batch(batch: tuple[tuple[Any, ...], Any], src: int = 0) -> tuple[tuple[Any, ...], Any]:
+    """Rank ``src``'s teleport batch on every rank (tensors of the same shape on all ranks)."""
+    if not is_distributed():
+        return batch
+
+    def bcast(x: Any) -> Any:
+        if isinstance(x, Tensor):
+            buf = x.detach().clone().contiguous()
+            dist.broadcast(buf, src=src)
+            return buf
+        if isinstance(x, (tuple, list)):
+            return type(x)(bcast(v) for v in x)
+        return x
+
+    inputs, target = batch
+    return bcast(inputs), bcast(target)
 
 
 @torch.no_grad()

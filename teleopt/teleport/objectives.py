@@ -26,8 +26,9 @@ batch) and maximised or minimised by projected ascent on the coordinates
 ``Curvature`` (``"curvature"``)
     psi(w, k) = mean_i kappa(gamma_{M_i}, 0) (eq. 5.2), the curvature of the
     orbit curves gamma_M(t) = exp(t M) . w for k random Lie algebra elements,
-    with gamma' and gamma'' from nested ``torch.func.jvp`` vectorised over the k
-    curves with ``torch.func.vmap``.  No loss is involved, so exact sites need no
+    with gamma' and gamma'' from nested ``torch.func.jvp``, vectorised over the k
+    curves with ``torch.func.vmap`` (for axis actions; data-dependent and learned
+    actions check their inputs by value, so their curves are looped).  No loss is involved, so exact sites need no
     batch.  Increase by default (Sec. 5.3: larger curvature, lower test loss).
 """
 
@@ -39,6 +40,9 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
+
+from teleopt.actions.axis import AxisAction
+from teleopt.teleport.transport import transport
 
 __all__ = [
     "Objective",
@@ -201,13 +205,17 @@ class Curvature(Objective):
     def value(self, evaluator: Any, elements: Sequence[Tensor], prepared: list[Tensor]) -> Tensor:
         sites = evaluator.sites
         like = evaluator.like
+        vectorised = all(isinstance(s.action, AxisAction) for s in sites)
 
         def curve(t: Tensor, Ms: Sequence[Tensor]) -> Tensor:
             moved = []
             for site, M, g in zip(sites, Ms, elements):
                 params = tuple(None if n is None else like[n] for n in site.members)
-                moved.append(site.action.compose(site.action.exp(t * M, params), g))
-            pts = evaluator.site_params(moved)
+                moved.append(site.action.compose(site.action.group(params).exp(t * M), g))
+            if vectorised:
+                pts, _ = transport(sites, moved, like, like, "params", validate=False)
+            else:
+                pts = evaluator.site_params(moved)
             return torch.cat([pts[n].reshape(-1).to(torch.float64) for n in sorted(pts)])
 
         def derivatives(*Ms: Tensor) -> tuple[Tensor, Tensor]:
@@ -217,14 +225,18 @@ class Curvature(Objective):
             def velocity(t: Tensor) -> Tensor:
                 return torch.func.jvp(lambda s: curve(s, Ms), (t,), (one,))[1]
 
-            v, a = torch.func.jvp(velocity, (t0,), (one,))
-            return v, a
+            return torch.func.jvp(velocity, (t0,), (one,))
 
-        v, a = torch.func.vmap(derivatives)(*prepared)
+        if vectorised:
+            v, a = torch.func.vmap(derivatives)(*prepared)
+        else:  # actions with value-dependent checks (data-dependent, learned) cannot be vmapped
+            pairs = [derivatives(*(M[i] for M in prepared)) for i in range(self.curves)]
+            v, a = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
         vv = (v * v).sum(-1)
         aa = (a * a).sum(-1)
         va = (v * a).sum(-1)
-        kappa = (vv * aa - va * va).clamp_min(0).sqrt() / vv.clamp_min(torch.finfo(torch.float64).tiny) ** 1.5
+        tiny = torch.finfo(torch.float64).tiny
+        kappa = (vv * aa - va * va).clamp_min(tiny).sqrt() / vv.clamp_min(tiny) ** 1.5
         return kappa.mean()
 
 

@@ -404,6 +404,8 @@ class Teleport(OptimizerWrapper):
                 f"{needs} need(s) a teleport batch (the general path evaluates the model on it): pass "
                 "teleport(batch=(inputs, target)) or Teleport(..., batch_fn=...)"
             )
+        if batch is not None and path != "fast":
+            batch = distributed.broadcast_batch(batch)
         ctx = TeleportContext.build(self._module, self._base, self._policy)
         # the loss the post-condition compares: on the teleport batch when there is one, else the closure's
         fmodel = None if batch is None else FunctionalModel(self._module, self._loss_fn)
@@ -592,14 +594,14 @@ class Teleport(OptimizerWrapper):
         if path != "fast" and closure is not None:
             with _buffers_restored(self._module):
                 loss = self._run_closure(closure)
-            if fmodel is None:
+            if fmodel is None and loss is not None:
                 loss_after = float(loss)
         elif path != "fast" and fmodel is not None:
             self._fresh_gradients(ctx, fmodel, batch)
         elif closure is not None and fmodel is None:
             with _buffers_restored(self._module):
                 loss = self._run_closure(closure)
-            loss_after = float(loss)
+            loss_after = None if loss is None else float(loss)
         report.loss_after = loss_after
         if report.loss_before is not None and loss_after is not None:
             drift = abs(loss_after - report.loss_before) / max(abs(report.loss_before), 1e-300)

@@ -34,6 +34,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from teleopt.actions.axis import AxisAction
 from teleopt.site import Site
 
 __all__ = ["transport", "TensorKind"]
@@ -47,6 +48,7 @@ def transport(
     values: Mapping[str, Tensor],
     like: Mapping[str, Tensor],
     kind: TensorKind,
+    validate: bool = True,
 ) -> tuple[dict[str, Tensor], set[str]]:
     """Move ``values`` (tensor name -> tensor) along ``sites`` in list order.
 
@@ -58,6 +60,10 @@ def transport(
     Returns the moved mapping and the names for which some site had no exact rule
     (second moments under GL, covectors under non-linear actions); those keep the
     value they had before that site.
+
+    ``validate=False`` skips the element checks of :class:`~teleopt.actions.axis.AxisAction`
+    (they branch on tensor values, which ``torch.func.vmap`` cannot batch); only for
+    elements built by ``exp`` inside teleopt.
     """
     out = dict(values)
     no_rule: set[str] = set()
@@ -67,7 +73,7 @@ def transport(
             continue
         vals = tuple(None if n is None else (out[n] if n in out else torch.zeros_like(like[n])) for n in names)
         if kind == "params":
-            new = site.action.act(g, vals)
+            new = site.action.act(g, vals) if validate or not isinstance(site.action, AxisAction) else _axis_act(site.action, g, vals)
         elif kind == "covector":
             if not site.action.has_gradient_transport:
                 no_rule.update(n for n in names if n is not None and n in values)
@@ -83,6 +89,15 @@ def transport(
             if n in values:
                 out[n] = v
     return out, no_rule
+
+
+def _axis_act(action: AxisAction, g: Tensor, params: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+    """g . params for an axis action, without validating g (vmap-compatible)."""
+    group = action.group(params)
+    return tuple(
+        None if p is None else m.transform(p, lambda part, axis, power=m.power: group.act_on_axis(g, part, axis, power))
+        for m, p in zip(action.members, params)
+    )
 
 
 def _merged(names: Sequence[str | None], inputs: Sequence[Tensor | None], outputs: Sequence[Tensor | None]) -> dict[str, Tensor]:

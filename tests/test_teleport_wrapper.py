@@ -1,0 +1,350 @@
+"""Teleport as an optimizer wrapper: schedule, reports, hooks, safety (rollback and watch), bad input."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from teleopt import AxisAction, Member, Site, get_action
+from teleopt.teleport import SafetyConfig, Schedule, Teleport
+from teleopt.testing import assert_close
+
+LEAKY = get_action("positive_rescaling", activation="leaky_relu", negative_slope=0.1)
+
+
+def mlp(dtype=torch.float64, bias=True, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(5, 6, bias=bias), nn.LeakyReLU(0.1), nn.Linear(6, 7, bias=bias), nn.LeakyReLU(0.1), nn.Linear(7, 3)
+    ).to(dtype)
+
+
+def sites(bias=True):
+    return [
+        Site(LEAKY, ("0.weight", "0.bias" if bias else None, "2.weight")),
+        Site(LEAKY, ("2.weight", "2.bias" if bias else None, "4.weight")),
+    ]
+
+
+def batch(dtype=torch.float64, n=16, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 5, generator=gen, dtype=torch.float64).to(dtype), torch.randn(n, 3, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def train(opt, model, x, y, steps):
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = mse(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+# ---------------------------------------------------------------- schedule
+def test_schedule_forms():
+    assert [t for t in range(12) if Schedule(every=4, warmup=2).due(t, 0)] == [2, 6, 10]
+    assert [t for t in range(12) if Schedule(at=[0, 5, 7]).due(t, 0)] == [0, 5, 7]
+    assert [t for t in range(12) if Schedule(when=lambda t: t % 5 == 1).due(t, 0)] == [1, 6, 11]
+    assert not any(Schedule().due(t, 0) for t in range(5)) and Schedule().manual
+    assert not Schedule(every=1, max_teleports=2).due(3, accepted=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error",
+    [
+        (dict(every=2, at=[1]), ValueError),
+        (dict(every=0), ValueError),
+        (dict(at="5"), TypeError),
+        (dict(at=[-1]), ValueError),
+        (dict(when=3), TypeError),
+        (dict(warmup=-1), ValueError),
+        (dict(batches=0), ValueError),
+        (dict(max_teleports=0), ValueError),
+    ],
+)
+def test_schedule_rejects_bad_input(kwargs, error):
+    with pytest.raises(error):
+        Schedule(**kwargs)
+
+
+def test_teleports_happen_before_the_scheduled_updates():
+    model = mlp()
+    x, y = batch()
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, sites(), every=3, warmup=1, ascent_steps=5)
+    train(opt, model, x, y, 8)
+    assert [r.step for r in opt.reports] == [1, 4, 7]
+    assert all(r.accepted and r.path == "fast" for r in opt.reports)
+
+
+def test_group_flag_disables_teleports():
+    model = mlp()
+    x, y = batch()
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, sites(), every=1)
+    opt.param_groups[0]["teleopt_teleport_enabled"] = False
+    before = copy.deepcopy(model.state_dict())
+    opt.zero_grad()
+    mse(model(x), y).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    assert not opt.reports
+    for (n, p), g in zip(model.named_parameters(), grads):
+        assert torch.equal(p.detach(), before[n] - 1e-3 * g)
+
+
+# ---------------------------------------------------------------- reports and hooks
+def test_hooks_receive_reports_and_ema_copies_follow():
+    model = mlp()
+    ema = copy.deepcopy(model)
+    x, y = batch()
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, sites(), at=[0])
+    seen = []
+
+    def follow(wrapper, report):
+        seen.append(report)
+        report.apply_to(ema)
+
+    handle = opt.register_teleport_hook(follow)
+    out_before = ema(x)
+    train(opt, model, x, y, 1)
+    assert len(seen) == 1 and seen[0].accepted
+    assert_close(ema(x), out_before, 1e-10, "EMA output after following the teleport")
+    # the EMA copy was moved by the same element as the model before its update
+    moved = copy.deepcopy(ema.state_dict())
+    assert not torch.equal(moved["0.weight"], model.state_dict()["0.weight"])  # the model also stepped
+    handle.remove()
+
+    def closure():
+        opt.zero_grad()
+        loss = mse(model(x), y)
+        loss.backward()
+        return loss
+
+    assert opt.teleport(closure).accepted
+    assert len(seen) == 1
+
+
+def test_report_contents():
+    model = mlp()
+    x, y = batch()
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, sites(), loss_fn=mse)
+    opt.zero_grad()
+    mse(model(x), y).backward()
+    report = opt.teleport(batch=(x, y), heldout_batch=batch(seed=9))
+    assert report.accepted and report.reason == "accepted"
+    assert report.loss_drift <= 1e-10
+    assert abs(report.heldout_after - report.heldout_before) <= 1e-10 * report.heldout_before
+    assert set(report.site_gains) == {s.name for s in opt.sites} and all(g > 1 for g in report.site_gains.values())
+    assert report.objective_after == pytest.approx(report.grad_norm_after**2)
+    assert report.time_s > 0 and report.summary()["gain"] == report.gain
+
+
+# ---------------------------------------------------------------- safety
+def _wrong_rescaling():
+    """Labelled exact, but the reader's power is wrong: not a symmetry of a LeakyReLU net."""
+    return AxisAction("bad", "diagonal", (Member("W1", 0), Member("b1", 0, optional=True), Member("W2", 1, -2)))
+
+
+def test_post_condition_rolls_back_a_non_invariant_teleport():
+    model = mlp()
+    x, y = batch()
+    base = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = Teleport(base, model, [Site(_wrong_rescaling(), ("0.weight", "0.bias", "2.weight"))], loss_fn=mse)
+    train(opt, model, x, y, 2)
+    opt.zero_grad()
+    mse(model(x), y).backward()
+    params = copy.deepcopy(model.state_dict())
+    grads = [p.grad.clone() for p in model.parameters()]
+    state = copy.deepcopy(base.state_dict())
+    report = opt.teleport(batch=(x, y))
+    assert not report.accepted and report.reason.startswith("rolled back: loss changed")
+    for n, t in model.state_dict().items():
+        assert torch.equal(t, params[n]), n
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g)
+    after = base.state_dict()["state"]
+    for i, st in state["state"].items():
+        for k, v in st.items():
+            assert torch.equal(after[i][k], v), (i, k)
+
+
+def _paper_mlp(seed):
+    torch.manual_seed(seed)
+    W = [torch.rand(6, 5), torch.rand(7, 6), torch.rand(8, 7)]
+    X, Y = torch.rand(5, 4), torch.rand(8, 4)
+    model = nn.Sequential(nn.Linear(5, 6, bias=False), nn.LeakyReLU(0.1), nn.Linear(6, 7, bias=False), nn.LeakyReLU(0.1), nn.Linear(7, 8, bias=False))
+    with torch.no_grad():
+        for layer, w in zip(model[::2], W):
+            layer.weight.copy_(w)
+    return model, X.T.contiguous(), Y.T.contiguous()
+
+
+def test_watch_rolls_back_a_teleport_that_diverges_later():
+    """GD at lr 1e-4 on the papers' MLP is stable; a teleport to a 1000x gradient norm is not.
+
+    Without caps the teleport is accepted (the loss is preserved exactly), the next
+    steps blow up, and the watch restores the pre-teleport point bit for bit.
+    """
+    model, X, Y = _paper_mlp(12345)
+
+    def sse(out, y):
+        return 0.5 * ((out - y) ** 2).sum()
+
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=1e-4),
+        model,
+        sites(bias=False)[:1] + [Site(LEAKY, ("2.weight", None, "4.weight"))],
+        at=[5],
+        trust_region=math.log(16),
+        safety=SafetyConfig(max_predicted_decrease=None, watch_steps=10),
+    )
+    snapshots = {}
+
+    def record(wrapper, report):
+        snapshots.setdefault(report.path, report)
+
+    opt.register_teleport_hook(record)
+    before_teleport = None
+    for t in range(20):
+        if t == 5:
+            before_teleport = copy.deepcopy(model.state_dict())
+        opt.zero_grad()
+        sse(model(X), Y).backward()
+        opt.step()
+        if "watch" in snapshots and t < 19:
+            rolled_back_at = t
+            break
+    assert snapshots["fast"].accepted and snapshots["fast"].gain > 100
+    assert "watch" in snapshots and "rolled back after" in snapshots["watch"].reason
+    for n, v in model.state_dict().items():
+        assert torch.equal(v, before_teleport[n]), n
+    assert all(p.grad is None for p in model.parameters())
+    assert rolled_back_at < 5 + 10
+    assert opt._backoff == 0.5
+
+
+def test_caps_decline_when_no_move_is_allowed():
+    model = mlp()
+    x, y = batch()
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, sites(), safety=SafetyConfig(max_gain=1.0))
+    opt.zero_grad()
+    mse(model(x), y).backward()
+    before = copy.deepcopy(model.state_dict())
+    report = opt.teleport()
+    assert not report.accepted and report.reason.startswith("declined")
+    for n, v in model.state_dict().items():
+        assert torch.equal(v, before[n])
+
+
+# ---------------------------------------------------------------- state_dict
+def test_state_dict_keeps_counters_and_loads_weights_only():
+    model = mlp()
+    x, y = batch()
+    opt = Teleport(torch.optim.Adam(model.parameters(), lr=1e-3), model, sites(), every=2, objective="curvature", ascent_steps=3)
+    train(opt, model, x, y, 3)
+    sd = opt.state_dict()
+    buffer = io.BytesIO()
+    torch.save(sd, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    top = loaded["teleopt_teleport"]
+    assert top["step"] == 3 and top["accepted"] == 2 and "watch" in top
+    other = Teleport(torch.optim.Adam(model.parameters(), lr=1e-3), model, sites(), every=2, objective="curvature", ascent_steps=3)
+    other.load_state_dict(loaded)
+    assert other._step_count == 3 and torch.equal(other._generator.get_state(), opt._generator.get_state())
+
+
+# ---------------------------------------------------------------- bad input
+def test_rejects_a_model_the_optimizer_does_not_update():
+    model, other = mlp(), mlp()
+    with pytest.raises(ValueError, match="does not update any parameter"):
+        Teleport(torch.optim.SGD(other.parameters(), lr=0.1), model, sites())
+
+
+def test_rejects_sites_on_frozen_or_unoptimized_parameters():
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="frozen parameter '0.weight'"):
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites())
+    model = mlp()
+    opt = torch.optim.SGD([p for n, p in model.named_parameters() if n != "4.weight"], lr=0.1)
+    with pytest.raises(ValueError, match="'4.weight' is not updated by the optimizer"):
+        Teleport(opt, model, sites())
+
+
+def test_rejects_unknown_members_discrete_sites_and_bad_types():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="'9.weight' is not a parameter or buffer"):
+        Teleport(opt, model, [Site(LEAKY, ("9.weight", None, "2.weight"))])
+    perm = get_action("hidden_permutation")
+    with pytest.raises(ValueError, match="discrete group"):
+        Teleport(opt, model, [Site(perm, ("0.weight", "0.bias", "2.weight"))])
+    with pytest.raises(TypeError, match="list of Site"):
+        Teleport(opt, model, Site(LEAKY, ("0.weight", None, "2.weight")))
+    with pytest.raises(ValueError, match="unknown teleport objective"):
+        Teleport(opt, model, sites(), objective="speed")
+    with pytest.raises(ValueError, match="state_policy"):
+        Teleport(opt, model, sites(), state_policy="teleport")
+    with pytest.raises(ValueError, match="trust_region"):
+        Teleport(opt, model, sites(), trust_region=-1.0)
+    with pytest.raises(ValueError, match="batches=2 needs batch_fn"):
+        Teleport(opt, model, sites(), every=1, batches=2)
+    with pytest.raises(TypeError, match="nn.Module"):
+        Teleport(opt, "model", sites())
+    with pytest.raises(ValueError, match="max_gain"):
+        SafetyConfig(max_gain=0.5)
+
+
+def test_rejects_dtype_and_device_mixes():
+    model = mlp()
+    model[0].bias.data = model[0].bias.data.float()
+    with pytest.raises(ValueError, match="mixes dtypes"):
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites())
+    model = mlp()
+    model[2].weight = nn.Parameter(torch.empty(7, 6, dtype=torch.float64, device="meta"))
+    with pytest.raises(ValueError, match="several devices"):
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites())
+
+
+def test_objectives_that_need_a_batch_say_so():
+    model = mlp()
+    x, y = batch()
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites(), objective="lookahead", loss_fn=mse)
+    opt.zero_grad()
+    mse(model(x), y).backward()
+    with pytest.raises(ValueError, match="objective 'lookahead' need.*teleport batch"):
+        opt.teleport()
+    dd = get_action("data_dependent_gl", activation="leaky_relu", negative_slope=0.1)
+    site = Site(dd, ("0.weight", None, "2.weight"), data_input="0")
+    model2 = mlp(bias=False)
+    opt2 = Teleport(torch.optim.SGD(model2.parameters(), lr=0.1), model2, [site], loss_fn=mse)
+    with pytest.raises(ValueError, match="need.*teleport batch"):
+        opt2.teleport()
+    with pytest.raises(ValueError, match="names no data_input"):
+        Teleport(torch.optim.SGD(model2.parameters(), lr=0.1), model2, [Site(dd, ("0.weight", None, "2.weight"))])
+    with pytest.raises(ValueError, match="path='fast' is not possible"):
+        Teleport(torch.optim.SGD(model2.parameters(), lr=0.1), model2, [site], path="fast").teleport(batch=(x, y))
+
+
+def test_unmodelled_optimizers_reject_objectives_that_need_their_update():
+    torch_optimizer = pytest.importorskip("torch_optimizer")
+    model = mlp()
+    with pytest.raises(TypeError, match="Lamb"):
+        Teleport(torch_optimizer.Lamb(model.parameters()), model, sites(), objective="preconditioned_norm")
+
+
+def test_paper_compat_needs_gl_sites():
+    model = mlp()
+    with pytest.raises(ValueError, match="not a GL site"):
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites(), paper_compat=True)
