@@ -7,25 +7,26 @@ the overhead of a mode is the median over rounds of its step time divided by a
 baseline's step time in the same round.  What syre replaces is the base's own
 weight decay, which pulls towards zero instead of the anchor: AdamW's decoupled
 ``weight_decay=0.01`` for decoupled syre, Adam's coupled L2 ``weight_decay=0.01``
-for coupled syre (both allocate a new gradient list per step).  Memory is what the wrapper keeps between steps (anchors
-and ``D``) and the largest transient buffer one step allocates.
+for coupled syre (which allocates a new gradient list per step).  Memory is what
+the wrapper keeps between steps (anchors, ``D`` and the reused ``w - theta_0``
+buffers) and the largest transient allocation of a step.
 
 Run: ``python benchmarks/syre_cost.py [--quick] [--json out.json] [--plot-dir DIR]``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import statistics
+import sys
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
 
-from teleopt.syre import Syre
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from syre_common import finish, header, parser  # noqa: E402
+
+from teleopt.syre import Syre  # noqa: E402
 
 MODES = {
     # name: (syre options or None for a bare optimizer, base weight decay); the base is AdamW(foreach=True)
@@ -64,31 +65,26 @@ def build(mode: str, template: list[torch.Tensor], generator: torch.Generator, g
 
 
 def kept_bytes(optimizer) -> int:
+    """Bytes the wrapper holds between steps: anchors, eq. 7 diagonals and the reused w - theta_0 buffers."""
     if not isinstance(optimizer, Syre):
         return 0
-    tensors = list(optimizer._anchors.values()) + list(optimizer._diagonals.values())
-    return sum(t.numel() * t.element_size() for t in tensors)
+    held = [*optimizer._anchors.values(), *optimizer._diagonals.values(), *optimizer._scratch.values()]
+    return sum(t.numel() * t.element_size() for t in held)
 
 
 def transient_bytes(optimizer) -> int:
-    """Largest buffer a step allocates beyond the base: coupled gradients, eq. 7 differences, regenerated anchors."""
-    if not isinstance(optimizer, Syre):
+    """Largest extra allocation inside one step (regenerated anchors; coupled gradients while the base steps)."""
+    if not isinstance(optimizer, Syre) or optimizer.store_anchors:
         return 0
-    params = [p for _, _, p in optimizer._targets()]
-    sizes = [p.numel() * p.element_size() for p in params]
+    sizes = [p.numel() * p.element_size() for _, _, p in optimizer._targets()]
     group = optimizer.param_groups[0]
-    decoupled = group[Syre.prefix + "decoupled"]
-    with_d = group[Syre.prefix + "diagonal_eps"] > 0
-    if not optimizer.store_anchors:
-        # one regenerated anchor (+ its difference) at a time, plus all new gradients when coupled
-        return max(sizes) * (1 if decoupled else 2) + (0 if decoupled else sum(sizes))
-    if decoupled and not with_d:
-        return 0  # in-place lerp towards the anchor
-    return sum(sizes) * (1 if decoupled else 2)  # differences (+ new gradients)
+    per_tensor = 1 + (group[Syre.prefix + "diagonal_eps"] > 0)  # the regenerated anchor (and D)
+    if group[Syre.prefix + "decoupled"]:
+        return max(sizes) * (per_tensor + (per_tensor > 1))  # + w - theta_0 for eq. 7
+    return max(sizes) * per_tensor + sum(sizes)  # every new gradient is alive during the base step
 
 
-def run(model: str, rounds: int, warmup: int, gamma: float, threads: int) -> dict:
-    torch.set_num_threads(threads)
+def run(model: str, rounds: int, warmup: int, gamma: float) -> dict:
     template = model_parameters(model)
     generator = torch.Generator().manual_seed(0)
     optimizers = {mode: build(mode, template, generator, gamma) for mode in MODES}
@@ -116,24 +112,20 @@ def run(model: str, rounds: int, warmup: int, gamma: float, threads: int) -> dic
             "kept_mib": kept_bytes(optimizers[mode]) / 2**20,
             "transient_mib": transient_bytes(optimizers[mode]) / 2**20,
         })
-    n_params = sum(t.numel() for t in template)
+    settings = {"model": model, "rounds": rounds, "gamma": gamma, "base": "AdamW(lr=1e-3, foreach=True)",
+                "goal": "decoupled syre overhead <= 10% vs AdamW"}
     return {
-        "benchmark": "syre_cost",
-        "date": date.today().isoformat(),
-        "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} thread(s), torch {torch.__version__}".strip(),
-        "model": model,
-        "parameters": n_params,
+        **header("syre_cost", settings),
+        "parameters": sum(t.numel() for t in template),
         "parameter_mib": sum(t.numel() * t.element_size() for t in template) / 2**20,
-        "rounds": rounds,
-        "gamma": gamma,
-        "goal": "syre decoupled overhead <= 10% vs AdamW",
         "rows": rows,
     }
 
 
 def print_table(result: dict) -> None:
-    print(f"syre cost on {result['model']} ({result['parameters'] / 1e6:.2f}M parameters, "
-          f"{result['parameter_mib']:.1f} MiB), {result['rounds']} rounds, {result['machine']}, {result['date']}")
+    settings = result["settings"]
+    print(f"syre cost on {settings['model']} ({result['parameters'] / 1e6:.2f}M parameters, "
+          f"{result['parameter_mib']:.1f} MiB), median of {settings['rounds']} rounds; {result['machine']}, {result['date']}")
     header = (f"{'mode':<22} {'step ms':>8} {'vs AdamW wd':>12} {'vs Adam L2':>11} {'vs no decay':>12} "
               f"{'kept MiB':>9} {'transient MiB':>14}")
     print(header)
@@ -145,42 +137,30 @@ def print_table(result: dict) -> None:
 
 
 def plot(result: dict, directory: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in result["rows"] if r["mode"] not in (BASELINE, COUPLED_BASELINE)]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.barh([r["mode"] for r in rows], [100 * r["overhead_vs_adamw_wd"] for r in rows])
     ax.axvline(10, color="red", linestyle="--", label="goal 10%")
-    ax.set_xlabel(f"step-time overhead vs AdamW(weight_decay=0.01) [%], {result['model']}")
+    ax.set_xlabel(f"step-time overhead vs AdamW(weight_decay=0.01) [%], {result['settings']['model']}")
     ax.legend()
     fig.tight_layout()
-    directory.mkdir(parents=True, exist_ok=True)
     fig.savefig(directory / "syre_cost.png", dpi=120)
     plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="few rounds (smoke run)")
-    parser.add_argument("--model", default="resnet18")
-    parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--gamma", type=float, default=0.01)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 keeps shared machines quieter)")
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--plot-dir", type=Path, default=None)
-    args = parser.parse_args(argv)
+    p = parser(__doc__)
+    p.add_argument("--model", default="resnet18", help="timm model whose parameters are used (pretrained=False)")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--gamma", type=float, default=0.01)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
     rounds = args.rounds or (3 if args.quick else 40)
-    result = run(args.model, rounds, warmup=1 if args.quick else 3, gamma=args.gamma, threads=args.threads)
+    result = run(args.model, rounds, warmup=1 if args.quick else 3, gamma=args.gamma)
     print_table(result)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-    plot_dir = args.plot_dir or (args.json.parent if args.json is not None else None)
-    if plot_dir is not None:
-        plot(result, plot_dir)
+    finish(result, args, plot)
     return result
 
 
