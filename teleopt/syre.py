@@ -130,8 +130,8 @@ class Syre(OptimizerWrapper):
     parameter ``w`` towards its anchor ``theta_0``:
 
     * **coupled** (``decoupled=False``, default): the base optimizer sees the gradient
-      ``grad + gamma * D * (w - theta_0)`` (the data gradient in ``p.grad`` is left
-      untouched for the caller).  This *is* eq. 6 (eq. 7 with ``D``): all torch
+      ``grad + gamma * D * (w - theta_0)`` (``p.grad`` holds the data gradient again
+      after ``step()``).  This *is* eq. 6 (eq. 7 with ``D``): all torch
       optimizers without their own weight decay update translation-equivariantly
       (the step depends on gradients and state, not on the parameter's value), so
       running the base optimizer on eq. 6's ``theta = w - theta_0`` with
@@ -173,12 +173,16 @@ class Syre(OptimizerWrapper):
     overrides the fan-in of every tensor of a group (tensors below 2-D have none,
     and are an error unless excluded or given one).
 
-    Composition: ``Syre(Teleport(base))`` works (hyperparameters live under
-    separate prefixes, state dicts nest).  Syre breaks the symmetries teleportation
-    moves along: the data loss is still invariant along an orbit, the decay term is
-    not, so a teleport changes the regularised objective even though it keeps the
-    data loss (and a gradient-norm objective computed from the data loss ignores the
-    decay).  Wrapping a ``Syre`` in another ``Syre`` is rejected.
+    Composition: ``Syre(Teleport(base))`` and ``Teleport(Syre(base))`` work and take
+    the same steps (hyperparameters live under separate prefixes, state dicts nest,
+    and the decay is applied in a step pre-hook of the innermost optimizer, i.e. at
+    the teleported point with the transported gradient).  Syre breaks the
+    symmetries teleportation moves along: the data loss is still invariant along an
+    orbit, the decay term is not, so a teleport keeps the data loss but changes the
+    regularised objective (:meth:`penalty`); Teleport's objectives see the data
+    gradient only and ignore the decay.  Expect the decay to pull a teleported
+    model back towards the anchor over ``~1 / (lr * gamma)`` steps.  Wrapping a
+    ``Syre`` in another ``Syre`` is rejected.
 
     Parameters
     ----------
@@ -534,27 +538,53 @@ class Syre(OptimizerWrapper):
             install(ps, new)
         return swapped
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Run the closure (if any), decay towards the anchors, then take the base optimizer's step."""
-        loss = self._run_closure(closure)
-        acting = list(self._acting())
-        for group, _ in acting:
+    def _innermost(self) -> Optimizer:
+        inner = self._base
+        while isinstance(inner, OptimizerWrapper):
+            inner = inner.base
+        return inner
+
+    def _check_acting(self) -> None:
+        """Validate gamma and materialise/check every anchor, so a bad one fails before any tensor changes."""
+        for group, members in self._acting():
             _check_options({"gamma": group[self.prefix + "gamma"]}, "Syre.step")
-        if self.store_anchors:
-            # Materialise and check every anchor first, so a bad one fails before any tensor changes.
-            for group, members in acting:
+            if self.store_anchors:
                 for index, p in members:
                     self._anchor_of(index, group, p)
                     self._diagonal_of(index, group, p)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Run the closure (if any), then step the base; the decay is applied right before the innermost update.
+
+        The decay runs in a step pre-hook of the innermost real optimizer (and ``.grad``
+        is restored in its post-hook), i.e. after any wrapper in between (such as
+        ``Teleport``) has moved the parameters and their gradients: the decay always
+        acts at the point the update starts from, so ``Syre(Teleport(base))`` and
+        ``Teleport(Syre(base))`` take the same steps.
+        """
+        loss = self._run_closure(closure)
+        self._check_acting()
         swapped: list[tuple[Tensor, Tensor]] = []
-        try:
-            for group, members in acting:
+
+        def restore() -> None:
+            while swapped:
+                p, grad = swapped.pop()
+                p.grad = grad
+
+        def decay(*_: Any) -> None:
+            self._check_acting()
+            for group, members in self._acting():
                 swapped.extend(self._decay_group(group, members))
+
+        inner = self._innermost()
+        handles = (inner.register_step_pre_hook(decay), inner.register_step_post_hook(lambda *_: restore()))
+        try:
             self._base.step()
         finally:
-            for p, grad in swapped:
-                p.grad = grad
+            for handle in handles:
+                handle.remove()
+            restore()
         return loss
 
     # -- state --------------------------------------------------------------------------
