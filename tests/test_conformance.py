@@ -223,6 +223,13 @@ def test_bad_arguments():
         WrapperConformance(Delegating, steps=0)
     with pytest.raises(ValueError, match="unknown conformance check"):
         WrapperConformance(Delegating).run("nope")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        WrapperConformance(Delegating, activation="gelu")
+
+
+def test_a_positively_homogeneous_problem_for_symmetry_wrappers():
+    check_wrapper(lambda opt: GradientScaling(opt, 0.5), make_transparent=Delegating, bases=["adam"],
+                  group_counts=(2,), activation="relu")
 
 
 def test_checks_and_bases_are_listed():

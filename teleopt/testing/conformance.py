@@ -20,8 +20,8 @@ Problems: a small tanh regression with a fixed sequence of mini-batches (weights
 ``(8, 4)``, ``(3, 8)`` and biases, one param group or two with different learning
 rates; ``activation="relu"`` or ``"leaky_relu"`` makes its hidden layer positively
 homogeneous, so a wrapper that needs a continuous symmetry, such as Teleport's
-positive rescaling of the hidden units, has one) and, for convergence, Rosenbrock's function on a ``(1, 2)`` tensor (two
-``(1, 1)`` tensors with two groups).  A wrapper that needs per-parameter settings
+positive rescaling of the hidden units, has one) and, for convergence,
+Rosenbrock's function on a ``(1, 2)`` tensor (two ``(1, 1)`` tensors with two groups).  A wrapper that needs per-parameter settings
 (such as a fan-in for 1-D tensors) sets them in its factory.
 
 Use it from pytest::
@@ -594,8 +594,10 @@ def check_wrapper(
     bases: Sequence[str | BaseOptimizer] | None = None,
     group_counts: Sequence[int] = (1, 2),
     checks: Sequence[str] = CHECKS,
+    activation: str = "tanh",
 ) -> None:
     """Run the whole suite: every check x base (default: :func:`available_bases`) x group count."""
     for base in available_bases() if bases is None else bases:
         for n_groups in group_counts:
-            WrapperConformance(make_wrapper, make_transparent=make_transparent, base=base, n_groups=n_groups).run_all(checks)
+            WrapperConformance(make_wrapper, make_transparent=make_transparent, base=base, n_groups=n_groups,
+                               activation=activation).run_all(checks)
