@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from teleopt.syre import Syre
-from teleopt.testing.conformance import CHECKS, WrapperConformance
+from teleopt.testing.conformance import CHECKS, BaseOptimizer, WrapperConformance
 
 BASES = ["sgd_momentum", "adam", "adamw_foreach", "yogi"]
 
@@ -38,3 +39,14 @@ def test_syre_conformance(factory, base, n_groups, check):
     if factory is decoupled_eq7_regenerated and check == "convergence":
         pytest.skip("Rosenbrock smoke run is covered by the coupled configuration")
     WrapperConformance(factory, make_transparent=transparent, base=base, n_groups=n_groups).run(check)
+
+
+FUSED_ADAMW = BaseOptimizer(
+    "adamw_fused", lambda groups, lr: torch.optim.AdamW(groups, lr=lr, weight_decay=0.0, fused=True), 0.01, 0.05, 800
+)
+
+
+@pytest.mark.parametrize("check", ["is_optimizer", "transparency", "resume", "grad_scaler", "convergence"])
+def test_syre_around_a_fused_base(check):
+    """A fused base supports AMP scaling itself; through Syre, GradScaler must still unscale first."""
+    WrapperConformance(coupled, make_transparent=transparent, base=FUSED_ADAMW, n_groups=2).run(check)
