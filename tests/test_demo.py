@@ -1,0 +1,78 @@
+"""``python -m teleopt demo``: the quick mode runs end to end and shows what the README says it shows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from teleopt.cli import main
+from teleopt.demo import feature_rank, run_demo
+
+
+def test_demo_quick_end_to_end(tmp_path, capsys):
+    out = tmp_path / "demo"
+    threads = torch.get_num_threads()
+    assert main(["demo", "--quick", "--out", str(out)]) == 0
+    assert torch.get_num_threads() == threads  # the demo runs on one thread and gives the caller's setting back
+    printed = capsys.readouterr().out
+    result = json.loads((out / "demo.json").read_text())
+    png = (out / "demo.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    runs = {(r["task"], r["name"]): r for r in result["runs"]}
+    assert result["settings"]["steps"] == {"regression": 300, "digits": 300}
+    assert len(runs) == 11
+    for (task, name), r in runs.items():
+        assert name in printed  # every run is a row of the printed table
+        assert len(r["steps"]) == len(r["train_loss"]) == len(r["seconds"]) and r["steps"][-1] == 300
+        assert all(b >= a for a, b in zip(r["seconds"], r["seconds"][1:]))
+        assert f"{r['metrics']['train_loss']:.4g}" in printed
+        if name.endswith("Teleport"):
+            # exactly one scheduled teleport, accepted: the post-condition found the loss unchanged
+            assert r["metrics"]["teleports"] == 1
+    for opt in ("GD lr 1e-4", "AdaGrad lr 0.1"):
+        # papers/001 Sec. 4.6.1: one teleport at step 5 reaches the baseline's final loss in far fewer steps
+        teleported = runs[("regression", f"{opt} + Teleport")]["metrics"]
+        assert teleported["steps_to_target"] is not None and teleported["steps_to_target"] < 150
+        assert teleported["train_loss"] < runs[("regression", opt)]["metrics"]["train_loss"]
+    # papers/003: decay towards zero lowers the rank of the first layer's features; towards the anchor it does not
+    zero = runs[("digits", "lr 1e-2, decay 0.1 to zero")]["metrics"]
+    anchored = runs[("digits", "lr 1e-2, Syre 0.1")]["metrics"]
+    assert anchored["feature_rank"] == 64 and zero["feature_rank"] < anchored["feature_rank"]
+    assert anchored["test_accuracy"] > zero["test_accuracy"]
+
+
+def test_demo_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="steps"):
+        run_demo(steps=5)
+    with pytest.raises(ValueError, match="seed"):
+        run_demo(seed=-1)
+    with pytest.raises(ValueError, match="tasks"):
+        run_demo(tasks=("mnist",))
+    with pytest.raises(SystemExit, match="--steps"):
+        main(["demo", "--steps", "3", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--threads"):
+        main(["demo", "--threads", "0", "--out", str(tmp_path)])
+
+
+def test_demo_regression_only_is_deterministic():
+    a = run_demo(steps=20, seed=3, progress=False, tasks=("regression",))
+    b = run_demo(steps=20, seed=3, progress=False, tasks=("regression",))
+    assert [r.train_loss for r in a.runs] == [r.train_loss for r in b.runs]
+    assert {r.task for r in a.runs} == {"regression"}
+    assert "GD lr 1e-4 + Teleport" in a.table()
+
+
+def test_feature_rank_sees_collapse_but_not_rescaling():
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(500, 8, generator=g, dtype=torch.float64)
+    assert feature_rank(z) == 8
+    # per-unit positive rescalings (what a teleport does to a layer) change no function, and no rank
+    scales = torch.logspace(-3, 3, 8, dtype=torch.float64)
+    assert feature_rank(z * scales) == 8
+    collapsed = torch.cat([z[:, :3], z[:, :3] @ torch.randn(3, 5, generator=g, dtype=torch.float64)], 1)
+    assert feature_rank(collapsed) == 3
+    dead = z.clone()
+    dead[:, 5:] = 0.0
+    assert feature_rank(dead) == 5
