@@ -28,6 +28,7 @@ _LAZY = {
     "get_action": "teleopt.registry",
     "list_actions": "teleopt.registry",
     "Syre": "teleopt.syre",
+    "Teleport": "teleopt.teleport",
 }
 
 __all__ = [*_LAZY, "__version__"]
@@ -53,3 +54,4 @@ if TYPE_CHECKING:
     from teleopt.registry import get_action, list_actions, register_action, unregister_action
     from teleopt.site import Site
     from teleopt.syre import Syre
+    from teleopt.teleport import Teleport
