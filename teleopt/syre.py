@@ -162,8 +162,12 @@ class Syre(OptimizerWrapper):
     stream.  With ``store_anchors=True`` they are kept (created at first use, so the
     model may still be moved to its device after the optimizer is made) and saved in
     ``state_dict``; with ``store_anchors=False`` they are regenerated tensor by tensor
-    in every step (no persistent memory, extra time) and ``state_dict`` keeps only
-    the seeds.  Loaded anchors always take precedence over regenerated ones.
+    in every step (no persistent memory, but a CPU normal draw per parameter per step:
+    several times the cost of the base step, see ``benchmarks/syre_cost.py``) and
+    ``state_dict`` keeps only the seeds.  Loaded anchors always take precedence over
+    regenerated ones.  Memory in stored mode: one parameter-sized anchor (two with
+    eq. 7's ``D``), plus, for CPU parameters in coupled or eq. 7 mode, one reused
+    ``w - theta_0`` buffer (on accelerators that buffer is allocated per step).
 
     Every option is a per-group hyperparameter stored as
     ``"teleopt_syre_<name>"`` in the base's param groups (set your own value in a
@@ -446,7 +450,8 @@ class Syre(OptimizerWrapper):
         point stays exact even under Adam's normalisation); coupled mode then builds
         ``grad + coefficient * D * (w - theta_0)`` in the same buffer.  The buffers are
         ``scratch`` when given (reused across steps: on the CPU a fresh gradient-sized
-        allocation per step costs more in page faults than the arithmetic), else new.
+        allocation per step costs more in page faults than the arithmetic), else new
+        (one allocation per tensor, like torch's own coupled weight decay).
         """
         if foreach:
             if decoupled and diagonals is None:
@@ -482,7 +487,7 @@ class Syre(OptimizerWrapper):
         return new_grads
 
     def _scratch_of(self, p: Tensor) -> Tensor:
-        """A reused parameter-sized buffer for ``w - theta_0`` (stored-anchor mode only; never saved)."""
+        """A reused parameter-sized buffer for ``w - theta_0`` (CPU, stored-anchor mode only; never saved)."""
         buffer = self._scratch.get(p)
         if buffer is None or buffer.shape != p.shape or buffer.dtype != p.dtype or buffer.device != p.device:
             buffer = torch.empty_like(p, memory_format=torch.contiguous_format)
@@ -529,10 +534,12 @@ class Syre(OptimizerWrapper):
             anchors.append(anchor)
             if diagonal is not None:
                 diagonals.append(diagonal)
-        for ps, gs, anchors, diagonals in buckets.values():
+        for (device, _), (ps, gs, anchors, diagonals) in buckets.items():
             foreach = self._use_foreach(group, ps)
-            lerp_only = decoupled and not has_diagonal
-            scratch = None if lerp_only else [self._scratch_of(p) for p in ps]
+            # Reused buffers on the CPU only: accelerators' caching allocators make the transient
+            # allocation cheap, and there it is free again for the next forward pass.
+            reuse = device.type == "cpu" and not (decoupled and not has_diagonal)
+            scratch = [self._scratch_of(p) for p in ps] if reuse else None
             new = self._decay_list(ps, gs, anchors, diagonals if has_diagonal else None, coefficient, decoupled,
                                    foreach, scratch)
             install(ps, new)

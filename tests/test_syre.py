@@ -214,6 +214,26 @@ def test_foreach_and_for_loop_give_the_same_bits(decoupled, diagonal_eps):
 
 
 @pytest.mark.parametrize("decoupled", [False, True])
+@pytest.mark.parametrize("foreach", [False, True])
+def test_reused_and_fresh_buffers_give_the_same_bits(decoupled, foreach):
+    """CPU steps reuse a w - theta_0 buffer; accelerators allocate it per step: same arithmetic either way."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(4, 3), (5, 2, 3)]
+
+    def draw():
+        return [torch.randn(s, generator=g) for s in shapes]
+
+    params, grads, anchors, diagonals = draw(), draw(), draw(), [1 + 0.2 * torch.rand(s, generator=g) for s in shapes]
+    outcomes = []
+    for scratch in (None, [torch.empty(s) for s in shapes]):
+        ps = [p.clone() for p in params]
+        new = Syre._decay_list(ps, grads, anchors, diagonals, 0.3, decoupled, foreach, scratch)
+        outcomes.append(ps + list(new))
+    assert all(torch.equal(a, b) for a, b in zip(*outcomes))
+    assert decoupled or all(not torch.equal(n, gr) for n, gr in zip(outcomes[0][2:], grads))
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
 @pytest.mark.parametrize("store_anchors", [True, False])
 @pytest.mark.parametrize("diagonal_eps", [0.0, 0.3])
 def test_gamma_zero_is_bitwise_the_base(decoupled, store_anchors, diagonal_eps):
