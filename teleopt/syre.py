@@ -251,7 +251,7 @@ class Syre(OptimizerWrapper):
         for number, group in enumerate(self.param_groups):
             self._check_group(group, number, start)
             start += len(group["params"])
-        self._warn_base_weight_decay(self.param_groups)
+        self._warn_base_weight_decay(range(len(self.param_groups)))
 
     # -- groups -----------------------------------------------------------------------
     @classmethod
@@ -293,11 +293,13 @@ class Syre(OptimizerWrapper):
     def _excluded(options: dict[str, Any], p: Tensor) -> bool:
         return options["exclude_1d"] and p.dim() < 2
 
-    def _warn_base_weight_decay(self, groups: list[dict[str, Any]]) -> None:
+    def _warn_base_weight_decay(self, numbers: Iterable[int]) -> None:
         numbers = [
             number
-            for number, group in enumerate(groups)
-            if group[self.prefix + "enabled"] and group[self.prefix + "gamma"] > 0 and group.get("weight_decay", 0) > 0
+            for number in numbers
+            if (group := self.param_groups[number])[self.prefix + "enabled"]
+            and group[self.prefix + "gamma"] > 0
+            and group.get("weight_decay", 0) > 0
         ]
         if numbers:
             warnings.warn(
@@ -324,7 +326,7 @@ class Syre(OptimizerWrapper):
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
-        self._warn_base_weight_decay([self.param_groups[-1]])
+        self._warn_base_weight_decay([len(self.param_groups) - 1])
 
     # -- anchors ----------------------------------------------------------------------
     def _targets(self) -> Iterator[tuple[int, dict[str, Any], Tensor]]:

@@ -317,7 +317,7 @@ def test_base_weight_decay_warns():
         Syre(torch.optim.AdamW([p], lr=0.01, weight_decay=0.0), gamma=0.1)
         Syre(torch.optim.AdamW([p], lr=0.01), gamma=0.0)
     syre = Syre(torch.optim.SGD([p], lr=0.01), gamma=0.1)
-    with pytest.warns(UserWarning, match="weight_decay"):
+    with pytest.warns(UserWarning, match=r"weight_decay > 0 in param group\(s\) \[1\]"):
         syre.add_param_group({"params": [torch.nn.Parameter(torch.randn(2, 2))], "weight_decay": 0.1})
 
 
