@@ -85,6 +85,29 @@ def test_general_path_leaves_batchnorm_statistics_alone():
         assert torch.equal(b, buffers[n]), f"buffer {n} changed"
 
 
+def test_verification_pass_of_a_closure_leaves_batchnorm_statistics_alone():
+    """teleport(closure) runs the closure before (a training pass) and after (a check): the check is undone."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3)).double().train()
+    relu = get_action("positive_rescaling", activation="relu")
+    site = Site(relu, ("1.weight", "1.bias", "3.weight"))  # BatchNorm output scaling through the ReLU
+    x, y = torch.randn(16, 5, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, [site])
+    reference = copy.deepcopy(model)
+    reference(x)  # one forward pass in train mode: what the closure's first call does
+
+    def closure():
+        opt.zero_grad()
+        loss = mse(model(x), y)
+        loss.backward()
+        return loss
+
+    report = opt.teleport(closure)
+    assert report.accepted and report.loss_drift <= RTOL
+    for (n, b), (_, r) in zip(model.named_buffers(), reference.named_buffers()):
+        assert torch.equal(b, r), f"buffer {n}"
+
+
 def test_lookahead_objective_predicts_the_real_next_step():
     model, X, Y = paper_mlp(dtype=torch.float64)
     sites = [Site(LEAKY, ("0.weight", None, "2.weight")), Site(LEAKY, ("2.weight", None, "4.weight"))]
@@ -204,3 +227,32 @@ def test_paper_compat_is_not_loss_preserving_and_exact_is():
     grads_at(exact, X, Y, sse)
     report = opt.teleport(batch=(X, Y))
     assert report.accepted and report.loss_drift <= 1e-6  # float32 data, as in the paper
+
+
+def test_closed_form_curvature_matches_autograd_through_act():
+    """The batched Lie-algebra form of eq. 5.2 equals differentiating ``act`` twice (commuting sites)."""
+    from teleopt import AxisAction, Member
+    from teleopt.teleport.context import TeleportContext
+    from teleopt.teleport.fast_path import FastEvaluator
+    from teleopt.teleport.state_policy import StatePolicy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 6), nn.Identity(), nn.Linear(6, 12), nn.Linear(12, 3)).double()
+    fused = AxisAction("fused", "general", (Member("Q", 0, 1, start=0, stop=4), Member("K", 0, -1, start=4, stop=8)), blocks=2)
+    sites = [
+        Site(get_action("positive_rescaling", activation="relu"), ("0.weight", "0.bias", "2.weight")),
+        Site(get_action("gl_linear"), ("2.weight", "2.bias", "4.weight")),
+        Site(fused, ("4.weight", "4.weight")),
+    ]
+    model.zero_grad()
+    model(torch.randn(5, 4, dtype=torch.float64)).square().sum().backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    evaluator = FastEvaluator(sites, TeleportContext.build(model, opt, StatePolicy()))
+    objective = Curvature(curves=3)
+    prepared = objective.prepare(evaluator, torch.Generator().manual_seed(1))
+    coords = [0.2 * torch.randn(g.coord_shape, dtype=torch.float64) for g in evaluator.groups]
+    elements = evaluator.elements(coords)
+    v1, a1 = objective._closed_form(evaluator, elements, prepared)
+    v2, a2 = objective._autograd(evaluator, elements, prepared)
+    assert_close(v1, v2, 1e-10, "gamma'")
+    assert_close(a1, a2, 1e-10, "gamma''")

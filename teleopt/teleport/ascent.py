@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from teleopt.groups import Group
+from teleopt.groups import GeneralLinear, Group, Orthogonal
 from teleopt.teleport.coordinates import project_to_trust_region
 
 __all__ = ["AscentResult", "ascend", "shrink_to_feasible"]
@@ -51,46 +51,55 @@ def ascend(
     """Maximise ``score(coords)`` by projected Adam from ``coords`` (the identity).
 
     ``groups`` and ``trust_regions`` give each coordinate tensor's group and radius.
+    Adam moves every coordinate by about ``lr`` per step; for an n x n matrix
+    generator that is a step of spectral norm up to n * lr, so matrix groups take
+    ``lr / n`` per entry and every group moves by at most about ``lr`` in the norm
+    its trust region is measured in.
     """
     xs = [c.detach().clone().requires_grad_(True) for c in coords]
-    opt = torch.optim.Adam(xs, lr=lr)
+    # Adam (Kingma & Ba 2015) written out with tensor ops: torch.optim's per-step
+    # bookkeeping costs more than the whole objective on these tiny tensors
+    beta1, beta2, eps = 0.9, 0.999, 1e-8
+    step_sizes = [lr / grp.n if isinstance(grp, (GeneralLinear, Orthogonal)) else lr for grp in groups]
+    m = [torch.zeros_like(x) for x in xs]
+    v = [torch.zeros_like(x) for x in xs]
     best = [x.detach().clone() for x in xs]
     start = best_score = float("nan")
     evaluations = 0
-
-    def evaluate() -> Tensor:
-        nonlocal best, best_score, start, evaluations
-        with torch.enable_grad():
+    with torch.enable_grad():
+        for step in range(steps + 1):
             s = score(xs)
-        evaluations += 1
-        value = float(s.detach())
-        if evaluations == 1:
-            start = best_score = value
-        elif value == value and not value <= best_score:  # finite improvement (or first finite value)
-            best_score = value
-            best = [x.detach().clone() for x in xs]
-        return s
-
-    for step in range(steps + 1):
-        opt.zero_grad(set_to_none=True)
-        s = evaluate()
-        if step == steps or not s.requires_grad:
-            break
-        with torch.enable_grad():
-            (-s).backward()
-        if not all(x.grad is None or bool(torch.isfinite(x.grad).all()) for x in xs):
-            break
-        before = [x.detach().clone() for x in xs]
-        opt.step()
-        for x, grp, radius in zip(xs, groups, trust_regions):
-            project_to_trust_region(x.data, grp, radius)
-        if all(torch.equal(x.detach(), b) for x, b in zip(xs, before)):
-            break  # a fixed point of the projected step: every coordinate pinned at the boundary
+            value = float(s.detach())
+            evaluations += 1
+            if evaluations == 1:
+                start = best_score = value
+            elif value == value and not value <= best_score:  # finite improvement (or first finite value)
+                best_score = value
+                best = [x.detach().clone() for x in xs]
+            if step == steps or not s.requires_grad:
+                break
+            grads = torch.autograd.grad(s, xs, allow_unused=True)
+            if not all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+                break
+            moved = False
+            t = step + 1
+            for x, g, mi, vi, grp, radius, size in zip(xs, grads, m, v, groups, trust_regions, step_sizes):
+                if g is None:
+                    continue
+                xd = x.detach()  # in-place updates outside autograd (the step's graph is already freed)
+                mi.mul_(beta1).add_(g, alpha=1 - beta1)  # ascent: follow +grad
+                vi.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                before = xd.clone()
+                xd.add_((mi / (1 - beta1**t)) / ((vi / (1 - beta2**t)).sqrt() + eps), alpha=size)
+                project_to_trust_region(xd, grp, radius)
+                moved = moved or not torch.equal(xd, before)
+            if not moved:
+                break  # a fixed point of the projected step: every coordinate pinned at the boundary
     return AscentResult(best, start, best_score, evaluations)
 
 
 def shrink_to_feasible(
-    coords: Sequence[Tensor], feasible: Callable[[Sequence[Tensor]], bool], iterations: int = 20
+    coords: Sequence[Tensor], feasible: Callable[[Sequence[Tensor]], bool], iterations: int = 12
 ) -> tuple[list[Tensor], float]:
     """Largest s in [0, 1] (by bisection) with ``feasible(s * coords)``; returns (s * coords, s).
 

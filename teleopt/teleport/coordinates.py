@@ -24,7 +24,7 @@ from torch import Tensor
 from teleopt.groups import GeneralLinear, Group, Orthogonal, PositiveScaling, Translation
 from teleopt.site import Site
 
-__all__ = ["zero_coordinates", "project_to_trust_region", "element"]
+__all__ = ["zero_coordinates", "project_to_trust_region"]
 
 
 def zero_coordinates(site: Site, group: Group, device: torch.device) -> Tensor:
@@ -35,15 +35,16 @@ def zero_coordinates(site: Site, group: Group, device: torch.device) -> Tensor:
     return torch.zeros(shape, dtype=torch.float64, device=device)
 
 
-@torch.no_grad()
 def project_to_trust_region(xi: Tensor, group: Group, radius: float | None) -> None:
-    """Project ``xi`` in place onto the trust region of radius ``radius`` (see module docs)."""
+    """Project ``xi`` (a tensor outside autograd, e.g. ``x.detach()``) in place onto the trust region."""
     if radius is None or isinstance(group, Orthogonal):
         return
     if isinstance(group, (PositiveScaling, Translation)):
         xi.clamp_(-radius, radius)
         return
     if isinstance(group, GeneralLinear):
+        if float(torch.linalg.matrix_norm(xi).max()) <= radius:  # spectral <= Frobenius: nothing to clip
+            return
         U, S, Vh = torch.linalg.svd(xi, full_matrices=False)
         if bool((S > radius).any()):
             xi.copy_(U @ torch.diag_embed(S.clamp(max=radius)) @ Vh)
@@ -52,8 +53,3 @@ def project_to_trust_region(xi: Tensor, group: Group, radius: float | None) -> N
     norm = xi.norm()
     if float(norm) > radius:
         xi.mul_(radius / norm)
-
-
-def element(site: Site, xi: Tensor, params: tuple[Tensor | None, ...]) -> Tensor:
-    """The group element exp(xi) of ``site`` (differentiable in ``xi``)."""
-    return site.action.exp(xi, params)

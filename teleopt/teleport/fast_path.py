@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from teleopt.actions.axis import AxisAction, Member
+from teleopt.actions.base import GroupAction
 from teleopt.groups import Group, PositiveScaling
 from teleopt.site import Site
 from teleopt.teleport.context import TeleportContext
@@ -83,7 +84,8 @@ def _components(sites: Sequence[Site], names: set[str]) -> list[tuple[list[int],
 class _Reduced:
     """One gradient tensor reduced to its group axes (see module docs)."""
 
-    def __init__(self, grad: Tensor, entries: list[tuple[int, Member, Group]]) -> None:
+    def __init__(self, name: str, grad: Tensor, entries: list[tuple[int, Member, Group]]) -> None:
+        self.name = name
         self.entries = entries
         g64 = grad.detach().to(torch.float64)
         axes = [m.axis % grad.ndim for _, m, _ in entries]
@@ -116,8 +118,13 @@ class _Reduced:
         return ((A @ self.K) * A).sum()
 
 
+def _plain(member: Member) -> bool:
+    """A member acting on a whole axis (no slice, no outer/inner view, no grouped layout)."""
+    return member.start is None and all(getattr(member, f, 1) == 1 for f in ("outer", "inner", "groups"))
+
+
 def _reducible(entries: list[tuple[int, Member, Group]], ndim: int) -> bool:
-    if any(m.start is not None for _, m, _ in entries):
+    if not all(_plain(m) for _, m, _ in entries):
         return False
     axes = [m.axis % ndim for _, m, _ in entries]
     if len(set(axes)) != len(axes):
@@ -155,20 +162,23 @@ class GradientNormModel:
                         if n in entries:
                             entries[n].append((i, member, self.groups[i]))
             if axis_only and all(_reducible(entries[n], grads[n].ndim) for n in names):
-                self.reduced.extend(_Reduced(grads[n], entries[n]) for n in names)
+                self.reduced.extend(_Reduced(n, grads[n], entries[n]) for n in names)
             else:
                 self.explicit.append((site_ids, {n: grads[n] for n in names}))
         self.like = like
 
-    def value(self, elements: Sequence[Tensor]) -> Tensor:
-        """Sum over the sites' tensors of the squared transported gradient (float64)."""
+    def value(self, elements: Sequence[Tensor], weights: Mapping[str, float] | None = None) -> Tensor:
+        """Sum over the sites' tensors of the squared transported gradient (float64),
+        each tensor's term multiplied by ``weights[name]`` when given (e.g. its learning rate)."""
         total = torch.zeros((), dtype=torch.float64, device=elements[0].device if elements else None)
         for r in self.reduced:
-            total = total + r.value(elements)
+            term = r.value(elements)
+            total = total + (term if weights is None else weights[r.name] * term)
         for site_ids, grads in self.explicit:
             moved, _ = transport([self.sites[i] for i in site_ids], [elements[i] for i in site_ids], grads, self.like, "covector")
-            for t in moved.values():
-                total = total + t.to(torch.float64).square().sum()
+            for n, t in moved.items():
+                term = t.to(torch.float64).square().sum()
+                total = total + (term if weights is None else weights[n] * term)
         return total
 
 
@@ -195,15 +205,42 @@ class FastEvaluator:
         self.like = {n: ctx.tensors[n] for n in names}
         self.grads = ctx.grads(names)
         self.norm_model = GradientNormModel(self.sites, self.grads, self.like)
+        self.groups = self.norm_model.groups
+        self._own_exp = [type(site.action).exp is not GroupAction.exp for site in self.sites]
         self.other_sq, self.other_decrease = ctx.constant_terms(names, with_decrease)
 
+    def _plain_sgd_lrs(self) -> dict[str, float] | None:
+        """Learning rate per site tensor if every site parameter is updated by plain SGD, else None."""
+        ctx = self.ctx
+        if ctx.model.family != "sgd":
+            return None
+        lrs = {}
+        for name in self.grads:
+            group = ctx.groups[name]
+            if group.get("momentum", 0) or group.get("weight_decay", 0) or group.get("maximize", False):
+                return None
+            lrs[name] = float(group["lr"])
+        return lrs
+
     def elements(self, coords: Sequence[Tensor]) -> list[Tensor]:
-        """exp of each site's coordinates."""
-        return [site.action.exp(xi, member_tensors(site, self.like)) for site, xi in zip(self.sites, coords)]
+        """exp of each site's coordinates (groups built once unless an action overrides ``exp``)."""
+        return [
+            site.action.exp(xi, member_tensors(site, self.like)) if own else group.exp(xi)
+            for site, group, xi, own in zip(self.sites, self.groups, coords, self._own_exp)
+        ]
 
     def grad_norm_sq(self, elements: Sequence[Tensor]) -> Tensor:
         """||grad L(g . w)||^2 over all trainable parameters (float64)."""
         return self.norm_model.value(elements) + self.other_sq
+
+    def site_gain(self, index: int, element: Tensor, n0: float) -> float:
+        """||grad L||^2 ratio when only site ``index`` moves by ``element`` (the others stay at the identity)."""
+        site = self.sites[index]
+        grads = {n: self.grads[n] for n in site.tensor_names if n in self.grads}
+        moved, _ = transport([site], [element], grads, self.like, "covector")
+        before = sum(float(g.to(torch.float64).square().sum()) for g in grads.values())
+        after = sum(float(t.to(torch.float64).square().sum()) for t in moved.values())
+        return (n0 - before + after) / n0
 
     def transported_grads(self, elements: Sequence[Tensor]) -> dict[str, Tensor]:
         """Gradients of the site members at g . w."""
@@ -214,8 +251,16 @@ class FastEvaluator:
         return transport(self.sites, elements, self.like, self.like, "params")[0]
 
     def first_order_decrease(self, elements: Sequence[Tensor]) -> Tensor:
-        """<grad, u> of the base optimizer's next step from g . w, summed over all trainable parameters."""
+        """<grad, u> of the base optimizer's next step from g . w, summed over all trainable parameters.
+
+        For plain SGD (no momentum, no weight decay) u = lr grad, so this is the
+        learning-rate-weighted gradient norm and reuses the reduced model; otherwise
+        the gradients, parameters and state are transported explicitly.
+        """
         ctx = self.ctx
+        lrs = self._plain_sgd_lrs()
+        if lrs is not None:
+            return self.norm_model.value(elements, lrs) + self.other_decrease
         grads = self.transported_grads(elements)
         params = self.site_params(elements)
         states = ctx.states(grads)

@@ -74,10 +74,10 @@ class Teleport(OptimizerWrapper):
     model:
         The model whose parameters ``optimizer`` updates (DDP wrappers are unwrapped).
     sites:
-        ``"auto"`` (``teleopt.find_symmetries`` on the model; needs ``example_inputs``
-        or a first teleport batch) or a list of :class:`~teleopt.site.Site` naming
-        tensors of ``model.state_dict()``; sites act in list order.  Discrete
-        sites (permutations, signs) are not searched.
+        ``"auto"`` (the exact continuous sites ``teleopt.find_symmetries`` finds on the
+        model; needs ``example_inputs`` or a first teleport batch) or a list of
+        :class:`~teleopt.site.Site` naming tensors of ``model.state_dict()``; sites act
+        in list order.  Discrete sites (permutations, signs) are not searched.
     objective:
         ``"grad_norm"`` (default), ``"preconditioned_norm"``, ``"lookahead"``,
         ``"sharpness"``, ``"curvature"`` or an :class:`~teleopt.teleport.objectives.Objective`.
@@ -133,7 +133,7 @@ class Teleport(OptimizerWrapper):
         max_teleports: int | None = None,
         schedule: Schedule | None = None,
         ascent_steps: int = 100,
-        ascent_lr: float = 0.05,
+        ascent_lr: float = 0.2,
         trust_region: float | None = math.log(4),
         state_policy: str | dict[str, str] | None = None,
         state_fallback: str | dict[str, str] | None = None,
@@ -275,7 +275,9 @@ class Teleport(OptimizerWrapper):
             raise ImportError("sites='auto' needs teleopt.detection (find_symmetries); pass a list of sites instead") from exc
         inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         found = find_symmetries(self._module, inputs)
-        return self._validate_sites(list(found.sites), given=False)
+        # exact sites only: an approximate site (BatchNorm input scaling, exact up to eps) would fail the
+        # invariance post-condition; pass such sites explicitly with a loss tolerance
+        return self._validate_sites([s for s in found.sites if s.action.exactness == "exact"], given=False)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -451,7 +453,11 @@ class Teleport(OptimizerWrapper):
             [self._trust_region(s, ctx) for s in sites],
         )
         report.objective_before = result.score_start if objective.direction == "increase" else -result.score_start
-        coords, shrink = shrink_to_feasible(result.coords, lambda xs: self._feasible(evaluator, xs, n0, loss0, ctx))
+        dec0 = None
+        if self._safety.max_predicted_decrease is not None and loss0 is not None and ctx.model.supported and loss0 > self._safety.loss_floor:
+            with torch.enable_grad():
+                dec0 = float(evaluator.first_order_decrease(evaluator.elements(identity)).detach())
+        coords, shrink = shrink_to_feasible(result.coords, lambda xs: self._feasible(evaluator, xs, n0, dec0, loss0))
         coords = self._sync_coords(coords)
         report.shrink = shrink
         report.coordinate_norms = {s.name: float(c.abs().max()) if c.numel() else 0.0 for s, c in zip(sites, coords)}
@@ -465,7 +471,7 @@ class Teleport(OptimizerWrapper):
             report.objective_after = float(objective.value(evaluator, elements, prepared).detach())
             if path == "fast":
                 report.grad_norm_after = math.sqrt(float(evaluator.grad_norm_sq(elements).detach()))
-                report.site_gains = self._site_gains(evaluator, sites, coords, n0)
+                report.site_gains = self._site_gains(evaluator, elements, n0)
         report.elements = {s.name: e.to(torch.float64) for s, e in zip(sites, elements)}
 
         # apply, check, maybe roll back
@@ -489,7 +495,8 @@ class Teleport(OptimizerWrapper):
         for n, g in zip(names, grads):
             ctx.trainable[n].grad = torch.zeros_like(ctx.trainable[n]) if g is None else g.detach()
 
-    def _feasible(self, evaluator: Any, coords: Sequence[Tensor], n0: float, loss0: float | None, ctx: TeleportContext) -> bool:
+    def _feasible(self, evaluator: Any, coords: Sequence[Tensor], n0: float, dec0: float | None, loss0: float | None) -> bool:
+        """The caps of :class:`SafetyConfig` at ``coords`` (``dec0``: predicted decrease at the identity)."""
         safety = self._safety
         with torch.enable_grad():
             elements = evaluator.elements(coords)
@@ -497,24 +504,18 @@ class Teleport(OptimizerWrapper):
                 n = float(evaluator.grad_norm_sq(elements).detach())
                 if not n <= safety.max_gain * n0:
                     return False
-            if safety.max_predicted_decrease is not None and loss0 is not None and ctx.model.supported:
-                margin = loss0 - safety.loss_floor
-                if margin <= 0:
-                    return True
-                dec = float(evaluator.first_order_decrease(elements).detach())
-                cap = safety.max_predicted_decrease * self._backoff * margin
-                if not dec <= cap:
+            if dec0 is not None and loss0 is not None:
+                # at most the cap, or what the current point already has (the identity stays feasible)
+                cap = max(safety.max_predicted_decrease * self._backoff * (loss0 - safety.loss_floor), dec0)  # type: ignore[operator]
+                if not float(evaluator.first_order_decrease(elements).detach()) <= cap:
                     return False
         return True
 
-    def _site_gains(self, evaluator: Any, sites: list[Site], coords: list[Tensor], n0: float) -> dict[str, float | None]:
-        gains: dict[str, float | None] = {}
+    @staticmethod
+    def _site_gains(evaluator: FastEvaluator, elements: list[Tensor], n0: float) -> dict[str, float | None]:
         if n0 == 0:
-            return {s.name: None for s in sites}
-        for i, site in enumerate(sites):
-            only = [c if j == i else torch.zeros_like(c) for j, c in enumerate(coords)]
-            gains[site.name] = float(evaluator.grad_norm_sq(evaluator.elements(only)).detach()) / n0
-        return gains
+            return {s.name: None for s in evaluator.sites}
+        return {s.name: evaluator.site_gain(i, e, n0) for i, (s, e) in enumerate(zip(evaluator.sites, elements))}
 
     def _sync_coords(self, coords: list[Tensor]) -> list[Tensor]:
         distributed.broadcast_(coords)

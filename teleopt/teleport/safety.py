@@ -10,7 +10,8 @@ trust region on the coordinates, a teleport is scaled back towards the identity
 
 * ``max_gain``: ||grad L(g . w)||^2 <= max_gain * ||grad L(w)||^2, and
 * ``max_predicted_decrease``: the first-order decrease of the base optimizer's
-  next step, <grad', u'>, is at most this multiple of L(w) - loss_floor.  For a
+  next step, <grad', u'>, is at most this multiple of L(w) - loss_floor (or at
+  most its value before the teleport, if that is already larger).  For a
   quadratic model, L(w - eta grad) >= loss_floor forces
   eta * lambda >= 2 - 2 / ratio along the gradient (lambda the curvature there),
   so a large ratio means the step sits at the edge of GD's stability region

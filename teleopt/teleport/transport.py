@@ -22,8 +22,10 @@ closed-form rule either and are reported the same way.
 Members absent from the mapping (a buffer has no gradient, a fresh optimizer has
 no state yet) are transported as zeros and left out of the result.  A tensor may
 appear as several members of one site when they act on disjoint slices of it (q
-and k rows of a fused ``qkv`` projection): each member's output differs from the
-input only in its slice, so the results are merged as x + sum_i (out_i - x).
+and k rows of a fused ``qkv`` projection): an axis action that knows them as parts
+of one tensor returns the whole transformed tensor for each; otherwise each
+output differs from the input only in its slice and the results are merged as
+x + sum_i (out_i - x).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from teleopt.actions.axis import AxisAction
 from teleopt.site import Site
 
 __all__ = ["transport", "TensorKind"]
@@ -48,7 +49,6 @@ def transport(
     values: Mapping[str, Tensor],
     like: Mapping[str, Tensor],
     kind: TensorKind,
-    validate: bool = True,
 ) -> tuple[dict[str, Tensor], set[str]]:
     """Move ``values`` (tensor name -> tensor) along ``sites`` in list order.
 
@@ -60,10 +60,6 @@ def transport(
     Returns the moved mapping and the names for which some site had no exact rule
     (second moments under GL, covectors under non-linear actions); those keep the
     value they had before that site.
-
-    ``validate=False`` skips the element checks of :class:`~teleopt.actions.axis.AxisAction`
-    (they branch on tensor values, which ``torch.func.vmap`` cannot batch); only for
-    elements built by ``exp`` inside teleopt.
     """
     out = dict(values)
     no_rule: set[str] = set()
@@ -73,7 +69,7 @@ def transport(
             continue
         vals = tuple(None if n is None else (out[n] if n in out else torch.zeros_like(like[n])) for n in names)
         if kind == "params":
-            new = site.action.act(g, vals) if validate or not isinstance(site.action, AxisAction) else _axis_act(site.action, g, vals)
+            new = site.action.act(g, vals)
         elif kind == "covector":
             if not site.action.has_gradient_transport:
                 no_rule.update(n for n in names if n is not None and n in values)
@@ -85,28 +81,30 @@ def transport(
                 no_rule.update(n for n in names if n is not None and n in values)
                 continue
             new = moved
-        for n, v in _merged(names, vals, new).items():
+        for n, v in _merged(site, vals, new).items():
             if n in values:
                 out[n] = v
     return out, no_rule
 
 
-def _axis_act(action: AxisAction, g: Tensor, params: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
-    """g . params for an axis action, without validating g (vmap-compatible)."""
-    group = action.group(params)
-    return tuple(
-        None if p is None else m.transform(p, lambda part, axis, power=m.power: group.act_on_axis(g, part, axis, power))
-        for m, p in zip(action.members, params)
-    )
+def _composes_parts(site: Site, name: str) -> bool:
+    """Whether the site's action composes all members naming ``name`` itself (axis-action tensor parts)."""
+    members = getattr(site.action, "members", None)
+    if members is None:
+        return False
+    keys = {getattr(m, "tensor_key", m.name) for m, n in zip(members, site.members) if n == name}
+    return len(keys) == 1
 
 
-def _merged(names: Sequence[str | None], inputs: Sequence[Tensor | None], outputs: Sequence[Tensor | None]) -> dict[str, Tensor]:
-    """Outputs by tensor name; members sharing a tensor (disjoint slices) are merged."""
+def _merged(site: Site, inputs: Sequence[Tensor | None], outputs: Sequence[Tensor | None]) -> dict[str, Tensor]:
+    """Outputs by tensor name.  Members sharing a tensor act on disjoint slices: if the action
+    composes them (axis-action parts of one tensor) every output is the whole result; otherwise
+    each output changed only its slice and they are merged as x + sum_i (out_i - x)."""
     merged: dict[str, Tensor] = {}
-    for n, x, y in zip(names, inputs, outputs):
+    for n, x, y in zip(site.members, inputs, outputs):
         if n is None or y is None:
             continue
-        if n in merged:
+        if n in merged and not _composes_parts(site, n):
             merged[n] = merged[n] + (y - x)  # type: ignore[operator]
         else:
             merged[n] = y

@@ -1,0 +1,216 @@
+"""What teleporting costs: the three ratios of issue 4, measured in one run on three models.
+
+Models (CPU, float32, Adam as the base optimizer):
+
+* ``mlp-5678``: the papers' 5-6-7-8 MLP (LeakyReLU 0.1, no biases), batch 4;
+* ``mlp-10M``: a ReLU MLP 1024-2048-2048-1536-10 (9.4M parameters), batch 64;
+* ``resnet18``: timm resnet18 (``pretrained=False``), batch 8 at 224x224 (``--quick``: 64x64).
+
+Sites: positive rescalings of every hidden layer of the MLPs; for resnet18
+``teleopt.find_symmetries`` when the detection package is available, else the
+exact BatchNorm-output rescaling of every BasicBlock (bn1 weight and bias by c,
+conv2's input channels by 1/c through the ReLU), made by hand.
+
+Ratios (medians of repeated, interleaved measurements within this run):
+
+1. ``step overhead``: ``Teleport.step()`` on a step without teleport vs the bare
+   ``optimizer.step()`` (gradients already computed); goal <= 1% overhead.  Also
+   shown relative to a whole training iteration (forward, backward, step).
+2. ``fast / base``: one fast-path teleport (library defaults: up to 100 ascent
+   steps, trust region log 4, no batch so no loss check) vs one training iteration
+   of the base optimizer; goal <= 1x.  Also vs ``optimizer.step()`` alone.
+3. ``autograd / fast``: the same objective (gradient norm) and the same number of
+   ascent steps (10, no trust region so no early stop) through the model with
+   autograd (the general path, double backward on the batch) vs the fast path;
+   goal >= 50x.
+
+Run: ``python benchmarks/teleport_cost.py [--quick] [--json out.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from teleopt import AxisAction, Member, Site, get_action
+from teleopt.teleport import SafetyConfig, Teleport
+
+LEAKY = get_action("positive_rescaling", activation="leaky_relu", negative_slope=0.1)
+RELU = get_action("positive_rescaling", activation="relu")
+BN_OUTPUT = AxisAction(
+    "batchnorm_output_rescaling",
+    "diagonal",
+    (Member("gamma", 0), Member("beta", 0), Member("W_next", 1, -1)),
+    reference="papers/001 Ex. 1.2.4, 1.2.7 (BatchNorm output through ReLU)",
+)
+
+
+def mlp_5678() -> tuple[nn.Module, list[Site], tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6, bias=False), nn.LeakyReLU(0.1), nn.Linear(6, 7, bias=False), nn.LeakyReLU(0.1), nn.Linear(7, 8, bias=False))
+    sites = [Site(LEAKY, ("0.weight", None, "2.weight")), Site(LEAKY, ("2.weight", None, "4.weight"))]
+    return model, sites, (torch.rand(4, 5), torch.rand(4, 8))
+
+
+def mlp_10m(batch: int) -> tuple[nn.Module, list[Site], tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    widths = [1024, 2048, 2048, 1536, 10]
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        layers.append(nn.Linear(a, b))
+        if i < len(widths) - 2:
+            layers.append(nn.ReLU())
+    model = nn.Sequential(*layers)
+    sites = [Site(RELU, (f"{2 * i}.weight", f"{2 * i}.bias", f"{2 * i + 2}.weight")) for i in range(len(widths) - 2)]
+    return model, sites, (torch.randn(batch, 1024), torch.randn(batch, 10))
+
+
+def resnet18(batch: int, size: int, auto: bool) -> tuple[nn.Module, list[Site] | str, tuple[torch.Tensor, torch.Tensor], str]:
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("resnet18", pretrained=False, num_classes=10)
+    x, y = torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
+    if auto:
+        try:
+            from teleopt.detection import find_symmetries  # noqa: F401
+
+            return model, "auto", (x, y), "auto (find_symmetries)"
+        except ImportError:
+            pass
+    sites = []
+    for name, module in model.named_modules():
+        if hasattr(module, "bn1") and hasattr(module, "conv2"):
+            sites.append(Site(BN_OUTPUT, (f"{name}.bn1.weight", f"{name}.bn1.bias", f"{name}.conv2.weight")))
+    return model, sites, (x, y), f"{len(sites)} hand-made BatchNorm-output rescalings"
+
+
+def regression(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).mean()
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure(name: str, model: nn.Module, sites: Any, batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable, reps: int, general_reps: int) -> dict[str, Any]:
+    x, y = batch
+    example = x[:2] if sites == "auto" else None
+    bare = torch.optim.Adam(model.parameters(), lr=1e-4)
+    wrapper = Teleport(torch.optim.Adam(model.parameters(), lr=1e-4), model, sites, example_inputs=example, safety=SafetyConfig(watch_steps=0))
+    n_params = sum(p.numel() for p in model.parameters())
+
+    def backward() -> None:
+        model.zero_grad()
+        loss_fn(model(x), y).backward()
+
+    def iteration(opt: torch.optim.Optimizer) -> Callable[[], None]:
+        def run() -> None:
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+
+        return run
+
+    # warm up both optimizers (state initialised), then interleave
+    backward()
+    bare.step()
+    wrapper.step()
+    step_bare, step_wrapped, iters = [], [], []
+    for _ in range(reps):
+        backward()
+        step_bare.append(timed(bare.step))
+        step_wrapped.append(timed(wrapper.step))
+        iters.append(timed(iteration(bare)))
+    t_bare, t_wrapped, t_iter = (statistics.median(v) for v in (step_bare, step_wrapped, iters))
+
+    fast_times, evaluations = [], []
+    for _ in range(reps):
+        backward()
+        report = None
+
+        def tele() -> None:
+            nonlocal report
+            report = wrapper.teleport()
+
+        fast_times.append(timed(tele))
+    t_fast = statistics.median(fast_times)
+    fast_report = report
+
+    # same objective and number of ascent steps, no trust region (no early stop): fast vs autograd
+    steps = 10
+    fast10 = Teleport(torch.optim.Adam(model.parameters(), lr=1e-4), model, wrapper.sites, ascent_steps=steps, trust_region=None, path="fast", safety=SafetyConfig(watch_steps=0, max_predicted_decrease=None))
+    general10 = Teleport(torch.optim.Adam(model.parameters(), lr=1e-4), model, wrapper.sites, ascent_steps=steps, trust_region=None, path="general", loss_fn=loss_fn, safety=SafetyConfig(watch_steps=0, max_predicted_decrease=None, loss_tol=1e-3))
+    f10, g10 = [], []
+    for _ in range(reps):
+        backward()
+        f10.append(timed(fast10.teleport))
+    for _ in range(general_reps):
+        backward()
+        g10.append(timed(lambda: general10.teleport(batch=(x, y))))
+    t_f10, t_g10 = statistics.median(f10), statistics.median(g10)
+    return {
+        "model": name,
+        "params": n_params,
+        "sites": len(wrapper.sites or []),
+        "step_bare_ms": 1e3 * t_bare,
+        "step_wrapped_ms": 1e3 * t_wrapped,
+        "step_overhead_pct": 100 * (t_wrapped - t_bare) / t_bare,
+        "step_overhead_pct_of_iteration": 100 * (t_wrapped - t_bare) / t_iter,
+        "iteration_ms": 1e3 * t_iter,
+        "fast_teleport_ms": 1e3 * t_fast,
+        "fast_over_iteration": t_fast / t_iter,
+        "fast_over_step": t_fast / t_bare,
+        "fast_gain": fast_report.gain if fast_report is not None else None,
+        "fast10_ms": 1e3 * t_f10,
+        "general10_ms": 1e3 * t_g10,
+        "general_over_fast": t_g10 / t_f10,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller batches and images, fewer repetitions")
+    parser.add_argument("--json", type=str, default=None)
+    parser.add_argument("--manual-sites", action="store_true", help="hand-made resnet18 sites even if detection exists")
+    args = parser.parse_args()
+    reps = 5 if args.quick else 15
+    general_reps = 1 if args.quick else 3
+    rows = []
+    model, sites, batch = mlp_5678()
+    rows.append(measure("mlp-5678", model, sites, batch, regression, reps * 4, general_reps * 3))
+    model, sites, batch = mlp_10m(16 if args.quick else 64)
+    rows.append(measure("mlp-10M", model, sites, batch, regression, reps, general_reps))
+    model, sites, batch, how = resnet18(4 if args.quick else 8, 64 if args.quick else 224, auto=not args.manual_sites)
+    rows.append(measure("resnet18", model, sites, batch, nn.functional.cross_entropy, reps, general_reps))
+    rows[-1]["site_source"] = how
+
+    head = f"{'model':9} {'params':>9} {'sites':>5} {'step ms':>9} {'wrapped':>9} {'overhead':>9} {'of iter':>8} {'iter ms':>9} {'fast ms':>9} {'fast/iter':>9} {'fast/step':>9} {'10-step fast':>12} {'10-step autograd':>16} {'autograd/fast':>13}"
+    print(f"Teleport cost, {datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['model']:9} {r['params']:>9} {r['sites']:>5} {r['step_bare_ms']:>9.3f} {r['step_wrapped_ms']:>9.3f} {r['step_overhead_pct']:>8.1f}% {r['step_overhead_pct_of_iteration']:>7.2f}% "
+            f"{r['iteration_ms']:>9.2f} {r['fast_teleport_ms']:>9.2f} {r['fast_over_iteration']:>9.2f} {r['fast_over_step']:>9.1f} {r['fast10_ms']:>12.2f} {r['general10_ms']:>16.1f} {r['general_over_fast']:>13.0f}"
+        )
+    print(f"resnet18 sites: {rows[-1]['site_source']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
