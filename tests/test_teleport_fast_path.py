@@ -48,17 +48,38 @@ def mse(out, y):
     return ((out - y) ** 2).mean()
 
 
-def true_gradients(model, x, y):
+def true_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
     model.zero_grad()
     loss = mse(model(x), y)
     loss.backward()
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_fast_teleport_is_exact_and_moves_grad_to_the_new_gradient():
-    model = mlp()
-    x, y = data()
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, rescaling_sites())
+def linear_mlp(seed: int) -> nn.Sequential:
+    """A linear hidden layer (identity activation): GL_6 between layers 0 and 2 is exact."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 6), nn.Identity(), nn.Linear(6, 7), nn.LeakyReLU(0.1), nn.Linear(7, 3)).double()
+
+
+FAMILIES = {
+    "rescalings": (lambda seed: mlp(seed), lambda: rescaling_sites()),
+    "GL and rescaling": (
+        linear_mlp,
+        lambda: [Site(get_action("gl_linear"), ("0.weight", "0.bias", "2.weight")), Site(LEAKY, ("2.weight", "2.bias", "4.weight"))],
+    ),
+}
+
+
+@settings(deadline=None, max_examples=4)
+@given(seed=seeds())
+@example(seed=0)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fast_teleport_is_exact_and_moves_grad_to_the_new_gradient(family, seed):
+    """Loss unchanged, .grad equal to autograd at g . w (Prop. 4.5.1), gradient norm raised."""
+    make_model, make_sites = FAMILIES[family]
+    model = make_model(seed % 1000)
+    x, y = data(seed % 997 + 1)
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, make_sites(), ascent_steps=10)
     loss, _ = true_gradients(model, x, y)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     report = opt.teleport()
@@ -327,3 +348,41 @@ def test_predicted_decrease_cap_ties_the_gain_to_the_learning_rate():
     assert report.accepted
     assert lr * report.grad_norm_after**2 <= ratio * report.loss_before * (1 + 1e-9)
     assert report.shrink < 1
+
+
+def test_preconditioned_sharpness_is_the_top_eigenvalue():
+    from teleopt.teleport.safety import preconditioned_sharpness
+
+    gen = torch.Generator().manual_seed(0)
+    Q = torch.linalg.qr(torch.randn(6, 6, generator=gen, dtype=torch.float64)).Q
+    A = Q @ torch.diag(torch.tensor([5.0, 3.0, 2.0, 1.0, 0.5, 0.1], dtype=torch.float64)) @ Q.T
+    w = {"w": torch.randn(6, generator=gen, dtype=torch.float64)}
+    lam, _ = preconditioned_sharpness(lambda t: 0.5 * t["w"] @ A @ t["w"], w, {"w": torch.full((6,), 0.1, dtype=torch.float64)}, 200, gen)
+    assert lam == pytest.approx(0.5, rel=1e-8)  # lambda_max(lr A) = 0.1 * 5
+
+
+def test_stability_margin_keeps_the_teleported_point_stable():
+    """lambda_max(P H) at g . w stays below margin x 2 (GD) although the gradient norm still grows."""
+    from teleopt.teleport.safety import preconditioned_sharpness
+
+    model = mlp()
+    x, y = data()
+    lr, margin = 0.05, 0.5
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=lr),
+        model,
+        rescaling_sites(),
+        trust_region=3.0,
+        loss_fn=mse,
+        safety=SafetyConfig(max_predicted_decrease=None, stability_margin=margin, stability_iterations=50),
+    )
+    true_gradients(model, x, y)
+    report = opt.teleport(batch=(x, y))
+    assert report.accepted and report.gain > 1 and report.shrink < 1
+    assert report.sharpness_before < margin * 2
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    P = {n: torch.full_like(p, lr) for n, p in params.items()}
+    lam, _ = preconditioned_sharpness(
+        lambda t: mse(torch.func.functional_call(model, t, (x,)), y), params, P, 300, torch.Generator().manual_seed(1)
+    )
+    assert lam <= margin * 2 * 1.02  # power iteration inside the cap: 50 rounds, 2% slack

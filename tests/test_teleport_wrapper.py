@@ -348,3 +348,25 @@ def test_paper_compat_needs_gl_sites():
     model = mlp()
     with pytest.raises(ValueError, match="not a GL site"):
         Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites(), paper_compat=True)
+
+
+def test_fused_base_under_grad_scaler_teleports_unscaled_gradients():
+    """GradScaler unscales before Teleport.step (the wrapper never claims _step_supports_amp_scaling),
+    so teleports and the fused base see the true gradients: bitwise the unscaled trajectory."""
+    x, y = batch(torch.float32)
+
+    def run(scaled: bool):
+        model = mlp(torch.float32)
+        opt = Teleport(torch.optim.Adam(model.parameters(), lr=1e-2, fused=True), model, sites(), every=2, ascent_steps=10)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, enabled=scaled)
+        for _ in range(5):
+            opt.zero_grad()
+            scaler.scale(mse(model(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+        assert sum(r.accepted for r in opt.reports) == 3
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert not getattr(Teleport, "_step_supports_amp_scaling", False)
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)

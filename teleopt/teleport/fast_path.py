@@ -250,6 +250,22 @@ class FastEvaluator:
         """Site members at g . w."""
         return transport(self.sites, elements, self.like, self.like, "params")[0]
 
+    @torch.no_grad()
+    def next_step_point(self, elements: Sequence[Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Every trainable parameter at g . w and the base optimizer's diagonal preconditioner there."""
+        ctx = self.ctx
+        grads = {n: p.grad for n, p in ctx.trainable.items() if p.grad is not None}
+        grads.update(self.transported_grads(elements))
+        params = {n: p.detach() for n, p in ctx.trainable.items()}
+        params.update({n: t for n, t in self.site_params(elements).items() if n in params})
+        states = ctx.states(grads)
+        moved = ctx.policy.move(ctx.optimizer, self.sites, elements, {n: s for n, s in states.items() if n in self.like}, self.like, ctx.groups)
+        P = {}
+        for name, g in grads.items():
+            state = moved.values.get(name, states.get(name, {}))
+            P[name] = ctx.model.preconditioner(ctx.groups[name], params[name], g, state)
+        return params, P
+
     def first_order_decrease(self, elements: Sequence[Tensor]) -> Tensor:
         """<grad, u> of the base optimizer's next step from g . w, summed over all trainable parameters.
 

@@ -191,6 +191,20 @@ class GeneralEvaluator:
             out[name] = ctx.model.update(ctx.groups[name], params[name], g, state)
         return out
 
+    def next_step_point(self, elements: Sequence[Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Every trainable parameter at g . w and the base optimizer's diagonal preconditioner there."""
+        ctx = self.ctx
+        with torch.enable_grad():
+            params = self.params(elements)
+            grads = self.grads(params, create_graph=False)
+        states = ctx.states(ctx.trainable)
+        moved = ctx.policy.move(ctx.optimizer, self.sites, elements, {n: s for n, s in states.items() if n in self.names}, self.like, ctx.groups)
+        P = {}
+        for name, g in grads.items():
+            state = moved.values.get(name, states.get(name, {}))
+            P[name] = ctx.model.preconditioner(ctx.groups[name], params[name].detach(), g.detach(), state)
+        return {n: params[n].detach() for n in ctx.trainable}, P
+
     def first_order_decrease(self, elements: Sequence[Tensor]) -> Tensor:
         """<grad, u> of the base optimizer's next step from g . w, over all trainable parameters."""
         params = self.params(elements)

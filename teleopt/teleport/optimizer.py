@@ -38,7 +38,7 @@ from teleopt.teleport.general_path import FunctionalModel, GeneralEvaluator, Los
 from teleopt.teleport.objectives import Objective, get_objective
 from teleopt.teleport.paper_compat import check_paper_compat_sites, paper_compat_teleport
 from teleopt.teleport.report import TeleportReport, sites_from_state, sites_to_state
-from teleopt.teleport.safety import SafetyConfig, Snapshot, default_loss_tol
+from teleopt.teleport.safety import SafetyConfig, Snapshot, default_loss_tol, preconditioned_sharpness
 from teleopt.teleport.schedule import Schedule
 from teleopt.teleport.state_policy import StatePolicy
 from teleopt.teleport.transport import transport
@@ -457,7 +457,8 @@ class Teleport(OptimizerWrapper):
         if self._safety.max_predicted_decrease is not None and loss0 is not None and ctx.model.supported and loss0 > self._safety.loss_floor:
             with torch.enable_grad():
                 dec0 = float(evaluator.first_order_decrease(evaluator.elements(identity)).detach())
-        coords, shrink = shrink_to_feasible(result.coords, lambda xs: self._feasible(evaluator, xs, n0, dec0, loss0))
+        stability = self._stability_check(evaluator, ctx, fmodel, batch, identity, report)
+        coords, shrink = shrink_to_feasible(result.coords, lambda xs: self._feasible(evaluator, xs, n0, dec0, loss0, stability))
         coords = self._sync_coords(coords)
         report.shrink = shrink
         report.coordinate_norms = {s.name: float(c.abs().max()) if c.numel() else 0.0 for s, c in zip(sites, coords)}
@@ -495,9 +496,45 @@ class Teleport(OptimizerWrapper):
         for n, g in zip(names, grads):
             ctx.trainable[n].grad = torch.zeros_like(ctx.trainable[n]) if g is None else g.detach()
 
-    def _feasible(self, evaluator: Any, coords: Sequence[Tensor], n0: float, dec0: float | None, loss0: float | None) -> bool:
+    def _stability_check(
+        self, evaluator: Any, ctx: TeleportContext, fmodel: FunctionalModel | None, batch: Any, identity: list[Tensor], report: TeleportReport
+    ) -> tuple[Callable[[Sequence[Tensor]], float], float] | None:
+        """(sharpness of a candidate, cap) for ``SafetyConfig.stability_margin``, or None when off or impossible."""
+        safety = self._safety
+        if safety.stability_margin is None or fmodel is None or not ctx.model.supported:
+            return None
+        threshold = min(ctx.model.stability_threshold(ctx.groups[n]) for n in ctx.trainable)
+        generator = torch.Generator().manual_seed(self._seed + 7919 * (self._accepted + 1))
+        warm: dict[str, Any] = {"v": None}
+
+        def sharpness(coords: Sequence[Tensor]) -> float:
+            params, P = evaluator.next_step_point(evaluator.elements(coords))
+            lam, warm["v"] = preconditioned_sharpness(
+                lambda tensors: fmodel.loss(tensors, batch), params, P, safety.stability_iterations, generator, warm["v"]
+            )
+            return lam
+
+        with torch.enable_grad():
+            report.sharpness_before = sharpness(identity)
+        cap = max(safety.stability_margin * self._backoff * threshold, report.sharpness_before)
+        return sharpness, cap
+
+    def _feasible(
+        self,
+        evaluator: Any,
+        coords: Sequence[Tensor],
+        n0: float,
+        dec0: float | None,
+        loss0: float | None,
+        stability: tuple[Callable[[Sequence[Tensor]], float], float] | None = None,
+    ) -> bool:
         """The caps of :class:`SafetyConfig` at ``coords`` (``dec0``: predicted decrease at the identity)."""
         safety = self._safety
+        if stability is not None:
+            sharpness, cap = stability
+            with torch.enable_grad():
+                if not sharpness(coords) <= cap:
+                    return False
         with torch.enable_grad():
             elements = evaluator.elements(coords)
             if safety.max_gain is not None:

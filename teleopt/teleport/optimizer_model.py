@@ -185,3 +185,57 @@ class OptimizerModel:
         bc2 = 1 - beta2**step
         u = (lr / bc1) * m / (v.sqrt() / bc2**0.5 + eps)
         return u if decay is None else u + decay
+
+    # -- linear stability (the "edge of stability" of each update rule) ----------------------
+    def preconditioner(self, group: dict[str, Any], param: Tensor, grad: Tensor, state: dict[str, Any]) -> Tensor:
+        """Diagonal P of the next step linearised in the gradient (the step is about P * grad).
+
+        SGD: lr; Adagrad: lr / (sqrt(sum + g^2) + eps); RMSprop: lr / (sqrt(v') + eps);
+        Adam/AdamW: lr / (sqrt(v_hat') + eps) (momentum is accounted for in
+        :meth:`stability_threshold`).  Constant in the parameters' values, as in the
+        analyses of adaptive methods at the edge of stability (Cohen et al. 2022).
+        """
+        self.require("the stability check")
+        lr = _float(group["lr"])
+        g = grad.detach()
+        if self.family == "sgd":
+            return torch.full_like(g, lr)
+        if self.family == "adagrad":
+            step = _step_value(state) + 1
+            clr = lr / (1.0 + (step - 1) * float(group.get("lr_decay", 0.0)))
+            acc = state.get("sum")
+            acc = torch.full_like(g, float(group.get("initial_accumulator_value", 0.0))) if acc is None else acc.detach()
+            return clr / ((acc + g * g).sqrt() + float(group["eps"]))
+        if self.family == "rmsprop":
+            alpha = float(group["alpha"])
+            sq = state.get("square_avg")
+            sq = (1 - alpha) * g * g if sq is None else alpha * sq.detach() + (1 - alpha) * g * g
+            if group.get("centered", False):
+                ga = state.get("grad_avg")
+                ga = (1 - alpha) * g if ga is None else alpha * ga.detach() + (1 - alpha) * g
+                sq = sq - ga * ga
+            return lr / (sq.clamp_min(0).sqrt() + float(group["eps"]))
+        beta1, beta2 = (_float(b) for b in group["betas"])
+        step = _step_value(state) + 1
+        v = state.get("exp_avg_sq")
+        v = (1 - beta2) * g * g if v is None else beta2 * v.detach() + (1 - beta2) * g * g
+        if group.get("amsgrad", False) and state.get("max_exp_avg_sq") is not None:
+            v = torch.maximum(state["max_exp_avg_sq"].detach(), v)
+        return lr / ((v / (1 - beta2**step)).sqrt() + float(group["eps"]))
+
+    def stability_threshold(self, group: dict[str, Any]) -> float:
+        """The largest eigenvalue of P H (P from :meth:`preconditioner`) at which the update rule is
+        linearly stable on a quadratic: 2 for GD and Adagrad, (2 + 2 mu) / (1 - dampening) for heavy-ball
+        momentum, (2 + 2 mu) / (1 + 2 mu) for Nesterov, 2 (1 + beta1) / (1 - beta1) for Adam."""
+        self.require("the stability check")
+        if self.family == "sgd":
+            mu = float(group.get("momentum", 0.0))
+            if group.get("nesterov", False):
+                return (2 + 2 * mu) / (1 + 2 * mu)
+            return (2 + 2 * mu) / max(1.0 - float(group.get("dampening", 0.0)), 1e-12)
+        if self.family == "rmsprop":
+            return 2 + 2 * float(group.get("momentum", 0.0))
+        if self.family == "adam":
+            beta1 = _float(group["betas"][0])
+            return 2 * (1 + beta1) / (1 - beta1)
+        return 2.0

@@ -52,6 +52,8 @@ class TeleportReport:
         ||grad L|| over all trainable parameters at w and at g . w.
     objective_before, objective_after:
         The objective's value at w and g . w.
+    sharpness_before:
+        lambda_max(P^1/2 H P^1/2) at w when ``SafetyConfig.stability_margin`` is on.
     site_gains:
         Per site: ||grad L||^2 ratio when only that site moves (fast path), or
         ``None`` on the general path.
@@ -83,6 +85,7 @@ class TeleportReport:
     grad_norm_after: float | None = None
     objective_before: float | None = None
     objective_after: float | None = None
+    sharpness_before: float | None = None
     site_gains: dict[str, float | None] = field(default_factory=dict)
     coordinate_norms: dict[str, float] = field(default_factory=dict)
     shrink: float = 1.0

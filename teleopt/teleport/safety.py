@@ -17,6 +17,17 @@ trust region on the coordinates, a teleport is scaled back towards the identity
   so a large ratio means the step sits at the edge of GD's stability region
   eta * lambda < 2.  This ties the cap to the learning rate; it needs the loss
   (a closure or batch) and a modelled optimizer, and is skipped otherwise.
+* ``stability_margin`` (opt-in; needs a teleport batch and a modelled optimizer):
+  the sharpness of the teleported point as the optimizer sees it,
+  lambda_max(P^1/2 H P^1/2) with P the next step's diagonal preconditioner
+  (``OptimizerModel.preconditioner``), by ``stability_iterations`` rounds of power
+  iteration with Hessian-vector products, is at most ``stability_margin`` times
+  the update rule's linear-stability threshold (2 for GD, (2 + 2 mu) for
+  heavy-ball momentum, 2 (1 + beta1) / (1 - beta1) for Adam), or its value
+  before the teleport if larger.  Teleporting to a large gradient usually
+  sharpens the landscape in directions the gradient-norm cap never looks at;
+  this cap looks at all of them, at the cost of ~``stability_iterations``
+  Hessian-vector products per candidate.
 
 **Post-conditions (at).**  Invariance is checked, not assumed: the loss on the
 teleport batch (and on a held-out batch when given) must change by at most
@@ -38,6 +49,7 @@ parameters and optimizer state) off.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +57,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["SafetyConfig", "Snapshot", "default_loss_tol"]
+__all__ = ["SafetyConfig", "Snapshot", "default_loss_tol", "preconditioned_sharpness"]
 
 
 def default_loss_tol(dtype: torch.dtype) -> float:
@@ -71,6 +83,8 @@ class SafetyConfig:
 
     max_gain: float | None = None
     max_predicted_decrease: float | None = 8.0
+    stability_margin: float | None = None
+    stability_iterations: int = 20
     loss_floor: float = 0.0
     loss_tol: float | None = None
     heldout_tol: float | None = None
@@ -83,6 +97,9 @@ class SafetyConfig:
         if self.max_gain is not None and self.max_gain < 1:
             raise ValueError(f"max_gain must be >= 1 (1 allows no gain), got {self.max_gain}")
         self.max_predicted_decrease = _positive(self.max_predicted_decrease, "max_predicted_decrease")
+        self.stability_margin = _positive(self.stability_margin, "stability_margin")
+        if not isinstance(self.stability_iterations, int) or isinstance(self.stability_iterations, bool) or self.stability_iterations < 1:
+            raise ValueError(f"stability_iterations must be a positive int, got {self.stability_iterations!r}")
         if isinstance(self.loss_floor, bool) or not isinstance(self.loss_floor, (int, float)) or not math.isfinite(self.loss_floor):
             raise ValueError(f"loss_floor must be a finite number, got {self.loss_floor!r}")
         self.loss_tol = _positive(self.loss_tol, "loss_tol")
@@ -92,6 +109,51 @@ class SafetyConfig:
         self.watch_factor = _positive(self.watch_factor, "watch_factor", allow_none=False)  # type: ignore[assignment]
         if not 0 < self.backoff <= 1:
             raise ValueError(f"backoff must be in (0, 1], got {self.backoff!r}")
+
+
+def preconditioned_sharpness(
+    loss_of: Callable[[dict[str, Tensor]], Tensor],
+    params: dict[str, Tensor],
+    preconditioner: dict[str, Tensor],
+    iterations: int,
+    generator: torch.Generator,
+    start: dict[str, Tensor] | None = None,
+) -> tuple[float, dict[str, Tensor]]:
+    """lambda_max(P^1/2 H P^1/2) of the loss at ``params`` by power iteration with Hessian-vector
+    products (double backward); returns the estimate and the last vector (to warm-start the next call).
+
+    Power iteration finds the eigenvalue of largest magnitude; a dominant negative one reads as
+    stable, which is what it is for the update (only large positive curvature makes steps diverge).
+    """
+    names = list(preconditioner)
+    with torch.enable_grad():
+        leaves = {n: params[n].detach().requires_grad_(True) for n in names}
+        loss = loss_of({**params, **leaves})
+        grads = torch.autograd.grad(loss, [leaves[n] for n in names], create_graph=True, allow_unused=True)
+    roots = [preconditioner[n].sqrt() for n in names]
+    if start is None:
+        v = [torch.randn(leaves[n].shape, generator=generator, dtype=torch.float64).to(leaves[n]) for n in names]
+    else:
+        v = [start[n] for n in names]
+    lam = 0.0
+    live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
+    if not live:
+        return 0.0, dict(zip(names, v))
+    for _ in range(iterations):
+        norm = torch.sqrt(sum(x.to(torch.float64).square().sum() for x in v))
+        if not float(norm) > 0:
+            break
+        v = [x / norm.to(x.dtype) for x in v]
+        u = [r * x for r, x in zip(roots, v)]
+        with torch.enable_grad():
+            hv = torch.autograd.grad([grads[i] for i in live], [leaves[names[i]] for i in live], grad_outputs=[u[i] for i in live], retain_graph=True, allow_unused=True)
+        w = [torch.zeros_like(x) for x in v]
+        for i, h in zip(live, hv):
+            if h is not None:
+                w[i] = roots[i] * h
+        lam = float(sum((a.to(torch.float64) * b.to(torch.float64)).sum() for a, b in zip(v, w)))
+        v = [x.detach() for x in w]
+    return lam, dict(zip(names, v))
 
 
 class Snapshot:
