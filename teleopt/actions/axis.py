@@ -47,6 +47,21 @@ class Member:
 
     ``power=+1`` is the standard representation (g), ``power=-1`` the contragredient
     (g^{-T}); scaling groups accept any real power (c**power).
+
+    Layouts that detection (``teleopt.find_symmetries``) needs on real models:
+
+    * ``outer``/``inner``: the acted-on part is viewed as (outer, n, inner) in
+      row-major order and the group acts on n, with the same element on every outer
+      block and inner position.  A Linear reading a flattened (C, H, W) feature map
+      has ``inner=H*W`` on its columns; channels-last flattening gives ``outer``;
+      a head permutation of a fused qkv projection has ``outer=3, inner=d_head``.
+    * ``groups=G``: a grouped convolution weight of shape (out, in/G, ...) (or a
+      grouped transposed convolution, (in, out/G, ...)) acted on through its G
+      groups of axis 0 and ``axis``: channel ``g * shape[axis] + j`` is entry ``j``
+      of ``axis`` in the rows of group ``g``.  Elementwise groups (scaling, signs) only.
+    * ``tensor``: members with the same ``tensor`` (default: their ``name``) are
+      parts of one tensor (q rows and k rows of a fused qkv weight); ``act`` composes
+      them and returns the fully transformed tensor for each of them.
     """
 
     name: str
@@ -55,6 +70,10 @@ class Member:
     optional: bool = False
     start: int | None = None
     stop: int | None = None
+    outer: int = 1
+    inner: int = 1
+    groups: int = 1
+    tensor: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -65,29 +84,93 @@ class Member:
             raise ValueError(f"member {self.name!r}: give both start and stop, or neither")
         if self.start is not None and not (0 <= self.start < self.stop):  # type: ignore[operator]
             raise ValueError(f"member {self.name!r}: need 0 <= start < stop, got [{self.start}, {self.stop})")
+        for field_name in ("outer", "inner", "groups"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"member {self.name!r}: {field_name} must be a positive int, got {value!r}")
+        if self.groups > 1 and (self.start is not None or self.outer > 1 or self.inner > 1 or self.axis == 0):
+            raise ValueError(f"member {self.name!r}: groups > 1 acts on a whole non-leading axis (no slice, outer or inner)")
+        if self.tensor is not None and (not isinstance(self.tensor, str) or not self.tensor):
+            raise ValueError(f"member {self.name!r}: tensor must be a non-empty string, got {self.tensor!r}")
+
+    @property
+    def tensor_key(self) -> str:
+        """The tensor this member is part of (members with equal keys are composed)."""
+        return self.tensor or self.name
 
     def axis_length(self, t: Tensor) -> int:
         """Length of the part of the axis the group acts on."""
         if not -t.ndim <= self.axis < t.ndim:
             raise ValueError(f"member {self.name!r}: axis {self.axis} out of range for shape {tuple(t.shape)}")
+        if self.groups > 1:
+            if self.axis % t.ndim == 0 or t.shape[0] % self.groups:
+                raise ValueError(
+                    f"member {self.name!r}: groups={self.groups} needs a non-leading axis and a leading axis "
+                    f"divisible into groups, got shape {tuple(t.shape)}"
+                )
+            return self.groups * t.shape[self.axis]
         if self.start is None:
-            return t.shape[self.axis]
-        if self.stop > t.shape[self.axis]:  # type: ignore[operator]
+            part = t.shape[self.axis]
+        elif self.stop > t.shape[self.axis]:  # type: ignore[operator]
             raise ValueError(
                 f"member {self.name!r}: slice [{self.start}, {self.stop}) exceeds axis {self.axis} "
                 f"of length {t.shape[self.axis]}"
             )
-        return self.stop - self.start  # type: ignore[operator]
+        else:
+            part = self.stop - self.start  # type: ignore[operator]
+        if part % (self.outer * self.inner):
+            raise ValueError(
+                f"member {self.name!r}: a part of length {part} is not divisible into outer={self.outer} "
+                f"x n x inner={self.inner}"
+            )
+        return part // (self.outer * self.inner)
 
     def transform(self, t: Tensor, fn: Callable[[Tensor, int], Tensor]) -> Tensor:
         """Apply ``fn(part, axis)`` to the acted-on part of ``t`` and reassemble (out of place)."""
-        if self.start is None:
-            return fn(t, self.axis)
         axis = self.axis % t.ndim
+        if self.groups > 1:
+            return self._transform_grouped(t, axis, fn)
+        if self.start is None:
+            return self._transform_part(t, axis, fn)
         before = t.narrow(axis, 0, self.start)
         part = t.narrow(axis, self.start, self.stop - self.start)  # type: ignore[operator]
         after = t.narrow(axis, self.stop, t.shape[axis] - self.stop)  # type: ignore[operator]
-        return torch.cat([before, fn(part, axis), after], dim=axis)
+        return torch.cat([before, self._transform_part(part, axis, fn), after], dim=axis)
+
+    def _transform_part(self, part: Tensor, axis: int, fn: Callable[[Tensor, int], Tensor]) -> Tensor:
+        if self.outer == 1 and self.inner == 1:
+            return fn(part, axis)
+        shape = tuple(part.shape)
+        n = shape[axis] // (self.outer * self.inner)
+        view = part.reshape(shape[:axis] + (self.outer, n, self.inner) + shape[axis + 1 :])
+        return fn(view, axis + 1).reshape(shape)
+
+    def _transform_grouped(self, t: Tensor, axis: int, fn: Callable[[Tensor, int], Tensor]) -> Tensor:
+        shape = tuple(t.shape)
+        G = self.groups
+        split = t.reshape((G, shape[0] // G) + shape[1:])  # group index first; ``axis`` is now axis + 1
+        moved = split.movedim(0, axis)  # (..., G, shape[axis], ...) with the group index at ``axis``
+        mshape = tuple(moved.shape)
+        merged = moved.reshape(mshape[:axis] + (G * shape[axis],) + mshape[axis + 2 :])
+        out = fn(merged, axis).reshape(mshape)
+        return out.movedim(axis, 0).reshape(shape)
+
+
+def _check_parts(members: tuple[Member, ...]) -> None:
+    """Members that are parts of one tensor must not overlap on a shared axis (their order would matter)."""
+    by_tensor: dict[str, list[Member]] = {}
+    for m in members:
+        by_tensor.setdefault(m.tensor_key, []).append(m)
+    for key, parts in by_tensor.items():
+        for i, a in enumerate(parts):
+            for b in parts[i + 1 :]:
+                if a.axis != b.axis:
+                    continue
+                if a.start is None or b.start is None or not (a.stop <= b.start or b.stop <= a.start):  # type: ignore[operator]
+                    raise ValueError(
+                        f"members {a.name!r} and {b.name!r} of tensor {key!r} overlap on axis {a.axis}: "
+                        "parts of one tensor must be disjoint slices"
+                    )
 
 
 class AxisAction(GroupAction):
@@ -140,6 +223,9 @@ class AxisAction(GroupAction):
                 raise ValueError(f"member {m.name!r}: {group} groups use power +1 or -1, got {m.power}")
             if group == "sign" and float(m.power) != int(m.power):
                 raise ValueError(f"member {m.name!r}: sign flips need an integer power, got {m.power}")
+            if m.groups > 1 and group not in ("diagonal", "sign"):
+                raise ValueError(f"member {m.name!r}: groups > 1 needs an elementwise group ('diagonal', 'sign'), not {group!r}")
+        _check_parts(members)
         if blocks is not None and group not in ("general", "orthogonal"):
             raise ValueError("blocks applies to matrix groups only ('general', 'orthogonal')")
         if unit_size != 1 and group != "permutation":
@@ -219,16 +305,19 @@ class AxisAction(GroupAction):
     # -- action -------------------------------------------------------------------
     def _apply(self, g: Tensor, params: Params, sign: int, square: bool = False) -> Params:
         grp = self.group(params)
-        out = []
+        current: dict[str, Tensor] = {}  # members that are parts of one tensor are composed
         for m, p in zip(self.members, params):
             if p is None:
-                out.append(None)
                 continue
+            key = m.tensor_key
+            if key in current and current[key].shape != p.shape:
+                raise ValueError(f"{self.name}: members of tensor {key!r} were given tensors of different shapes")
             power = sign * m.power
             if square:
                 power = grp.second_moment_power(power)
-            out.append(m.transform(p, lambda part, axis, power=power: grp.act_on_axis(g, part, axis, power)))
-        return tuple(out)
+            base = current.get(key, p)
+            current[key] = m.transform(base, lambda part, axis, power=power: grp.act_on_axis(g, part, axis, power))
+        return tuple(None if p is None else current[m.tensor_key] for m, p in zip(self.members, params))
 
     def act(self, g: Tensor, params: Params, data: Any = None) -> Params:
         """g . params: each member transformed on its axis by rho(g)**power."""
