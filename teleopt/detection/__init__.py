@@ -1,0 +1,21 @@
+"""Detection: find the symmetry sites of any ``nn.Module`` or timm model.
+
+``teleopt.find_symmetries(model, example_inputs)`` traces the model with torch.fx,
+follows every tensor axis through the graph with a union-find per group kind
+(GL, positive scaling, permutations), recognises layers by what they compute, and
+returns a :class:`SymmetryReport` whose sites bind the actions of papers/001
+Table 1.1 (and per-head attention GL, Ex. 1.2.11-1.2.12) to the model's
+parameters and buffers by name.  Unknown ops fail closed: the axes they touch are
+frozen and listed in the report.
+
+Modules: ``tracing`` (fx graphs with shapes), ``axes`` (union-find over axes),
+``ops`` (what a node computes), ``relations`` and ``rules`` (how each op ties or
+blocks axes), ``attention`` (head structure), ``sites`` (classes to sites),
+``report`` (the result), ``detect`` (the pipeline).
+"""
+
+from teleopt.detection.detect import find_symmetries
+from teleopt.detection.report import SkippedEntry, SymmetryReport
+from teleopt.detection.tracing import DetectionError
+
+__all__ = ["find_symmetries", "SymmetryReport", "SkippedEntry", "DetectionError"]

@@ -1,0 +1,524 @@
+"""Per-head GL symmetries of multi-head attention found in a traced graph (papers/001 Ex. 1.2.11-1.2.12).
+
+For every attention core (``F.scaled_dot_product_attention``, or the explicit
+``softmax(q @ k^T * s + bias) @ v``) we walk from q, k and v back to the linear
+projections that produce them, and from the output forward to the projection
+that reads it, following the head split exactly: every reshape, permute, unbind
+or chunk is replayed on the *feature digits* of the projection's output index, so
+we know which rows of the (possibly fused qkv) weight feed head h, channel j of
+q.  Then
+
+* (GL_{d})^H on (Q, K): q rows of head h by A_h, k rows by A_h^{-T} (the q bias by
+  A_h; the k bias only adds a per-query constant that softmax ignores, so it is
+  left out and the site stays minimal);
+* (GL_{d_v})^H on (V, O): v rows and bias by B_h, the output projection's columns
+  of head h by B_h^{-1}.
+
+Anything else on the way (qk-norm, rotary embeddings, a gate, a norm before the
+output projection, a tensor that also leaves the attention) removes the
+corresponding site and is reported; head permutations are found by the generic
+axis analysis (``teleopt.detection.rules``), which also follows the head split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch.fx as fx
+from torch import nn
+
+from teleopt.detection.relations import DirectSite, Relations
+from teleopt.detection.rules import _index_items, _perm_of, identify_node, reshape_groups
+from teleopt.detection.tracing import TensorMeta, TracedGraph, module_path
+
+__all__ = ["find_attention_sites"]
+
+Digits = list[tuple[int, int]]  # (size, stride) in the projection's output index, row-major
+
+
+class _NoMatch(Exception):
+    pass
+
+
+@dataclass
+class _Layout:
+    axes: list[Digits | None]  # None: an axis that is not a feature axis (batch, tokens)
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class _Projection:
+    node: fx.Node
+    weight: str
+    bias: str | None
+    in_features: int
+    out_features: int
+
+
+_PLUMBING = {"reshape", "permute", "identity_like", "identity", "getitem_tuple", "getitem_view", "split", "dropout", "mul", "div"}
+
+
+class _Finder:
+    def __init__(self, traced: TracedGraph, rel: Relations) -> None:
+        self.traced = traced
+        self.rel = rel
+        self.values = traced.values
+
+    def shape(self, node: fx.Node) -> tuple[int, ...]:
+        v = self.values.get(node.name)
+        if not isinstance(v, TensorMeta):
+            raise _NoMatch(f"{node.name} is not a tensor")
+        return v.shape
+
+    def op(self, node: fx.Node) -> tuple[str | None, str]:
+        return identify_node(node, self.traced)
+
+    def users(self, node: fx.Node) -> list[fx.Node]:
+        """Users that read the values of ``node`` (not only its shape, dtype or device)."""
+        return [u for u in node.users if self.op(u)[0] not in ("metadata", "constant", "constant_like")]
+
+    # -- projections ------------------------------------------------------------------
+    def projection(self, node: fx.Node) -> _Projection | None:
+        op, _ = self.op(node)
+        if op != "linear":
+            return None
+        names = self.rel.tensors.names
+        if node.op == "call_module":
+            m = self.traced.modules[str(node.target)]
+            w, b = names.get(id(m.weight)), (names.get(id(m.bias)) if m.bias is not None else None)
+            if w is None:
+                return None
+            return _Projection(node, w, b, m.in_features, m.out_features)
+        w_arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        b_arg = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        w_view = self.rel.views.get(("t", self._gi, w_arg.name, ())) if isinstance(w_arg, fx.Node) else None
+        if w_view is None or w_view.kind != "parameter" or w_view.axis_map != (0, 1):
+            return None
+        b_name = None
+        if b_arg is not None:
+            b_view = self.rel.views.get(("t", self._gi, b_arg.name, ())) if isinstance(b_arg, fx.Node) else None
+            if b_view is None or b_view.kind != "parameter" or b_view.axis_map != (0,):
+                return None
+            b_name = b_view.name
+        return _Projection(node, w_view.name, b_name, w_view.shape[1], w_view.shape[0])
+
+    def is_scalar_op(self, node: fx.Node) -> bool:
+        """mul/div of a tensor by a python number (the attention scale)."""
+        others = [a for a in node.args[1:]]
+        return len(node.args) == 2 and not isinstance(node.args[1], fx.Node) and isinstance(others[0], (int, float))
+
+    def back_to_projection(self, node: fx.Node, what: str) -> tuple[_Projection, list[fx.Node]]:
+        """Walk from ``node`` back to the linear projection producing it; returns the chain in forward order."""
+        chain: list[fx.Node] = []
+        cur = node
+        while True:
+            proj = self.projection(cur)
+            if proj is not None:
+                return proj, list(reversed(chain))
+            op, describe = self.op(cur)
+            if op not in _PLUMBING and op is not None:
+                raise _NoMatch(f"{what} passes through {describe} ({module_path(cur) or cur.name}) between its projection and the attention")
+            if op is None or (op in ("mul", "div") and not self.is_scalar_op(cur)) or (op == "dropout" and self.dropout_p(cur)):
+                raise _NoMatch(f"{what} passes through {describe} ({module_path(cur) or cur.name}) between its projection and the attention")
+            chain.append(cur)
+            parent = cur.args[0]
+            if not isinstance(parent, fx.Node):
+                raise _NoMatch(f"{what} does not come from a linear projection")
+            cur = parent
+
+    def dropout_p(self, node: fx.Node) -> float:
+        if node.op == "call_module":
+            return float(self.traced.modules[str(node.target)].p)
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        return float(p)
+
+    # -- digit propagation ----------------------------------------------------------------
+    def propagate(self, proj: _Projection, chain: list[fx.Node], what: str) -> _Layout:
+        shape = self.shape(proj.node)
+        layout = _Layout([None] * (len(shape) - 1) + [[(shape[-1], 1)]])
+        prev = proj.node
+        for node in chain:
+            layout = self.step(node, prev, layout, what)
+            prev = node
+        return layout
+
+    def step(self, node: fx.Node, prev: fx.Node, layout: _Layout, what: str) -> _Layout:
+        op, describe = self.op(node)
+        if op in ("identity_like", "identity", "dropout", "mul", "div"):
+            return layout
+        if op == "split":
+            return layout  # resolved by the getitem that picks one output
+        in_shape = self.shape(prev) if isinstance(self.values.get(prev.name), TensorMeta) else None
+        if op == "permute":
+            perm = _perm_of(node, "permute", len(layout.axes))
+            if perm is None:
+                raise _NoMatch(f"cannot follow {describe} on {what}")
+            return _Layout([layout.axes[i] for i in perm], layout.offset)
+        if op == "reshape":
+            return _Layout(self.reshape(layout, in_shape, self.shape(node), what), layout.offset)  # type: ignore[arg-type]
+        if op == "getitem_tuple":
+            parent, index = node.args
+            src = parent.args[0]
+            src_shape = self.shape(src)
+            name = parent.target if parent.op == "call_method" else getattr(parent.target, "__name__", "")
+            if name == "unbind":
+                dim = (parent.args[1] if len(parent.args) > 1 else parent.kwargs.get("dim", 0)) % len(src_shape)
+                return self.pick(layout, dim, index, what)
+            dim_index = 2 if name in ("split", "chunk", "tensor_split") else 1
+            dim = (parent.args[dim_index] if len(parent.args) > dim_index else parent.kwargs.get("dim", 0)) % len(src_shape)
+            pieces = self.values[parent.name]
+            start = sum(p.shape[dim] for p in pieces[:index])
+            return self.narrow(layout, dim, start, pieces[index].shape[dim], what)
+        if op == "getitem_view":
+            items = _index_items(node.args[1], len(layout.axes))
+            if items is None:
+                raise _NoMatch(f"advanced indexing on {what}")
+            axes: list[Digits | None] = []
+            offset = layout.offset
+            k = 0
+            for item in items:
+                if item is None:
+                    axes.append([])
+                    continue
+                ax = layout.axes[k]
+                size = in_shape[k]  # type: ignore[index]
+                if isinstance(item, int):
+                    out = self.pick(_Layout([ax], offset), 0, item % size, what)
+                    offset = out.offset
+                else:
+                    start, stop, step = item.indices(size)
+                    if step != 1:
+                        raise _NoMatch(f"strided slicing on {what}")
+                    if (start, stop) == (0, size):
+                        axes.append(ax)
+                    else:
+                        out = self.narrow(_Layout([ax], offset), 0, start, stop - start, what)
+                        axes.append(out.axes[0])
+                        offset = out.offset
+                k += 1
+            return _Layout(axes, offset)
+        raise _NoMatch(f"cannot follow {describe} on {what}")
+
+    def reshape(self, layout: _Layout, src: tuple[int, ...], dst: tuple[int, ...], what: str) -> list[Digits | None]:
+        groups = reshape_groups(src, dst)
+        if groups is None:
+            raise _NoMatch(f"inconsistent reshape of {what}")
+        axes: list[Digits | None] = [[] if n == 1 else None for n in dst]
+        for g_src, g_dst in groups:
+            parts = [layout.axes[i] for i in g_src]
+            if all(p is None for p in parts):
+                for j in g_dst:
+                    axes[j] = None
+                continue
+            if any(p is None for p in parts):
+                raise _NoMatch(f"a reshape mixes the feature axis of {what} with batch or token axes")
+            digits = [d for p in parts for d in p if d[0] > 1]  # type: ignore[union-attr]
+            for j, dig in zip(g_dst, _split_digits(digits, [dst[j] for j in g_dst], what)):
+                axes[j] = dig
+        for i, n in enumerate(src):
+            if n == 1 and layout.axes[i]:
+                raise _NoMatch(f"cannot follow a reshape of {what}")
+        return axes
+
+    def pick(self, layout: _Layout, dim: int, index: int, what: str) -> _Layout:
+        ax = layout.axes[dim]
+        if ax is None:
+            raise _NoMatch(f"{what} indexes a batch or token axis")
+        offset = layout.offset
+        rest = index
+        for size, stride in reversed(ax):
+            offset += (rest % size) * stride
+            rest //= size
+        return _Layout(layout.axes[:dim] + layout.axes[dim + 1 :], offset)
+
+    def narrow(self, layout: _Layout, dim: int, start: int, length: int, what: str) -> _Layout:
+        ax = layout.axes[dim]
+        if ax is None:
+            return layout
+        digits = [d for d in ax if d[0] > 1]
+        if len(digits) != 1:
+            raise _NoMatch(f"{what} slices a composite feature axis")
+        size, stride = digits[0]
+        axes = list(layout.axes)
+        axes[dim] = [(length, stride)]
+        return _Layout(axes, layout.offset + start * stride)
+
+    # -- the head structure at the attention core ------------------------------------------
+    def heads(self, layout: _Layout, feature_axis: int, what: str) -> tuple[int, int, int, int | None]:
+        """(start row, heads H, head dim d, head axis) from the layout of q, k or v at the core."""
+        n = len(layout.axes)
+        feature_axis %= n
+        feat = [d for d in (layout.axes[feature_axis] or []) if d[0] > 1]
+        if len(feat) != 1 or feat[0][1] != 1:
+            raise _NoMatch(f"the head dimension of {what} is not a contiguous block of projection rows")
+        d = feat[0][0]
+        head_axis, H = None, 1
+        for i, ax in enumerate(layout.axes):
+            if i == feature_axis or ax is None:
+                continue
+            digits = [x for x in ax if x[0] > 1]
+            if not digits:
+                continue
+            if head_axis is not None or len(digits) != 1 or digits[0][1] != d:
+                raise _NoMatch(f"the heads of {what} are not contiguous blocks of projection rows")
+            head_axis, H = i - n, digits[0][0]
+        return layout.offset, H, d, head_axis
+
+    # -- cores --------------------------------------------------------------------------------
+    def cores(self) -> Iterable[tuple[fx.Node, fx.Node, fx.Node, fx.Node, list[fx.Node], int]]:
+        """(q, k, v, output, inner nodes, key feature axis) for every attention core."""
+        for node in self.traced.graph.nodes:
+            op, _ = self.op(node)
+            if op == "sdpa":
+                args = list(node.args) + [node.kwargs.get(k) for k in ("query", "key", "value")[len(node.args) :]]
+                q, k, v = args[:3]
+                if node.kwargs.get("enable_gqa"):
+                    continue
+                yield q, k, v, node, [node], -1
+            elif op in ("softmax",):
+                core = self.explicit_core(node)
+                if core is not None:
+                    yield core
+
+    def explicit_core(self, softmax: fx.Node):
+        shape = self.shape(softmax)
+        dim = softmax.args[1] if len(softmax.args) > 1 else softmax.kwargs.get("dim")
+        if softmax.op == "call_module":
+            dim = self.traced.modules[str(softmax.target)].dim
+        if dim is None or dim % len(shape) != len(shape) - 1:
+            return None
+        inner = [softmax]
+        cur = softmax.args[0]
+        while True:  # backwards over scale, additive bias and mask
+            op, _ = self.op(cur)
+            if op in ("mul", "div") and self.is_scalar_op(cur):
+                inner.append(cur)
+                cur = cur.args[0]
+            elif op in ("add", "maybe_add_mask"):
+                inner.append(cur)
+                cur = cur.args[0]
+            else:
+                break
+        if self.op(cur)[0] != "matmul":
+            return None
+        scores = cur
+        inner.append(scores)
+        q, kt = scores.args[0], scores.args[1]
+        out = softmax
+        while True:  # forwards over dropout to the product with v
+            users = self.users(out)
+            if len(users) != 1:
+                return None
+            nxt = users[0]
+            op, _ = self.op(nxt)
+            if op in ("dropout", "identity"):
+                inner.append(nxt)
+                out = nxt
+                continue
+            if op == "matmul" and nxt.args[0] is out:
+                inner.append(nxt)
+                return q, kt, nxt.args[1], nxt, inner, -2
+            return None
+
+    # -- sites --------------------------------------------------------------------------------
+    def run(self, gi: int) -> tuple[list[DirectSite], list[tuple[str, str, str]]]:
+        self._gi = gi
+        sites: list[DirectSite] = []
+        skipped: list[tuple[str, str, str]] = []
+        for q, k, v, out, inner, k_feature in self.cores():
+            where = module_path(out) or out.name
+            qk, vo = self.qk_site(q, k, inner, k_feature, where), self.vo_site(v, out, where)
+            for result in (qk, vo):
+                if isinstance(result, DirectSite):
+                    sites.append(result)
+                else:
+                    skipped.append(("attention", where, result))
+        return sites, skipped
+
+    def _chain(self, node: fx.Node, what: str) -> tuple[_Projection, list[fx.Node], _Layout]:
+        proj, chain = self.back_to_projection(node, what)
+        return proj, chain, self.propagate(proj, chain, what)
+
+    def _check_private(self, nodes: Iterable[fx.Node], allowed: set[fx.Node], what: str) -> None:
+        for n in nodes:
+            for u in self.users(n):
+                if u not in allowed:
+                    raise _NoMatch(f"{what}: {n.name} is also used by {u.name} ({module_path(u) or u.op}) outside the attention")
+
+    @staticmethod
+    def _rows(layout: _Layout) -> set[int]:
+        rows = {layout.offset}
+        for ax in layout.axes:
+            for size, stride in ax or ():
+                rows = {r + i * stride for r in rows for i in range(size)}
+        return rows
+
+    def _flow_check(self, proj: _Projection, rows: set[int], terminals: set[fx.Node], inner: set[fx.Node], what: str) -> None:
+        """The transformed projection rows reach the attention only through ``terminals`` (nowhere else)."""
+        shape = self.shape(proj.node)
+        stack = [(proj.node, _Layout([None] * (len(shape) - 1) + [[(shape[-1], 1)]]))]
+        while stack:
+            node, layout = stack.pop()
+            if node in terminals:
+                self._check_private([node], inner, what)
+                continue
+            for u in self.users(node):
+                op, describe = self.op(u)
+                follow = (
+                    op in _PLUMBING
+                    and u.args
+                    and u.args[0] is node
+                    and (op not in ("mul", "div") or self.is_scalar_op(u))
+                    and not (op == "dropout" and self.dropout_p(u))
+                )
+                if not follow:
+                    raise _NoMatch(f"the {what} rows of {proj.weight} also flow into {describe} ({module_path(u) or u.name})")
+                try:
+                    nxt = self.step(u, node, layout, what)
+                except _NoMatch:
+                    raise _NoMatch(f"cannot follow the {what} rows of {proj.weight} through {describe}") from None
+                if self._rows(nxt) & rows:
+                    stack.append((u, nxt))
+
+    def _depends_on(self, node: fx.Node, targets: set[fx.Node]) -> bool:
+        """Whether the *value* of ``node`` depends on ``targets`` (shape and dtype queries do not count)."""
+        if not isinstance(self.values.get(node.name), TensorMeta):
+            return False  # None (no mask) or a python value
+        seen, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if n in targets:
+                return True
+            if n in seen or self.op(n)[0] in ("constant", "constant_like", "metadata"):
+                continue
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+        return False
+
+    def qk_site(self, q: fx.Node, k: fx.Node, inner: list[fx.Node], k_feature: int, where: str) -> DirectSite | str:
+        try:
+            pq, cq, lq = self._chain(q, "q")
+            pk, ck, lk = self._chain(k, "k")
+            q0, H, d, hq = self.heads(lq, -1, "q")
+            k0, Hk, dk, hk = self.heads(lk, k_feature, "k")
+            if (H, d) != (Hk, dk):
+                raise _NoMatch(f"q has {H} heads of size {d} but k has {Hk} of size {dk}")
+            if H > 1 and (hq != hk if k_feature == -1 else hq != hk):
+                raise _NoMatch("q and k heads are not aligned")
+            plumbing = set(cq) | set(ck) | {pq.node, pk.node}
+            targets = {pq.node: set(), pk.node: set()}
+            targets[pq.node] |= set(range(q0, q0 + H * d))
+            targets[pk.node] |= set(range(k0, k0 + H * d))
+            if pq.node is pk.node and q0 < k0 + H * d and k0 < q0 + H * d:
+                raise _NoMatch("q and k use overlapping rows of one projection")
+            for proj in {pq, pk}:
+                self._flow_check(proj, targets[proj.node], {q, k}, set(inner), "q/k")
+            for n in inner:
+                op = self.op(n)[0]
+                if op == "sdpa":
+                    extra = list(n.args[3:]) + [n.kwargs.get("attn_mask")]
+                elif op in ("add", "maybe_add_mask"):
+                    extra = list(n.args[1:]) + list(n.kwargs.values())
+                else:
+                    continue
+                for other in extra:
+                    if isinstance(other, fx.Node) and self._depends_on(other, plumbing):
+                        raise _NoMatch("a tensor added to the attention scores depends on q or k")
+            self._check_private(inner[:-1], set(inner), "scores")
+        except _NoMatch as e:
+            return f"no (GL)^h site on (Q, K): {e}"
+        members = [(pq.weight, _rows(q0, H * d, pq.out_features, 1))]
+        if pq.bias is not None:
+            members.append((pq.bias, _rows(q0, H * d, pq.out_features, 1)))
+        members.append((pk.weight, _rows(k0, H * d, pk.out_features, -1)))
+        info = {"heads": H, "head_dim": d, "module": where, "key_bias": "left out: softmax ignores it"}
+        return DirectSite("attention_qk_gl", "general", members, H if H > 1 else None, 1, "papers/001 Ex. 1.2.11-1.2.12", where, info, "exact", self._gi)
+
+    def vo_site(self, v: fx.Node, out: fx.Node, where: str) -> DirectSite | str:
+        try:
+            pv, cv, lv = self._chain(v, "v")
+            v0, H, dv, hv = self.heads(lv, -1, "v")
+            # forward from the core output to the output projection
+            layout = _Layout([None] * len(self.shape(out)))
+            layout.axes[-1] = [(dv, 1)]
+            if H > 1:
+                layout.axes[hv] = [(H, dv)]  # type: ignore[index]
+            chain: list[fx.Node] = []
+            cur = out
+            while True:
+                users = self.users(cur)
+                if len(users) != 1:
+                    raise _NoMatch("the attention output is used more than once")
+                nxt = users[0]
+                proj = self.projection(nxt)
+                if proj is not None and nxt.args[0] is cur:
+                    break
+                op, describe = self.op(nxt)
+                if op not in _PLUMBING or op in ("getitem_tuple", "split") or (op in ("mul", "div") and not self.is_scalar_op(nxt)) or (op == "dropout" and self.dropout_p(nxt)):
+                    raise _NoMatch(f"the attention output passes through {describe} ({module_path(nxt) or nxt.name}) before its projection")
+                layout = self.step(nxt, cur, layout, "the attention output")
+                chain.append(nxt)
+                cur = nxt
+            feat = _merge([x for x in (layout.axes[-1] or []) if x[0] > 1])
+            if any(ax for ax in layout.axes[:-1]) or feat != [(H * dv, 1)] or layout.offset or proj.in_features != H * dv:
+                raise _NoMatch("the output projection does not read the heads as contiguous column blocks")
+            self._flow_check(pv, set(range(v0, v0 + H * dv)), {v}, {out}, "v")
+        except _NoMatch as e:
+            return f"no (GL)^h site on (V, O): {e}"
+        members = [(pv.weight, _rows(v0, H * dv, pv.out_features, 1))]
+        if pv.bias is not None:
+            members.append((pv.bias, _rows(v0, H * dv, pv.out_features, 1)))
+        members.append((proj.weight, {"axis": 1, "power": -1}))
+        info = {"heads": H, "head_dim": dv, "module": where}
+        return DirectSite("attention_vo_gl", "general", members, H if H > 1 else None, 1, "papers/001 Ex. 1.2.12", where, info, "exact", self._gi)
+
+
+def _rows(start: int, length: int, total: int, power: int) -> dict:
+    if start == 0 and length == total:
+        return {"axis": 0, "power": power}
+    return {"axis": 0, "power": power, "start": start, "stop": start + length}
+
+
+def _merge(digits: Digits) -> Digits:
+    out: Digits = []
+    for size, stride in digits:
+        if out and out[-1][1] == size * stride:
+            s0, _ = out.pop()
+            out.append((s0 * size, stride))
+        else:
+            out.append((size, stride))
+    return out
+
+
+def _split_digits(digits: Digits, sizes: list[int], what: str) -> list[Digits]:
+    digits = list(digits)
+    out = []
+    for s in sizes:
+        cur: Digits = []
+        prod = 1
+        while prod < s:
+            if not digits:
+                raise _NoMatch(f"cannot follow a reshape of {what}")
+            size, stride = digits.pop(0)
+            need = s // prod
+            if size <= need:
+                if need % size:
+                    raise _NoMatch(f"cannot follow a reshape of {what}")
+                cur.append((size, stride))
+                prod *= size
+            else:
+                if size % need:
+                    raise _NoMatch(f"cannot follow a reshape of {what}")
+                cur.append((need, stride * (size // need)))
+                digits.insert(0, (size // need, stride))
+                prod *= need
+        out.append(cur)
+    if digits:
+        raise _NoMatch(f"cannot follow a reshape of {what}")
+    return out
+
+
+def find_attention_sites(traced: TracedGraph, gi: int, rel: Relations) -> tuple[list[DirectSite], list[tuple[str, str, str]]]:
+    """Per-head (Q, K) and (V, O) GL sites of every attention core in one traced graph."""
+    return _Finder(traced, rel).run(gi)

@@ -1,0 +1,228 @@
+"""``find_symmetries``: the symmetry sites of any ``nn.Module`` or timm model.
+
+Pipeline: trace ``forward`` with torch.fx in train and eval mode and record the
+shape of every value on the example inputs (``tracing``); let each op's rule tie,
+block or reshape the axes it touches, for each group kind (``rules``,
+``relations``, ``axes``); find the per-head structure of attention (``attention``);
+settle the pending constraints and turn every free class into an ``AxisAction``
+bound by tensor names (``sites``).  Papers: the groups are those of papers/001
+Table 1.1 and Sec. 1.2; teleportation (papers/001 Ch. 4) acts through the sites.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from teleopt.detection.attention import find_attention_sites
+from teleopt.detection.axes import KINDS
+from teleopt.detection.relations import ModelTensors, Relations
+from teleopt.detection.report import SkippedEntry, SymmetryReport
+from teleopt.detection.rules import run_rules
+from teleopt.detection.sites import blocked_reasons, class_sites, direct_sites, module_order, settle, softmax_translation_sites
+from teleopt.detection.tracing import trace_model
+from teleopt.site import Site
+
+__all__ = ["find_symmetries"]
+
+_LOSSES = ("none", "cross_entropy")
+
+
+def find_symmetries(
+    model: nn.Module,
+    example_inputs: Tensor | Sequence[Tensor],
+    *,
+    loss: Literal["none", "cross_entropy"] = "none",
+    include_discrete: bool = True,
+    include_approximate: bool = True,
+    include_frozen: bool = False,
+) -> SymmetryReport:
+    """Find every place where a group action leaves the model's output unchanged (papers/001 Table 1.1).
+
+    Parameters
+    ----------
+    model:
+        Any ``nn.Module`` whose ``forward`` torch.fx can trace (timm models can);
+        submodules that cannot be traced are kept opaque and frozen.
+    example_inputs:
+        One tensor or a tuple of positional inputs, with the shapes used in training
+        (small images are fine).  The model runs once on them in eval mode (buffers
+        and RNG state are restored).
+    loss:
+        ``"cross_entropy"`` adds the softmax translation of a final linear classifier
+        (papers/001 Ex. 1.2.8), which leaves the loss, not the logits, unchanged.
+    include_discrete:
+        Report permutation sites (papers/001 Ex. 1.2.9, 1.2.12) as well.
+    include_approximate:
+        Report the eps-approximate scaling of BatchNorm inputs (papers/001 Ex. 1.2.7).
+    include_frozen:
+        Let sites move parameters with ``requires_grad=False`` (default: they are fixed).
+
+    Returns
+    -------
+    SymmetryReport
+        Sites bound by qualified ``state_dict`` names (each an ``AxisAction``, or the
+        registered softmax translation), skipped ops with reasons, and the coverage.
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not an ``nn.Module`` or the inputs are not tensors.
+    ValueError
+        (``teleopt.detection.DetectionError``) ``forward`` cannot be traced, or the
+        example inputs do not fit the model; ``loss`` is unknown.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(example_inputs, Tensor):
+        inputs: tuple[Tensor, ...] = (example_inputs,)
+    elif isinstance(example_inputs, Sequence) and not isinstance(example_inputs, str):
+        inputs = tuple(example_inputs)
+    else:
+        raise TypeError(f"example_inputs must be a tensor or a sequence of tensors, got {type(example_inputs).__name__}")
+    if not inputs or not all(isinstance(t, Tensor) for t in inputs):
+        raise TypeError("example_inputs must contain at least one tensor, and only tensors")
+    if loss not in _LOSSES:
+        raise ValueError(f"loss must be one of {_LOSSES}, got {loss!r}")
+    start = time.perf_counter()
+    graphs, opaque = trace_model(model, inputs)
+    rel = Relations(ModelTensors.of(model, include_frozen))
+    run_rules(model, rel, graphs)
+    skipped = [SkippedEntry("module", w.split(":")[0], f"could not be traced ({w.split(': ', 1)[1]}); kept opaque") for w in opaque]
+    for gi, traced in enumerate(graphs):
+        found, notes = find_attention_sites(traced, gi, rel)
+        rel.direct_sites.extend(found)
+        skipped += [SkippedEntry(*n) for n in notes if SkippedEntry(*n) not in skipped]
+    settle(rel)
+    order = module_order(model)
+    kinds = KINDS if include_discrete else ("general", "diagonal")
+    generic, notes = class_sites(rel, order, kinds)
+    attention, notes2 = direct_sites(rel, len(graphs))
+    sites = attention + generic
+    if loss == "cross_entropy":
+        translation, notes3 = softmax_translation_sites(graphs, rel)
+        sites += translation
+        notes2 += notes3
+    if not include_discrete:
+        sites = [s for s in sites if s.action.continuous]
+    if not include_approximate:
+        sites = [s for s in sites if s.action.exactness != "approximate"]
+    sites = _name(_dedupe(sites), order)
+    for kind, where, reason in [*rel.skipped, *notes, *notes2]:
+        entry = SkippedEntry(kind, where, reason)
+        if entry not in skipped:
+            skipped.append(entry)
+    for target, count in _shared_modules(graphs).items():
+        skipped.append(SkippedEntry("module", target, f"called {count} times: its parameters are tied across calls"))
+    covered, total = _coverage(model, sites)
+    frozen = {
+        name: ("frozen (requires_grad=False)" if name in rel.tensors.frozen else blocked_reasons(rel, name))
+        for name, p in model.named_parameters()
+        if not covered.get(name, False)
+    }
+    return SymmetryReport(
+        sites=sites,
+        skipped=skipped,
+        frozen=frozen,
+        coverage=sum(covered.values()) / total if total else 0.0,
+        parameters=total,
+        model=type(model).__name__,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _signature(site: Site) -> frozenset:
+    from teleopt.actions.axis import AxisAction
+
+    if not isinstance(site.action, AxisAction):
+        return frozenset({(site.action.name, *site.tensor_names)})
+    return frozenset((m.tensor_key, m.axis, m.start, m.stop, m.outer, m.inner, m.groups) for m in site.action.members)
+
+
+def _dedupe(sites: list[Site]) -> list[Site]:
+    """A GL site subsumes scaling and permutation sites on the same members; drop exact duplicates."""
+    gl = {_signature(s) for s in sites if getattr(s.action, "group_kind", None) == "general"}
+    out, seen = [], set()
+    for s in sites:
+        sig = (getattr(s.action, "group_kind", s.action.name), _signature(s))
+        if sig in seen:
+            continue
+        if getattr(s.action, "group_kind", None) in ("diagonal", "permutation") and _signature(s) in gl:
+            continue
+        seen.add(sig)
+        out.append(s)
+    return out
+
+
+def _name(sites: list[Site], order: dict[str, int]) -> list[Site]:
+    def first(site: Site) -> int:
+        return min((order.get(n, 1 << 30) for n in site.tensor_names), default=1 << 30)
+
+    sites = sorted(sites, key=lambda s: (first(s), s.action.name))
+    used: dict[str, int] = {}
+    for s in sites:
+        anchor = s.info.get("module") or _anchor(s)
+        base = f"{s.action.name}@{anchor}"
+        used[base] = used.get(base, 0) + 1
+        s.name = base if used[base] == 1 else f"{base}#{used[base]}"
+    return sites
+
+
+def _anchor(site: Site) -> str:
+    members = getattr(site.action, "members", None)
+    name = site.tensor_names[0]
+    if members is not None:
+        writers = [m.tensor_key for m in members if m.power > 0]
+        if writers:
+            name = writers[0]
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
+def _coverage(model: nn.Module, sites: list[Site]) -> tuple[dict[str, int], int]:
+    """Entries of each parameter acted on by a continuous site (shared tensors counted once).
+
+    A member acts on a slab (a range of one axis); the entries outside every slab of a
+    tensor form a product set, so the count is exact without materialising masks.
+    """
+    from teleopt.actions.axis import AxisAction
+
+    params = dict(model.named_parameters())
+    slabs: dict[str, dict[int, set[int]]] = {}
+    full: set[str] = set()
+    for s in sites:
+        if not s.action.continuous:
+            continue
+        members = s.action.members if isinstance(s.action, AxisAction) else [None] * len(s.members)
+        for m, name in zip(members, s.members):
+            if name not in params:
+                continue
+            if m is None or m.start is None or m.groups > 1:
+                full.add(name)
+            else:
+                axis = m.axis % params[name].ndim
+                slabs.setdefault(name, {}).setdefault(axis, set()).update(range(m.start, m.stop))
+    covered: dict[str, int] = {}
+    for name, p in params.items():
+        if name in full:
+            covered[name] = p.numel()
+        elif name in slabs:
+            outside = 1
+            for axis, n in enumerate(p.shape):
+                outside *= n - len(slabs[name].get(axis, ()))
+            covered[name] = p.numel() - outside
+        else:
+            covered[name] = 0
+    return covered, sum(p.numel() for p in params.values())
+
+
+def _shared_modules(graphs) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    traced = graphs[0]
+    for node in traced.graph.nodes:
+        if node.op == "call_module":
+            counts[str(node.target)] = counts.get(str(node.target), 0) + 1
+    return {k: v for k, v in counts.items() if v > 1}

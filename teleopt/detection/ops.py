@@ -1,0 +1,263 @@
+"""Recognising what a traced node computes, independently of how it is spelled.
+
+``torch.relu(x)``, ``F.relu(x)``, ``x.relu()`` and ``nn.ReLU()(x)`` are one op; a
+timm ``BatchNormAct2d`` is not a ``BatchNorm2d`` (it subclasses it but applies an
+activation), so modules are matched by *exact* type and everything else is traced
+through to the functions it calls (papers/001 Sec. 1.2 reasons about what each
+layer computes; so do we).  Pointwise functions carry the properties the symmetry
+groups need: positive homogeneity of degree alpha (positive scaling, Ex. 1.2.4),
+linearity (GL, Ex. 1.2.2); every pointwise function commutes with permutations
+(Ex. 1.2.9).
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Pointwise", "POINTWISE", "function_op", "method_op", "module_op", "METADATA_ATTRIBUTES"]
+
+
+@dataclass(frozen=True)
+class Pointwise:
+    """A pointwise map and its symmetry properties: homogeneity ``degree`` (None: not homogeneous), linearity."""
+
+    name: str
+    degree: float | None = None
+    linear: bool = False
+
+
+POINTWISE: dict[str, Pointwise] = {
+    p.name: p
+    for p in (
+        Pointwise("identity", 1.0, linear=True),
+        Pointwise("neg", 1.0, linear=True),
+        Pointwise("relu", 1.0),
+        Pointwise("leaky_relu", 1.0),
+        Pointwise("abs", 1.0),
+        Pointwise("relu6"),
+        Pointwise("hardtanh"),
+        Pointwise("gelu"),
+        Pointwise("silu"),
+        Pointwise("sigmoid"),
+        Pointwise("tanh"),
+        Pointwise("hardswish"),
+        Pointwise("hardsigmoid"),
+        Pointwise("mish"),
+        Pointwise("elu"),
+        Pointwise("selu"),
+        Pointwise("celu"),
+        Pointwise("softplus"),
+        Pointwise("softsign"),
+        Pointwise("exp"),
+        Pointwise("log"),
+        Pointwise("sqrt"),
+        Pointwise("rsqrt"),
+        Pointwise("erf"),
+        Pointwise("sin"),
+        Pointwise("cos"),
+    )
+}
+
+# -- functions --------------------------------------------------------------------
+_FUNCTIONS: dict[str, tuple] = {
+    "relu": (torch.relu, F.relu, torch.relu_),
+    "leaky_relu": (F.leaky_relu,),
+    "abs": (torch.abs, operator.abs),
+    "neg": (torch.neg, operator.neg),
+    "relu6": (F.relu6,),
+    "hardtanh": (F.hardtanh,),
+    "gelu": (F.gelu,),
+    "silu": (F.silu,),
+    "sigmoid": (torch.sigmoid, F.sigmoid),
+    "tanh": (torch.tanh, F.tanh),
+    "hardswish": (F.hardswish,),
+    "hardsigmoid": (F.hardsigmoid,),
+    "mish": (F.mish,),
+    "elu": (F.elu,),
+    "selu": (F.selu, torch.selu),
+    "celu": (F.celu,),
+    "softplus": (F.softplus,),
+    "softsign": (F.softsign,),
+    "exp": (torch.exp,),
+    "log": (torch.log,),
+    "sqrt": (torch.sqrt,),
+    "rsqrt": (torch.rsqrt,),
+    "erf": (torch.erf, torch.special.erf),
+    "sin": (torch.sin,),
+    "cos": (torch.cos,),
+    "dropout": (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, torch.dropout),
+    "add": (operator.add, torch.add, operator.iadd),
+    "sub": (operator.sub, torch.sub, operator.isub),
+    "mul": (operator.mul, torch.mul, operator.imul),
+    "div": (operator.truediv, torch.div, operator.itruediv, torch.true_divide),
+    "pow": (operator.pow, torch.pow),
+    "square": (torch.square,),
+    "clamp": (torch.clamp, torch.clip),
+    "matmul": (operator.matmul, torch.matmul, torch.bmm, torch.mm),
+    "linear": (F.linear,),
+    "conv": (F.conv1d, F.conv2d, F.conv3d),
+    "conv_transpose": (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d),
+    "embedding": (F.embedding,),
+    "batch_norm": (F.batch_norm,),
+    "layer_norm": (F.layer_norm,),
+    "group_norm": (F.group_norm,),
+    "rms_norm": tuple(f for f in (getattr(F, "rms_norm", None),) if f is not None),
+    "softmax": (F.softmax, torch.softmax),
+    "log_softmax": (F.log_softmax, torch.log_softmax),
+    "sdpa": (F.scaled_dot_product_attention,),
+    "prelu": (F.prelu,),
+    "pad": (F.pad,),
+    "interpolate": (F.interpolate,),
+    "avg_pool": (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d),
+    "max_pool": (F.max_pool1d, F.max_pool2d, F.max_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d),
+    "mean": (torch.mean,),
+    "sum": (torch.sum,),
+    "amax": (torch.amax, torch.amin),
+    "max": (torch.max, torch.min),
+    "reshape": (torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.unflatten),
+    "permute": (torch.permute, torch.transpose, torch.t, torch.movedim, torch.swapaxes),
+    "expand": (torch.broadcast_to,),
+    "cat": (torch.cat, torch.concat, torch.concatenate),
+    "stack": (torch.stack,),
+    "split": (torch.split, torch.chunk, torch.tensor_split, torch.unbind),
+    "narrow": (torch.narrow,),
+    "select": (torch.select,),
+    "identity_like": (torch.clone, torch.detach),
+    "constant_like": (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like),
+    "getitem": (operator.getitem,),
+    "getattr": (getattr,),
+}
+
+_FUNCTION_OPS: dict[int, str] = {}
+for _name, _fns in _FUNCTIONS.items():
+    for _fn in _fns:
+        _FUNCTION_OPS.setdefault(id(_fn), _name)
+
+#: functions whose result never depends on tensor values (shape checks, assertions)
+_METADATA_FUNCTIONS = {id(f) for f in (len, isinstance, torch._assert, operator.eq, operator.ne)}
+
+
+def _timm_functions() -> dict[int, str]:
+    """timm's autowrapped attention helpers (fx leaves): ``maybe_add_mask`` adds, the mask resolver builds a constant."""
+    timm_attention = sys.modules.get("timm.layers.attention")
+    if timm_attention is None:  # timm is optional and not imported here
+        return {}
+    out = {}
+    for attr, name in (("maybe_add_mask", "maybe_add_mask"), ("resolve_self_attn_mask", "constant")):
+        fn = getattr(timm_attention, attr, None)
+        if fn is not None:
+            out[id(fn)] = name
+    return out
+
+
+def function_op(fn: object) -> str | None:
+    """Canonical op name of a ``call_function`` target (``None`` if unknown)."""
+    name = _FUNCTION_OPS.get(id(fn))
+    if name is not None:
+        return name
+    if id(fn) in _METADATA_FUNCTIONS:
+        return "metadata"
+    name = _timm_functions().get(id(fn))
+    if name is not None:
+        return name
+    if getattr(fn, "__name__", "") == "_assert":
+        return "metadata"
+    return None
+
+
+# -- methods ----------------------------------------------------------------------
+_METHODS: dict[str, tuple[str, ...]] = {
+    "relu": ("relu", "relu_"),
+    "abs": ("abs",),
+    "neg": ("neg",),
+    "sigmoid": ("sigmoid", "sigmoid_"),
+    "tanh": ("tanh", "tanh_"),
+    "exp": ("exp",),
+    "log": ("log",),
+    "sqrt": ("sqrt",),
+    "rsqrt": ("rsqrt",),
+    "add": ("add", "add_", "__add__", "__radd__", "__iadd__"),
+    "sub": ("sub", "sub_", "__sub__", "__isub__"),
+    "mul": ("mul", "mul_", "__mul__", "__rmul__", "__imul__"),
+    "div": ("div", "div_", "__truediv__", "__itruediv__"),
+    "pow": ("pow", "__pow__"),
+    "square": ("square",),
+    "clamp": ("clamp", "clamp_", "clip"),
+    "matmul": ("matmul", "bmm", "mm", "__matmul__"),
+    "mean": ("mean",),
+    "sum": ("sum",),
+    "amax": ("amax", "amin"),
+    "max": ("max", "min"),
+    "softmax": ("softmax",),
+    "log_softmax": ("log_softmax",),
+    "reshape": ("reshape", "view", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"),
+    "permute": ("permute", "transpose", "t", "movedim", "swapaxes"),
+    "expand": ("expand", "expand_as", "broadcast_to"),
+    "split": ("split", "chunk", "tensor_split", "unbind"),
+    "narrow": ("narrow",),
+    "select": ("select",),
+    "identity_like": ("contiguous", "clone", "detach", "to", "float", "double", "half", "bfloat16", "type_as", "requires_grad_"),
+    "metadata": ("size", "dim", "numel", "get_device", "is_contiguous", "is_floating_point"),
+    "constant_like": ("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"),
+    "random_fill": ("bernoulli_", "uniform_", "normal_", "fill_", "zero_", "exponential_", "random_", "bernoulli"),
+}
+_METHOD_OPS = {m: name for name, methods in _METHODS.items() for m in methods}
+
+
+def method_op(method: str) -> str | None:
+    """Canonical op name of a ``call_method`` target (``None`` if unknown)."""
+    return _METHOD_OPS.get(method)
+
+
+#: tensor attributes that only read metadata
+METADATA_ATTRIBUTES = frozenset({"shape", "ndim", "dtype", "device", "is_cuda", "requires_grad", "layout"})
+
+# -- modules (exact types) --------------------------------------------------------------
+_MODULES: dict[str, tuple[type, ...]] = {
+    "linear": (nn.Linear,),
+    "conv": (nn.Conv1d, nn.Conv2d, nn.Conv3d),
+    "conv_transpose": (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d),
+    "batch_norm": (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d),
+    "layer_norm": (nn.LayerNorm,),
+    "group_norm": (nn.GroupNorm,),
+    "rms_norm": tuple(m for m in (getattr(nn, "RMSNorm", None),) if m is not None),
+    "embedding": (nn.Embedding,),
+    "mha": (nn.MultiheadAttention,),
+    "prelu": (nn.PReLU,),
+    "identity": (nn.Identity,),
+    "dropout": (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d),
+    "relu": (nn.ReLU,),
+    "leaky_relu": (nn.LeakyReLU,),
+    "relu6": (nn.ReLU6,),
+    "hardtanh": (nn.Hardtanh,),
+    "gelu": (nn.GELU,),
+    "silu": (nn.SiLU,),
+    "sigmoid": (nn.Sigmoid,),
+    "tanh": (nn.Tanh,),
+    "hardswish": (nn.Hardswish,),
+    "hardsigmoid": (nn.Hardsigmoid,),
+    "mish": (nn.Mish,),
+    "elu": (nn.ELU,),
+    "selu": (nn.SELU,),
+    "celu": (nn.CELU,),
+    "softplus": (nn.Softplus,),
+    "softsign": (nn.Softsign,),
+    "softmax": (nn.Softmax,),
+    "log_softmax": (nn.LogSoftmax,),
+    "reshape": (nn.Flatten, nn.Unflatten),
+    "avg_pool": (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d),
+    "max_pool": (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d),
+    "interpolate": (nn.Upsample, nn.UpsamplingNearest2d, nn.UpsamplingBilinear2d),
+}
+_MODULE_OPS = {t: name for name, types in _MODULES.items() for t in types}
+
+
+def module_op(module: nn.Module) -> str | None:
+    """Canonical op name of a leaf module, by exact type (subclasses are traced through)."""
+    return _MODULE_OPS.get(type(module))

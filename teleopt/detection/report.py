@@ -1,0 +1,130 @@
+"""The result of detection: sites, what was skipped and why, and how much of the model they cover."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from teleopt.site import Site
+
+__all__ = ["SkippedEntry", "SymmetryReport"]
+
+
+@dataclass(frozen=True)
+class SkippedEntry:
+    """Something detection did not turn into a site, and why (an unknown op, a degraded attention, ...)."""
+
+    kind: str
+    where: str
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"kind": self.kind, "where": self.where, "reason": self.reason}
+
+
+@dataclass
+class SymmetryReport:
+    """Symmetry sites of a model (``teleopt.find_symmetries``), with what was skipped and the coverage.
+
+    Attributes
+    ----------
+    sites:
+        The detected :class:`~teleopt.site.Site` objects, bound by qualified names of
+        ``model.state_dict()`` entries; each acts in place (``Site.apply_``).
+    skipped:
+        Ops, modules, attention blocks and sites that were left out, with the reason.
+    frozen:
+        For every parameter no continuous site acts on: why (the first blocking op per axis).
+    coverage:
+        Fraction of the model's parameter entries acted on by at least one continuous site.
+    parameters:
+        Number of parameter entries of the model (shared tensors counted once).
+    model:
+        The model's class name.
+    seconds:
+        Wall-clock time of the detection.
+    """
+
+    sites: list[Site]
+    skipped: list[SkippedEntry] = field(default_factory=list)
+    frozen: dict[str, str] = field(default_factory=dict)
+    coverage: float = 0.0
+    parameters: int = 0
+    model: str = ""
+    seconds: float = 0.0
+
+    @property
+    def continuous_sites(self) -> list[Site]:
+        """Sites of Lie groups (GL, positive scaling, translations): what teleportation moves along."""
+        return [s for s in self.sites if s.action.continuous]
+
+    @property
+    def discrete_sites(self) -> list[Site]:
+        """Sites of finite groups (permutations)."""
+        return [s for s in self.sites if not s.action.continuous]
+
+    def __getitem__(self, name: str) -> Site:
+        for s in self.sites:
+            if s.name == name:
+                return s
+        raise KeyError(f"no site named {name!r}; sites: {[s.name for s in self.sites][:8]}...")
+
+    def __len__(self) -> int:
+        return len(self.sites)
+
+    def table(self, max_members: int = 3) -> str:
+        """A readable table: site, action, group, members, exact/approximate."""
+        rows = [("site", "action", "group", "members", "exactness")]
+        for s in self.sites:
+            names = list(dict.fromkeys(s.tensor_names))
+            shown = ", ".join(names[:max_members]) + (f", ... (+{len(names) - max_members})" if len(names) > max_members else "")
+            rows.append((s.name, s.action.name, s.action.group_name, f"{len(names)}: {shown}", s.action.exactness))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        widths[3] = min(widths[3], 90)
+        lines = []
+        for k, r in enumerate(rows):
+            cells = [c if len(c) <= widths[i] else c[: widths[i] - 3] + "..." for i, c in enumerate(r)]
+            lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())
+            if k == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """One line: sites found, coverage, skipped entries, time."""
+        n_cont = len(self.continuous_sites)
+        return (
+            f"{self.model}: {len(self.sites)} sites ({n_cont} continuous, {len(self.sites) - n_cont} discrete), "
+            f"coverage {100 * self.coverage:.1f}% of {self.parameters} parameters, "
+            f"{len(self.skipped)} skipped, {len(self.frozen)} parameters without a continuous site, {self.seconds:.2f} s"
+        )
+
+    def __str__(self) -> str:
+        parts = [self.summary(), "", self.table()]
+        if self.skipped:
+            parts += ["", "skipped:"] + [f"  [{e.kind}] {e.where}: {e.reason}" for e in self.skipped]
+        return "\n".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (sites by tensor name); :meth:`from_dict` rebuilds the report."""
+        return {
+            "model": self.model,
+            "sites": [s.to_dict() for s in self.sites],
+            "skipped": [e.to_dict() for e in self.skipped],
+            "frozen": dict(self.frozen),
+            "coverage": self.coverage,
+            "parameters": self.parameters,
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SymmetryReport:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            sites=[Site.from_dict(s) for s in data["sites"]],
+            skipped=[SkippedEntry(**e) for e in data.get("skipped", [])],
+            frozen=dict(data.get("frozen", {})),
+            coverage=float(data.get("coverage", 0.0)),
+            parameters=int(data.get("parameters", 0)),
+            model=str(data.get("model", "")),
+            seconds=float(data.get("seconds", 0.0)),
+        )

@@ -1,0 +1,258 @@
+"""Tracing a model into a graph of ops with concrete shapes (torch.fx).
+
+Detection needs the real dataflow of ``forward``, not module adjacency: which op
+reads which tensor, and the concrete shape of every intermediate value.  We trace
+with ``torch.fx`` (modules of ``torch.nn`` stay leaves, everything else is traced
+through, so a timm ``BatchNormAct2d`` shows its ``F.batch_norm`` and activation),
+then run the graph once on the example inputs to record shapes.
+
+A submodule whose ``forward`` cannot be traced (data-dependent control flow) is
+retried as an opaque leaf: detection then freezes every axis it touches and
+reports it, instead of failing on the whole model.  The model is traced in train
+and in eval mode, because ``forward`` may branch on ``self.training``; the graphs
+are analysed together so that every site holds in both modes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+
+__all__ = ["TensorMeta", "TracedGraph", "DetectionError", "trace_model", "module_path"]
+
+_MAX_OPAQUE = 64
+
+
+class DetectionError(ValueError):
+    """The model or its example inputs cannot be analysed (untraceable forward, wrong input shapes)."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of a traced value."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.is_floating_point
+
+
+@dataclass
+class TracedGraph:
+    """One traced ``forward`` (in one mode) with the recorded value of every node."""
+
+    mode: str
+    graph: fx.Graph
+    values: dict[str, Any]
+    modules: dict[str, nn.Module]
+    opaque: frozenset[str] = field(default_factory=frozenset)
+
+    def signature(self) -> list[tuple[str, str, str, str]]:
+        """What the graph computes, node by node (to tell whether two modes differ)."""
+        return [(n.op, str(n.target), n.name, repr((n.args, n.kwargs))) for n in self.graph.nodes]
+
+
+def module_path(node: fx.Node) -> str:
+    """Qualified name of the module a node belongs to ('' for the root)."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        return str(next(reversed(stack.values()))[0])
+    return ""
+
+
+def _autowrap_functions() -> tuple:
+    """timm's no-trace functions, if timm is in use (never imported here: it is optional and slow to import)."""
+    timm_fx = sys.modules.get("timm.layers._fx")
+    if timm_fx is None:
+        return ()
+    return tuple(fn for fn in timm_fx.get_notrace_functions() if callable(fn))
+
+
+class _Tracer(fx.Tracer):
+    """fx tracer that keeps ``torch.nn`` modules as leaves and remembers which module failed."""
+
+    def __init__(self, opaque: set[str]) -> None:
+        super().__init__(autowrap_functions=_autowrap_functions())
+        self.opaque = opaque
+        self.failed_in: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.opaque or super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = self.path_of_module(m)
+            raise
+
+
+def _concrete_args(model: nn.Module, n_inputs: int) -> dict[str, Any]:
+    """Defaults of the ``forward`` parameters the example inputs do not supply."""
+    params = [
+        p
+        for p in inspect.signature(model.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    positional = [p for p in params if p.kind != p.KEYWORD_ONLY]
+    if n_inputs > len(positional) and not any(
+        p.kind == p.VAR_POSITIONAL for p in inspect.signature(model.forward).parameters.values()
+    ):
+        raise DetectionError(
+            f"{type(model).__name__}.forward takes {len(positional)} positional inputs, "
+            f"but {n_inputs} example inputs were given"
+        )
+    concrete = {}
+    for i, p in enumerate(params):
+        if i < n_inputs and p.kind != p.KEYWORD_ONLY:
+            continue
+        if p.default is inspect.Parameter.empty:
+            raise DetectionError(
+                f"{type(model).__name__}.forward needs the input {p.name!r}, which the example inputs do not supply"
+            )
+        concrete[p.name] = p.default
+    return concrete
+
+
+def _trace_once(model: nn.Module, n_inputs: int) -> tuple[fx.Graph, set[str], list[str]]:
+    opaque: set[str] = set()
+    failures: list[str] = []
+    concrete = _concrete_args(model, n_inputs)
+    for _ in range(_MAX_OPAQUE):
+        tracer = _Tracer(opaque)
+        try:
+            graph = tracer.trace(model, concrete_args=concrete or None)
+            return graph, opaque, failures
+        except Exception as e:  # fx raises many types (TraceError, TypeError, RuntimeError, ...)
+            where = tracer.failed_in
+            if not where:
+                raise DetectionError(
+                    f"could not trace {type(model).__name__}.forward with torch.fx: {type(e).__name__}: {e}"
+                ) from None
+            opaque.add(where)
+            failures.append(f"{where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    raise DetectionError(f"could not trace {type(model).__name__}: more than {_MAX_OPAQUE} untraceable submodules")
+
+
+def _meta(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return TensorMeta(tuple(value.shape), value.dtype)
+    if isinstance(value, torch.Size):
+        return tuple(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_meta(v) for v in value) if not hasattr(value, "_fields") else tuple(_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _meta(v) for k, v in value.items()}
+    return value
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        try:
+            result = super().run_node(n)
+        except Exception as e:
+            where = module_path(n) or "the root module"
+            raise DetectionError(
+                f"the example inputs do not fit the model: running node {n.name!r} "
+                f"({n.op} {n.target if n.op != 'call_module' else type(self.module.get_submodule(str(n.target))).__name__} "
+                f"in {where}) raised {type(e).__name__}: {str(e).split(chr(10) + chr(10) + 'While executing')[0]}"
+            ) from None
+        self.values[n.name] = _meta(result)
+        return result
+
+
+class _Run(nn.Module):
+    """Runs a graph module through the recording interpreter (so ``functional_call`` can swap its tensors)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__()
+        self.gm = gm
+        self.values: dict[str, Any] = {}
+
+    def forward(self, *inputs: Tensor) -> Any:
+        recorder = _Recorder(self.gm)
+        try:
+            return recorder.run(*inputs)
+        finally:
+            self.values = recorder.values
+
+
+def _record(model: nn.Module, graph: fx.Graph, inputs: Sequence[Tensor]) -> dict[str, Any]:
+    """Shapes of every value: first on the meta device (no arithmetic), else for real."""
+    gm = fx.GraphModule(model, graph)
+    run = _Run(gm)
+    meta = {
+        f"gm.{name}": torch.empty_like(t, device="meta")
+        for name, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False))
+    }
+    try:
+        with torch.no_grad():
+            torch.func.functional_call(run, meta, tuple(t.to("meta") for t in inputs))
+        return run.values
+    except Exception:  # an op without a meta kernel, or real tensors created in forward: run for real
+        pass
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = sorted({t.device.index or 0 for t in inputs if t.device.type == "cuda"})
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            run(*inputs)
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+    return run.values
+
+
+def trace_model(model: nn.Module, inputs: Sequence[Tensor]) -> tuple[list[TracedGraph], list[str]]:
+    """Trace ``model`` in eval and in train mode and record every value's shape on ``inputs``.
+
+    Returns the distinct graphs (one if both modes compute the same thing) and the
+    submodules that had to be kept opaque, each with the tracing error.  Shapes are
+    recorded in eval mode (no BatchNorm statistics are updated, no random numbers
+    drawn); a train graph with a different structure is run in train mode with the
+    buffers and the RNG state restored afterwards.
+    """
+    flags = [(m, m.training) for m in model.modules()]
+    graphs: list[TracedGraph] = []
+    opaque_all: list[str] = []
+    try:
+        for mode in ("eval", "train"):
+            model.train(mode == "train")
+            graph, opaque, failures = _trace_once(model, len(inputs))
+            opaque_all.extend(f for f in failures if f not in opaque_all)
+            traced = TracedGraph(mode, graph, {}, dict(model.named_modules()), frozenset(opaque))
+            if graphs and graphs[0].signature() == traced.signature():
+                continue
+            if graphs and _structure(graphs[0]) == _structure(traced):
+                traced.values = graphs[0].values
+            else:
+                traced.values = _record(model, graph, inputs)
+            graphs.append(traced)
+    finally:
+        for m, flag in flags:
+            m.training = flag
+    return graphs, opaque_all
+
+
+def _structure(traced: TracedGraph) -> list[tuple[str, str, str]]:
+    return [(n.op, str(n.target), n.name) for n in traced.graph.nodes]
