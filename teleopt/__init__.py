@@ -29,6 +29,8 @@ _LAZY = {
     "list_actions": "teleopt.registry",
     "Syre": "teleopt.syre",
     "Teleport": "teleopt.teleport",
+    "find_symmetries": "teleopt.detection",
+    "SymmetryReport": "teleopt.detection",
 }
 
 __all__ = [*_LAZY, "__version__"]
@@ -51,6 +53,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from teleopt.actions.axis import AxisAction, Member
     from teleopt.actions.base import ExampleProblem, GroupAction
+    from teleopt.detection import SymmetryReport, find_symmetries
     from teleopt.registry import get_action, list_actions, register_action, unregister_action
     from teleopt.site import Site
     from teleopt.syre import Syre
