@@ -26,7 +26,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch.fx as fx
-from torch import nn
 
 from teleopt.detection.relations import DirectSite, Relations
 from teleopt.detection.rules import _index_items, _perm_of, identify_node, reshape_groups

@@ -234,10 +234,6 @@ class AxisClasses:
         """Why the class is only approximate (empty if exact)."""
         return self._approx.get(self.find(root)[0], [])
 
-    def is_blocked(self, nodes: Sequence[int]) -> bool:
-        """Whether any piece of the axis is blocked."""
-        return any(leaf.root in self._blocked for leaf in self.leaves(nodes))
-
     def all_blocked(self, nodes: Sequence[int]) -> bool:
         """Whether every piece of the axis is blocked (the group acts trivially on all of it)."""
         return all(leaf.root in self._blocked for leaf in self.leaves(nodes))

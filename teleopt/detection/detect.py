@@ -15,7 +15,6 @@ import time
 from collections.abc import Sequence
 from typing import Literal
 
-import torch
 from torch import Tensor, nn
 
 from teleopt.detection.attention import find_attention_sites
@@ -119,6 +118,7 @@ def find_symmetries(
     for target, count in _shared_modules(graphs).items():
         skipped.append(SkippedEntry("module", target, f"called {count} times: its parameters are tied across calls"))
     covered, total = _coverage(model, sites)
+    covered_exact, _ = _coverage(model, [s for s in sites if s.action.exactness == "exact"])
     frozen = {
         name: ("frozen (requires_grad=False)" if name in rel.tensors.frozen else blocked_reasons(rel, name))
         for name, p in model.named_parameters()
@@ -129,6 +129,7 @@ def find_symmetries(
         skipped=skipped,
         frozen=frozen,
         coverage=sum(covered.values()) / total if total else 0.0,
+        coverage_exact=sum(covered_exact.values()) / total if total else 0.0,
         parameters=total,
         model=type(model).__name__,
         seconds=time.perf_counter() - start,

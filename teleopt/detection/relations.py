@@ -331,14 +331,6 @@ class NodeContext:
         self._involved.append(ref)
         return ref
 
-    def param_name(self, ref: Ref) -> str | None:
-        atoms = self.rel.axes[ref]
-        for axis in atoms:
-            occ = self.rel.occurrences.get(axis[0])
-            if occ is not None:
-                return occ.param
-        return None
-
     # -- relations --------------------------------------------------------------
     def virtual_axis(self, param: str, axis: int, groups: int, role: str, length: int) -> list[int]:
         """A virtual occurrence axis (grouped-convolution channels), blocked for the kinds the rule leaves unmentioned."""

@@ -37,6 +37,9 @@ class SymmetryReport:
         For every parameter no continuous site acts on: why (the first blocking op per axis).
     coverage:
         Fraction of the model's parameter entries acted on by at least one continuous site.
+    coverage_exact:
+        The same for exact continuous sites only (without the eps-approximate BatchNorm
+        input scaling).
     parameters:
         Number of parameter entries of the model (shared tensors counted once).
     model:
@@ -49,6 +52,7 @@ class SymmetryReport:
     skipped: list[SkippedEntry] = field(default_factory=list)
     frozen: dict[str, str] = field(default_factory=dict)
     coverage: float = 0.0
+    coverage_exact: float = 0.0
     parameters: int = 0
     model: str = ""
     seconds: float = 0.0
@@ -94,7 +98,7 @@ class SymmetryReport:
         n_cont = len(self.continuous_sites)
         return (
             f"{self.model}: {len(self.sites)} sites ({n_cont} continuous, {len(self.sites) - n_cont} discrete), "
-            f"coverage {100 * self.coverage:.1f}% of {self.parameters} parameters, "
+            f"coverage {100 * self.coverage:.1f}% of {self.parameters} parameters ({100 * self.coverage_exact:.1f}% by exact sites), "
             f"{len(self.skipped)} skipped, {len(self.frozen)} parameters without a continuous site, {self.seconds:.2f} s"
         )
 
@@ -112,6 +116,7 @@ class SymmetryReport:
             "skipped": [e.to_dict() for e in self.skipped],
             "frozen": dict(self.frozen),
             "coverage": self.coverage,
+            "coverage_exact": self.coverage_exact,
             "parameters": self.parameters,
             "seconds": self.seconds,
         }
@@ -124,6 +129,7 @@ class SymmetryReport:
             skipped=[SkippedEntry(**e) for e in data.get("skipped", [])],
             frozen=dict(data.get("frozen", {})),
             coverage=float(data.get("coverage", 0.0)),
+            coverage_exact=float(data.get("coverage_exact", 0.0)),
             parameters=int(data.get("parameters", 0)),
             model=str(data.get("model", "")),
             seconds=float(data.get("seconds", 0.0)),

@@ -34,7 +34,7 @@ from torch import nn
 
 from teleopt.detection.ops import METADATA_ATTRIBUTES, POINTWISE, function_op, method_op, module_op
 from teleopt.detection.relations import ALL, DP, GD, D, DirectSite, G, NodeContext, P, ParamView, Ref, Relations
-from teleopt.detection.tracing import TensorMeta, TracedGraph, module_path
+from teleopt.detection.tracing import TensorMeta, TracedGraph
 
 __all__ = ["run_rules", "reshape_groups", "identify_node"]
 
@@ -360,7 +360,6 @@ class _Rules:
         node = ctx.node
         a_arg = node.args[0]
         b_arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
-        alpha = node.kwargs.get("alpha", 1)
         ka, a = self._operand(ctx, a_arg)
         kb, b = self._operand(ctx, b_arg)
         out = ctx.output()
@@ -371,7 +370,7 @@ class _Rules:
         if ka == "scalar" or kb == "scalar":
             scalar, tensor_kind, t_arg = (a, kb, b) if ka == "scalar" else (b, ka, a)
             t = ctx.tensor(t_arg) if tensor_kind == "view" else t_arg
-            self._scalar_binary(ctx, op, t, scalar, out, scalar_first=(ka == "scalar"), alpha=alpha)
+            self._scalar_binary(ctx, op, t, scalar, out, scalar_first=(ka == "scalar"))
             return
         if op in ("add", "sub"):
             ta = ctx.tensor(a) if ka == "view" else a
@@ -386,9 +385,19 @@ class _Rules:
         tb = ctx.tensor(b) if kb == "view" else b
         self._product(ctx, ta, tb, ea, eb, out, oshape)
 
-    op_add = op_sub = op_mul = op_div = None  # replaced below (need the op name)
+    def op_add(self, ctx: NodeContext) -> None:
+        self._binary(ctx, "add")
 
-    def _scalar_binary(self, ctx: NodeContext, op: str, t: Ref, scalar: Any, out: Ref, scalar_first: bool, alpha: Any) -> None:
+    def op_sub(self, ctx: NodeContext) -> None:
+        self._binary(ctx, "sub")
+
+    def op_mul(self, ctx: NodeContext) -> None:
+        self._binary(ctx, "mul")
+
+    def op_div(self, ctx: NodeContext) -> None:
+        self._binary(ctx, "div")
+
+    def _scalar_binary(self, ctx: NodeContext, op: str, t: Ref, scalar: Any, out: Ref, scalar_first: bool) -> None:
         n = len(ctx.meta(out))
         handles = [(_align(ctx, t, out, i), i) for i in range(n)]
         if op in ("add", "sub"):
@@ -1374,18 +1383,6 @@ def _owner(module: nn.Module, qualified: str) -> nn.Module:
     for p in parts:
         module = getattr(module, p)
     return module
-
-
-def _bind_binary(name: str):
-    def rule(self: _Rules, ctx: NodeContext) -> None:
-        self._binary(ctx, name)
-
-    rule.__name__ = f"op_{name}"
-    return rule
-
-
-for _name in ("add", "sub", "mul", "div"):
-    setattr(_Rules, f"op_{_name}", _bind_binary(_name))
 
 
 def run_rules(model: nn.Module, rel: Relations, graphs: list[TracedGraph]) -> None:

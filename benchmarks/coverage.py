@@ -1,0 +1,149 @@
+"""Coverage and detection time of ``teleopt.find_symmetries`` on a pinned timm zoo.
+
+For every model (``pretrained=False``, float32, CPU, one example image at the
+model's default resolution), one table row: parameters, sites found (continuous /
+discrete / approximate), the fraction of parameter entries acted on by at least one
+continuous site (all sites, and exact sites only, i.e. without the eps-approximate
+BatchNorm input scaling), and the median detection time over repeated runs.
+
+Goal (issue 3): detection on vit_base_patch16_224 takes < 5 s on CPU.
+
+Run: ``python benchmarks/coverage.py [--quick] [--json out.json] [--plot-dir DIR]``.
+``--quick`` runs three small models at 32x32 once (the smoke test uses it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from teleopt.detection import find_symmetries
+
+ZOO = [
+    ("resnet18", {}),
+    ("resnet50", {}),
+    ("resnext50_32x4d", {}),
+    ("vit_tiny_patch16_224", {}),
+    ("deit_tiny_patch16_224", {}),
+    ("vit_base_patch16_224", {}),
+    ("convnext_atto", {}),
+    ("efficientnet_b0", {}),
+    ("mobilenetv3_small_050", {}),
+    ("regnetx_002", {}),
+]
+QUICK = [("resnet18", {}), ("vit_tiny_patch16_224", {"img_size": 32}), ("convnext_atto", {})]
+TIME_GOAL = ("vit_base_patch16_224", 5.0)
+
+
+def measure(name: str, kwargs: dict[str, Any], size: int, repeats: int) -> dict[str, Any]:
+    import timm
+
+    model = timm.create_model(name, pretrained=False, **kwargs)
+    x = torch.randn(1, 3, size, size)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        report = find_symmetries(model, x)
+        times.append(time.perf_counter() - start)
+    kinds = [s.action for s in report.sites]
+    return {
+        "model": name,
+        "parameters": report.parameters,
+        "sites": len(report.sites),
+        "continuous": sum(a.continuous for a in kinds),
+        "discrete": sum(not a.continuous for a in kinds),
+        "approximate": sum(a.exactness == "approximate" for a in kinds),
+        "coverage": report.coverage,
+        "coverage_exact": report.coverage_exact,
+        "skipped": len(report.skipped),
+        "seconds_median": statistics.median(times),
+        "seconds": times,
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("model", "params", "sites", "cont.", "discr.", "approx.", "coverage", "exact only", "detect s")
+    lines = [head]
+    for r in rows:
+        lines.append(
+            (
+                r["model"],
+                f"{r['parameters'] / 1e6:.1f}M",
+                str(r["sites"]),
+                str(r["continuous"]),
+                str(r["discrete"]),
+                str(r["approximate"]),
+                f"{100 * r['coverage']:.1f}%",
+                f"{100 * r['coverage_exact']:.1f}%",
+                f"{r['seconds_median']:.2f}",
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    out = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["model"] for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1))
+    ax.barh(names, [100 * r["coverage"] for r in rows], color="#9ecae1", label="all continuous sites")
+    ax.barh(names, [100 * r["coverage_exact"] for r in rows], color="#3182bd", label="exact sites only")
+    ax.set_xlabel("parameters acted on by a continuous site (%)")
+    ax.set_xlim(0, 100)
+    ax.invert_yaxis()
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="three small models at 32x32, one run each")
+    parser.add_argument("--json", type=str, default=None, help="write the rows as JSON")
+    parser.add_argument("--plot-dir", type=str, default=None, help="write coverage.png here (default: next to --json)")
+    parser.add_argument("--repeats", type=int, default=3, help="detection runs per model (median reported)")
+    args = parser.parse_args()
+
+    zoo = QUICK if args.quick else ZOO
+    size = 32 if args.quick else 224
+    repeats = 1 if args.quick else args.repeats
+    rows = []
+    for name, kwargs in zoo:
+        rows.append(measure(name, kwargs, size, repeats))
+        print(f"{name}: {rows[-1]['sites']} sites, coverage {100 * rows[-1]['coverage']:.1f}%, {rows[-1]['seconds_median']:.2f} s", flush=True)
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    date = datetime.date.today().isoformat()
+    print()
+    print(f"# find_symmetries coverage ({date}; {machine}; CPU, float32, batch 1 at {size}x{size}, median of {repeats})")
+    print(table(rows))
+    goal_name, goal_s = TIME_GOAL
+    for r in rows:
+        if r["model"] == goal_name:
+            verdict = "meets" if r["seconds_median"] < goal_s else "MISSES"
+            print(f"\n{goal_name}: detection {r['seconds_median']:.2f} s (goal < {goal_s:.0f} s: {verdict} it)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": date, "machine": machine, "image_size": size, "repeats": repeats, "rows": rows}, f, indent=1)
+    plot_dir = args.plot_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else None)
+    if plot_dir:
+        os.makedirs(plot_dir, exist_ok=True)
+        plot(rows, os.path.join(plot_dir, "coverage.png"))
+
+
+if __name__ == "__main__":
+    main()
