@@ -31,7 +31,11 @@ Arms:
   at epoch 0 the state is still empty, so there all policies and this arm coincide
   with the bare optimizer's state handling;
 * ``teleport+transport, ascent_lr 0.01``: the ablation of the ascent step size (8
-  consecutive teleports compound: up to 8 x 0.5 in log-scale at the default).
+  consecutive teleports compound: up to 8 x 0.5 in log-scale at the default);
+* ``teleport+transport, stability cap``: the default step with Teleport's opt-in
+  cap on the optimizer's preconditioned sharpness at the teleported point
+  (``SafetyConfig(stability_margin=1.0)``: at most the update rule's linear
+  stability threshold, or the value before the teleport if larger).
 
 Printed: mean over seeds of the full-batch train and test loss after epochs
 1/5/10/40, the test loss at the end (mean +- std), the median number of epochs and
@@ -57,7 +61,7 @@ from syre_common import finish, header, parser, print_table  # noqa: E402
 from teleport_digits import cross_entropy, first_epoch_at_or_below, mean_std, median_or_none, train  # noqa: E402
 
 from teleopt.datasets import digits_mlp, hidden_rescaling_sites, load_digits  # noqa: E402
-from teleopt.teleport import Teleport  # noqa: E402
+from teleopt.teleport import SafetyConfig, Teleport  # noqa: E402
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "AdaGrad": (torch.optim.Adagrad, {"lr": 1e-2}),
@@ -66,7 +70,8 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "Adam": (torch.optim.Adam, {"lr": 1e-4}),
 }
 TELEPORT_EPOCH = {"AdaGrad": 2, "SGD+momentum": 0, "RMSprop": 0, "Adam": 0}
-ARMS = ("none", "teleport+transport", "teleport+reset", "teleport+keep", "reset only", "teleport+transport, ascent_lr 0.01")
+ARMS = ("none", "teleport+transport", "teleport+reset", "teleport+keep", "reset only", "teleport+transport, ascent_lr 0.01",
+        "teleport+transport, stability cap")
 REPORT_EPOCHS = (1, 5, 10, 40)
 TELEPORTS, ASCENT_STEPS, TELEPORT_BATCH, BATCH = 8, 10, 200, 20
 
@@ -80,9 +85,10 @@ def run(opt_name: str, arm: str, seed: int, epochs: int, data) -> dict[str, Any]
     if arm.startswith("teleport"):
         policy = arm.split("+")[1].split(",")[0]
         ascent_lr = 0.01 if "ascent_lr 0.01" in arm else 0.05
+        safety = SafetyConfig(stability_margin=1.0) if "stability cap" in arm else None
         # no schedule: the benchmark calls teleport() itself, on its own batches, at the epoch boundary
         teleport = Teleport(current[0], model, hidden_rescaling_sites(model), loss_fn=cross_entropy,
-                            ascent_steps=ASCENT_STEPS, ascent_lr=ascent_lr, state_policy=policy)
+                            ascent_steps=ASCENT_STEPS, ascent_lr=ascent_lr, state_policy=policy, safety=safety)
         current[0] = teleport
     teleport_rows = torch.Generator().manual_seed(10_000 + seed)
 
@@ -188,7 +194,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shown = [e for e in REPORT_EPOCHS if e <= epochs]
     columns = [("optimizer", "optimizer", "s"), ("arm", "arm", "s")]
     columns += [(f"train@{e}", f"train@{e}", ".3f") for e in shown] + [(f"test@{e}", f"test@{e}", ".3f") for e in shown]
-    columns += [("test_end", "test end", ".3f"), ("test_end_std", "+-", ".3f"), ("best_test", "best test", ".3f"), ("accuracy", "test acc", ".3f"),
+    columns += [] if epochs in shown else [("test_end", f"test@{epochs}", ".3f")]
+    columns += [("test_end_std", f"+-@{epochs}", ".3f"), ("best_test", "best test", ".3f"), ("accuracy", "test acc", ".3f"),
                 ("epochs_to_target", "ep->base", ".0f"), ("seconds_to_target", "s->base", ".2f"), ("reached", "reached", "s"),
                 ("seconds", "s total", ".2f"), ("accepted", "teleports", ".1f"), ("rollbacks", "rolled back", ".1f")]
     print_table([{k: cell(r.get(k), f) for k, _, f in columns} for r in rows], [(k, t, "s") for k, t, _ in columns])
