@@ -39,7 +39,8 @@ def one_thread():
 
 
 def test_every_example_is_tested():
-    tested = {"01_wrap_training_loop.py", "03_torch_optimizer.py", "04_ci_property_tests.py"}
+    tested = {"01_wrap_training_loop.py", "02_timm_auto_sites.py", "03_torch_optimizer.py", "04_ci_property_tests.py",
+              "05_discover_and_use.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -56,6 +57,24 @@ def test_01_wrap_training_loop(capsys):
         assert r.gain is not None and r.gain > 1  # the teleport raised the gradient norm (Algorithm 1)
     assert result["accuracy"] > 0.85
     assert "accepted" in capsys.readouterr().out
+
+
+def test_02_timm_auto_sites(capsys):
+    pytest.importorskip("timm")
+    pytest.importorskip("teleopt.detection")
+    result = load("02_timm_auto_sites.py").main(["--quick"])
+    report, optimizer, scaler = result["report"], result["optimizer"], result["scaler"]
+    assert report.coverage > 0.5 and report.continuous_sites
+    # sites="auto" searches the exact continuous sites detection found
+    assert optimizer.sites and all(s.action.exactness == "exact" and s.action.continuous for s in optimizer.sites)
+    assert {s.name for s in optimizer.sites} <= {s.name for s in report.continuous_sites}
+    accepted = [r for r in optimizer.reports if r.accepted]
+    assert accepted and all(r.loss_drift is not None and r.loss_drift <= 1e-5 for r in accepted)
+    assert scaler.is_enabled() and scaler.get_scale() > 0
+    # OneCycleLR drove the base optimizer's learning rate through the wrapper
+    assert optimizer.base.param_groups[0]["lr"] == pytest.approx(result["scheduler"].get_last_lr()[0])
+    printed = capsys.readouterr().out
+    assert "coverage" in printed and "positive_rescaling" in printed
 
 
 def test_03_torch_optimizer():
@@ -96,3 +115,21 @@ def test_04_ci_property_tests_pass_under_pytest(tmp_path):
 def test_04_ci_property_tests_all(tmp_path):
     pytest.importorskip("hypothesis")
     assert _pytest_example_4(tmp_path) >= 34  # 2 sites x 3 members, symmetry, covectors and 13 x 2 conformance checks
+
+
+def test_05_discover_and_use(capsys):
+    pytest.importorskip("teleopt.discovery")
+    module = load("05_discover_and_use.py")
+    result = module.main(["--quick"])
+    # papers/000 Sec. 5.3: the learned generator is the rescaling diag(1, -1) up to scale
+    h = result["action"].generators[0]
+    rescaling = torch.tensor([[1.0, 0.0], [0.0, -1.0]], dtype=h.dtype)
+    assert float((h * rescaling).sum().abs() / (h.norm() * rescaling.norm())) > 0.99
+    assert result["ratio"] < 0.1  # the loss varies >= 10x less along learned curves than along random ones
+    accepted = [r for r in result["reports"] if r.accepted]
+    assert accepted, "the learned site was never teleported along"
+    assert all(r.path == "general" and r.loss_drift <= module.LOSS_TOL for r in accepted)
+    import teleopt
+
+    assert "learned_block" not in {row["name"] for row in teleopt.list_actions()}  # the example unregisters it again
+    assert "registered: learned_block" in capsys.readouterr().out

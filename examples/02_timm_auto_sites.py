@@ -1,0 +1,111 @@
+"""Example 2: attach Teleport to a timm model with ``sites="auto"``, next to an LR scheduler and a GradScaler.
+
+A timm ``resnet18`` (``pretrained=False``: nothing is downloaded) is trained on
+scikit-learn's 8x8 digits upsampled to 32x32 RGB images.  teleopt
+
+* finds the model's symmetries itself (``teleopt.find_symmetries``: positive
+  rescalings of BatchNorm outputs through ReLU into the next convolution,
+  residual streams, permutations) and prints the site report with its coverage
+  (the fraction of parameters some continuous symmetry acts on);
+* wraps the training loop's AdamW in ``Teleport(..., sites="auto")``, which
+  searches the exact continuous sites every 20 steps;
+* leaves the rest of a modern loop alone: ``OneCycleLR`` schedules the learning
+  rate through the wrapper, and ``GradScaler`` (with float16 ``autocast`` on CUDA;
+  float32 on the CPU) unscales the gradients before the wrapper sees them; a step
+  whose gradients overflowed is skipped by the scaler, teleport included.
+
+``--quick`` uses timm's tiny ``test_resnet`` instead of resnet18.
+
+Run: ``python examples/02_timm_auto_sites.py [--epochs N] [--model NAME] [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import timm
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import teleopt
+from teleopt.datasets import load_digits
+
+
+def images(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Digits rows (N, 64) as (N, 3, size, size) images."""
+    return F.interpolate(x.reshape(-1, 1, 8, 8), size=(size, size), mode="bilinear", align_corners=False).expand(-1, 3, -1, -1).contiguous()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--size", type=int, default=32, help="image side")
+    parser.add_argument("--quick", action="store_true", help="timm's tiny test_resnet, 2 x 4 steps (what the test suite runs)")
+    args = parser.parse_args(argv)
+    name = "test_resnet" if args.quick else args.model
+    size = args.size
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # mixed precision where it pays: float16 autocast on CUDA.  The GradScaler is on everywhere (it scales
+    # the loss and unscales the gradients before Teleport sees them, also in float32 on the CPU)
+    use_autocast = device.type == "cuda"
+
+    torch.manual_seed(0)
+    data = load_digits(seed=0)
+    train_images, test_images = images(data.x_train, size), images(data.x_test, size)
+    loader = DataLoader(TensorDataset(train_images, data.y_train), batch_size=32, shuffle=True)
+    model = timm.create_model(name, pretrained=False, num_classes=10).to(device)
+
+    # what teleopt finds in the model (Teleport runs the same detection for sites="auto")
+    example = train_images[:2].to(device)
+    report = teleopt.find_symmetries(model, example)
+    print(report.summary())
+    print(report.table())
+
+    steps_per_epoch = 4 if args.quick else len(loader)
+    epochs = 2 if args.quick else args.epochs
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+    teleport_batches = iter(DataLoader(TensorDataset(train_images, data.y_train), batch_size=64, shuffle=True))
+
+    def teleport_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = next(teleport_batches)
+        return x.to(device), y.to(device)
+
+    optimizer = teleopt.Teleport(
+        optimizer, model, "auto", example_inputs=example, every=20 if not args.quick else 4,
+        loss_fn=F.cross_entropy, batch_fn=teleport_batch, ascent_steps=10,
+    )
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=epochs * steps_per_epoch)
+    scaler = torch.amp.GradScaler(device.type)
+
+    for epoch in range(epochs):
+        model.train()
+        for i, (x, y) in enumerate(loader):
+            if i == steps_per_epoch:
+                break
+            x, y = x.to(device), y.to(device)
+            optimizer.zero_grad()
+            with torch.autocast(device.type, dtype=torch.float16, enabled=use_autocast):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)  # unscales, skips the step on inf/nan, else calls optimizer.step()
+            scaler.update()
+            scheduler.step()
+        model.eval()
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.float16, enabled=use_autocast):
+            logits = model(test_images.to(device))
+        accuracy = float((logits.argmax(1).cpu() == data.y_test).float().mean())
+        print(f"epoch {epoch + 1}: lr {scheduler.get_last_lr()[0]:.2e}, last loss {loss.item():.3f}, test accuracy {accuracy:.3f}")
+
+    print(f"{len(optimizer.sites or [])} continuous sites searched; teleports:")
+    for r in optimizer.reports:
+        gain = "-" if r.gain is None else f"{r.gain:.2f}"
+        drift = "-" if r.loss_drift is None else f"{r.loss_drift:.1e}"
+        print(f"  step {r.step}: {r.reason}; squared gradient norm x{gain}, loss drift {drift}, {r.time_s:.2f} s")
+    return {"report": report, "optimizer": optimizer, "accuracy": accuracy, "scaler": scaler, "scheduler": scheduler}
+
+
+if __name__ == "__main__":
+    main()
