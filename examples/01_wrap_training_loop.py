@@ -4,10 +4,12 @@ The loop below is an ordinary PyTorch classifier on scikit-learn's bundled digit
 (no download).  The three marked lines are all teleopt needs:
 
 1. ``import teleopt``;
-2. say where the model's symmetries are: here the exact positive rescalings of
-   the hidden ReLU units (papers/001 Ex. 1.2.4), one site per hidden layer.  For an
-   arbitrary model, ``sites="auto"`` finds them (``teleopt.find_symmetries``);
-3. wrap the optimizer.  ``Teleport`` *is* a ``torch.optim.Optimizer``: the LR
+2. (optional) look at what teleopt sees in the model: ``teleopt.find_symmetries``
+   traces it and reports its symmetry sites, here the exact positive rescalings
+   of the hidden ReLU units (papers/001 Ex. 1.2.4) and their permutations;
+3. wrap the optimizer; ``sites="auto"`` runs the same detection and searches the
+   exact continuous sites (pass a list of ``teleopt.Site`` to choose them yourself,
+   e.g. ``teleopt.datasets.hidden_rescaling_sites(model)``).  ``Teleport`` *is* a ``torch.optim.Optimizer``: the LR
    scheduler, ``zero_grad``, ``step`` and checkpoints keep working unchanged.  Every
    ``every`` steps it moves the weights along a loss-invariant orbit to where the
    gradient is larger (papers/001 Algorithm 1), checks on a batch from ``batch_fn``
@@ -27,7 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import teleopt  # (1)
-from teleopt.datasets import hidden_rescaling_sites, load_digits
+from teleopt.datasets import load_digits
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -45,8 +47,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     # ---- teleopt ------------------------------------------------------------------------
-    sites = hidden_rescaling_sites(model)  # (2)  or sites="auto" with example_inputs=data.x_train[:2]
-    optimizer = teleopt.Teleport(optimizer, model, sites, every=100, loss_fn=F.cross_entropy, batch_fn=lambda: next(iter(loader)))  # (3)
+    print(teleopt.find_symmetries(model, data.x_train[:2]).summary())  # (2)
+    optimizer = teleopt.Teleport(optimizer, model, "auto", example_inputs=data.x_train[:2], every=100,
+                                 loss_fn=F.cross_entropy, batch_fn=lambda: next(iter(loader)))  # (3)
 
     # ---- your existing loop, unchanged -----------------------------------------------------
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs * len(loader))
