@@ -93,7 +93,9 @@ def test_03_torch_optimizer():
 
 def _pytest_example_4(tmp_path: Path, *select: str) -> int:
     """Run examples/04 with pytest in a fresh process, as a user's CI would; returns the number of passed tests."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # the checkout first on the path, as for an installed teleopt (also without `pip install -e .`)
+    path = os.pathsep.join(filter(None, [str(EXAMPLES.parent), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", str(EXAMPLES / "04_ci_property_tests.py"), "-q", "-p", "no:cacheprovider",
          "--rootdir", str(tmp_path), *select],
