@@ -30,9 +30,7 @@ import torch
 from torch import nn
 
 import teleopt
-from teleopt.discovery import LearnedAction, problems
-from teleopt.discovery.binding import bind
-from teleopt.discovery.diagnostics import compare_curves
+from teleopt.discovery import LearnedAction, bind, compare_curves, problems
 from teleopt.teleport import SafetyConfig
 
 LOSS_TOL = 2e-2  # relative loss change a teleport along the learned (approximate) action may cause
