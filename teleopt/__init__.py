@@ -31,6 +31,8 @@ _LAZY = {
     "Teleport": "teleopt.teleport",
     "find_symmetries": "teleopt.detection",
     "SymmetryReport": "teleopt.detection",
+    "discover": "teleopt.discovery",
+    "LearnedAction": "teleopt.discovery",
 }
 
 __all__ = [*_LAZY, "__version__"]
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
     from teleopt.actions.axis import AxisAction, Member
     from teleopt.actions.base import ExampleProblem, GroupAction
     from teleopt.detection import SymmetryReport, find_symmetries
+    from teleopt.discovery import LearnedAction, discover
     from teleopt.registry import get_action, list_actions, register_action, unregister_action
     from teleopt.site import Site
     from teleopt.syre import Syre
