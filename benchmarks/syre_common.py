@@ -60,13 +60,8 @@ def finish(result: dict[str, Any], args: argparse.Namespace, plot=None) -> None:
 
 
 def digits(seed: int = 0, alpha: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """scikit-learn's bundled digits (8x8, 10 classes), standardised, times ``alpha``; 1347 train / 450 test."""
-    from sklearn.datasets import load_digits
+    """scikit-learn's bundled digits via :func:`teleopt.datasets.load_digits` as (x_train, y_train, x_test, y_test)."""
+    from teleopt.datasets import load_digits
 
-    x, y = load_digits(return_X_y=True)
-    x = torch.tensor(x, dtype=torch.float32)
-    y = torch.tensor(y)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    x, y = x[order], y[order]
-    x = (x - x.mean(0)) / (x.std(0) + 1e-6) * alpha
-    return x[:1347], y[:1347], x[1347:], y[1347:]
+    d = load_digits(seed=seed, alpha=alpha)
+    return d.x_train, d.y_train, d.x_test, d.y_test
