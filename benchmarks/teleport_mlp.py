@@ -137,7 +137,7 @@ def _run_once(variant: str, opt_name: str, seed: int, schedule: dict[str, Any] |
     reports = getattr(opt, "reports", [])
     teleports = [r for r in reports if r.path != "watch"]
     return {
-        "reports": [{"step": r.step, "path": r.path} for r in reports],
+        "reports": [{"step": r.step, "path": r.path, "time_s": r.time_s} for r in reports],
         "losses": losses,
         "durations": durations,
         "drifts": [r.loss_drift for r in teleports],
@@ -169,7 +169,9 @@ def summarise(base: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
         "epoch_speedup": 0.0 if epochs is None else EPOCHS / epochs,
         "time_speedup": 0.0 if seconds is None else base["times"][-1] / seconds,
         # the same from median epoch durations: robust to other processes preempting this one
-        "robust_time_speedup": 0.0 if epochs is None else base["epoch_s"] * EPOCHS / (res["epoch_s"] * epochs + res["teleport_s"]),
+        "robust_time_speedup": 0.0
+        if epochs is None
+        else base["epoch_s"] * EPOCHS / (res["epoch_s"] * epochs + sum(r["time_s"] for r in res["reports"] if r["step"] < epochs)),
         "drift": max((d for d in res["drifts"] if d is not None), default=None),
         "teleport_ms": 1e3 * res["teleport_s"],
         "rollbacks": res["rollbacks"],

@@ -87,13 +87,13 @@ class _Reduced:
     def __init__(self, name: str, grad: Tensor, entries: list[tuple[int, Member, Group]]) -> None:
         self.name = name
         self.entries = entries
-        g64 = grad.detach().to(torch.float64)
+        self.site_ids = {i for i, _, _ in entries}
+        g = grad.detach()
         axes = [m.axis % grad.ndim for _, m, _ in entries]
         if all(isinstance(grp, PositiveScaling) for _, _, grp in entries):
             self.kind = "scaling"
             other = [d for d in range(grad.ndim) if d not in axes]
-            sq = g64.square()
-            S = sq.sum(dim=other) if other else sq
+            S = g.square().sum(dim=other, dtype=torch.float64) if other else g.square().to(torch.float64)
             # S has the acted axes in increasing order; remember where each entry's axis went
             order = sorted(axes)
             self.positions = [order.index(a) for a in axes]
@@ -101,18 +101,18 @@ class _Reduced:
         else:
             self.kind = "matrix"
             (_, member, grp) = entries[0]
-            flat = g64.movedim(axes[0], 0).reshape(grad.shape[axes[0]], -1)
+            flat = g.to(torch.float64).movedim(axes[0], 0).reshape(grad.shape[axes[0]], -1)
             self.K = flat @ flat.T
             self.eye = torch.eye(grp.dim, dtype=torch.float64, device=grad.device)
+        self.identity_value = float(self.S.sum() if self.kind == "scaling" else self.K.trace())
 
     def value(self, elements: Sequence[Tensor]) -> Tensor:
         if self.kind == "scaling":
-            total = self.S
-            for (i, member, _), pos in zip(self.entries, self.positions):
-                shape = [1] * self.S.ndim
-                shape[pos] = -1
-                total = total * (elements[i] ** (-2.0 * member.power)).reshape(shape)
-            return total.sum()
+            # sum S * prod_k c_k^{-2 p_k} as one contraction (a matrix-vector product for two axes)
+            letters = "abcdefghij"[: self.S.ndim]
+            factors = [elements[i] ** (-2.0 * member.power) for i, member, _ in self.entries]
+            spec = letters + "," + ",".join(letters[pos] for pos in self.positions) + "->"
+            return torch.einsum(spec, self.S, *factors)
         (i, member, grp) = self.entries[0]
         A = grp.act_on_axis(elements[i], self.eye, 0, -member.power)
         return ((A @ self.K) * A).sum()
@@ -166,6 +166,22 @@ class GradientNormModel:
             else:
                 self.explicit.append((site_ids, {n: grads[n] for n in names}))
         self.like = like
+        self.explicit_identity = [sum(float(t.to(torch.float64).square().sum()) for t in g.values()) for _, g in self.explicit]
+        self.identities = [grp.identity(dtype=torch.float64, device=next(iter(grads.values())).device) if grads else None for grp in self.groups]
+
+    def site_value(self, index: int, element: Tensor) -> float:
+        """The value when only site ``index`` moves (by ``element``); every other site at the identity."""
+        total = 0.0
+        elements = [element if i == index else e for i, e in enumerate(self.identities)]
+        for r in self.reduced:
+            total += float(r.value(elements)) if index in r.site_ids else r.identity_value
+        for (site_ids, grads), still in zip(self.explicit, self.explicit_identity):
+            if index in site_ids:
+                moved, _ = transport([self.sites[index]], [element], grads, self.like, "covector")
+                total += sum(float(t.to(torch.float64).square().sum()) for t in moved.values())
+            else:
+                total += still
+        return total
 
     def value(self, elements: Sequence[Tensor], weights: Mapping[str, float] | None = None) -> Tensor:
         """Sum over the sites' tensors of the squared transported gradient (float64),
@@ -235,12 +251,7 @@ class FastEvaluator:
 
     def site_gain(self, index: int, element: Tensor, n0: float) -> float:
         """||grad L||^2 ratio when only site ``index`` moves by ``element`` (the others stay at the identity)."""
-        site = self.sites[index]
-        grads = {n: self.grads[n] for n in site.tensor_names if n in self.grads}
-        moved, _ = transport([site], [element], grads, self.like, "covector")
-        before = sum(float(g.to(torch.float64).square().sum()) for g in grads.values())
-        after = sum(float(t.to(torch.float64).square().sum()) for t in moved.values())
-        return (n0 - before + after) / n0
+        return (self.norm_model.site_value(index, element) + self.other_sq) / n0
 
     def transported_grads(self, elements: Sequence[Tensor]) -> dict[str, Tensor]:
         """Gradients of the site members at g . w."""
