@@ -185,20 +185,20 @@ class _Rules:
     # -- parameters ---------------------------------------------------------------------
     def _get_attr(self, node: fx.Node) -> None:
         target = str(node.target)
-        try:
-            obj = self.model.get_parameter(target)
-        except AttributeError:
-            try:
-                obj = self.model.get_buffer(target)
-            except AttributeError:
-                obj = _resolve_attr(self.model, target)
-        if not isinstance(obj, torch.Tensor):
+        meta = self.traced.values.get(node.name)
+        if not isinstance(meta, TensorMeta):
             return
-        name = self.rel.tensors.names.get(id(obj))
-        kind = self.rel.tensors.kinds.get(name, "constant") if name else "constant"
-        self.rel.views[("t", self.gi, node.name, ())] = ParamView(
-            name or target, kind, tuple(range(obj.ndim)), tuple(obj.shape), (False,) * obj.ndim
-        )
+        obj: Any = None
+        for getter in (self.model.get_parameter, self.model.get_buffer):
+            try:
+                obj = getter(target)
+                break
+            except AttributeError:
+                continue
+        name = self.rel.tensors.names.get(id(obj)) if obj is not None else None
+        kind = self.rel.tensors.kinds.get(name, "constant") if name else "constant"  # tensors fx made constants of
+        n = len(meta.shape)
+        self.rel.views[("t", self.gi, node.name, ())] = ParamView(name or target, kind, tuple(range(n)), meta.shape, (False,) * n)
 
     def _propagate_view(self, ctx: NodeContext, op: str) -> bool:
         """A view op on a parameter view gives another view (no relations yet)."""
@@ -378,7 +378,7 @@ class _Rules:
             self._add(ctx, ta, tb, out, oshape)
             return
         ea, eb = (1.0, 1.0) if op == "mul" else (1.0, -1.0)
-        if (ka == "view") != (kb == "view"):
+        if (ka == "view") != (kb == "view") and self._movable(ctx.view_of(a if ka == "view" else b)):
             self._scale_by_parameter(ctx, a, b, ka, kb, ea, eb, out, oshape)
             return
         ta = ctx.tensor(a) if ka == "view" else a
@@ -396,6 +396,10 @@ class _Rules:
 
     def op_div(self, ctx: NodeContext) -> None:
         self._binary(ctx, "div")
+
+    def _movable(self, view: ParamView | None) -> bool:
+        """A parameter a site may move (fixed buffers and constants are plain fixed operands)."""
+        return view is not None and view.kind == "parameter" and view.name in self.rel.tensors.movable
 
     def _scalar_binary(self, ctx: NodeContext, op: str, t: Ref, scalar: Any, out: Ref, scalar_first: bool) -> None:
         n = len(ctx.meta(out))
@@ -970,8 +974,13 @@ class _Rules:
 
     def op_embedding(self, ctx: NodeContext) -> None:
         node = ctx.node
-        if node.op == "call_module":
-            w = ctx.param(self.traced.modules[str(node.target)], "weight", "table")
+        module = self.traced.modules[str(node.target)] if node.op == "call_module" else None
+        max_norm = module.max_norm if module is not None else _arg(node, 3, "max_norm")
+        if max_norm is not None:  # renormalises the looked-up rows in place: not scale-equivariant
+            self._unknown(ctx, "an embedding with max_norm")
+            return
+        if module is not None:
+            w = ctx.param(module, "weight", "table")
         else:
             w = ctx.tensor(_arg(node, 1, "weight"), role="table")
         out = ctx.output()
@@ -1198,9 +1207,11 @@ class _Rules:
         attn_mask = _arg(node, 5, "attn_mask")
         if node.kwargs.get("is_causal") or (isinstance(attn_mask, fx.Node)):
             ctx.block(P, (query, tok), "an attention mask fixes the order of tokens")
-        self._mha_sites(ctx, m)
+        per_head_weights = _arg(node, 4, "need_weights", True) and not _arg(node, 6, "average_attn_weights", True)
+        weights_used = any(u.args[1] == 1 and u.users for u in node.users if self.identify(u)[0] == "getitem_tuple")
+        self._mha_sites(ctx, m, heads_permutable=not (per_head_weights and weights_used))
 
-    def _mha_sites(self, ctx: NodeContext, m: nn.MultiheadAttention) -> None:
+    def _mha_sites(self, ctx: NodeContext, m: nn.MultiheadAttention, heads_permutable: bool) -> None:
         names = self.rel.tensors.names
         E, H = m.embed_dim, m.num_heads
         d = E // H
@@ -1238,7 +1249,9 @@ class _Rules:
         self.rel.direct_sites.append(
             DirectSite("attention_vo_gl", "general", v_rows + [(w_o, dict(axis=1, power=-1))], H if H > 1 else None, 1, "papers/001 Ex. 1.2.12", where, dict(info), "exact", self.gi)
         )
-        if H > 1 and not m.dropout:
+        if H > 1 and not heads_permutable:
+            self.rel.skipped.append(("attention", where, "head permutations skipped: the per-head attention weights are returned and used"))
+        elif H > 1 and not m.dropout:
             self.rel.direct_sites.append(
                 DirectSite("attention_head_permutation", "permutation", perm_rows + [(w_o, dict(axis=1))], None, d, "papers/001 Ex. 1.2.12", where, dict(info), "exact", self.gi)
             )
@@ -1367,15 +1380,6 @@ def _view_through(node: fx.Node, op: str, view: ParamView, out_shape: tuple[int,
                 k += 1
         return ParamView(view.name, view.kind, tuple(axis_map), out_shape, tuple(expanded))
     return None
-
-
-def _resolve_attr(root: nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
 
 
 def _owner(module: nn.Module, qualified: str) -> nn.Module:

@@ -325,6 +325,8 @@ def class_sites(
             info: dict[str, Any] = {"kind": kind, "channels": n}
             if approx:
                 info["approximate"] = sorted(set(approx))
+                # the BatchNorm modules whose eps makes the site approximate (reasons end in " at <module>")
+                info["batchnorm"] = sorted({r.rsplit(" at ", 1)[-1] for r in approx if "BatchNorm" in r})
             sites.append(Site(action, tuple(m.tensor_key for m in members), "", None, info))
     return sites, skipped
 

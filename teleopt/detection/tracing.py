@@ -233,6 +233,7 @@ def trace_model(model: nn.Module, inputs: Sequence[Tensor]) -> tuple[list[Traced
     buffers and the RNG state restored afterwards.
     """
     flags = [(m, m.training) for m in model.modules()]
+    attributes = set(vars(model))
     graphs: list[TracedGraph] = []
     opaque_all: list[str] = []
     try:
@@ -251,6 +252,9 @@ def trace_model(model: nn.Module, inputs: Sequence[Tensor]) -> tuple[list[Traced
     finally:
         for m, flag in flags:
             m.training = flag
+        for name in set(vars(model)) - attributes:  # fx stores tensor constants on the traced root
+            if name.startswith("_tensor_constant"):
+                delattr(model, name)
     return graphs, opaque_all
 
 

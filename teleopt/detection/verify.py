@@ -16,6 +16,7 @@ model you train::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import copy
 from contextlib import contextmanager
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "assert_sites_invariant",
     "assert_site_minimal",
     "assert_site_gradient_transport",
+    "assert_batchnorm_site_exact",
     "randomize_",
 ]
 
@@ -187,6 +189,36 @@ def assert_site_gradient_transport(
     actual = torch.cat([by_name[n].reshape(-1) for n in names])
     tol = default_rtol(expected.dtype) if rtol is None else rtol
     return assert_close(actual, expected, tol, f"{site.name}: gradient transport")
+
+
+def assert_batchnorm_site_exact(
+    model: nn.Module,
+    site: Site,
+    c: float,
+    inputs: Tensor | Sequence[Tensor],
+    rtol: float | None = None,
+    reference: Tensor | None = None,
+) -> float:
+    """Check an eps-approximate BatchNorm input site exactly (papers/001 Ex. 1.2.7).
+
+    BN(c z) computed with eps * c^2 equals BN(z) with eps, in train mode (batch
+    statistics) and in eval mode (running mean times c, running variance times c^2).
+    So with one scale ``c`` for every channel, acting on a copy of the model and
+    multiplying the eps of the site's BatchNorms (``site.info["batchnorm"]``) by c^2
+    must leave the outputs unchanged to the exact tolerance: this tests the site's
+    members and powers without the eps error, whatever the batch variance.
+    """
+    if site.action.exactness != "approximate" or not site.info.get("batchnorm"):
+        raise ValueError(f"{site.name} is not an approximate BatchNorm input site")
+    reference = model_outputs(model, inputs) if reference is None else reference
+    moved = copy.deepcopy(model)
+    n = site.action.group(site.tensors(moved)).dim
+    site.apply_(moved, torch.full((n,), float(c), dtype=next(iter(moved.parameters())).dtype))
+    for path in site.info["batchnorm"]:
+        bn = moved.get_submodule(path)
+        bn.eps = bn.eps * c**2
+    tol = default_rtol(reference.dtype) if rtol is None else rtol
+    return assert_close(model_outputs(moved, inputs), reference, tol, f"{site.name} with eps * c^2")
 
 
 @torch.no_grad()
