@@ -322,7 +322,10 @@ def _non_identity(site: Site, g: torch.Tensor) -> torch.Tensor:
 
 
 def _draw(data, site: Site, model: nn.Module) -> torch.Tensor:
-    return data.draw(group_elements(site.action, site.tensors(model)), label=site.name)
+    """A random non-identity element (coordinates of norm >= 0.1; permutations moved off the identity)."""
+    params = site.tensors(model)
+    strategy = group_elements(site.action, params, min_norm=0.1) if site.action.continuous else group_elements(site.action, params)
+    return _non_identity(site, data.draw(strategy, label=site.name))
 
 
 def _rtol(site: Site) -> float | None:
@@ -883,6 +886,23 @@ def test_unknown_op_freezes_the_axes_it_touches_and_is_reported():
     assert not any("l1.weight" in s.tensor_names and "l2.weight" in s.tensor_names for s in report.sites)
     assert any(set(s.tensor_names) == {"l2.weight", "l2.bias", "l3.weight"} for s in report.sites)
     assert "cumsum" in report.frozen["l1.bias"]
+
+
+def test_a_failing_rule_fails_closed(monkeypatch):
+    from teleopt.detection import rules
+
+    def broken(self, ctx):
+        raise IndexError("unexpected arguments")
+
+    monkeypatch.setattr(rules._Rules, "op_leaky_relu", broken)
+    model, x = _build("mlp")
+    report = find_symmetries(model, x)
+    assert any("its rule failed: IndexError" in e.reason for e in report.skipped)
+    found = _names(report)
+    assert found["positive_rescaling"] == [("net.0.weight", "net.0.bias", "net.2.weight")]  # the ReLU layer only
+    gen = torch.Generator().manual_seed(0)
+    for s in report.sites:
+        assert_site_invariant(model, s, s.action.random_element(s.tensors(model), gen, 0.5), x)
 
 
 class Untraceable(nn.Module):

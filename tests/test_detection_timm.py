@@ -94,9 +94,9 @@ def _elements(site, params):
     """Continuous groups: bounded Lie-algebra coordinates (teleopt.testing); permutations: a seeded randperm
     (drawing S_3072 element by element would make hypothesis generate megabytes of data)."""
     if site.action.continuous:
-        return group_elements(site.action, params)
+        return group_elements(site.action, params, min_norm=0.1)  # never the identity
     n = site.action.group(params).n
-    return seeds().map(lambda s: torch.randperm(n, generator=torch.Generator().manual_seed(s)))
+    return seeds().map(lambda s: _non_identity(site, torch.randperm(n, generator=torch.Generator().manual_seed(s))))
 
 
 def _sample(sites, k: int = 10):

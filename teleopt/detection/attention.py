@@ -327,7 +327,11 @@ class _Finder:
         skipped: list[tuple[str, str, str]] = []
         for q, k, v, out, inner, k_feature in self.cores():
             where = module_path(out) or out.name
-            qk, vo = self.qk_site(q, k, inner, k_feature, where), self.vo_site(v, out, where)
+            try:
+                qk, vo = self.qk_site(q, k, inner, k_feature, where), self.vo_site(v, out, where)
+            except Exception as e:  # an unexpected layout: no attention site (fail closed)
+                skipped.append(("attention", where, f"could not follow the heads ({type(e).__name__}: {e})"))
+                continue
             for result in (qk, vo):
                 if isinstance(result, DirectSite):
                     sites.append(result)

@@ -174,7 +174,13 @@ class _Rules:
             else:
                 self._constant(ctx)
         else:
-            handler(ctx)
+            try:
+                handler(ctx)
+            except Exception as e:  # a call the rule does not understand: fail closed (relations
+                # it stated before failing are true of the op; blocking everything it touches dominates them)
+                ctx.finish()
+                ctx = NodeContext(self.rel, self.traced, self.gi, node, describe)
+                self._unknown(ctx, f"{describe} (its rule failed: {type(e).__name__}: {e})")
         self._dead(ctx)
         ctx.finish()
 

@@ -314,14 +314,19 @@ def class_sites(
             name, reference, group_name = _ACTIONS[kind]
             if approx:
                 name, reference = "batchnorm_scaling", "papers/001 Ex. 1.2.7 (scale invariance of BatchNorm inputs)"
-            action = AxisAction(
-                name,
-                kind,
-                members,
-                reference=reference,
-                group_name=group_name.format(n=n),
-                exactness="approximate" if approx else "exact",
-            )
+            try:
+                action = AxisAction(
+                    name,
+                    kind,
+                    members,
+                    reference=reference,
+                    group_name=group_name.format(n=n),
+                    exactness="approximate" if approx else "exact",
+                )
+                action.group(tuple(_zeros(rel, m) for m in members))  # the layouts fit the tensors
+            except ValueError as e:
+                skipped.append(("site", ps[0].param, f"{kind} group not representable: {e}"))
+                continue
             info: dict[str, Any] = {"kind": kind, "channels": n}
             if approx:
                 info["approximate"] = sorted(set(approx))
@@ -329,6 +334,13 @@ def class_sites(
                 info["batchnorm"] = sorted({r.rsplit(" at ", 1)[-1] for r in approx if "BatchNorm" in r})
             sites.append(Site(action, tuple(m.tensor_key for m in members), "", None, info))
     return sites, skipped
+
+
+def _zeros(rel: Relations, m: Member):
+    """A stand-in tensor with the member tensor's shape (layouts are checked on shapes only)."""
+    import torch
+
+    return torch.empty(rel.tensors.shapes[m.tensor_key], device="meta")
 
 
 def direct_sites(rel: Relations, n_graphs: int) -> tuple[list[Site], list[tuple[str, str, str]]]:
@@ -358,24 +370,29 @@ def direct_sites(rel: Relations, n_graphs: int) -> tuple[list[Site], list[tuple[
         counts: dict[str, int] = {}
         for n in names:
             counts[n] = counts.get(n, 0) + 1
-        members = []
-        for n, kw in ds.members:
-            label = n if counts[n] == 1 else f"{n}[{kw.get('axis', 0)}:{kw.get('start', '')}:{kw.get('stop', '')}]"
-            members.append(Member(label, tensor=n if counts[n] > 1 else None, **kw))
-        action = AxisAction(
-            ds.action,
-            ds.group,
-            members,
-            reference=ds.reference,
-            blocks=ds.blocks,
-            unit_size=ds.unit_size,
-            exactness=ds.exactness,  # type: ignore[arg-type]
-            group_name={
-                "attention_qk_gl": "(GL_{d_k}(R))^h",
-                "attention_vo_gl": "(GL_{d_v}(R))^h",
-                "attention_head_permutation": "S_h",
-            }.get(ds.action),
-        )
+        try:
+            members = []
+            for n, kw in ds.members:
+                label = n if counts[n] == 1 else f"{n}[{kw.get('axis', 0)}:{kw.get('start', '')}:{kw.get('stop', '')}]"
+                members.append(Member(label, tensor=n if counts[n] > 1 else None, **kw))
+            action = AxisAction(
+                ds.action,
+                ds.group,
+                members,
+                reference=ds.reference,
+                blocks=ds.blocks,
+                unit_size=ds.unit_size,
+                exactness=ds.exactness,  # type: ignore[arg-type]
+                group_name={
+                    "attention_qk_gl": "(GL_{d_k}(R))^h",
+                    "attention_vo_gl": "(GL_{d_v}(R))^h",
+                    "attention_head_permutation": "S_h",
+                }.get(ds.action),
+            )
+            action.group(tuple(_zeros(rel, m) for m in members))
+        except ValueError as e:
+            skipped.append(("attention", ds.where, f"{ds.action} not representable: {e}"))
+            continue
         sites.append(Site(action, tuple(names), "", None, {"kind": ds.group, **ds.info}))
     return sites, skipped
 
