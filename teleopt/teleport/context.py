@@ -84,7 +84,7 @@ class TeleportContext:
             if name in exclude or p.grad is None:
                 continue
             g = p.grad
-            sq += float(g.to(torch.float64).square().sum())
+            sq += float(torch.linalg.vector_norm(g)) ** 2
             if with_decrease:
                 u = self.model.update(self.groups[name], p, g, self.state(name))
                 dec += float((g.to(torch.float64) * u.to(torch.float64)).sum())

@@ -93,7 +93,7 @@ class _Reduced:
         if all(isinstance(grp, PositiveScaling) for _, _, grp in entries):
             self.kind = "scaling"
             other = [d for d in range(grad.ndim) if d not in axes]
-            S = g.square().sum(dim=other, dtype=torch.float64) if other else g.square().to(torch.float64)
+            S = (g.square().sum(dim=other) if other else g.square()).to(torch.float64)
             # S has the acted axes in increasing order; remember where each entry's axis went
             order = sorted(axes)
             self.positions = [order.index(a) for a in axes]
@@ -166,7 +166,7 @@ class GradientNormModel:
             else:
                 self.explicit.append((site_ids, {n: grads[n] for n in names}))
         self.like = like
-        self.explicit_identity = [sum(float(t.to(torch.float64).square().sum()) for t in g.values()) for _, g in self.explicit]
+        self.explicit_identity = [sum(float(torch.linalg.vector_norm(t)) ** 2 for t in g.values()) for _, g in self.explicit]
         self.identities = [grp.identity(dtype=torch.float64, device=next(iter(grads.values())).device) if grads else None for grp in self.groups]
 
     def site_value(self, index: int, element: Tensor) -> float:

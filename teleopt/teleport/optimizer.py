@@ -624,7 +624,9 @@ class Teleport(OptimizerWrapper):
         tol = self._safety.loss_tol if self._safety.loss_tol is not None else default_loss_tol(dtype)
         moved = [ctx.tensors[n] for n in names]
         moved += [ctx.trainable[n].grad for n in names if n in ctx.trainable and ctx.trainable[n].grad is not None]  # type: ignore[misc]
-        if not all(bool(torch.isfinite(t.detach().abs().amax())) for t in moved if t.numel()):  # one pass, NaN/inf propagate
+        # one vectorised pass, no temporaries: NaN and inf propagate through a sum (an overflowing sum of
+        # finite entries would only cause a needless rollback)
+        if not all(bool(torch.isfinite(t.detach().sum())) for t in moved if t.numel()):
             reasons.append("non-finite parameters or gradients")
         loss_after = None
         if fmodel is not None:
