@@ -68,6 +68,9 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             accepted = sum(r.accepted for r in opt.reports)
             with open(os.path.join(out_dir, "result.txt"), "w") as f:
                 f.write(f"{int(same)} {accepted} {int(report.accepted)}\n{fsdp}")
+        # gloo aborts a rank that tears down while its peer is still inside a collective
+        # or writing results ("terminate called without an active exception"): meet first.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

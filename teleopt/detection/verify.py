@@ -11,6 +11,8 @@ model you train::
     for site in report.sites:
         g = site.action.random_element(site.tensors(model), generator)
         assert_site_invariant(model, site, g, x)
+
+Needs the ``testing`` extra (``teleopt.testing``); ``find_symmetries`` itself does not.
 """
 
 from __future__ import annotations
