@@ -267,6 +267,21 @@ class Shared(nn.Module):
         return self.out(h)
 
 
+class SharedInTwoPlaces(nn.Module):
+    """One Linear registered in two containers of the module tree (s1.0 and s2.2) and called in both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.Linear(5, 5)
+        self.inp = nn.Linear(3, 5)
+        self.s1 = nn.Sequential(shared, nn.ReLU())
+        self.s2 = nn.Sequential(nn.Linear(5, 5), nn.ReLU(), shared, nn.ReLU())
+        self.out = nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.out(self.s2(self.s1(torch.relu(self.inp(x)))))
+
+
 def _img(batch: int = 8, size: int = 8) -> torch.Tensor:
     return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
 
@@ -294,6 +309,7 @@ MODELS = {
     "swiglu": (SwiGLU, lambda: _vec(8, 4)),
     "prelu": (PReLUNet, lambda: _img(4, 6)),
     "shared": (Shared, lambda: _vec(8, 3)),
+    "shared_in_two_places": (SharedInTwoPlaces, lambda: _vec(8, 3)),
 }
 
 
@@ -794,6 +810,20 @@ def test_shared_module_is_reported_and_its_sites_hold():
         assert_site_invariant(model, s, s.action.random_element(s.tensors(model), gen, 0.5), x)
 
 
+def test_module_registered_in_two_places_is_reported_and_tied_across_both_calls():
+    # state_dict names the shared tensors twice (s1.0.* and s2.2.*); the sites above check every
+    # site of this model (invariance, minimality, fresh-instance reload, gradients); here: the report
+    model, x = _build("shared_in_two_places")
+    report = find_symmetries(model, x)
+    assert any(e.kind == "module" and e.where == "s1.0" and "2 times" in e.reason for e in report.skipped)
+    # the shared rows are read by s2.0 (after the first call) and write the input of out (after the
+    # second): one scaling site ties the first call's input to its output through both calls
+    found = _names(report)
+    assert ("inp.weight", "inp.bias", "s1.0.weight", "s2.0.weight", "s2.0.bias") in found["positive_rescaling"]
+    assert ("s1.0.weight", "s1.0.bias", "s2.0.weight", "out.weight") in found["positive_rescaling"]
+    assert all("s2.2.weight" not in s.tensor_names for s in report.sites)  # one name per tensor
+
+
 def test_tied_embedding_and_classifier():
     class Tied(nn.Module):
         def __init__(self) -> None:
@@ -946,6 +976,22 @@ def test_wrong_example_inputs_are_reported_clearly():
         find_symmetries(model, torch.randn(2, 6))
     with pytest.raises(ValueError, match="takes 1 positional inputs, but 2"):
         find_symmetries(model, (torch.randn(2, 5), torch.randn(2, 5)))
+
+
+@pytest.mark.parametrize(
+    "name, inputs, match",
+    [
+        ("bn_cnn", _img(4, 6)[:, :1], r"example inputs do not fit the model: .*c1.*channels"),  # 1 channel, not 3
+        ("bn_cnn", _img(4, 6)[0], r"example inputs do not fit the model: .*expected 4D input"),  # no batch axis
+        ("bn_cnn", _img(4, 6).long(), r"example inputs do not fit the model: .*c1.*long"),  # integer image
+        ("mha_block", _vec(4, 5, 6), r"example inputs do not fit the model: .*embed"),  # 6 features, not 4
+    ],
+)
+def test_wrong_example_inputs_of_conv_and_attention_models_raise_a_detection_error(name, inputs, match):
+    model, _ = _build(name)
+    with pytest.raises(DetectionError, match=match) as info:
+        find_symmetries(model, inputs)
+    assert "While executing" not in str(info.value) and "\n" not in str(info.value)  # one line, no fx node dump
 
 
 def test_bad_arguments_raise():

@@ -33,7 +33,7 @@ from teleopt.detection.verify import (
     model_outputs,
     randomize_,
 )
-from teleopt.testing import assert_close, group_elements, seeds
+from teleopt.testing import assert_close, default_max_norm, group_elements, seeds
 
 timm = pytest.importorskip("timm")
 
@@ -91,10 +91,13 @@ def _check(model, site, g, x, refs):
 
 
 def _elements(site, params):
-    """Continuous groups: bounded Lie-algebra coordinates (teleopt.testing); permutations: a seeded randperm
+    """Continuous groups: Lie-algebra coordinates at the edge of the issue's range (teleopt.testing's
+    default bound: some scale exactly 1/4 or 4, GL condition number 9.9), so that the single hypothesis
+    example of these large models is not its minimal near-identity draw; permutations: a seeded randperm
     (drawing S_3072 element by element would make hypothesis generate megabytes of data)."""
     if site.action.continuous:
-        return group_elements(site.action, params, min_norm=0.1)  # never the identity
+        bound = default_max_norm(site.action.group(params))
+        return group_elements(site.action, params, min_norm=bound)
     n = site.action.group(params).n
     return seeds().map(lambda s: _non_identity(site, torch.randperm(n, generator=torch.Generator().manual_seed(s))))
 
@@ -270,3 +273,13 @@ def test_zoo_every_site_minimal_and_invariant(name):
         s.apply_(model, g)
     fresh.load_state_dict(model.state_dict())
     assert_close(model_outputs(fresh, x), reference, 1e-10)
+
+
+def test_wrong_image_size_for_a_timm_vit_is_a_detection_error():
+    # vit_tiny at its default img_size=224 asserts the input size in patch_embed: a clear one-line error
+    from teleopt.detection import DetectionError
+
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False)
+    with pytest.raises(DetectionError, match=r"example inputs do not fit the model: .*patch_embed.*Input height") as info:
+        find_symmetries(model, torch.randn(1, 3, 32, 32))
+    assert "While executing" not in str(info.value)

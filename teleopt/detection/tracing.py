@@ -165,6 +165,7 @@ def _meta(value: Any) -> Any:
 class _Recorder(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
+        self.extra_traceback = False  # run() would append fx's node dump and "Use tlparse" to the DetectionError
         self.values: dict[str, Any] = {}
 
     def run_node(self, n: fx.Node) -> Any:
