@@ -129,6 +129,41 @@ def test_discover_rejects_bad_input():
         discover(lambda p, d: torch.tensor(float(p[0].sum())), problem.param_shapes, problem.sampler, steps=2, progress=False)
 
 
+class _Poisoned:
+    """A sampler that turns non-finite after ``after`` calls, with or without ``sample_batch``."""
+
+    def __init__(self, sampler, after: int, batched: bool) -> None:
+        self.sampler, self.after, self.calls = sampler, after, 0
+        if batched:
+            self.sample_batch = self._sample_batch
+
+    def _poison(self, params, data):
+        self.calls += 1
+        if self.calls > self.after:
+            params = (params[0], params[1].clone().fill_(float("nan")))
+        return params, data
+
+    def __call__(self, gen):
+        return self._poison(*self.sampler(gen))
+
+    def _sample_batch(self, gen, n):
+        return self._poison(*self.sampler.sample_batch(gen, n))
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_sampler_turning_non_finite_mid_training_is_caught(batched, linear_action):
+    """Every step's draw is checked, not only the first one (also the diagnostics' draws)."""
+    problem = problems.two_layer()
+    # the first call only probes the data shapes; then 1 call per step (batched) or 4 (batch_size)
+    per_step = 1 if batched else 4
+    poisoned = _Poisoned(problem.sampler, after=1 + 2 * per_step, batched=batched)
+    with pytest.raises(ValueError, match="non-finite parameters.*'W2'"):
+        discover(problem.loss_fn, problem.param_shapes, poisoned, steps=5, batch_size=4, progress=False, member_names=("W1", "W2"))
+    assert poisoned.calls == 1 + 3 * per_step  # stopped at the end of step 3's draw, the first bad one
+    with pytest.raises(ValueError, match="non-finite parameters"):
+        compare_curves(linear_action, _Poisoned(problem.sampler, after=0, batched=batched), num_samples=4, num_points=3, num_random=1)
+
+
 # -- the GroupAction contract --------------------------------------------------------------
 def test_learned_action_is_a_data_dependent_nonlinear_group_action(linear_action):
     assert isinstance(linear_action, teleopt.GroupAction)
@@ -250,6 +285,29 @@ def test_load_rejects_incompatible_files(linear_action, tmp_path):
     torch.save(state | {"generators": torch.zeros(1, 3, 3, dtype=F64)}, path)
     with pytest.raises(ValueError, match="generators"):
         LearnedAction.load(path)
+
+
+def test_load_rejects_unreadable_and_damaged_files(linear_action, tmp_path):
+    """Files torch.load(weights_only=True) cannot read, or that lack a part, raise ValueError naming why."""
+    good = tmp_path / "good.pt"
+    linear_action.save(good)
+    path = tmp_path / "bad.pt"
+    path.write_bytes(good.read_bytes()[:300])  # truncated
+    with pytest.raises(ValueError, match="not a teleopt learned-action file readable with weights_only=True.*zip archive"):
+        LearnedAction.load(path)
+    path.write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match="readable with weights_only=True") as info:
+        LearnedAction.load(path)
+    assert "weights_only` set to `False`" not in str(info.value)  # never advise loading untrusted pickles
+    torch.save(linear_action.state() | {"config": {"problem": _Poisoned}}, path)  # a pickled class, not plain data
+    with pytest.raises(ValueError, match=r"readable with weights_only=True \(Unsupported global"):
+        LearnedAction.load(path)
+    for key in ("spec", "weights", "generators"):
+        state = linear_action.state()
+        del state[key]
+        torch.save(state, path)
+        with pytest.raises(ValueError, match=f"lacks '{key}'"):
+            LearnedAction.load(path)
 
 
 def test_registered_from_file_next_to_the_known_actions(linear_action, tmp_path):
@@ -412,3 +470,21 @@ def test_teleport_uses_a_learned_action_loaded_from_file(block_action, tmp_path)
         assert all(torch.equal(model.state_dict()[n], moved[n]) for n in moved)
     finally:
         teleopt.unregister_action("learned_block_for_teleport")
+
+
+def test_teleport_rejects_a_learned_site_that_does_not_match(block_action):
+    """A site built by hand on tensors of other shapes fails when Teleport is built; a batch of
+    another size than the action was learned on fails the teleport, before the model is touched."""
+    model = _Wide()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    wrong = teleopt.Site(block_action, ("wide1.weight", "wide2.weight"), data_input="wide1")
+    with pytest.raises(ValueError, match=r"'W1' has shape \(3, 1\), but the learned action acts on shape \(1, 1\)"):
+        teleopt.Teleport(opt, model, [wrong], loss_fn=nn.functional.mse_loss, path="general")
+    site = bind(block_action, model, ["block1.weight", "block2.weight"], "block1")
+    teleport = teleopt.Teleport(opt, model, [site], loss_fn=nn.functional.mse_loss, path="general")
+    gen = torch.Generator().manual_seed(8)
+    batch = (torch.randn(8, 3, generator=gen, dtype=F64), torch.randn(8, 2, generator=gen, dtype=F64))
+    before = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"data\[0\] has shape \(8, 1\), but the action was learned on data of shape \(4, 1\)"):
+        teleport.teleport(batch=batch)
+    assert all(torch.equal(model.state_dict()[n], before[n]) for n in before)

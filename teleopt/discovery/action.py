@@ -23,6 +23,7 @@ the configuration, a few validation samples and a format version.
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,7 @@ __all__ = ["LearnedAction", "FILE_FORMAT", "FORMAT_VERSION"]
 
 FILE_FORMAT = "teleopt.learned_action"
 FORMAT_VERSION = 1
+_REQUIRED_KEYS = ("name", "spec", "network", "integration_steps", "weights", "generators")
 
 
 class LearnedAction(GroupAction):
@@ -235,6 +237,9 @@ class LearnedAction(GroupAction):
                 f"the file has learned-action format version {version!r}; this teleopt reads version {FORMAT_VERSION} "
                 f"(written by teleopt {state.get('teleopt_version', '?')})"
             )
+        missing = [k for k in _REQUIRED_KEYS if k not in state]
+        if missing:
+            raise ValueError(f"the learned-action file lacks {', '.join(map(repr, missing))} (a damaged or hand-made file)")
         spec = SampleSpec.from_config(state["spec"])
         net_cfg = state["network"]
         network = ActionNetwork(
@@ -280,7 +285,23 @@ class LearnedAction(GroupAction):
 
         Actions learned on a problem of :mod:`teleopt.discovery.problems` get their
         loss function back; for any other, pass ``loss_fn``.  Files of another format
-        version raise ``ValueError``.
+        version, and files that ``torch.load(weights_only=True)`` cannot read (not a
+        torch file, or holding pickled objects other than plain data and tensors),
+        raise ``ValueError``.
         """
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        try:
+            state = torch.load(path, map_location=map_location, weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+            raise ValueError(
+                f"{os.fspath(path)!r} is not a teleopt learned-action file readable with weights_only=True ({_load_failure(e)})"
+            ) from e
         return cls.from_state(state, loss_fn, name)
+
+
+def _load_failure(e: BaseException) -> str:
+    """The reason torch.load gave, without its advice to load untrusted files with weights_only=False."""
+    text = str(e)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0].split(". ")[0] if lines else type(e).__name__
