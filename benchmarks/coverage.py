@@ -137,6 +137,7 @@ def main() -> None:
             verdict = "meets" if r["seconds_median"] < goal_s else "MISSES"
             print(f"\n{goal_name}: detection {r['seconds_median']:.2f} s (goal < {goal_s:.0f} s: {verdict} it)")
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"date": date, "machine": machine, "image_size": size, "repeats": repeats, "rows": rows}, f, indent=1)
     plot_dir = args.plot_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else None)

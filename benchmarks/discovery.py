@@ -53,7 +53,10 @@ from teleopt.discovery.diagnostics import abs_cosine, compare_curves, data_sensi
 # invariance term was too weak to shape anything (curve ratio about 2 on the
 # sigmoid network).  ``sigmoid_bare`` is the papers' bare action network (no linear
 # term): strongly data-dependent, invariant for every generator alike.
-HOMOGENEOUS = {"steps": 1500, "num_generators": 3, "generator_lr": 3e-3, "lr_decay_every": 500, "invariance": "cosine"}
+# The homogeneous cases keep the best of 3 restarts by training objective: on the
+# LeakyReLU network seeds 0 and 3 (of 0-3) left one generator outside the rescaling
+# span (residual 1.0, invariance term 15x larger), more steps (3000) did not help.
+HOMOGENEOUS = {"steps": 1500, "num_generators": 3, "generator_lr": 3e-3, "lr_decay_every": 500, "invariance": "cosine", "restarts": 3}
 DATA_DEPENDENT = {
     "steps": 2000,
     "num_generators": 3,
@@ -75,7 +78,8 @@ CASES: dict[str, tuple[Any, dict[str, Any], int]] = {
         DATA_DEPENDENT | {"linear_base": False, "invariance": "cosine"},
         150,
     ),
-    "tanh": (lambda: problems.three_layer(), DATA_DEPENDENT, 150),
+    # tanh: 2000 steps left the ratio at 9.6 (seed 0); twice the steps, same decay per step, reach 11.6
+    "tanh": (lambda: problems.three_layer(), DATA_DEPENDENT | {"steps": 4000, "lr_decay_every": 800}, 150),
     "transformer": (
         lambda: problems.tiny_transformer(),
         DATA_DEPENDENT | {"steps": 1500, "num_generators": 8, "hidden": (128, 128, 128), "lr_decay_every": 250},
@@ -110,6 +114,7 @@ def run_case(name: str, quick: bool, seed: int, plot_dir: Path | None, progress:
         "generators": action.num_generators,
         "steps": kwargs["steps"],
         "train_seconds": seconds,
+        "restarts": action.config.get("restarts"),
         "final_terms": {k: float(v) for k, v in zip(action.history["terms"], action.history["values"][-50:].mean(dim=0))},
     }
     comparison = compare_curves(action, problem.sampler, num_samples=100, generator=torch.Generator().manual_seed(seed + 100))

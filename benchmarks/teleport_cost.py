@@ -12,8 +12,9 @@ exact BatchNorm-output rescaling of every BasicBlock (bn1 weight and bias by c,
 conv2's input channels by 1/c through the ReLU), made by hand.
 
 Ratios of repeated, interleaved measurements within this run; each time is the
-minimum over the repetitions (the machine this ran on is shared, and preemption
-only ever adds time):
+median over the repetitions, and the step overhead is the median of the paired
+per-repetition differences (the machines are shared and noisy; pairing and
+alternating the order cancel most of the drift):
 
 1. ``step overhead``: ``Teleport.step()`` on a step without teleport vs the bare
    ``optimizer.step()`` (gradients already computed); goal <= 1% overhead.  Also
@@ -36,6 +37,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -139,7 +141,8 @@ def measure(name: str, model: nn.Module, sites: Any, batch: tuple[torch.Tensor, 
             step_wrapped.append(timed(wrapper.step))
             step_bare.append(timed(bare.step))
         iters.append(timed(iteration(bare)))
-    t_bare, t_wrapped, t_iter = (min(v) for v in (step_bare, step_wrapped, iters))
+    t_bare, t_wrapped, t_iter = (statistics.median(v) for v in (step_bare, step_wrapped, iters))
+    overhead = statistics.median(w - b for w, b in zip(step_wrapped, step_bare))
 
     fast_times, evaluations = [], []
     for _ in range(reps):
@@ -151,7 +154,7 @@ def measure(name: str, model: nn.Module, sites: Any, batch: tuple[torch.Tensor, 
             report = wrapper.teleport()
 
         fast_times.append(timed(tele))
-    t_fast = min(fast_times)
+    t_fast = statistics.median(fast_times)
     fast_report = report
 
     # same objective and number of ascent steps, no trust region (no early stop): fast vs autograd
@@ -165,15 +168,15 @@ def measure(name: str, model: nn.Module, sites: Any, batch: tuple[torch.Tensor, 
     for _ in range(general_reps):
         backward()
         g10.append(timed(lambda: general10.teleport(batch=(x, y))))
-    t_f10, t_g10 = min(f10), min(g10)
+    t_f10, t_g10 = statistics.median(f10), statistics.median(g10)
     return {
         "model": name,
         "params": n_params,
         "sites": len(wrapper.sites or []),
         "step_bare_ms": 1e3 * t_bare,
         "step_wrapped_ms": 1e3 * t_wrapped,
-        "step_overhead_pct": 100 * (t_wrapped - t_bare) / t_bare,
-        "step_overhead_pct_of_iteration": 100 * (t_wrapped - t_bare) / t_iter,
+        "step_overhead_pct": 100 * overhead / t_bare,
+        "step_overhead_pct_of_iteration": 100 * overhead / t_iter,
         "iteration_ms": 1e3 * t_iter,
         "fast_teleport_ms": 1e3 * t_fast,
         "fast_over_iteration": t_fast / t_iter,
@@ -213,6 +216,7 @@ def main() -> None:
         )
     print(f"resnet18 sites: {rows[-1]['site_source']}")
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__, "rows": rows}, f, indent=1)
 

@@ -104,15 +104,15 @@ def make(variant: str, opt_name: str, model: nn.Module, X: torch.Tensor, Y: torc
 
 def run(variant: str, opt_name: str, seed: int, schedule: dict[str, Any] | None = None, repeats: int = 1, **extra: Any) -> dict[str, Any]:
     """One training run; with ``repeats`` > 1 the (deterministic) run is repeated and each epoch's
-    duration is the minimum over the repeats (robust to other processes sharing the CPU)."""
+    duration is the median over the repeats (robust to other processes sharing the CPU)."""
     results = [_run_once(variant, opt_name, seed, schedule, **extra) for _ in range(repeats)]
     first = results[0]
     for other in results[1:]:
         if not torch.equal(torch.tensor(other["losses"]).nan_to_num(nan=-1.0), torch.tensor(first["losses"]).nan_to_num(nan=-1.0)):
             raise RuntimeError("repeated runs differ: the benchmark is not deterministic")
-    durations = [min(r["durations"][e] for r in results) for e in range(EPOCHS)]
+    durations = [statistics.median(r["durations"][e] for r in results) for e in range(EPOCHS)]
     first["times"] = list(itertools.accumulate(durations))
-    first["teleport_s"] = min(r["teleport_s"] for r in results)
+    first["teleport_s"] = statistics.median(r["teleport_s"] for r in results)
     teleport_epochs = {r["step"] for r in first["reports"]}
     first["epoch_s"] = statistics.median([d for e, d in enumerate(durations) if e not in teleport_epochs])
     return first
@@ -194,7 +194,7 @@ def fmt(v: Any, spec: str = ".3g") -> str:
 
 def table(rows: list[dict[str, Any]], title: str) -> str:
     head = f"{'optimizer':9} {'variant':26} {'L@10':>9} {'L@100':>9} {'L@300':>9} {'epochs':>7} {'x epochs':>9} {'seconds':>9} {'x time':>7} {'x time*':>7} {'drift':>9} {'tele ms':>8} {'rollbk':>6}"
-    lines = [title, "x time: measured seconds to the target (epoch durations: min over repeats), teleport included; "
+    lines = [title, "x time: measured seconds to the target (epoch durations: median over repeats), teleport included; "
              "x time*: the same from median epoch durations", head, "-" * len(head)]
     for r in rows:
         lines.append(
@@ -224,7 +224,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also the defaults study and repeated teleports")
     parser.add_argument("--json", type=str, default=None)
     parser.add_argument("--plot-dir", type=str, default=None)
-    parser.add_argument("--repeats", type=int, default=3, help="timing repeats per run (epoch durations: min over repeats)")
+    parser.add_argument("--repeats", type=int, default=3, help="timing repeats per run (epoch durations: median over repeats)")
     args = parser.parse_args()
     reps = 1 if args.quick else args.repeats
     torch.set_num_threads(1)
@@ -284,6 +284,7 @@ def main() -> None:
         print(table(sweep_rows, "Defaults study (exact rescaling teleports; trust region r, stability cap, ascent step size, repeated teleports)"))
 
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     plot_dir = args.plot_dir or (os.path.dirname(args.json) if args.json else None)

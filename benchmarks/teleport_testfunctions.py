@@ -113,6 +113,7 @@ def main() -> None:
             f"{paper[0]:>9.1e} / {paper[1]:<8.3g}"
         )
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "rows": rows}, f, indent=1)
 

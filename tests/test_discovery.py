@@ -103,6 +103,17 @@ def test_progress_bar_shows_the_losses(capsys):
     assert "inv=" in err and "assoc=" in err and "id=" in err
 
 
+def test_restarts_keep_the_run_with_the_lowest_objective():
+    problem = problems.two_layer()
+    kwargs = dict(steps=30, batch_size=8, hidden=(8,), progress=False)
+    best = problem.discover(seed=3, restarts=3, **kwargs)
+    singles = [problem.discover(seed=s, **kwargs) for s in (3, 4, 5)]
+    objectives = [float(a.history["values"][-50:, -1].mean()) for a in singles]
+    assert best.config["restarts"] == {"seeds": [3, 4, 5], "objectives": objectives}
+    chosen = singles[objectives.index(min(objectives))]
+    assert best.config["seed"] == chosen.config["seed"] and torch.equal(best.generators, chosen.generators)
+
+
 def test_discover_rejects_bad_input():
     problem = problems.two_layer()
 
@@ -125,6 +136,8 @@ def test_discover_rejects_bad_input():
         problem.discover(num_generators=0)
     with pytest.raises(TypeError, match="LossWeights"):
         problem.discover(weights={"invariance": 1.0})
+    with pytest.raises(ValueError, match="restarts"):
+        problem.discover(restarts=0)
     with pytest.raises(TypeError, match="vmap"):
         discover(lambda p, d: torch.tensor(float(p[0].sum())), problem.param_shapes, problem.sampler, steps=2, progress=False)
 

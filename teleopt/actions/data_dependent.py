@@ -49,7 +49,8 @@ def min_norm_solve(A: Tensor, B: Tensor) -> Tensor:
 
 
 def _relative_residual(A: Tensor, X: Tensor, B: Tensor) -> float:
-    return float((A @ X - B).norm() / B.norm().clamp_min(torch.finfo(B.dtype).tiny))
+    with torch.no_grad():  # a diagnostic number: no graph, no autograd warning on float()
+        return float((A @ X - B).norm() / B.norm().clamp_min(torch.finfo(B.dtype).tiny))
 
 
 class _TwoLayerDataDependent(GroupAction):
