@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from teleopt import Site, get_action
+from teleopt.datasets import hidden_rescaling_sites, mlp_regression, regression_loss
 from teleopt.teleport import SafetyConfig, Sharpness, Teleport
 
 EPOCHS = 300
@@ -54,27 +55,13 @@ PAPER = {"gd": (8, 1e-7), "adagrad": (2, 1e-5)}  # (ascent steps, fixed ascent l
 
 
 def problem(seed: int) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
-    """The paper's initialisation order: W1, W2, W3, X, Y from torch.rand after manual_seed."""
-    torch.manual_seed(seed)
-    W = [torch.rand(6, 5), torch.rand(7, 6), torch.rand(8, 7)]
-    X, Y = torch.rand(5, 4), torch.rand(8, 4)
-    model = nn.Sequential(nn.Linear(5, 6, bias=False), nn.LeakyReLU(0.1), nn.Linear(6, 7, bias=False), nn.LeakyReLU(0.1), nn.Linear(7, 8, bias=False))
-    with torch.no_grad():
-        for layer, w in zip(model[::2], W):
-            layer.weight.copy_(w)
-    return model, X.T.contiguous(), Y.T.contiguous()  # nn.Linear convention: samples are rows
+    """The paper's initialisation order: W1, W2, W3, X, Y from torch.rand after seeding (``teleopt.datasets``)."""
+    p = mlp_regression(seed)
+    return p.model, p.inputs, p.targets
 
 
-def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return 0.5 * ((y - out) ** 2).sum()
-
-
-RESCALING = get_action("positive_rescaling", activation="leaky_relu", negative_slope=0.1)
+loss_fn = regression_loss
 DATA_DEPENDENT = get_action("data_dependent_gl", activation="leaky_relu", negative_slope=0.1)
-
-
-def rescaling_sites() -> list[Site]:
-    return [Site(RESCALING, ("0.weight", None, "2.weight")), Site(RESCALING, ("2.weight", None, "4.weight"))]
 
 
 def data_dependent_sites() -> list[Site]:
@@ -98,7 +85,7 @@ def make(variant: str, opt_name: str, model: nn.Module, X: torch.Tensor, Y: torc
     kind, objective = variant.split(":")
     if objective == "sharpness":
         objective = Sharpness(direction="decrease")
-    sites = data_dependent_sites() if kind == "exact-dd" else rescaling_sites()
+    sites = data_dependent_sites() if kind == "exact-dd" else hidden_rescaling_sites(model)
     return Teleport(base, model, sites, objective=objective, **common, **extra)
 
 
