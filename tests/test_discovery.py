@@ -38,10 +38,12 @@ LEARNED_INVARIANCE_RTOL = 3e-2
 # near zero (w1 w2 ~ 0), which is why the scale is the typical one, not the sample's.
 LEARNED_OUTPUT_TOL = 5e-2
 # Identity is exact by construction; inverse and composition along one generator
-# hold up to the RK4 error (8 steps per unit time; measured <= 1.1e-5 over
-# check_action seeds 0-5); composition of different generators needs the Lie
-# bracket condition (a random two-generator network misses it by >= 6.7e-4).
-LEARNED_AXIOM_RTOL = 1e-4
+# hold up to the RK4 error (8 steps per unit time): <= 1.1e-5 over check_action
+# seeds 0-5, but 2.2e-4 at the edge of the hypothesis range (a 9 x 9 grid of both
+# coordinates in [-1.15, 1.15] on the untrained network; hypothesis found 1.15e-4
+# there in CI); composition of different generators needs the Lie bracket
+# condition (a random two-generator network misses it by >= 6.7e-4, deterministic).
+LEARNED_AXIOM_RTOL = 4e-4
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -239,6 +241,7 @@ UNTRAINED_PROBLEM = UNTRAINED.example(torch.Generator().manual_seed(0))
 @settings(deadline=None, max_examples=10)
 @given(group_elements(UNTRAINED, UNTRAINED_PROBLEM.params), group_elements(UNTRAINED, UNTRAINED_PROBLEM.params))
 @example(torch.eye(2, dtype=F64), torch.eye(2, dtype=F64))
+@example(*[torch.tensor([[1.6479, 1.1895], [1.6348, 2.1184]], dtype=F64)] * 2)  # found by hypothesis in CI (error 1.15e-4)
 def test_flow_axioms_hold_for_any_network(g1, g2):
     """Identity (exact), inverse and composition along one generator (RK4 error) hold even untrained."""
     params, data = UNTRAINED_PROBLEM.params, UNTRAINED_PROBLEM.data
