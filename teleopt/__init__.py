@@ -11,8 +11,9 @@ Importing any of them imports ``teleopt.actions``, which registers the known act
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from teleopt._lazy import lazy_attributes
 
 __version__ = "0.1.0.dev0"
 
@@ -38,19 +39,7 @@ _LAZY = {
 __all__ = [*_LAZY, "__version__"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'teleopt' has no attribute {name!r}")
-    importlib.import_module("teleopt.actions")  # registers the known actions
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 if TYPE_CHECKING:
     from teleopt.actions.axis import AxisAction, Member

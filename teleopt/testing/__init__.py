@@ -30,8 +30,9 @@ Example::
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from teleopt._lazy import lazy_attributes
 
 # public name -> module that defines it (add new public names here)
 _LAZY = {
@@ -66,19 +67,7 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'teleopt.testing' has no attribute {name!r}")
-    importlib.import_module("teleopt.actions")  # registers the known actions
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 if TYPE_CHECKING:
     from teleopt.testing.assertions import (
