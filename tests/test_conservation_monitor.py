@@ -52,6 +52,7 @@ def test_one_sgd_step_drifts_by_exactly_lr_squared_q_of_the_gradient(digits):
         # exact algebra up to float64 round-off of Q (~1e-16 of its scale)
         assert record.drift[s.name] == pytest.approx(predicted, rel=1e-6, abs=1e-14)
         assert record.drift[s.name] > 0
+        assert record.step_drift[s.name] == record.drift[s.name]  # the first step: previous = reference
 
 
 def test_drift_per_step_scales_with_the_learning_rate_squared(digits):
@@ -65,6 +66,10 @@ def test_drift_per_step_scales_with_the_learning_rate_squared(digits):
         monitor.attach(opt)
         train(model, opt, x, y, 20)
         drifts.append(monitor.max_drift()["rescale_hidden1"])
+        steps = [r.step_drift["rescale_hidden1"] for r in monitor.history]
+        # the per-step changes add up to at least the net drift (triangle inequality; each is
+        # normalised by the scale at its own start, which moves by < 1e-3 here)
+        assert sum(steps) >= monitor.history[-1].drift["rescale_hidden1"] * (1 - 1e-3)
     # lr^2 per step, and the trajectories differ by O(lr): measured ratio 4.0 +- 0.1
     assert 3.5 < drifts[0] / drifts[1] < 4.5
 

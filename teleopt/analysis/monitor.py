@@ -43,10 +43,17 @@ __all__ = ["ConservationMonitor", "MonitorRecord"]
 
 @dataclass
 class MonitorRecord:
-    """One measurement: relative drifts per site (and extra quantity), angular-momentum residuals, teleport jumps."""
+    """One measurement after optimizer step ``step``.
+
+    ``drift``: relative change since the reference; ``step_drift``: since the
+    previous measurement (the per-step change papers/001 Prop. A.4.1 bounds by
+    lr^2 |dL/dt|); ``angular_momentum``: residuals of orthogonal sites;
+    ``teleport_jump``: the relative change a teleport (or rollback) made before this step.
+    """
 
     step: int
     drift: dict[str, float] = field(default_factory=dict)
+    step_drift: dict[str, float] = field(default_factory=dict)
     angular_momentum: dict[str, float] = field(default_factory=dict)
     teleport_jump: dict[str, float] = field(default_factory=dict)
 
@@ -129,6 +136,7 @@ class ConservationMonitor:
         self._steps = 0
         self._pending_jump: dict[str, float] = {}
         self._reference = self._measure()
+        self._last = self._reference
         self._previous = self._orthogonal_params()
 
     # ------------------------------------------------------------------ measuring
@@ -173,7 +181,10 @@ class ConservationMonitor:
         if self._steps % self.every:
             return None
         now = self._measure()
-        record = MonitorRecord(self._steps, self._drifts(now, self._reference), self._angular_residuals(), self._pending_jump)
+        record = MonitorRecord(
+            self._steps, self._drifts(now, self._reference), self._drifts(now, self._last), self._angular_residuals(), self._pending_jump
+        )
+        self._last = now
         self._pending_jump = {}
         self.history.append(record)
         return record
@@ -181,8 +192,8 @@ class ConservationMonitor:
     def rebase(self) -> dict[str, float]:
         """Make the current values the reference; returns the relative change since the old one."""
         now = self._measure()
-        jump = self._drifts(now, self._reference)
-        self._reference = now
+        jump = self._drifts(now, self._last)
+        self._reference = self._last = now
         self._previous = self._orthogonal_params()
         return jump
 
