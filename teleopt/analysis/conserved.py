@@ -353,8 +353,8 @@ def _antiderivative(activation: str | Callable[[Tensor], Tensor], nodes: int) ->
 
 
 def whitened_conserved_quantity(
-    U: Tensor, V: Tensor, activation: str | Callable[[Tensor], Tensor], *, nodes: int = 32
-) -> Tensor:
+    U: Tensor, V: Tensor, activation: str | Callable[[Tensor], Tensor], *, nodes: int = 32, parts: bool = False
+) -> Tensor | tuple[Tensor, Tensor]:
     """Q = 1/2 Tr[U^T U] - sum_aj int_0^{V_aj} sigma(x) / sigma'(x) dx (papers/001 eq. 2.17).
 
     For the two-layer network U sigma(V X) with whitened input X = I (so each
@@ -366,7 +366,9 @@ def whitened_conserved_quantity(
     ``activation`` is ``"identity"``, ``"relu"``, ``"leaky_relu"``, ``"tanh"``,
     ``"sigmoid"`` (closed forms) or any elementwise callable, integrated by
     ``nodes``-point Gauss-Legendre quadrature (sigma' from autograd; an error if
-    it vanishes on the path).  ``U`` is (m, h), ``V`` is (h, n).
+    it vanishes on the path).  ``U`` is (m, h), ``V`` is (h, n).  With
+    ``parts=True`` returns the two terms (1/2 Tr U^T U, -sum F(V)), whose sizes
+    are the normaliser of eq. A.29.
     """
     for name, t in (("U", U), ("V", V)):
         if not isinstance(t, Tensor):
@@ -376,7 +378,8 @@ def whitened_conserved_quantity(
     if U.shape[1] != V.shape[0]:
         raise ValueError(f"U is {tuple(U.shape)} and V is {tuple(V.shape)}: U's columns must match V's rows (hidden units)")
     antiderivative = _antiderivative(activation, nodes)
-    return 0.5 * (U.detach() ** 2).sum() - antiderivative(V.detach()).sum()
+    terms = (0.5 * (U.detach() ** 2).sum(), -antiderivative(V.detach()).sum())
+    return terms if parts else terms[0] + terms[1]
 
 
 def expected_whitened_quantity(

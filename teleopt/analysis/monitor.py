@@ -84,9 +84,10 @@ class ConservationMonitor:
     every:
         Measure after every ``every``-th optimizer step.
     quantities:
-        Extra conserved quantities ``name -> fn(model) -> Tensor`` (e.g.
-        :func:`teleopt.analysis.whitened_conserved_quantity` of two layers);
-        their drift is ||q_t - q_ref|| / ||q_ref||.
+        Extra conserved quantities ``name -> fn(model)`` returning a tensor q,
+        or a tuple of tensors whose sum is q (its terms, e.g.
+        ``whitened_conserved_quantity(U, V, "tanh", parts=True)``); the drift is
+        ||q_t - q_ref|| over ||q_ref||, or over the sum of the terms' norms.
 
     Use :meth:`attach` with any ``torch.optim.Optimizer`` (it registers a step
     post-hook), or call :meth:`update` after each ``optimizer.step()``.
@@ -140,10 +141,17 @@ class ConservationMonitor:
         self._previous = self._orthogonal_params()
 
     # ------------------------------------------------------------------ measuring
-    def _measure(self) -> tuple[ConservedQuantities, dict[str, Tensor]]:
+    def _measure(self) -> tuple[ConservedQuantities, dict[str, tuple[Tensor, float]]]:
         with torch.no_grad():
             q = conserved_quantities(self.model, self.sites, missing="ignore")
-            extra = {name: fn(self.model).detach().clone() for name, fn in self.quantities.items()}
+            extra = {}
+            for name, fn in self.quantities.items():
+                value = fn(self.model)
+                terms = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+                if not terms or not all(isinstance(t, Tensor) for t in terms):
+                    raise TypeError(f"quantity {name!r} must return a tensor or a tuple of tensors")
+                total = torch.stack([t.detach().to(torch.float64) for t in terms]).sum(0) if len(terms) > 1 else terms[0].detach().clone()
+                extra[name] = (total, float(sum(float(t.detach().norm()) for t in terms)))
         return q, extra
 
     def _orthogonal_params(self) -> dict[str, dict[str, Tensor]]:
@@ -152,11 +160,10 @@ class ConservationMonitor:
             for s in self.orthogonal_sites
         }
 
-    def _drifts(self, now: tuple[ConservedQuantities, dict[str, Tensor]], ref: tuple[ConservedQuantities, dict[str, Tensor]]) -> dict[str, float]:
+    def _drifts(self, now: tuple[ConservedQuantities, dict[str, tuple[Tensor, float]]], ref: tuple[ConservedQuantities, dict[str, tuple[Tensor, float]]]) -> dict[str, float]:
         out = now[0].drift(ref[0])
-        for name, value in now[1].items():
-            base = ref[1][name]
-            scale = float(base.norm())
+        for name, (value, _) in now[1].items():
+            base, scale = ref[1][name]
             diff = float((value - base).norm())
             out[name] = diff / scale if scale > 0 else diff
         return out
