@@ -2,7 +2,9 @@
 
 Group actions and their registry (papers/001 Table 1.1), symmetry teleportation
 (papers/001 Ch. 4-5), symmetry removal with syre (papers/003) and learned group
-actions (papers/000), as drop-in ``torch.optim`` wrappers.
+actions (papers/000), as drop-in ``torch.optim`` wrappers; conserved quantities,
+orbits, ensembles and learned invariance in ``teleopt.analysis`` (papers/001 Ch. 2,
+papers/002, papers/004).
 
 Public names are imported lazily (PEP 562), so ``import teleopt`` is cheap and the
 pytest plugin ``teleopt.testing.plugin`` does not import torch until a fixture runs.
@@ -34,6 +36,14 @@ _LAZY = {
     "SymmetryReport": "teleopt.detection",
     "discover": "teleopt.discovery",
     "LearnedAction": "teleopt.discovery",
+    "conserved_quantities": "teleopt.analysis.conserved",
+    "ConservationMonitor": "teleopt.analysis.monitor",
+    "sample_orbit": "teleopt.analysis.orbits",
+    "orbit_curve": "teleopt.analysis.orbits",
+    "GroupEnsemble": "teleopt.analysis.ensemble",
+    "FiniteLinearGroup": "teleopt.analysis.invariance",
+    "split_weights": "teleopt.analysis.invariance",
+    "asymmetry": "teleopt.analysis.invariance",
 }
 
 __all__ = [*_LAZY, "__version__"]
@@ -44,6 +54,11 @@ __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 if TYPE_CHECKING:
     from teleopt.actions.axis import AxisAction, Member
     from teleopt.actions.base import ExampleProblem, GroupAction
+    from teleopt.analysis.conserved import conserved_quantities
+    from teleopt.analysis.ensemble import GroupEnsemble
+    from teleopt.analysis.invariance import FiniteLinearGroup, asymmetry, split_weights
+    from teleopt.analysis.monitor import ConservationMonitor
+    from teleopt.analysis.orbits import orbit_curve, sample_orbit
     from teleopt.detection import SymmetryReport, find_symmetries
     from teleopt.discovery import LearnedAction, discover
     from teleopt.registry import get_action, list_actions, register_action, unregister_action

@@ -113,9 +113,10 @@ def test_parts_sum_to_q_and_every_q_m_is_the_paper_inner_product(seed):
 
 
 # ----------------------------------------------------------------------------- gradient flow
-@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=tst.seeds())
 @example(seed=0)
+@example(seed=252)  # attention_qk_gl's largest RK4 error found (1.4e-7)
 def test_q_is_constant_under_gradient_flow(seed):
     """d/dt Q_M = 0 along theta' = -grad L, for every registered action that has Q (RK4, 40 steps)."""
     for name in CONSERVING:
@@ -129,9 +130,11 @@ def test_q_is_constant_under_gradient_flow(seed):
         moved = sum(float((path.final[k] - flat[k]).norm()) ** 2 for k in flat) ** 0.5
         assert moved > 0.05 * scale, f"{name}: the flow did not move theta"  # it moves ~15% of |theta|
         drift = conserved_quantities(path.final, site).drift(q0)[site.name]
-        # RK4's O(dt^4) error: measured <= 5.3e-9 relative over seeds 0-2 (20 steps: <= 9e-8, the 16x of
-        # fourth order); Euler (= gradient descent, App. A.4) drifts 2e-4 to 7e-4 on the same paths
-        assert drift < 1e-7, f"{name}: Q drifted by {drift:.2e} along gradient flow"
+        # RK4's O(dt^4) error: measured <= 1.4e-7 relative over 13 seeds on the smooth examples (20 steps:
+        # 16x more, fourth order); positive_rescaling's LeakyReLU kinks cost RK4 its order when a
+        # pre-activation crosses 0 (worst 1.9e-6).  Euler (= gradient descent, App. A.4) drifts 2e-4 to
+        # 7e-4 on the same paths, 20x above the bound.
+        assert drift < 1e-5, f"{name}: Q drifted by {drift:.2e} along gradient flow"
 
 
 def test_q_of_a_broken_symmetry_is_not_conserved():

@@ -1,6 +1,78 @@
 """Analysis tools built on parameter-space symmetries.
 
-Conserved quantities of gradient flow (papers/001 Sec. 2.5, papers/002 Sec. 5),
-orbits and group-action ensembles (papers/002 Sec. 6), and learned invariance of
-linear models under data symmetries (papers/004).
+* conserved quantities of gradient flow Q_M = <theta, M . theta> for every exact
+  linear site, the angular-momentum relation of orthogonal sites, eq. 2.17 for
+  whitened input, and a monitor of their drift in training (papers/001 Sec. 2.5-2.6,
+  App. A.4; papers/002 Sec. 5);
+* an RK4 gradient-flow integrator to check conservation laws;
+* orbit points g . theta, one-parameter curves exp(tM) . theta and group-action
+  ensembles with the paper's random baselines (papers/001 Sec. 2.9, papers/002 Sec. 6);
+* learned invariance of linear models: finite linear groups on inputs, the Reynolds
+  split of weights, the asymmetry measure and the closed-form flow (papers/004).
+
+Names are imported lazily (PEP 562).
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from teleopt._lazy import lazy_attributes
+
+_LAZY = {
+    "ConservedQuantities": "teleopt.analysis.conserved",
+    "conserved_quantities": "teleopt.analysis.conserved",
+    "conserved_quantity_kind": "teleopt.analysis.conserved",
+    "angular_momentum": "teleopt.analysis.conserved",
+    "whitened_conserved_quantity": "teleopt.analysis.conserved",
+    "expected_whitened_quantity": "teleopt.analysis.conserved",
+    "ConservationMonitor": "teleopt.analysis.monitor",
+    "MonitorRecord": "teleopt.analysis.monitor",
+    "GradientFlowTrajectory": "teleopt.analysis.gradient_flow",
+    "integrate_gradient_flow": "teleopt.analysis.gradient_flow",
+    "OrbitSample": "teleopt.analysis.orbits",
+    "OrbitCurve": "teleopt.analysis.orbits",
+    "orbit_point": "teleopt.analysis.orbits",
+    "sample_orbit": "teleopt.analysis.orbits",
+    "orbit_curve": "teleopt.analysis.orbits",
+    "orbit_outputs": "teleopt.analysis.orbits",
+    "ParameterEnsemble": "teleopt.analysis.ensemble",
+    "GroupEnsemble": "teleopt.analysis.ensemble",
+    "BaselineEnsemble": "teleopt.analysis.ensemble",
+    "BASELINES": "teleopt.analysis.ensemble",
+    "COMBINE": "teleopt.analysis.ensemble",
+    "FiniteLinearGroup": "teleopt.analysis.invariance",
+    "WeightSplit": "teleopt.analysis.invariance",
+    "split_weights": "teleopt.analysis.invariance",
+    "asymmetry": "teleopt.analysis.invariance",
+    "orbit_closure": "teleopt.analysis.invariance",
+    "LinearRegressionFlow": "teleopt.analysis.invariance",
+    "linear_regression_flow": "teleopt.analysis.invariance",
+}
+
+__all__ = list(_LAZY)
+
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
+
+if TYPE_CHECKING:
+    from teleopt.analysis.conserved import (
+        ConservedQuantities,
+        angular_momentum,
+        conserved_quantities,
+        conserved_quantity_kind,
+        expected_whitened_quantity,
+        whitened_conserved_quantity,
+    )
+    from teleopt.analysis.ensemble import BASELINES, COMBINE, BaselineEnsemble, GroupEnsemble, ParameterEnsemble
+    from teleopt.analysis.gradient_flow import GradientFlowTrajectory, integrate_gradient_flow
+    from teleopt.analysis.invariance import (
+        FiniteLinearGroup,
+        LinearRegressionFlow,
+        WeightSplit,
+        asymmetry,
+        linear_regression_flow,
+        orbit_closure,
+        split_weights,
+    )
+    from teleopt.analysis.monitor import ConservationMonitor, MonitorRecord
+    from teleopt.analysis.orbits import OrbitCurve, OrbitSample, orbit_curve, orbit_outputs, orbit_point, sample_orbit
