@@ -299,6 +299,7 @@ ACTIVATIONS = {
 
 @settings(max_examples=4, deadline=None)
 @given(seed=tst.seeds(), name=st.sampled_from(sorted(ACTIVATIONS)))
+@example(seed=0, name="softplus")
 def test_whitened_quantity_is_conserved_only_for_whitened_input(seed, name):
     """eq. 2.17 is conserved by gradient flow of ||Y - U sigma(V X)||^2 with X = I, and not for a generic X."""
     g = torch.Generator().manual_seed(seed)
@@ -318,8 +319,9 @@ def test_whitened_quantity_is_conserved_only_for_whitened_input(seed, name):
         q1 = whitened_conserved_quantity(path.final["U"], path.final["V"], activation)
         size = 0.5 * float((U**2).sum()) + float((V**2).sum())
         if conserved:
-            # RK4 with dt = 5e-3 on an O(1) problem: measured <= 1e-10 relative
-            assert abs(float(q1 - q0)) < 1e-8 * size, name
+            # RK4 with dt = 5e-3: measured up to 1.4e-8 relative (softplus, seed 0; 16x less at dt / 2, so
+            # integration error), while non-whitened input moves Q by more than 1e-4
+            assert abs(float(q1 - q0)) < 1e-6 * size, name
         elif name != "identity":  # a linear network keeps its GL_h symmetry (and Q) for any X
             assert abs(float(q1 - q0)) > 1e-4 * size, name
 

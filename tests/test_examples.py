@@ -135,3 +135,21 @@ def test_05_discover_and_use(capsys):
 
     assert "learned_block" not in {row["name"] for row in teleopt.list_actions()}  # the example unregisters it again
     assert "registered: learned_block" in capsys.readouterr().out
+
+
+def test_06_conserved_quantities(capsys):
+    result = load("06_conserved_quantities.py").main(["--quick"])
+    q = result["quantities"]
+    # the two ReLU layers' rescalings have Q; their permutations are reported, not skipped
+    assert len(q) == 2 and len(q.unavailable) == 2 and all("discrete" in why for why in q.unavailable.values())
+    drifts = result["drifts"]
+    # papers/001 App. A.4: SGD drifts O(lr^2) per step; momentum and Adam do not follow the gradient flow
+    assert max(drifts["SGD"].values()) < 1e-3
+    assert min(drifts["SGD+momentum"].values()) > 10 * max(drifts["SGD"].values())
+    assert min(drifts["Adam"].values()) > 10 * max(drifts["SGD"].values())
+    # teleports move Q on purpose; the monitor keeps those jumps out of the drift
+    assert result["jumps"] >= 1 and max(drifts["Teleport(SGD)"].values()) < 1e-3
+    # an exact orbit: same function (float64 round-off), different Q
+    assert result["output_change"] < 1e-12
+    assert max(result["q_along"]) > 2 * min(result["q_along"])
+    assert "no Q for hidden_permutation" in capsys.readouterr().out
