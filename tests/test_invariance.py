@@ -31,6 +31,15 @@ RTOL = 1e-12
 F64 = torch.float64
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The problems here are tiny: OpenMP synchronisation dominates them on a loaded machine (6-10x slower with 2 threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _orthogonal(d: int, seed: int) -> torch.Tensor:
     q, r = torch.linalg.qr(torch.randn(d, d, generator=torch.Generator().manual_seed(seed), dtype=F64))
     return q * torch.sign(torch.diagonal(r))
@@ -392,6 +401,16 @@ def test_weights_limit_is_invariant():
     assert_close(flow.weights(torch.tensor([0.3, -1.2], dtype=F64), [1e3])[0], limit, 1e-12, "W(t) -> limit")
 
 
+def test_trivial_group_has_nothing_to_decay():
+    group = FiniteLinearGroup(torch.eye(3, dtype=F64)[None])
+    w = _randn(2, 3, seed=0)
+    assert torch.equal(split_weights(w, group).symmetric, w)
+    x = _randn(5, 3, seed=1)
+    flow = linear_regression_flow(x, _randn(5, 2, seed=2), group)
+    assert flow.decay_rate == math.inf and len(flow.symmetric_rates) == 3
+    assert float(asymmetry(lambda v: v @ w.T, x, group)) == 0.0
+
+
 def test_oblique_group_breaks_decoupling_and_is_refused():
     """For a non-orthogonal group (Assumption 3 fails) GD mixes the parts; linear_regression_flow says so."""
     group, _, x, y = _symmetric_data("s3_oblique", 3, None)
@@ -479,3 +498,9 @@ def test_bad_weights_inputs_and_representations():
         linear_regression_flow(torch.ones(6, 3, dtype=F64), torch.ones(6, dtype=F64), group, loss_scale=0.0)
     with pytest.raises(ValueError, match="targets must have shape"):
         orbit_closure(torch.ones(4, 3, dtype=F64), group, torch.ones(5, dtype=F64))
+    with pytest.raises(ValueError, match="needs targets"):
+        orbit_closure(torch.ones(4, 3, dtype=F64), group, output_representation=group.elements)
+    with pytest.raises(ValueError, match="output_representation acts on 3"):
+        asymmetry(lambda v: v[:, :2], torch.ones(4, 3, dtype=F64), group, output_representation=group.elements)
+    with pytest.raises(TypeError, match="callable"):
+        asymmetry(None, torch.ones(4, 3, dtype=F64), group)

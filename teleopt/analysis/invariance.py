@@ -99,13 +99,13 @@ def _relative_distance(a: Tensor, b: Tensor) -> Tensor:
     return torch.linalg.matrix_norm(a - b) / torch.linalg.matrix_norm(a)
 
 
-def _nearest(elements: Tensor, queries: Tensor) -> tuple[Tensor, Tensor]:
+def _nearest(elements: Tensor, queries: Tensor, tol: float) -> tuple[Tensor, Tensor]:
     """Index of the element nearest to each query and its relative Frobenius distance.
 
     Candidates come from a sorted random 1-D projection (the two neighbours of each
     query), checked in the full norm; queries whose candidates are not within
-    ``1e-3`` fall back to a brute-force search, so the answer is always the true
-    nearest element whenever one is that close.
+    ``tol`` fall back to a brute-force search, so the answer is the true nearest
+    element whenever one is within ``tol``.
     """
     n = elements.shape[0]
     flat_e, flat_q = elements.flatten(1), queries.flatten(1)
@@ -118,7 +118,7 @@ def _nearest(elements: Tensor, queries: Tensor) -> tuple[Tensor, Tensor]:
     best = dist.argmin(0)
     index = cand.gather(0, best[None])[0]
     error = dist.gather(0, best[None])[0]
-    unsure = (error > 1e-3).nonzero().flatten()
+    unsure = (error > tol).nonzero().flatten()
     if len(unsure):
         chunk = max(1, 2**22 // max(1, n * flat_e.shape[1]))
         for start in range(0, len(unsure), chunk):
@@ -151,8 +151,6 @@ class FiniteLinearGroup:
     def __init__(self, elements: Tensor, *, tol: float | None = None, max_order: int = DEFAULT_MAX_ORDER) -> None:
         elements = _check_float_tensor(elements, "elements")
         _check_square_stack(elements, "elements")
-        if elements.is_complex():
-            raise TypeError("elements must be real, got a complex dtype")
         tol = _default_tol(elements.dtype) if tol is None else float(tol)
         if not tol > 0:
             raise ValueError(f"tol must be positive, got {tol}")
@@ -181,7 +179,7 @@ class FiniteLinearGroup:
         for start in range(0, n, block):
             left = elements[start : start + block]
             products = (left[:, None] @ elements[None]).flatten(0, 1)
-            index, error = _nearest(elements, products)
+            index, error = _nearest(elements, products, tol)
             if float(error.max()) > tol:
                 k = int(error.argmax())
                 i, j = start + k // n, k % n
@@ -196,7 +194,6 @@ class FiniteLinearGroup:
 
         self._elements = elements
         self._tol = tol
-        self._max_order = max_order
         self._table = table
         self._identity = identity
         self._inverse = (table == identity).int().argmax(1)
@@ -228,7 +225,7 @@ class FiniteLinearGroup:
         frontier = known
         while len(frontier):
             candidates = (frontier[:, None] @ gens[None]).flatten(0, 1)
-            _, error = _nearest(known, candidates)
+            _, error = _nearest(known, candidates, tol)
             candidates = candidates[error > tol]
             fresh: list[Tensor] = []
             for c in candidates:  # deduplicate the new products among themselves
@@ -350,7 +347,6 @@ class FiniteLinearGroup:
         new = object.__new__(FiniteLinearGroup)
         new._elements = elements
         new._tol = max(self._tol, _default_tol(elements.dtype))
-        new._max_order = self._max_order
         new._table = self._table.to(elements.device)
         new._identity = self._identity
         new._inverse = self._inverse.to(elements.device)
@@ -674,9 +670,12 @@ def linear_regression_flow(
     Raises ``ValueError`` if the group (or the output representation) is not
     orthogonal (Assumption 3 / 5: without it the two parts interact), and, when
     ``strict``, if the data is further than the group's ``tol`` from Assumption 1
-    / 4 (with ``strict=False`` the result is computed anyway and
-    ``data_asymmetry`` says how far off it is; papers/004 App. D observes the decay
-    on data that is symmetric only on average).
+    / 4.  With ``strict=False`` the result is computed anyway and
+    ``data_asymmetry`` says how far off it is: the closed form :meth:`weights` is
+    still exact gradient flow, but the parts then interact, so
+    ``asymmetric_part`` and the rates (``K`` compressed to the asymmetric subspace)
+    are approximations (papers/004 App. D observes the decay on data that is
+    symmetric only on average).
     """
     group = _check_group(group)
     x = _check_inputs(inputs, group.dim, "inputs")
