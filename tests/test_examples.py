@@ -40,7 +40,7 @@ def one_thread():
 
 def test_every_example_is_tested():
     tested = {"01_wrap_training_loop.py", "02_timm_auto_sites.py", "03_torch_optimizer.py", "04_ci_property_tests.py",
-              "05_discover_and_use.py"}
+              "05_discover_and_use.py", "06_conserved_quantities.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
