@@ -8,6 +8,7 @@ step, and transforms as Q_{g^T M g} under orthogonal elements.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -337,9 +338,14 @@ def test_quadrature_matches_the_closed_forms(name):
     assert abs(float(whitened_conserved_quantity(U, V, fn) - closed)) < 1e-10 * abs(float(closed))
 
 
-def test_expected_whitened_quantity_matches_eq_2_16_for_the_identity():
-    assert expected_whitened_quantity(30, 20, 10, "identity") == pytest.approx((30 - 20) / 2, abs=1e-9)
-    assert expected_whitened_quantity(30, 20, 10, "tanh") < (30 - 20) / 2  # sinh^2 > x^2: F grows faster
+def test_expected_whitened_quantity_matches_the_gaussian_moments():
+    """E[Q] = m/2 - h n E[F(v)], v ~ N(0, 1/n): (m - h)/2 for the identity (eq. 2.16 for eq. 2.14's Q),
+    E[sinh^2 v / 2] = (e^{2/n} - 1)/4 for tanh, E[v + e^v - 1] = e^{1/(2n)} - 1 for sigmoid."""
+    m, h, n = 30, 20, 10
+    # Gauss-Hermite with 64 nodes is exact for polynomials of degree < 128 and converges fast for e^v
+    assert expected_whitened_quantity(m, h, n, "identity") == pytest.approx((m - h) / 2, rel=1e-12)
+    assert expected_whitened_quantity(m, h, n, "tanh") == pytest.approx(m / 2 - h * n * math.expm1(2 / n) / 4, rel=1e-12)
+    assert expected_whitened_quantity(m, h, n, "sigmoid") == pytest.approx(m / 2 - h * n * math.expm1(1 / (2 * n)), rel=1e-12)
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -391,6 +397,12 @@ def test_bad_inputs_raise_named_errors():
         whitened_conserved_quantity(torch.zeros(2, 3), torch.zeros(4, 5), "tanh")
     with pytest.raises(ValueError, match="unknown activation"):
         whitened_conserved_quantity(torch.zeros(2, 3), torch.zeros(3, 5), "gelu")
+    with pytest.raises(ValueError, match="nodes"):
+        whitened_conserved_quantity(torch.zeros(2, 3), torch.zeros(3, 5), torch.tanh, nodes=1)
+    with pytest.raises(ValueError, match="nodes"):
+        expected_whitened_quantity(3, 2, 2, "tanh", nodes=0)
+    with pytest.raises(ValueError, match="positive int"):
+        expected_whitened_quantity(0, 2, 2, "tanh")
     with pytest.raises(ValueError, match="derivative vanishes"):
         whitened_conserved_quantity(torch.zeros(2, 3), -torch.ones(3, 5), torch.relu)
     with pytest.raises(ValueError, match="duration"):

@@ -320,14 +320,26 @@ _ANTIDERIVATIVES: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
-def _quadrature_f(activation: Callable[[Tensor], Tensor], nodes: int) -> Callable[[Tensor], Tensor]:
-    import numpy as np
+def _gauss_rule(kind: Literal["legendre", "normal"], nodes: int) -> tuple[Tensor, Tensor]:
+    """Gauss quadrature nodes and weights (float64) by the Golub-Welsch eigenvalue method.
 
-    x, w = np.polynomial.legendre.leggauss(nodes)
+    ``"legendre"``: weight 1 on [-1, 1] (weights sum to 2); ``"normal"``: the
+    standard normal density (probabilists' Hermite, weights sum to 1).
+    """
+    if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 2:
+        raise ValueError(f"nodes must be an int >= 2, got {nodes!r}")
+    k = torch.arange(1, nodes, dtype=torch.float64)
+    off = k / torch.sqrt(4 * k**2 - 1) if kind == "legendre" else torch.sqrt(k)
+    x, vectors = torch.linalg.eigh(torch.diag(off, 1) + torch.diag(off, -1))
+    return x, (2.0 if kind == "legendre" else 1.0) * vectors[0] ** 2
+
+
+def _quadrature_f(activation: Callable[[Tensor], Tensor], nodes: int) -> Callable[[Tensor], Tensor]:
+    x, w = _gauss_rule("legendre", nodes)
 
     def fn(v: Tensor) -> Tensor:
-        t = torch.as_tensor(x, dtype=v.dtype, device=v.device)
-        wt = torch.as_tensor(w, dtype=v.dtype, device=v.device)
+        t = x.to(dtype=v.dtype, device=v.device)
+        wt = w.to(dtype=v.dtype, device=v.device)
         pts = (v.unsqueeze(-1) * (t + 1) / 2).detach().requires_grad_(True)
         with torch.enable_grad():
             s = activation(pts)
@@ -346,8 +358,6 @@ def _antiderivative(activation: str | Callable[[Tensor], Tensor], nodes: int) ->
             raise ValueError(f"unknown activation {activation!r}: use one of {sorted(_ANTIDERIVATIVES)} or a callable")
         return _ANTIDERIVATIVES[activation]
     if callable(activation):
-        if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 2:
-            raise ValueError(f"nodes must be an int >= 2, got {nodes!r}")
         return _quadrature_f(activation, nodes)
     raise TypeError(f"activation must be a name or a callable, got {type(activation).__name__}")
 
@@ -393,9 +403,6 @@ def expected_whitened_quantity(
     for name, size in (("m", m), ("h", h), ("n", n)):
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"{name} must be a positive int, got {size!r}")
-    import numpy as np
-
-    x, w = np.polynomial.hermite_e.hermegauss(nodes)
-    v = torch.as_tensor(x / math.sqrt(n), dtype=torch.float64)
-    mean_f = float((_antiderivative(activation, nodes)(v) * torch.as_tensor(w, dtype=torch.float64)).sum() / math.sqrt(2 * math.pi))
+    x, w = _gauss_rule("normal", nodes)
+    mean_f = float((_antiderivative(activation, nodes)(x / math.sqrt(n)) * w).sum())
     return m / 2 - h * n * mean_f
