@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from teleopt.actions.axis import AxisAction
 from teleopt.actions.base import GroupAction, Params
 
-__all__ = ["Site", "lookup_tensor"]
+__all__ = ["Site", "as_sites", "lookup_tensor"]
 
 
 def lookup_tensor(model: nn.Module, name: str) -> Tensor:
@@ -124,3 +124,15 @@ class Site:
 
             action = get_action(spec["registered"])
         return cls(action, tuple(data["members"]), data.get("name", ""), data.get("data_input"), dict(data.get("info", {})))
+
+
+def as_sites(sites: Site | Sequence[Site]) -> tuple[Site, ...]:
+    """One site or a sequence of sites as a tuple, with a ``TypeError`` for anything else."""
+    if isinstance(sites, Site):
+        return (sites,)
+    if isinstance(sites, (str, bytes)) or not isinstance(sites, Sequence):
+        raise TypeError(f"sites must be a Site or a sequence of Sites, got {type(sites).__name__}")
+    for site in sites:
+        if not isinstance(site, Site):
+            raise TypeError(f"sites must contain Site objects, got {type(site).__name__}")
+    return tuple(sites)

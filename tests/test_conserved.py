@@ -366,6 +366,8 @@ def test_sites_without_conserved_quantities_are_reported():
     assert set(result.unavailable) == {"perm", "signs", "data", "radial", "bn"}
     assert "discrete" in result.unavailable["perm"] and "data-dependent" in result.unavailable["data"]
     assert "angular_momentum" in result.unavailable["radial"] and "approximate" in result.unavailable["bn"]
+    # an exact but non-linear SO(2) action is not pointed to angular_momentum(), which needs a linear one
+    assert "non-linearly" in conserved_quantity_kind(get_action("rosenbrock_so2"))[1]
     with pytest.raises(KeyError, match="discrete"):
         result["perm"]
     with pytest.raises(ValueError, match="5 site"):

@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from teleopt.actions.base import GroupAction, Params
-from teleopt.site import Site
+from teleopt.site import Site, as_sites
 
 __all__ = [
     "ConservedQuantities",
@@ -101,15 +101,15 @@ def conserved_quantity_kind(action: GroupAction) -> tuple[str | None, str]:
             f"{action.name} is {action.exactness}: the training loss is not invariant under it "
             "(papers/001 Prop. 2.5.1 needs an exact symmetry)"
         )
+    if kind == "translation":
+        return "all", "translations: Q = J^T theta is linear in theta and conserved"
+    if not action.linear:
+        return None, f"{action.name} acts non-linearly: papers/001 Prop. 2.5.1 needs a linear action"
     if kind == "orthogonal":
         return None, (
             f"{action.group_name} has only anti-symmetric generators, whose Q_M vanish: use angular_momentum() "
             "for the relation of papers/001 Theorem 2.5.6"
         )
-    if kind == "translation":
-        return "all", "translations: Q = J^T theta is linear in theta and conserved"
-    if not action.linear:
-        return None, f"{action.name} acts non-linearly: papers/001 Prop. 2.5.1 needs a linear action"
     if kind == "diagonal":
         return "all", "diagonal group: every generator is symmetric"
     if kind == "general":
@@ -192,15 +192,8 @@ class ConservedQuantities(Mapping[str, Tensor]):
         return f"ConservedQuantities({shapes}{missing})"
 
 
-def _check_sites(sites: Sequence[Site] | Site) -> list[Site]:
-    if isinstance(sites, Site):
-        return [sites]
-    if isinstance(sites, (str, bytes)) or not isinstance(sites, Sequence):
-        raise TypeError(f"sites must be a Site or a sequence of Sites, got {type(sites).__name__}")
-    sites = list(sites)
-    for s in sites:
-        if not isinstance(s, Site):
-            raise TypeError(f"sites must contain Site objects, got {type(s).__name__}")
+def _check_sites(sites: Sequence[Site] | Site) -> tuple[Site, ...]:
+    sites = as_sites(sites)
     names = [s.name for s in sites]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from teleopt.site import Site, lookup_tensor
+from teleopt.site import Site, as_sites, lookup_tensor
 from teleopt.teleport.general_path import FunctionalModel
 
 __all__ = ["OrbitSample", "OrbitCurve", "orbit_point", "sample_orbit", "orbit_curve", "orbit_outputs"]
@@ -44,8 +44,23 @@ __all__ = ["OrbitSample", "OrbitCurve", "orbit_point", "sample_orbit", "orbit_cu
 Point = dict[str, Tensor]
 
 
+class _Points:
+    """Sequence access to the ``points`` of an orbit result."""
+
+    points: tuple[Point, ...]
+
+    def __len__(self) -> int:
+        return len(self.points)
+
+    def __getitem__(self, index: int) -> Point:
+        return self.points[index]
+
+    def __iter__(self) -> Iterator[Point]:
+        return iter(self.points)
+
+
 @dataclass(frozen=True)
-class OrbitSample:
+class OrbitSample(_Points):
     """Points g_k . theta of an orbit (:func:`sample_orbit`).
 
     Attributes
@@ -62,18 +77,9 @@ class OrbitSample:
     elements: tuple[tuple[Tensor, ...], ...]
     points: tuple[Point, ...]
 
-    def __len__(self) -> int:
-        return len(self.points)
-
-    def __getitem__(self, index: int) -> Point:
-        return self.points[index]
-
-    def __iter__(self) -> Iterator[Point]:
-        return iter(self.points)
-
 
 @dataclass(frozen=True)
-class OrbitCurve:
+class OrbitCurve(_Points):
     """A one-parameter curve t -> exp(t M) . theta on the orbit (:func:`orbit_curve`).
 
     Attributes
@@ -93,28 +99,13 @@ class OrbitCurve:
     times: Tensor
     points: tuple[Point, ...]
 
-    def __len__(self) -> int:
-        return len(self.points)
-
-    def __getitem__(self, index: int) -> Point:
-        return self.points[index]
-
-    def __iter__(self) -> Iterator[Point]:
-        return iter(self.points)
-
 
 def _as_sites(sites: Site | Sequence[Site]) -> tuple[Site, ...]:
-    if isinstance(sites, Site):
-        return (sites,)
-    if isinstance(sites, (str, bytes)) or not isinstance(sites, Sequence):
-        raise TypeError(f"sites must be a Site or a sequence of Sites, got {type(sites).__name__}")
-    sites = tuple(sites)
+    sites = as_sites(sites)
     if not sites:
         raise ValueError("sites is empty: give at least one Site")
     owner: dict[str, str] = {}
     for site in sites:
-        if not isinstance(site, Site):
-            raise TypeError(f"sites must be Site objects, got {type(site).__name__}")
         for name in dict.fromkeys(site.tensor_names):
             if name in owner:
                 raise ValueError(
