@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+import teleopt
 from teleopt.discovery import LossWeights, problems
 from teleopt.discovery.diagnostics import abs_cosine, compare_curves, data_sensitivity, principal_angles, span_residual
 
@@ -105,7 +106,7 @@ def run_case(name: str, quick: bool, seed: int, plot_dir: Path | None, progress:
     if quick:
         kwargs["steps"] = quick_steps
     start = time.perf_counter()
-    action = problem.discover(seed=seed, progress=progress, name=f"learned_{name}", **kwargs)
+    action = teleopt.discover(problem, seed=seed, progress=progress, name=f"learned_{name}", **kwargs)
     seconds = time.perf_counter() - start
     out: dict[str, Any] = {
         "case": name,

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # 1. learn the block's symmetry (papers/000 Sec. 5.3: the rescaling w1 -> c w1, w2 -> w2 / c)
     problem = problems.two_layer(k=4, target="output")
-    action = problem.discover(steps=steps, seed=0, name="learned_block")
+    action = teleopt.discover(problem, steps=steps, seed=0, name="learned_block")
     print(f"learned generator (in theta = (w1, w2) coordinates):\n{action.generators[0]}")
 
     # 2. is it a symmetry?  loss along learned orbits vs random curves of the same length

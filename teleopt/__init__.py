@@ -16,8 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from teleopt._lazy import lazy_attributes
-
-__version__ = "0.1.0.dev0"
+from teleopt._version import __version__
 
 # public name -> module that defines it (add new public names here)
 _LAZY = {

@@ -1,8 +1,9 @@
 """The registry of known and discovered group actions.
 
 Known actions (papers/001 Table 1.1, attention, LoRA, data-dependent GL actions,
-reference problems) register themselves when ``teleopt`` is imported; users and
-``teleopt.discover`` add theirs with :func:`register_action`.  An entry holds a
+reference problems) are registered explicitly from ``teleopt.actions.KNOWN_ACTIONS``
+before the registry is first used (the action modules do not import the registry);
+users and ``teleopt.discover`` add theirs with :func:`register_action`.  An entry holds a
 factory, so configurable actions are fetched with their options::
 
     get_action("positive_rescaling", activation="relu")
@@ -11,7 +12,6 @@ factory, so configurable actions are fetched with their options::
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, overload
@@ -33,15 +33,25 @@ class _Entry:
 
 
 _REGISTRY: dict[str, _Entry] = {}
+_KNOWN_REGISTERED = False
 
 
 def _known() -> None:
-    """Import the known actions (they register themselves); a no-op after the first call."""
-    importlib.import_module("teleopt.actions")
+    """Register the known actions (``teleopt.actions.KNOWN_ACTIONS``) once, before any other entry."""
+    global _KNOWN_REGISTERED
+    if _KNOWN_REGISTERED:
+        return
+    _KNOWN_REGISTERED = True
+    from teleopt.actions import KNOWN_ACTIONS
+
+    for action in KNOWN_ACTIONS:
+        _add(action, None, False)
 
 
 def _add(target: Any, name: str | None, overwrite: bool) -> None:
     from teleopt.actions.base import GroupAction
+
+    _known()
 
     if isinstance(target, GroupAction):
         instance, factory, configurable = target, (lambda: target), False

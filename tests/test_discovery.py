@@ -22,6 +22,7 @@ from teleopt.discovery.binding import SubnetworkAction, bind, module_input
 from teleopt.discovery.diagnostics import abs_cosine, compare_curves, data_sensitivity, principal_angles, span_residual
 from teleopt.discovery.samples import SampleSpec
 from teleopt.testing import assert_group_axioms, check_action, group_elements
+from teleopt.testing.strategies import default_max_norm
 
 F64 = torch.float64
 RESCALING = torch.diag(torch.tensor([1.0, -1.0], dtype=F64))
@@ -59,13 +60,13 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def linear_action() -> LearnedAction:
     """papers/000 Sec. 5.3: m = h = n = k = 1, sigma = identity, L = (w2 w1 x - y)^2."""
-    return problems.two_layer().discover(steps=200, progress=False, seed=0)
+    return discover(problems.two_layer(), steps=200, progress=False, seed=0)
 
 
 @pytest.fixture(scope="module")
 def block_action() -> LearnedAction:
     """The same block learned on its output sigma(X W1^T) W2^T for a batch of 4 inputs (bindable, Prop. 4.1)."""
-    return problems.two_layer(k=4, target="output").discover(steps=300, progress=False, seed=0)
+    return discover(problems.two_layer(k=4, target="output"), steps=300, progress=False, seed=0)
 
 
 def _untrained(num_generators: int = 1, seed: int = 0, init_scale: float = 0.1) -> LearnedAction:
@@ -91,16 +92,16 @@ def test_linear_network_learns_the_rescaling_generator(linear_action):
 
 def test_discover_is_seeded_and_reproducible():
     problem = problems.two_layer()
-    a = problem.discover(steps=15, batch_size=8, progress=False, seed=3)
-    b = problem.discover(steps=15, batch_size=8, progress=False, seed=3)
-    c = problem.discover(steps=15, batch_size=8, progress=False, seed=4)
+    a = discover(problem, steps=15, batch_size=8, progress=False, seed=3)
+    b = discover(problem, steps=15, batch_size=8, progress=False, seed=3)
+    c = discover(problem, steps=15, batch_size=8, progress=False, seed=4)
     assert torch.equal(a.generators, b.generators) and not torch.equal(a.generators, c.generators)
     assert all(torch.equal(x, y) for x, y in zip(a.network.state_dict().values(), b.network.state_dict().values()))
     assert torch.equal(a.history["values"], b.history["values"])
 
 
 def test_progress_bar_shows_the_losses(capsys):
-    problems.two_layer().discover(steps=12, batch_size=4, progress=True)
+    discover(problems.two_layer(), steps=12, batch_size=4, progress=True)
     err = capsys.readouterr().err
     assert "inv=" in err and "assoc=" in err and "id=" in err
 
@@ -108,8 +109,8 @@ def test_progress_bar_shows_the_losses(capsys):
 def test_restarts_keep_the_run_with_the_lowest_objective():
     problem = problems.two_layer()
     kwargs = dict(steps=30, batch_size=8, hidden=(8,), progress=False)
-    best = problem.discover(seed=3, restarts=3, **kwargs)
-    singles = [problem.discover(seed=s, **kwargs) for s in (3, 4, 5)]
+    best = discover(problem, seed=3, restarts=3, **kwargs)
+    singles = [discover(problem, seed=s, **kwargs) for s in (3, 4, 5)]
     objectives = [float(a.history["values"][-50:, -1].mean()) for a in singles]
     assert best.config["restarts"] == {"seeds": [3, 4, 5], "objectives": objectives}
     chosen = singles[objectives.index(min(objectives))]
@@ -135,11 +136,11 @@ def test_discover_rejects_bad_input():
     with pytest.raises(ValueError, match="has shape"):
         discover(problem.loss_fn, [(1, 2), (1, 1)], problem.sampler, steps=2, progress=False)
     with pytest.raises(ValueError, match="num_generators"):
-        problem.discover(num_generators=0)
+        discover(problem, num_generators=0)
     with pytest.raises(TypeError, match="LossWeights"):
-        problem.discover(weights={"invariance": 1.0})
+        discover(problem, weights={"invariance": 1.0})
     with pytest.raises(ValueError, match="restarts"):
-        problem.discover(restarts=0)
+        discover(problem, restarts=0)
     with pytest.raises(TypeError, match="vmap"):
         discover(lambda p, d: torch.tensor(float(p[0].sum())), problem.param_shapes, problem.sampler, steps=2, progress=False)
 
@@ -215,11 +216,20 @@ def test_random_two_generator_action_fails_the_composition_axiom(seed):
         assert_group_axioms(untrained, problem.params, g1, g2, problem.data, rtol=LEARNED_AXIOM_RTOL)
 
 
+# The learned flow's invariance error grows about linearly with the coordinate |c|
+# (measured on a 32-sample x 21-point grid: worst 2.1e-3, 4.5e-3, 9.0e-3, 1.5e-2 of the
+# typical output at 1/4, 1/2, 3/4 and all of default_max_norm = 1.15).  Training is
+# chaotic across BLAS builds and torch versions, and at the edge of the range other
+# platforms exceeded 5e-2 on some draws; half the range keeps an 11x margin here.
+LEARNED_PROPERTY_RANGE = 0.5
+
+
 @settings(deadline=None, max_examples=10)
 @given(st.data())
 def test_learned_invariance_property(block_action, data):
     problem = block_action.example(torch.Generator().manual_seed(data.draw(st.integers(0, 31), label="sample")))
-    g = data.draw(group_elements(block_action, problem.params), label="g")
+    bound = LEARNED_PROPERTY_RANGE * default_max_norm(block_action.group(problem.params))
+    g = data.draw(group_elements(block_action, problem.params, max_norm=bound), label="g")
     scale = _typical_output(block_action)
     moved = block_action.act(g, problem.params, problem.data)
     change = problem.fn(moved, problem.data) - problem.fn(problem.params, problem.data)

@@ -1,4 +1,8 @@
-"""The known group actions (papers/001 Table 1.1 and Ch. 4, papers/002), registered on import."""
+"""The known group actions (papers/001 Table 1.1 and Ch. 4, papers/002).
+
+``KNOWN_ACTIONS`` is what :mod:`teleopt.registry` registers before its first use; this
+package does not import the registry (actions sit below it in teleopt's layers).
+"""
 
 from teleopt.actions.attention import AttentionHeadPermutation, AttentionQK, AttentionVO
 from teleopt.actions.axis import AxisAction, Member
@@ -17,7 +21,6 @@ from teleopt.actions.lora import LoRAGL
 from teleopt.actions.nonlinear import NonlinearGL
 from teleopt.actions.softmax import SoftmaxTranslation
 from teleopt.actions.test_functions import Booth, QuadraticOrthogonal, Rosenbrock
-from teleopt.registry import register_action
 
 KNOWN_ACTIONS = (
     GLLinear,
@@ -39,9 +42,6 @@ KNOWN_ACTIONS = (
     Booth,
     QuadraticOrthogonal,
 )
-
-for _cls in KNOWN_ACTIONS:
-    register_action(_cls)
 
 __all__ = [
     "GroupAction",

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from teleopt.site import Site, as_sites, lookup_tensor
-from teleopt.teleport.general_path import FunctionalModel
+from teleopt.functional import FunctionalModel
 
 __all__ = ["OrbitSample", "OrbitCurve", "orbit_point", "sample_orbit", "orbit_curve", "orbit_outputs"]
 

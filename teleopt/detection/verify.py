@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from teleopt.site import Site
-from teleopt.testing.assertions import assert_close, default_rtol, relative_error
+from teleopt.numerics import assert_close, default_rtol, relative_error
 
 __all__ = [
     "model_outputs",
@@ -94,7 +94,7 @@ def assert_site_invariant(
 ) -> float:
     """Assert that acting with ``g`` on the site leaves the outputs unchanged; returns the relative error.
 
-    ``rtol`` defaults to :func:`teleopt.testing.default_rtol` of the parameters' dtype for
+    ``rtol`` defaults to :func:`teleopt.numerics.default_rtol` of the parameters' dtype for
     exact sites; approximate sites need their stated budget.  ``reference`` is
     ``model_outputs(model, inputs, modes, output)`` if already computed.
     """

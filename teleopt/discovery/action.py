@@ -31,11 +31,13 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
+from teleopt._version import __version__
 from teleopt.actions.base import ExampleProblem, GroupAction, Params
 from teleopt.discovery.flow import rk4
 from teleopt.discovery.group import LearnedLieGroup
 from teleopt.discovery.losses import infinitesimal_action
 from teleopt.discovery.network import ActionNetwork
+from teleopt.discovery.problems import build_problem
 from teleopt.discovery.samples import SampleSpec
 
 __all__ = ["LearnedAction", "FILE_FORMAT", "FORMAT_VERSION"]
@@ -202,8 +204,6 @@ class LearnedAction(GroupAction):
     # -- files -------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """Everything :meth:`save` writes, as plain data and tensors (weights-only loadable)."""
-        from teleopt import __version__
-
         state: dict[str, Any] = {
             "format": FILE_FORMAT,
             "version": FORMAT_VERSION,
@@ -265,8 +265,6 @@ class LearnedAction(GroupAction):
             examples = (state["examples"]["theta"], tuple(state["examples"]["data"]))
         config = dict(state.get("config", {}))
         if loss_fn is None and config.get("problem") is not None:
-            from teleopt.discovery.problems import build_problem
-
             loss_fn = build_problem(config["problem"]).loss_fn
         return cls(
             network, generators, spec, name or state["name"], int(state["integration_steps"]), loss_fn, examples, config,

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
 from teleopt.actions.base import ExampleProblem, GroupAction, Params
 from teleopt.discovery.action import LearnedAction
 from teleopt.discovery.group import LearnedLieGroup
+from teleopt.functional import module_input
 from teleopt.site import Site, lookup_tensor
 
 __all__ = ["bind", "SubnetworkAction", "module_input"]
@@ -192,31 +192,3 @@ def bind(
         bound = action
     info = {"learned_action": action.name, "reference": "papers/000 Prop. 4.1, Cor. 4.2-4.3", "slices": {k: list(v) for k, v in slices.items()}}
     return Site(bound, names, name or f"{action.name}@{names[0]}", data_input, info)
-
-
-@torch.no_grad()
-def module_input(model: nn.Module, module_name: str, *inputs: Any, **kwargs: Any) -> Tensor:
-    """The first positional input that module ``module_name`` receives when ``model(*inputs, **kwargs)`` runs.
-
-    This is the ``data`` a bound site reads (papers/000 Prop. 4.1: S = h(theta_1, X)).
-    The forward pass runs with ``torch.func.functional_call`` on copies of the
-    buffers, so BatchNorm running statistics are not updated.
-    """
-    modules = dict(model.named_modules())
-    if module_name not in modules:
-        raise ValueError(f"{module_name!r} is not a module of {type(model).__name__}")
-    seen: list[Tensor] = []
-
-    def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
-        if not seen:
-            seen.append(args[0])
-
-    handle = modules[module_name].register_forward_pre_hook(hook)
-    state = dict(model.named_parameters()) | {k: v.clone() for k, v in model.named_buffers()}
-    try:
-        functional_call(model, state, inputs, kwargs)
-    finally:
-        handle.remove()
-    if not seen:
-        raise ValueError(f"module {module_name!r} was not called by the forward pass")
-    return seen[0]

@@ -95,20 +95,16 @@ class ProblemLoss:
 
 @dataclass(frozen=True)
 class DiscoveryProblem:
-    """What :func:`teleopt.discover` needs: ``loss_fn``, ``param_shapes``, ``sampler`` (and member names)."""
+    """What :func:`teleopt.discover` needs: ``loss_fn``, ``param_shapes``, ``sampler`` (and member names).
+
+    Pass it whole: ``teleopt.discover(problem, steps=...)``.
+    """
 
     name: str
     loss_fn: ProblemLoss
     param_shapes: tuple[tuple[int, ...], ...]
     member_names: tuple[str, ...]
     sampler: GaussianSampler
-
-    def discover(self, **kwargs: Any):
-        """``teleopt.discover`` on this problem (keyword arguments are passed on)."""
-        from teleopt.discovery.training import discover
-
-        kwargs.setdefault("member_names", self.member_names)
-        return discover(self.loss_fn, self.param_shapes, self.sampler, **kwargs)
 
 
 def _check_dims(**dims: int) -> None:

@@ -21,6 +21,7 @@ from teleopt.actions.base import Params
 from teleopt.discovery.action import LearnedAction
 from teleopt.discovery.losses import TERMS, LossWeights, discovery_losses, loss_derivative, loss_gradient_norms, total_loss
 from teleopt.discovery.network import ActionNetwork
+from teleopt.discovery.problems import DiscoveryProblem
 from teleopt.discovery.samples import Sampler, SampleSpec, draw
 
 __all__ = ["discover"]
@@ -42,9 +43,9 @@ def _positive_float(value: Any, what: str) -> float:
 
 
 def discover(
-    loss_fn: Callable[[Params, Any], Tensor],
-    param_shapes: Sequence[Sequence[int]],
-    sampler: Sampler,
+    loss_fn: Callable[[Params, Any], Tensor] | DiscoveryProblem,
+    param_shapes: Sequence[Sequence[int]] | None = None,
+    sampler: Sampler | None = None,
     *,
     num_generators: int = 1,
     steps: int = 2000,
@@ -74,6 +75,8 @@ def discover(
     Parameters
     ----------
     loss_fn:
+        A :class:`~teleopt.discovery.problems.DiscoveryProblem` (then ``param_shapes``,
+        ``sampler`` and the default ``member_names`` come from it), or
         ``loss_fn(params, data) -> Tensor``: the function to find symmetries of, for
         one sample (a tuple of tensors with ``param_shapes`` and the data the sampler
         returns).  A scalar loss, or a vector whose every entry must be invariant
@@ -134,6 +137,14 @@ def discover(
         network of ``benchmarks/discovery.py``, 2 of 4 seeds left one of three
         generators outside the rescaling span, with a 15x larger invariance term.
     """
+    if isinstance(loss_fn, DiscoveryProblem):
+        if param_shapes is not None or sampler is not None:
+            raise TypeError("discover(problem, ...) takes its param_shapes and sampler from the problem; do not pass them")
+        if member_names is None:
+            member_names = loss_fn.member_names
+        loss_fn, param_shapes, sampler = loss_fn.loss_fn, loss_fn.param_shapes, loss_fn.sampler
+    if param_shapes is None or sampler is None:
+        raise TypeError("discover(loss_fn, param_shapes, sampler): param_shapes and sampler are required with a loss function")
     restarts = _positive_int(restarts, "restarts")
     if restarts > 1:
         arguments = dict(locals())

@@ -34,7 +34,8 @@ from teleopt.teleport.ascent import ascend, shrink_to_feasible
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.coordinates import zero_coordinates
 from teleopt.teleport.fast_path import FastEvaluator, fast_path_eligible, member_tensors
-from teleopt.teleport.general_path import FunctionalModel, GeneralEvaluator, LossFn, as_batch
+from teleopt.functional import FunctionalModel, LossFn, as_batch
+from teleopt.teleport.general_path import GeneralEvaluator
 from teleopt.teleport.objectives import Objective, get_objective
 from teleopt.teleport.paper_compat import check_paper_compat_sites, paper_compat_teleport
 from teleopt.teleport.report import TeleportReport, sites_from_state, sites_to_state

@@ -36,7 +36,7 @@ from teleopt.actions.axis import AxisAction
 from teleopt.actions.data_dependent import DataDependentGL
 from teleopt.groups import GeneralLinear
 from teleopt.site import Site
-from teleopt.teleport.general_path import FunctionalModel
+from teleopt.functional import FunctionalModel
 
 __all__ = ["check_paper_compat_sites", "paper_compat_teleport"]
 

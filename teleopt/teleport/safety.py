@@ -57,16 +57,13 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from teleopt.numerics import default_rtol
+
 __all__ = ["SafetyConfig", "Snapshot", "default_loss_tol", "preconditioned_sharpness"]
 
-
-def default_loss_tol(dtype: torch.dtype) -> float:
-    """Relative loss change a loss-preserving teleport may show: 1e-10 (float64), 1e-5 (float32), 1e-2 otherwise."""
-    if dtype == torch.float64:
-        return 1e-10
-    if dtype == torch.float32:
-        return 1e-5
-    return 1e-2
+#: Relative loss change a loss-preserving teleport may show: the library-wide table of
+#: :func:`teleopt.numerics.default_rtol` (1e-10 float64, 1e-5 float32, 1e-2 otherwise).
+default_loss_tol = default_rtol
 
 
 def _positive(value: Any, what: str, allow_none: bool = True) -> float | None:

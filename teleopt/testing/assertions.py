@@ -5,11 +5,8 @@ the Frobenius norm over the whole tensor, so outputs near zero do not fail an ex
 symmetry (element-wise rtol does).  Failure messages name the quantity, give the
 relative error and show the worst entry.
 
-Default tolerances (``default_rtol``): exact actions in float64 reach ~1e-15
-relative error; with group elements of condition number < 10 and the small
-problems used here the error stays below ~1e-13, so ``1e-10`` leaves three orders
-of margin while still catching any real violation (a wrong exponent or a
-first-order inverse I - T gives errors of order 1e-3 or more).  float32 uses 1e-5.
+Default tolerances and the norm-relative comparison live in :mod:`teleopt.numerics`
+(one table for the whole library) and are re-exported here.
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ import torch
 from torch import Tensor
 
 from teleopt.actions.base import ExampleProblem, GroupAction, Params
+from teleopt.numerics import assert_close, default_rtol, relative_error
 
 __all__ = [
     "relative_error",
@@ -31,43 +29,6 @@ __all__ = [
     "check_action",
     "default_rtol",
 ]
-
-
-def default_rtol(dtype: torch.dtype) -> float:
-    """Norm-relative tolerance for exact symmetries: 1e-10 in float64, 1e-5 in float32, 1e-2 below."""
-    if dtype == torch.float64:
-        return 1e-10
-    if dtype == torch.float32:
-        return 1e-5
-    return 1e-2
-
-
-def relative_error(actual: Tensor, expected: Tensor) -> float:
-    """|actual - expected|_F / |expected|_F (absolute error if expected is 0)."""
-    diff = (actual.detach() - expected.detach()).to(torch.float64)
-    scale = expected.detach().to(torch.float64).norm()
-    return float(diff.norm() / scale) if float(scale) > 0 else float(diff.norm())
-
-
-def assert_close(actual: Tensor | None, expected: Tensor | None, rtol: float, what: str = "tensor") -> float:
-    """Assert norm-relative closeness; returns the relative error."""
-    if actual is None or expected is None:
-        if actual is None and expected is None:
-            return 0.0
-        raise AssertionError(f"{what}: one of actual/expected is None")
-    if actual.shape != expected.shape:
-        raise AssertionError(f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
-    if not bool(torch.isfinite(actual).all()):
-        raise AssertionError(f"{what}: has non-finite entries")
-    err = relative_error(actual, expected)
-    if not err <= rtol:
-        diff = (actual.detach() - expected.detach()).abs()
-        idx = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)) if diff.ndim else ()
-        raise AssertionError(
-            f"{what}: relative error {err:.3e} > rtol {rtol:.1e}; worst entry at {idx}: "
-            f"actual {float(actual.detach()[idx]):.10g}, expected {float(expected.detach()[idx]):.10g}"
-        )
-    return err
 
 
 def _rtol(rtol: float | None, params: Params) -> float:
