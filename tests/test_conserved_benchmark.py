@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
-BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "conserved.py"
-
+from conftest import load_benchmark
 
 def test_quick_run_reproduces_eq_2_16_and_the_lr_squared_drift(tmp_path):
-    spec = importlib.util.spec_from_file_location("conserved_benchmark", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("conserved")
     threads = torch.get_num_threads()
     try:
         module.main(["--quick", "--samples", "100", "--json", str(tmp_path / "c.json")])

@@ -48,13 +48,7 @@ from teleopt.testing import assert_close, group_elements
 APPROX_RTOL = 1e-3  # see the module docstring
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small float64 models: on a shared CPU extra OpenMP threads only add contention."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- models ------------------------------------------------------------------------------------

@@ -29,13 +29,7 @@ from teleopt.testing import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny float64 problems: on a shared CPU extra OpenMP threads only add contention."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _randn(gen: torch.Generator, *shape: int) -> torch.Tensor:

@@ -40,13 +40,7 @@ timm = pytest.importorskip("timm")
 APPROX_RTOL = 1e-3  # see the module docstring
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small float64 models: on a shared CPU extra OpenMP threads only add contention."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # name -> (create_model kwargs, input shape)
 DEFAULT = {

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import teleopt
-from teleopt.discovery import ActionNetwork, LearnedAction, LossWeights, discover, problems
+from teleopt.discovery import ActionNetwork, LearnedAction, discover, problems
 from teleopt.discovery.binding import SubnetworkAction, bind, module_input
 from teleopt.discovery.diagnostics import abs_cosine, compare_curves, data_sensitivity, principal_angles, span_residual
 from teleopt.discovery.samples import SampleSpec
@@ -47,14 +47,7 @@ LEARNED_OUTPUT_TOL = 5e-2
 LEARNED_AXIOM_RTOL = 4e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The networks here are tiny: intra-op threads only add contention on a shared CPU
-    (measured: 62 ms vs 1.5 s per discovery step with 2 threads on a loaded 2-core machine)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

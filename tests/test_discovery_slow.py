@@ -14,28 +14,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import load_benchmark
+from teleopt import discover
 from teleopt.discovery import problems
 from teleopt.discovery.diagnostics import compare_curves, data_sensitivity, span_residual
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import discovery as benchmark  # noqa: E402
+benchmark = load_benchmark("discovery")
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 def _train(case: str):
     factory, kwargs, _ = benchmark.CASES[case]
     problem = factory()
-    return problem, problem.discover(progress=False, seed=0, **kwargs)
+    return problem, discover(problem, progress=False, seed=0, **kwargs)
 
 
 @pytest.mark.parametrize("case", benchmark.SPAN_CASES)

@@ -9,12 +9,12 @@ least-squares solves of eq. 4.16 / eq. 112 on well-conditioned hidden activation
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
+
+from conftest import load_benchmark
 import torch
 import torch.nn.functional as F
 from hypothesis import example, given, settings
@@ -186,10 +186,7 @@ def test_bad_input_raises_named_errors():
 
 
 def test_benchmark_quick_keeps_the_model_at_small_eps_and_beats_three_baselines_at_large_eps(tmp_path):
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "ensemble.py"
-    spec = importlib.util.spec_from_file_location("ensemble_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("ensemble")
     out = tmp_path / "ensemble.json"
     printed = module.main(["--quick", "--json", str(out)])
     rows = json.loads(out.read_text())["rows"]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-pytestmark = pytest.mark.example
+pytestmark = [pytest.mark.example, pytest.mark.usefixtures("one_thread")]
 
 
 def load(name: str) -> ModuleType:
@@ -27,15 +27,6 @@ def load(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The examples train tiny models: one thread is faster, and polite on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_every_example_is_tested():

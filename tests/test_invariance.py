@@ -25,19 +25,13 @@ from teleopt.analysis.invariance import (
     orbit_closure,
     split_weights,
 )
-from teleopt.testing import assert_close, relative_error, seeds
+from teleopt.testing import assert_close, seeds
 
 RTOL = 1e-12
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The problems here are tiny: OpenMP synchronisation dominates them on a loaded machine (6-10x slower with 2 threads)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _orthogonal(d: int, seed: int) -> torch.Tensor:

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-sys.path.insert(0, BENCHMARKS)
+from conftest import load_benchmark
+
 
 
 def test_quick_run_reproduces_theorem_3_3(tmp_path):
-    import invariance as bench
+    bench = load_benchmark("invariance")
 
     out = tmp_path / "invariance.json"
     bench.main(["--quick", "--json", str(out)])

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from conftest import load_benchmark
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def run(name: str, tmp_path: Path, *extra: str) -> dict:
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark(name)
     out = tmp_path / f"{name}.json"
     printed = module.main(["--quick", "--json", str(out), *extra])
     written = json.loads(out.read_text())

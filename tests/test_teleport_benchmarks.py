@@ -14,14 +14,15 @@ import sys
 
 import pytest
 
+from conftest import load_benchmark
+
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-sys.path.insert(0, BENCHMARKS)
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
 
 
 def test_booth_reproduces_the_papers_numbers():
-    import teleport_testfunctions as bench
+    bench = load_benchmark("teleport_testfunctions")
 
     plain = bench.run("booth", None)
     teleported = bench.run("booth", {})
