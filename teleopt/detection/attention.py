@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from teleopt.detection.ops import identify_node
 from teleopt.detection.relations import DirectSite, Relations
-from teleopt.detection.rules import _index_items, _perm_of, identify_node, reshape_groups
 from teleopt.detection.tracing import TensorMeta, TracedGraph, module_path
+from teleopt.detection.views import index_items, perm_of, reshape_groups
 
 __all__ = ["find_attention_sites"]
 
@@ -150,7 +151,7 @@ class _Finder:
             return layout  # resolved by the getitem that picks one output
         in_shape = self.shape(prev) if isinstance(self.values.get(prev.name), TensorMeta) else None
         if op == "permute":
-            perm = _perm_of(node, "permute", len(layout.axes))
+            perm = perm_of(node, len(layout.axes))
             if perm is None:
                 raise _NoMatch(f"cannot follow {describe} on {what}")
             return _Layout([layout.axes[i] for i in perm], layout.offset)
@@ -170,7 +171,7 @@ class _Finder:
             start = sum(p.shape[dim] for p in pieces[:index])
             return self.narrow(layout, dim, start, pieces[index].shape[dim], what)
         if op == "getitem_view":
-            items = _index_items(node.args[1], len(layout.axes))
+            items = index_items(node.args[1], len(layout.axes))
             if items is None:
                 raise _NoMatch(f"advanced indexing on {what}")
             axes: list[Digits | None] = []

@@ -23,8 +23,8 @@ from torch import nn
 from teleopt.actions.axis import AxisAction, Member
 from teleopt.actions.softmax import SoftmaxTranslation
 from teleopt.detection.axes import KINDS, AxisClasses
+from teleopt.detection.ops import identify_node
 from teleopt.detection.relations import DirectSite, Relations
-from teleopt.detection.rules import identify_node
 from teleopt.detection.tracing import TensorMeta, TracedGraph
 from teleopt.site import Site
 
