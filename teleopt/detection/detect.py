@@ -203,7 +203,7 @@ def _coverage(model: nn.Module, sites: list[Site]) -> tuple[dict[str, int], int]
         for m, name in zip(members, s.members):
             if name not in params:
                 continue
-            if m is None or m.start is None or m.groups > 1:
+            if m is None or m.start is None or m.stop is None or m.groups > 1:
                 full.add(name)
             else:
                 axis = m.axis % params[name].ndim

@@ -352,8 +352,8 @@ def identify_node(node: fx.Node, traced: TracedGraph) -> tuple[str | None, str]:
         return method_op(str(node.target)), f"Tensor.{node.target}"
     if node.op != "call_function":
         return None, node.op
-    target = node.target
-    op = function_op(target)
+    fn = node.target
+    op = function_op(fn)
     if op == "getitem":
         parent = node.args[0]
         value = traced.values.get(parent.name) if isinstance(parent, fx.Node) else None
@@ -367,8 +367,8 @@ def identify_node(node: fx.Node, traced: TracedGraph) -> tuple[str | None, str]:
         if attr in ("T", "mT"):
             return "permute", f"Tensor.{attr}"
         return None, f"getattr {attr}"
-    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", str(target))
-    module_name = getattr(target, "__module__", None) or ""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", str(fn))
+    module_name = getattr(fn, "__module__", None) or ""
     return op, f"{module_name + '.' if module_name else ''}{name}"
 
 
