@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from teleopt.detection.fx_args import arg
+from teleopt.detection.fx_args import arg, nodes_in
 from teleopt.detection.ops import POINTWISE, Pointwise
 from teleopt.detection.relations import DP, D, G, P
 from teleopt.detection.rules.context import OpRule, RuleContext
@@ -37,7 +37,7 @@ def pointwise(ctx: RuleContext, pw: Pointwise, x_arg: Any) -> None:
 
 
 def pointwise_rule(*, degree: float | None = None, linear: bool = False, arg: int = 0) -> OpRule:
-    """A rule for an op that is pointwise in its positional argument ``arg``.
+    """A rule for an op that is pointwise in its positional argument ``arg``, its only tensor argument.
 
     ``degree``: the op is positively homogeneous of this degree, f(c x) = c**degree f(x)
     for c > 0 (positive scaling passes, papers/001 Ex. 1.2.4); ``None``: it is not, so
@@ -57,7 +57,14 @@ def pointwise_rule(*, degree: float | None = None, linear: bool = False, arg: in
     pw = Pointwise("custom", None if degree is None else float(degree), linear)
 
     def rule(ctx: RuleContext) -> None:
-        pointwise(ctx, pw, ctx.node.args[arg])
+        x = ctx.node.args[arg]
+        others = [a for a in nodes_in((ctx.node.args, ctx.node.kwargs)) if a is not x and ctx.is_operand(a)]
+        if others:  # permuting x alone is not a symmetry when other tensors vary along the same axes
+            raise TypeError(
+                f"pointwise_rule(arg={arg}) is for ops whose other arguments are not tensors; "
+                f"{ctx.describe} also reads {others[0].name} (write a rule(ctx) for it)"
+            )
+        pointwise(ctx, pw, x)
 
     rule.__doc__ = f"pointwise in argument {arg} (degree={degree}, linear={linear})"
     return rule
