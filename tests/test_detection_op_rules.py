@@ -17,7 +17,14 @@ import torch
 from torch import nn
 
 import teleopt
-from teleopt.detection import OpRuleHandle, RuleContext, find_symmetries, pointwise_rule, register_op_rule
+from teleopt.detection import (
+    OpRuleHandle,
+    RuleContext,
+    find_symmetries,
+    pointwise_rule,
+    register_op_rule,
+)
+from teleopt.detection.ops import custom_module_types, user_op
 from teleopt.detection.rules import BUILTIN_RULES, RULES
 from teleopt.detection.verify import assert_site_invariant, randomize_
 
@@ -111,9 +118,11 @@ HIDDEN = frozenset({"l1.weight", "l1.bias", "l2.weight"})
 @pytest.fixture(autouse=True)
 def _no_leaks():
     """Registrations made by a test are gone after it (the rule table is the built-in one)."""
-    assert RULES.keys() == BUILTIN_RULES.keys()
+    targets = (squareplus, leaky, unit_rows, gated, torch.ops.teleopt_test.cube, torch.relu, "sinc", Softsign)
+    assert RULES.keys() == BUILTIN_RULES.keys() and not any(user_op(t) for t in targets)
     yield
     assert RULES.keys() == BUILTIN_RULES.keys(), "a test left a registration behind"
+    assert not any(user_op(t) for t in targets) and not custom_module_types(), "a test left a registration behind"
 
 
 @pytest.fixture
