@@ -8,14 +8,27 @@ Table 1.1 (and per-head attention GL, Ex. 1.2.11-1.2.12) to the model's
 parameters and buffers by name.  Unknown ops fail closed: the axes they touch are
 frozen and listed in the report.
 
-Modules: ``tracing`` (fx graphs with shapes), ``axes`` (union-find over axes),
-``ops`` (what a node computes), ``relations`` and ``rules`` (how each op ties or
-blocks axes), ``attention`` (head structure), ``sites`` (classes to sites),
-``report`` (the result), ``detect`` (the pipeline).
+``register_op_rule`` teaches detection an op it has no rule for.
+
+Modules: ``tracing`` (fx graphs with shapes), ``fx_args`` (typed call arguments),
+``axes`` (union-find over axes), ``ops`` (what a node computes), ``views`` (how
+view ops relabel axes), ``relations`` and ``rules`` (how each op ties or blocks
+axes: a table by op family), ``attention`` (head structure), ``sites`` (classes to
+sites), ``report`` (the result), ``detect`` (the pipeline).
 """
 
 from teleopt.detection.detect import find_symmetries
 from teleopt.detection.report import SkippedEntry, SymmetryReport
+from teleopt.detection.rules import OpRuleHandle, RuleContext, pointwise_rule, register_op_rule
 from teleopt.detection.tracing import DetectionError
 
-__all__ = ["find_symmetries", "SymmetryReport", "SkippedEntry", "DetectionError"]
+__all__ = [
+    "find_symmetries",
+    "SymmetryReport",
+    "SkippedEntry",
+    "DetectionError",
+    "register_op_rule",
+    "pointwise_rule",
+    "OpRuleHandle",
+    "RuleContext",
+]

@@ -24,16 +24,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch.fx as fx
 
+from teleopt.detection.fx_args import Argument, arg, float_arg, int_arg, tensor_arg
+from teleopt.detection.ops import identify_node
 from teleopt.detection.relations import DirectSite, Relations
-from teleopt.detection.rules import _index_items, _perm_of, identify_node, reshape_groups
 from teleopt.detection.tracing import TensorMeta, TracedGraph, module_path
+from teleopt.detection.views import index_items, perm_of, reshape_groups
 
 __all__ = ["find_attention_sites"]
 
 Digits = list[tuple[int, int]]  # (size, stride) in the projection's output index, row-major
+#: (q, k, v, output, inner nodes, key feature axis) of one attention core
+Core = tuple[Argument, Argument, Argument, fx.Node, list[fx.Node], int]
 
 
 class _NoMatch(Exception):
@@ -84,13 +89,12 @@ class _Finder:
             return None
         names = self.rel.tensors.names
         if node.op == "call_module":
-            m = self.traced.modules[str(node.target)]
+            m: Any = self.traced.modules[str(node.target)]  # nn.Linear, or a user type given its rule
             w, b = names.get(id(m.weight)), (names.get(id(m.bias)) if m.bias is not None else None)
             if w is None:
                 return None
             return _Projection(node, w, b, m.in_features, m.out_features)
-        w_arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-        b_arg = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        w_arg, b_arg = arg(node, 1, "weight"), arg(node, 2, "bias")
         w_view = self.rel.views.get(("t", self._gi, w_arg.name, ())) if isinstance(w_arg, fx.Node) else None
         if w_view is None or w_view.kind != "parameter" or w_view.axis_map != (0, 1):
             return None
@@ -128,9 +132,9 @@ class _Finder:
 
     def dropout_p(self, node: fx.Node) -> float:
         if node.op == "call_module":
-            return float(self.traced.modules[str(node.target)].p)
-        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        return float(p)
+            module: Any = self.traced.modules[str(node.target)]
+            return float(module.p)
+        return float(float_arg(node, 1, "p", 0.5))
 
     # -- digit propagation ----------------------------------------------------------------
     def propagate(self, proj: _Projection, chain: list[fx.Node], what: str) -> _Layout:
@@ -150,27 +154,28 @@ class _Finder:
             return layout  # resolved by the getitem that picks one output
         in_shape = self.shape(prev) if isinstance(self.values.get(prev.name), TensorMeta) else None
         if op == "permute":
-            perm = _perm_of(node, "permute", len(layout.axes))
+            perm = perm_of(node, len(layout.axes))
             if perm is None:
                 raise _NoMatch(f"cannot follow {describe} on {what}")
             return _Layout([layout.axes[i] for i in perm], layout.offset)
         if op == "reshape":
             return _Layout(self.reshape(layout, in_shape, self.shape(node), what), layout.offset)  # type: ignore[arg-type]
         if op == "getitem_tuple":
-            parent, index = node.args
-            src = parent.args[0]
-            src_shape = self.shape(src)
-            name = parent.target if parent.op == "call_method" else getattr(parent.target, "__name__", "")
+            parent, index = _as_node(node.args[0], what), node.args[1]
+            if not isinstance(index, int):
+                raise _NoMatch(f"cannot follow {describe} on {what}")
+            src_shape = self.shape(tensor_arg(parent, 0, "input"))
+            name = str(parent.target) if parent.op == "call_method" else getattr(parent.target, "__name__", "")
             if name == "unbind":
-                dim = (parent.args[1] if len(parent.args) > 1 else parent.kwargs.get("dim", 0)) % len(src_shape)
+                dim = int_arg(parent, 1, "dim", 0) % len(src_shape)
                 return self.pick(layout, dim, index, what)
             dim_index = 2 if name in ("split", "chunk", "tensor_split") else 1
-            dim = (parent.args[dim_index] if len(parent.args) > dim_index else parent.kwargs.get("dim", 0)) % len(src_shape)
+            dim = int_arg(parent, dim_index, "dim", 0) % len(src_shape)
             pieces = self.values[parent.name]
             start = sum(p.shape[dim] for p in pieces[:index])
             return self.narrow(layout, dim, start, pieces[index].shape[dim], what)
         if op == "getitem_view":
-            items = _index_items(node.args[1], len(layout.axes))
+            items = index_items(node.args[1], len(layout.axes))
             if items is None:
                 raise _NoMatch(f"advanced indexing on {what}")
             axes: list[Digits | None] = []
@@ -265,7 +270,7 @@ class _Finder:
         return layout.offset, H, d, head_axis
 
     # -- cores --------------------------------------------------------------------------------
-    def cores(self) -> Iterable[tuple[fx.Node, fx.Node, fx.Node, fx.Node, list[fx.Node], int]]:
+    def cores(self) -> Iterable[Core]:
         """(q, k, v, output, inner nodes, key feature axis) for every attention core."""
         for node in self.traced.graph.nodes:
             op, _ = self.op(node)
@@ -280,26 +285,23 @@ class _Finder:
                 if core is not None:
                     yield core
 
-    def explicit_core(self, softmax: fx.Node):
+    def explicit_core(self, softmax: fx.Node) -> Core | None:
+        """``softmax(q @ k^T * s + bias) @ v`` ending at this softmax over the last axis, or ``None``."""
         shape = self.shape(softmax)
-        dim = softmax.args[1] if len(softmax.args) > 1 else softmax.kwargs.get("dim")
+        dim: Any = arg(softmax, 1, "dim")
         if softmax.op == "call_module":
-            dim = self.traced.modules[str(softmax.target)].dim
-        if dim is None or dim % len(shape) != len(shape) - 1:
+            dim = getattr(self.traced.modules[str(softmax.target)], "dim", None)
+        if not isinstance(dim, int) or dim % len(shape) != len(shape) - 1:
             return None
         inner = [softmax]
         cur = softmax.args[0]
-        while True:  # backwards over scale, additive bias and mask
+        while isinstance(cur, fx.Node):  # backwards over scale, additive bias and mask
             op, _ = self.op(cur)
-            if op in ("mul", "div") and self.is_scalar_op(cur):
-                inner.append(cur)
-                cur = cur.args[0]
-            elif op in ("add", "maybe_add_mask"):
-                inner.append(cur)
-                cur = cur.args[0]
-            else:
+            if not (op in ("mul", "div") and self.is_scalar_op(cur)) and op not in ("add", "maybe_add_mask"):
                 break
-        if self.op(cur)[0] != "matmul":
+            inner.append(cur)
+            cur = cur.args[0]
+        if not isinstance(cur, fx.Node) or self.op(cur)[0] != "matmul":
             return None
         scores = cur
         inner.append(scores)
@@ -399,8 +401,9 @@ class _Finder:
             stack.extend(n.all_input_nodes)
         return False
 
-    def qk_site(self, q: fx.Node, k: fx.Node, inner: list[fx.Node], k_feature: int, where: str) -> DirectSite | str:
+    def qk_site(self, q_arg: Argument, k_arg: Argument, inner: list[fx.Node], k_feature: int, where: str) -> DirectSite | str:
         try:
+            q, k = _as_node(q_arg, "q"), _as_node(k_arg, "k")
             pq, cq, lq = self._chain(q, "q")
             pk, ck, lk = self._chain(k, "k")
             q0, H, d, hq = self.heads(lq, -1, "q")
@@ -410,7 +413,7 @@ class _Finder:
             if H > 1 and (hq != hk if k_feature == -1 else hq != hk):
                 raise _NoMatch("q and k heads are not aligned")
             plumbing = set(cq) | set(ck) | {pq.node, pk.node}
-            targets = {pq.node: set(), pk.node: set()}
+            targets: dict[fx.Node, set[int]] = {pq.node: set(), pk.node: set()}
             targets[pq.node] |= set(range(q0, q0 + H * d))
             targets[pk.node] |= set(range(k0, k0 + H * d))
             if pq.node is pk.node and q0 < k0 + H * d and k0 < q0 + H * d:
@@ -431,15 +434,16 @@ class _Finder:
             self._check_private(inner[:-1], set(inner), "scores")
         except _NoMatch as e:
             return f"no (GL)^h site on (Q, K): {e}"
-        members = [(pq.weight, _rows(q0, H * d, pq.out_features, 1))]
+        members: list[tuple[str | None, dict[str, Any]]] = [(pq.weight, _rows(q0, H * d, pq.out_features, 1))]
         if pq.bias is not None:
             members.append((pq.bias, _rows(q0, H * d, pq.out_features, 1)))
         members.append((pk.weight, _rows(k0, H * d, pk.out_features, -1)))
         info = {"heads": H, "head_dim": d, "module": where, "key_bias": "left out: softmax ignores it"}
         return DirectSite("attention_qk_gl", "general", members, H if H > 1 else None, 1, "papers/001 Ex. 1.2.11-1.2.12", where, info, "exact", self._gi)
 
-    def vo_site(self, v: fx.Node, out: fx.Node, where: str) -> DirectSite | str:
+    def vo_site(self, v_arg: Argument, out: fx.Node, where: str) -> DirectSite | str:
         try:
+            v = _as_node(v_arg, "v")
             pv, cv, lv = self._chain(v, "v")
             v0, H, dv, hv = self.heads(lv, -1, "v")
             # forward from the core output to the output projection
@@ -469,12 +473,18 @@ class _Finder:
             self._flow_check(pv, set(range(v0, v0 + H * dv)), {v}, {out}, "v")
         except _NoMatch as e:
             return f"no (GL)^h site on (V, O): {e}"
-        members = [(pv.weight, _rows(v0, H * dv, pv.out_features, 1))]
+        members: list[tuple[str | None, dict[str, Any]]] = [(pv.weight, _rows(v0, H * dv, pv.out_features, 1))]
         if pv.bias is not None:
             members.append((pv.bias, _rows(v0, H * dv, pv.out_features, 1)))
         members.append((proj.weight, {"axis": 1, "power": -1}))
         info = {"heads": H, "head_dim": dv, "module": where}
         return DirectSite("attention_vo_gl", "general", members, H if H > 1 else None, 1, "papers/001 Ex. 1.2.12", where, info, "exact", self._gi)
+
+
+def _as_node(value: Argument, what: str) -> fx.Node:
+    if not isinstance(value, fx.Node):
+        raise _NoMatch(f"{what} is not a traced tensor")
+    return value
 
 
 def _rows(start: int, length: int, total: int, power: int) -> dict:

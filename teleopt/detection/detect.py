@@ -2,7 +2,8 @@
 
 Pipeline: trace ``forward`` with torch.fx in train and eval mode and record the
 shape of every value on the example inputs (``tracing``); let each op's rule tie,
-block or reshape the axes it touches, for each group kind (``rules``,
+block or reshape the axes it touches, for each group kind (``rules``, a table by
+op family that ``register_op_rule`` extends;
 ``relations``, ``axes``); find the per-head structure of attention (``attention``);
 settle the pending constraints and turn every free class into an ``AxisAction``
 bound by tensor names (``sites``).  Papers: the groups are those of papers/001
@@ -19,6 +20,7 @@ from torch import Tensor, nn
 
 from teleopt.detection.attention import find_attention_sites
 from teleopt.detection.axes import KINDS
+from teleopt.detection.ops import custom_module_types
 from teleopt.detection.relations import ModelTensors, Relations
 from teleopt.detection.report import SkippedEntry, SymmetryReport
 from teleopt.detection.rules import run_rules
@@ -88,7 +90,7 @@ def find_symmetries(
     if loss not in _LOSSES:
         raise ValueError(f"loss must be one of {_LOSSES}, got {loss!r}")
     start = time.perf_counter()
-    graphs, opaque = trace_model(model, inputs)
+    graphs, opaque = trace_model(model, inputs, custom_module_types())
     rel = Relations(ModelTensors.of(model, include_frozen))
     run_rules(model, rel, graphs)
     skipped = [SkippedEntry("module", w.split(":")[0], f"could not be traced ({w.split(': ', 1)[1]}); kept opaque") for w in opaque]
@@ -201,7 +203,7 @@ def _coverage(model: nn.Module, sites: list[Site]) -> tuple[dict[str, int], int]
         for m, name in zip(members, s.members):
             if name not in params:
                 continue
-            if m is None or m.start is None or m.groups > 1:
+            if m is None or m.start is None or m.stop is None or m.groups > 1:
                 full.add(name)
             else:
                 axis = m.axis % params[name].ndim

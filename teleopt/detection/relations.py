@@ -311,7 +311,7 @@ class NodeContext:
         """The node's output tensor (or one entry of a tuple output)."""
         ref = self.node_ref(self.node, path)
         if shape is None:
-            value = self.traced.values.get(self.node.name)
+            value: Any = self.traced.values.get(self.node.name)
             for i in path:
                 value = value[i]
             shape = value.shape
