@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Literal
+from collections.abc import Callable
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -65,7 +66,7 @@ def _check_size(v: object, what: str) -> None:
         raise ValueError(f"{what} must be a positive int, got {v!r}")
 
 
-def apply_on_axis(x: Tensor, axis: int, fn) -> Tensor:
+def apply_on_axis(x: Tensor, axis: int, fn: Callable[[Tensor], Tensor]) -> Tensor:
     """Apply ``fn`` to ``x`` viewed as (axis_size, rest) and return the same layout.
 
     ``fn`` receives a 2-D tensor whose rows are indexed by the chosen axis.
@@ -164,6 +165,38 @@ class Group(ABC):
         """
         return None
 
+    # -- geometry of the coordinates (teleportation searches here) ----------
+    #: Whether :meth:`algebra_action` has a closed form for this group.
+    has_algebra_action: ClassVar[bool] = False
+
+    def project_coordinates(self, xi: Tensor, radius: float) -> None:
+        """Project coordinates ``xi`` (outside autograd) in place onto the trust region of ``radius``.
+
+        The default is the Euclidean ball ||xi|| <= radius, for groups teleopt knows
+        nothing about (e.g. a learned action's); groups override it with the bound
+        their elements' conditioning needs.
+        """
+        norm = xi.norm()
+        if float(norm) > radius:
+            xi.mul_(radius / norm)
+
+    def ascent_step_size(self, lr: float) -> float:
+        """Per-coordinate step of a normalised (Adam-like) ascent moving the element by about ``lr``."""
+        return lr
+
+    def algebra_action(self, M: Tensor, x: Tensor, axis: int, power: float) -> Tensor:
+        """d rho(M) on ``axis`` of ``x`` (k, ...) for k Lie algebra elements ``M`` (k, *coord_shape).
+
+        The infinitesimal form of :meth:`act_on_axis` with representation ``power``:
+        d/dt act_on_axis(exp(t M), x, axis, power) at t = 0, batched over a leading axis.
+        """
+        raise TypeError(f"{type(self).__name__} has no closed-form Lie-algebra action on an axis")
+
+    def square_factor(self, g: Tensor, power: float) -> Tensor | None:
+        """Entrywise factor of x**2 under ``act_on_axis(g, x, axis, power)`` when the
+        representation is diagonal (a vector over the axis), else ``None``."""
+        return None
+
     def _check_axis(self, x: Tensor, axis: int) -> None:
         if x.shape[axis] != self.dim:
             raise ValueError(
@@ -237,6 +270,24 @@ class _MatrixGroup(Group):
     def _contragredient(self, g: Tensor, cols: Tensor) -> Tensor:
         """g^{-T} applied to the columns of ``cols`` (batched over blocks)."""
 
+    has_algebra_action: ClassVar[bool] = True
+
+    def ascent_step_size(self, lr: float) -> float:
+        # Adam moves every entry by about lr: for an n x n generator that is a spectral norm up to n lr
+        return lr / self.n
+
+    def algebra_action(self, M: Tensor, x: Tensor, axis: int, power: float) -> Tensor:
+        k = x.shape[0]
+        Mb = M.to(x.dtype).reshape(k, self.blocks or 1, self.n, self.n)
+        A = self._algebra_matrix(Mb, power)
+        moved = x.movedim(axis, 1)
+        cols = moved.reshape(k, self.blocks or 1, self.n, -1)
+        return (A @ cols).reshape(moved.shape).movedim(1, axis)
+
+    @abstractmethod
+    def _algebra_matrix(self, M: Tensor, power: float) -> Tensor:
+        """The matrix d rho(M) applies to the axis' columns (batched)."""
+
 
 class GeneralLinear(_MatrixGroup):
     """GL_n(R) (or ``blocks`` independent copies): papers/001 Ex. 1.2.2, 1.2.11-1.2.13.
@@ -260,6 +311,18 @@ class GeneralLinear(_MatrixGroup):
 
     def _contragredient(self, g: Tensor, cols: Tensor) -> Tensor:
         return torch.linalg.solve(g.mT, cols)
+
+    def _algebra_matrix(self, M: Tensor, power: float) -> Tensor:
+        return M if power == 1 else -M.mT
+
+    def project_coordinates(self, xi: Tensor, radius: float) -> None:
+        """Spectral norm ||xi||_2 <= radius per block: every singular value of exp(xi) and of its
+        inverse is at most e^radius (condition number <= e^{2 radius})."""
+        if float(torch.linalg.matrix_norm(xi).max()) <= radius:  # spectral <= Frobenius: nothing to clip
+            return
+        U, S, Vh = torch.linalg.svd(xi, full_matrices=False)
+        if bool((S > radius).any()):
+            xi.copy_(U @ torch.diag_embed(S.clamp(max=radius)) @ Vh)
 
     def validate(self, g: Tensor) -> None:
         self._check_shape(g)
@@ -300,6 +363,12 @@ class Orthogonal(_MatrixGroup):
 
     def _contragredient(self, g: Tensor, cols: Tensor) -> Tensor:
         return g @ cols
+
+    def _algebra_matrix(self, M: Tensor, power: float) -> Tensor:
+        return (M - M.mT) / 2  # exp uses the skew part, the same for either power
+
+    def project_coordinates(self, xi: Tensor, radius: float) -> None:
+        """O(n) is compact: no bound needed."""
 
     def validate(self, g: Tensor) -> None:
         self._check_shape(g)
@@ -369,6 +438,20 @@ class PositiveScaling(Group):
 
     def second_moment_power(self, power: float) -> float | None:
         return 2 * power
+
+    has_algebra_action: ClassVar[bool] = True
+
+    def project_coordinates(self, xi: Tensor, radius: float) -> None:
+        """Every log-scale |xi_i| <= radius: each scale lies in [e^-radius, e^radius]."""
+        xi.clamp_(-radius, radius)
+
+    def algebra_action(self, M: Tensor, x: Tensor, axis: int, power: float) -> Tensor:
+        shape = [x.shape[0]] + [1] * (x.ndim - 1)
+        shape[axis] = -1
+        return x * (power * M.to(x.dtype)).reshape(shape)
+
+    def square_factor(self, g: Tensor, power: float) -> Tensor | None:
+        return g ** (2.0 * power)
 
 
 class SignFlip(Group):
@@ -528,3 +611,7 @@ class Translation(Group):
 
     def act_on_axis(self, g: Tensor, x: Tensor, axis: int, power: float = 1) -> Tensor:
         raise TypeError("the translation group acts affinely; it has no linear representation on an axis")
+
+    def project_coordinates(self, xi: Tensor, radius: float) -> None:
+        """Every |xi_i| <= radius."""
+        xi.clamp_(-radius, radius)

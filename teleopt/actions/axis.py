@@ -337,6 +337,30 @@ class AxisAction(GroupAction):
             return None
         return self._apply(g, moments, -1, square=True)
 
+    @property
+    def has_infinitesimal_action(self) -> bool:
+        """Closed form when the group has one and every member acts on a whole axis or a slice of it
+        (no outer/inner views or grouped layouts)."""
+        return self.group_type.has_algebra_action and all(m.outer == 1 and m.inner == 1 and m.groups == 1 for m in self.members)
+
+    def infinitesimal_action(self, group: Group, M: Tensor, tensors: Params) -> Params:
+        """Each member's d rho(M) on its axis (``power`` picks the representation), zero outside its slice."""
+        out: list[Tensor | None] = []
+        for member, x in zip(self.members, tensors):
+            if x is None:
+                out.append(None)
+                continue
+            axis = member.axis % (x.ndim - 1) + 1
+            if member.start is None or member.stop is None:
+                out.append(group.algebra_action(M, x, axis, member.power))
+                continue
+            part = x.narrow(axis, member.start, member.stop - member.start)
+            moved = group.algebra_action(M, part, axis, member.power)
+            before = torch.zeros_like(x.narrow(axis, 0, member.start))
+            after = torch.zeros_like(x.narrow(axis, member.stop, x.shape[axis] - member.stop))
+            out.append(torch.cat([before, moved, after], dim=axis))
+        return tuple(out)
+
     def example(self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> ExampleProblem:
         if self._example is None:
             raise TypeError(f"{self.name}: no example problem was given for this action")

@@ -203,6 +203,22 @@ class GroupAction(ABC):
         """Exact transport of elementwise second moments, or ``None`` when there is none."""
         return None
 
+    # -- the infinitesimal action ----------------------------------------------------
+    @property
+    def has_infinitesimal_action(self) -> bool:
+        """Whether :meth:`infinitesimal_action` has a closed form (papers/001 Sec. 5.2.2)."""
+        return False
+
+    def infinitesimal_action(self, group: Group, M: Tensor, tensors: Params) -> Params:
+        """d rho(M) applied to each member, batched over k Lie algebra elements.
+
+        ``tensors`` holds the members batched as (k, *shape) and ``M`` the k
+        elements (k, *coord_shape) of ``group``'s algebra; the result is each
+        member's image d/dt (exp(t M) . w) at t = 0 (zero where the member is not
+        acted on; ``None`` for absent members).
+        """
+        raise TypeError(f"site action {self.name}: no closed-form infinitesimal action")
+
     @abstractmethod
     def example(self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> ExampleProblem:
         """A small random problem this action is a symmetry of (for property tests)."""

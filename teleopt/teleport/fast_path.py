@@ -9,8 +9,10 @@ function of the group coordinates: no forward or backward pass is needed.
 It is cheaper still after a one-off reduction of every gradient tensor to the
 group's size (:class:`GradientNormModel`):
 
-* a tensor acted on by scalings only (on one or several axes): the sums of squares
-  over the other axes, S; then ||grad'||^2 = sum S * prod_k c_k^{-2 p_k};
+* a tensor acted on by diagonal groups only (positive scalings, on one or several
+  axes): the sums of squares over the other axes, S; then
+  ||grad'||^2 = sum S * prod_k c_k^{-2 p_k} (the group's
+  :meth:`~teleopt.groups.Group.square_factor`);
 * a tensor acted on by one matrix group on one axis: the Gram matrix K = G G^T of
   that axis; then ||A G||^2 = tr(A K A^T) with A the contragredient
   representation of g (g^{-T} for writers, g for readers);
@@ -30,7 +32,7 @@ from torch import Tensor
 
 from teleopt.actions.axis import AxisAction, Member
 from teleopt.actions.base import GroupAction
-from teleopt.groups import Group, PositiveScaling
+from teleopt.groups import Group
 from teleopt.site import Site
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.transport import transport
@@ -90,7 +92,7 @@ class _Reduced:
         self.site_ids = {i for i, _, _ in entries}
         g = grad.detach()
         axes = [m.axis % grad.ndim for _, m, _ in entries]
-        if all(isinstance(grp, PositiveScaling) for _, _, grp in entries):
+        if all(_diagonal(grp) for _, _, grp in entries):
             self.kind = "scaling"
             other = [d for d in range(grad.ndim) if d not in axes]
             S = (g.square().sum(dim=other) if other else g.square()).to(torch.float64)
@@ -110,7 +112,7 @@ class _Reduced:
         if self.kind == "scaling":
             # sum S * prod_k c_k^{-2 p_k} as one contraction (a matrix-vector product for two axes)
             letters = "abcdefghij"[: self.S.ndim]
-            factors = [elements[i] ** (-2.0 * member.power) for i, member, _ in self.entries]
+            factors = [_square_factor(grp, elements[i], -member.power) for i, member, grp in self.entries]
             spec = letters + "," + ",".join(letters[pos] for pos in self.positions) + "->"
             return torch.einsum(spec, self.S, *factors)
         (i, member, grp) = self.entries[0]
@@ -131,7 +133,18 @@ def _reducible(entries: list[tuple[int, Member, Group]], ndim: int) -> bool:
         return False
     if len(entries) == 1:
         return True
-    return all(isinstance(grp, PositiveScaling) for _, _, grp in entries)
+    return all(_diagonal(grp) for _, _, grp in entries)
+
+
+def _diagonal(group: Group) -> bool:
+    """Whether the group's representation on an axis is diagonal (it has a square factor)."""
+    return group.square_factor(group.identity(), 1.0) is not None
+
+
+def _square_factor(group: Group, g: Tensor, power: float) -> Tensor:
+    factor = group.square_factor(g, power)
+    assert factor is not None, "only diagonal groups are reduced to sums of squares"
+    return factor
 
 
 class GradientNormModel:
