@@ -18,6 +18,8 @@ the same action with A = g^{-T}.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -46,30 +48,32 @@ def multi_head_attention(p: Params, x: Tensor, num_heads: int) -> Tensor:
     return out @ W_O.T
 
 
-def _example(num_heads: int, members: tuple[str, ...] = _ALL):
+def _example(num_heads: int, members: tuple[str, ...] = _ALL) -> Callable[..., ExampleProblem]:
     """Example problem for an action whose members are ``members`` (a subset of the seven projections)."""
+    return partial(_attention_example, num_heads, members)  # a partial, not a closure: actions pickle
 
-    def make(generator: torch.Generator | None, dtype: torch.dtype, d_model: int = 6, d_head: int = 3) -> ExampleProblem:
-        def randn(*shape: int, scale: float = 1.0) -> Tensor:
-            return (torch.randn(shape, generator=generator, dtype=torch.float64) * scale).to(dtype)
 
-        hd = num_heads * d_head
-        s = 1 / math.sqrt(d_model)
-        params = (
-            randn(hd, d_model, scale=s), randn(hd), randn(hd, d_model, scale=s), randn(hd),
-            randn(hd, d_model, scale=s), randn(hd), randn(d_model, hd, scale=s),
-        )
-        x = randn(2, 5, d_model)
-        full = dict(zip(_ALL, params))
-        mine = tuple(full[m] for m in members)
+def _attention_example(
+    num_heads: int, members: tuple[str, ...], generator: torch.Generator | None, dtype: torch.dtype, d_model: int = 6, d_head: int = 3
+) -> ExampleProblem:
+    def randn(*shape: int, scale: float = 1.0) -> Tensor:
+        return (torch.randn(shape, generator=generator, dtype=torch.float64) * scale).to(dtype)
 
-        def fn(p: Params, x: Tensor) -> Tensor:
-            values = dict(full, **dict(zip(members, p)))
-            return multi_head_attention(tuple(values[m] for m in _ALL), x, num_heads)
+    hd = num_heads * d_head
+    s = 1 / math.sqrt(d_model)
+    params = (
+        randn(hd, d_model, scale=s), randn(hd), randn(hd, d_model, scale=s), randn(hd),
+        randn(hd, d_model, scale=s), randn(hd), randn(d_model, hd, scale=s),
+    )
+    x = randn(2, 5, d_model)
+    full = dict(zip(_ALL, params))
+    mine = tuple(full[m] for m in members)
 
-        return ExampleProblem(mine, x, fn)
+    def fn(p: Params, x: Tensor) -> Tensor:
+        values = dict(full, **dict(zip(members, p)))
+        return multi_head_attention(tuple(values[m] for m in _ALL), x, num_heads)
 
-    return make
+    return ExampleProblem(mine, x, fn)
 
 
 def _members(layout: dict[str, tuple[int, int]]) -> tuple[Member, ...]:

@@ -15,6 +15,8 @@ column convention this is W2 sigma(W1 X + b1); the actions are identical:
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
@@ -58,6 +60,10 @@ def two_layer_example(
     return ExampleProblem(params, X, fn)
 
 
+def _relu_power(alpha: float, z: Tensor) -> Tensor:
+    return torch.relu(z) ** alpha
+
+
 def _hidden_members(reader_power: float) -> tuple[Member, ...]:
     return (Member("W1", 0, 1), Member("b1", 0, 1, optional=True), Member("W2", 1, reader_power))
 
@@ -75,7 +81,7 @@ class GLLinear(AxisAction):
             _hidden_members(-1),
             reference="papers/001 Ex. 1.2.2",
             group_name="GL_h(R)",
-            example=lambda gen, dt: two_layer_example(get_activation("identity"), gen, dt),
+            example=partial(two_layer_example, get_activation("identity")),
         )
 
 
@@ -92,7 +98,7 @@ class PositiveRescaling(AxisAction):
             alpha = 2.0 if alpha is None else float(alpha)
             if not alpha > 0:
                 raise ValueError(f"alpha must be > 0, got {alpha}")
-            act = Activation(f"relu^{alpha}", lambda z: torch.relu(z) ** alpha, degree=alpha)
+            act = Activation(f"relu^{alpha}", partial(_relu_power, alpha), degree=alpha)
         else:
             act = get_activation(activation, negative_slope if activation == "leaky_relu" else None)
             if act.degree is None:
@@ -108,7 +114,7 @@ class PositiveRescaling(AxisAction):
             _hidden_members(-alpha),
             reference="papers/001 Ex. 1.2.4",
             group_name="R_{>0}^h",
-            example=lambda gen, dt: two_layer_example(act, gen, dt),
+            example=partial(two_layer_example, act),
         )
 
 
@@ -125,7 +131,7 @@ class SignFlipAction(AxisAction):
             _hidden_members(-1),
             reference="papers/001 Ex. 1.2.5",
             group_name="Z_2^h",
-            example=lambda gen, dt: two_layer_example(act, gen, dt),
+            example=partial(two_layer_example, act),
         )
 
 
@@ -145,7 +151,7 @@ class RadialOrthogonal(AxisAction):
             _hidden_members(-1),
             reference="papers/001 Ex. 1.2.6",
             group_name="O(h)",
-            example=lambda gen, dt: two_layer_example(act, gen, dt),
+            example=partial(two_layer_example, act),
         )
 
 
@@ -160,7 +166,7 @@ class HiddenPermutation(AxisAction):
             _hidden_members(1),
             reference="papers/001 Ex. 1.2.9",
             group_name="S_h",
-            example=lambda gen, dt: two_layer_example(act, gen, dt),
+            example=partial(two_layer_example, act),
         )
 
 

@@ -38,7 +38,7 @@ from teleopt.functional import FunctionalModel, LossFn, as_batch
 from teleopt.teleport.general_path import GeneralEvaluator
 from teleopt.teleport.objectives import Objective, get_objective
 from teleopt.teleport.paper_compat import check_paper_compat_sites, paper_compat_teleport
-from teleopt.teleport.report import TeleportReport, sites_from_state, sites_to_state
+from teleopt.teleport.report import TeleportReport
 from teleopt.teleport.safety import SafetyConfig, Snapshot, default_loss_tol, preconditioned_sharpness
 from teleopt.teleport.schedule import Schedule
 from teleopt.teleport.state_policy import StatePolicy
@@ -792,25 +792,6 @@ class Teleport(OptimizerWrapper):
                 "grad_ref": float(watch["grad_ref"]),
                 "loss_ref": None if watch["loss_ref"] is None else float(watch["loss_ref"]),
             }
-
-    # ------------------------------------------------------------------ copy and pickle
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        # exact linear actions travel as plain config (their example problems hold lambdas);
-        # the generator as its state tensor
-        if self._sites is not None:
-            state["_sites"] = sites_to_state(self._sites)
-        state["_generator"] = self._generator.get_state()
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        sites = state.get("_sites")
-        if sites is not None:
-            state["_sites"] = sites_from_state(sites)
-        generator = torch.Generator()
-        generator.set_state(state["_generator"])
-        state["_generator"] = generator
-        super().__setstate__(state)
 
     def __repr__(self) -> str:
         n = "auto" if self._sites is None else len(self._sites)
