@@ -37,16 +37,7 @@ from torch import Tensor
 
 GroupKind = Literal["general", "orthogonal", "diagonal", "sign", "permutation", "translation"]
 
-__all__ = [
-    "Group",
-    "GeneralLinear",
-    "Orthogonal",
-    "PositiveScaling",
-    "SignFlip",
-    "Permutation",
-    "Translation",
-    "apply_on_axis",
-]
+__all__ = ["Group", "GeneralLinear", "Orthogonal", "PositiveScaling", "SignFlip", "Permutation", "Translation", "apply_on_axis"]
 
 
 def _check_tensor(g: object, what: str) -> Tensor:
@@ -166,16 +157,11 @@ class Group(ABC):
         return None
 
     # -- geometry of the coordinates (teleportation searches here) ----------
-    #: Whether :meth:`algebra_action` has a closed form for this group.
-    has_algebra_action: ClassVar[bool] = False
+    has_algebra_action: ClassVar[bool] = False  #: whether :meth:`algebra_action` has a closed form
 
     def project_coordinates(self, xi: Tensor, radius: float) -> None:
-        """Project coordinates ``xi`` (outside autograd) in place onto the trust region of ``radius``.
-
-        The default is the Euclidean ball ||xi|| <= radius, for groups teleopt knows
-        nothing about (e.g. a learned action's); groups override it with the bound
-        their elements' conditioning needs.
-        """
+        """Project coordinates ``xi`` (outside autograd) in place onto the trust region of ``radius``;
+        by default the Euclidean ball (groups override it with the bound their conditioning needs)."""
         norm = xi.norm()
         if float(norm) > radius:
             xi.mul_(radius / norm)
@@ -185,16 +171,12 @@ class Group(ABC):
         return lr
 
     def algebra_action(self, M: Tensor, x: Tensor, axis: int, power: float) -> Tensor:
-        """d rho(M) on ``axis`` of ``x`` (k, ...) for k Lie algebra elements ``M`` (k, *coord_shape).
-
-        The infinitesimal form of :meth:`act_on_axis` with representation ``power``:
-        d/dt act_on_axis(exp(t M), x, axis, power) at t = 0, batched over a leading axis.
-        """
+        """d/dt act_on_axis(exp(t M), x, axis, power) at t = 0, for ``x`` (k, ...) and k Lie algebra
+        elements ``M`` (k, *coord_shape) batched on a leading axis."""
         raise TypeError(f"{type(self).__name__} has no closed-form Lie-algebra action on an axis")
 
     def square_factor(self, g: Tensor, power: float) -> Tensor | None:
-        """Entrywise factor of x**2 under ``act_on_axis(g, x, axis, power)`` when the
-        representation is diagonal (a vector over the axis), else ``None``."""
+        """Entrywise factor of x**2 under ``act_on_axis(g, x, axis, power)`` if the representation is diagonal."""
         return None
 
     def _check_axis(self, x: Tensor, axis: int) -> None:
@@ -203,6 +185,11 @@ class Group(ABC):
                 f"{self!r} acts on an axis of length {self.dim}, but axis {axis} of a tensor "
                 f"with shape {tuple(x.shape)} has length {x.shape[axis]}"
             )
+
+    def _check_coords(self, coords: Tensor) -> None:
+        _check_tensor(coords, "Lie algebra coordinates")
+        if tuple(coords.shape) != self.coord_shape:
+            raise ValueError(f"{self!r} expects coordinates of shape {self.coord_shape}, got {tuple(coords.shape)}")
 
     def _check_shape(self, g: Tensor) -> None:
         _check_tensor(g, "group element")
@@ -273,8 +260,7 @@ class _MatrixGroup(Group):
     has_algebra_action: ClassVar[bool] = True
 
     def ascent_step_size(self, lr: float) -> float:
-        # Adam moves every entry by about lr: for an n x n generator that is a spectral norm up to n lr
-        return lr / self.n
+        return lr / self.n  # Adam moves every entry by about lr: a spectral norm up to n lr
 
     def algebra_action(self, M: Tensor, x: Tensor, axis: int, power: float) -> Tensor:
         k = x.shape[0]
@@ -300,9 +286,7 @@ class GeneralLinear(_MatrixGroup):
     continuous = True
 
     def exp(self, coords: Tensor) -> Tensor:
-        _check_tensor(coords, "Lie algebra coordinates")
-        if tuple(coords.shape) != self.coord_shape:
-            raise ValueError(f"{self!r} expects coordinates of shape {self.coord_shape}, got {tuple(coords.shape)}")
+        self._check_coords(coords)
         return torch.linalg.matrix_exp(coords)
 
     @staticmethod
@@ -316,8 +300,7 @@ class GeneralLinear(_MatrixGroup):
         return M if power == 1 else -M.mT
 
     def project_coordinates(self, xi: Tensor, radius: float) -> None:
-        """Spectral norm ||xi||_2 <= radius per block: every singular value of exp(xi) and of its
-        inverse is at most e^radius (condition number <= e^{2 radius})."""
+        """Spectral norm ||xi||_2 <= radius per block (condition number of exp(xi) <= e^{2 radius})."""
         if float(torch.linalg.matrix_norm(xi).max()) <= radius:  # spectral <= Frobenius: nothing to clip
             return
         U, S, Vh = torch.linalg.svd(xi, full_matrices=False)
@@ -352,9 +335,7 @@ class Orthogonal(_MatrixGroup):
     continuous = True
 
     def exp(self, coords: Tensor) -> Tensor:
-        _check_tensor(coords, "Lie algebra coordinates")
-        if tuple(coords.shape) != self.coord_shape:
-            raise ValueError(f"{self!r} expects coordinates of shape {self.coord_shape}, got {tuple(coords.shape)}")
+        self._check_coords(coords)
         return torch.linalg.matrix_exp((coords - coords.mT) / 2)
 
     @staticmethod
@@ -412,9 +393,7 @@ class PositiveScaling(Group):
         return 1.0 / g
 
     def exp(self, coords: Tensor) -> Tensor:
-        _check_tensor(coords, "Lie algebra coordinates")
-        if tuple(coords.shape) != self.coord_shape:
-            raise ValueError(f"{self!r} expects coordinates of shape {self.coord_shape}, got {tuple(coords.shape)}")
+        self._check_coords(coords)
         return torch.exp(coords)
 
     def random(self, generator=None, scale=1.0, dtype=torch.float64, device=None) -> Tensor:
@@ -595,9 +574,7 @@ class Translation(Group):
         return -g
 
     def exp(self, coords: Tensor) -> Tensor:
-        _check_tensor(coords, "Lie algebra coordinates")
-        if tuple(coords.shape) != self.coord_shape:
-            raise ValueError(f"{self!r} expects coordinates of shape {self.coord_shape}, got {tuple(coords.shape)}")
+        self._check_coords(coords)
         return coords
 
     def random(self, generator=None, scale=1.0, dtype=torch.float64, device=None) -> Tensor:

@@ -25,6 +25,7 @@ Each ascent step then costs O(h^2)-O(h^3) in the group size h, not O(#params).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -35,6 +36,7 @@ from teleopt.actions.base import GroupAction
 from teleopt.groups import Group
 from teleopt.site import Site
 from teleopt.teleport.context import TeleportContext
+from teleopt.teleport.state_policy import StatePolicy
 from teleopt.teleport.transport import transport
 
 __all__ = ["GradientNormModel", "FastEvaluator", "fast_path_eligible", "member_tensors"]
@@ -226,6 +228,7 @@ class FastEvaluator:
     """
 
     path = "fast"
+    moves_gradients = True
 
     def __init__(self, sites: Sequence[Site], ctx: TeleportContext, with_decrease: bool = False) -> None:
         self.sites = list(sites)
@@ -265,6 +268,32 @@ class FastEvaluator:
     def site_gain(self, index: int, element: Tensor, n0: float) -> float:
         """||grad L||^2 ratio when only site ``index`` moves by ``element`` (the others stay at the identity)."""
         return (self.norm_model.site_value(index, element) + self.other_sq) / n0
+
+    def site_gains(self, elements: Sequence[Tensor], n0: float) -> dict[str, float | None]:
+        """Per site: :meth:`site_gain` of its element (``None`` when the gradient is zero)."""
+        if n0 == 0:
+            return {s.name: None for s in self.sites}
+        return {s.name: self.site_gain(i, e, n0) for i, (s, e) in enumerate(zip(self.sites, elements))}
+
+    @torch.no_grad()
+    def apply(self, elements: Sequence[Tensor]) -> Counter[str]:
+        """Move the site members, their ``.grad`` and optimizer state to g . w in place (closed form)."""
+        ctx, sites = self.ctx, self.sites
+        names = {n for s in sites for n in s.tensor_names}
+        like = {n: ctx.tensors[n] for n in names}
+        grads = ctx.grads(names)
+        states = ctx.states(names)
+        moved_grads, _ = transport(sites, elements, grads, like, "covector")
+        moved_state = ctx.policy.move(ctx.optimizer, sites, elements, states, like, ctx.groups)
+        new_params, _ = transport(sites, elements, like, like, "params")
+        for n, t in like.items():
+            t.copy_(new_params[n])
+        for n, g in moved_grads.items():
+            grad = ctx.trainable[n].grad
+            assert grad is not None  # ctx.grads returned only parameters that have one
+            grad.copy_(g)
+        StatePolicy.write(states, moved_state)
+        return Counter(d for dec in moved_state.decisions.values() for d in dec.values())
 
     def transported_grads(self, elements: Sequence[Tensor]) -> dict[str, Tensor]:
         """Gradients of the site members at g . w."""

@@ -34,10 +34,12 @@ from torch import Tensor
 
 from teleopt.actions.axis import AxisAction
 from teleopt.actions.data_dependent import DataDependentGL
+from teleopt.functional import Batch, FunctionalModel
 from teleopt.site import Site
-from teleopt.functional import FunctionalModel
+from teleopt.teleport.engine import Plan, TeleportEngine
+from teleopt.teleport.report import TeleportReport
 
-__all__ = ["check_paper_compat_sites", "paper_compat_teleport"]
+__all__ = ["check_paper_compat_sites", "paper_compat_teleport", "PaperCompatEngine"]
 
 
 def check_paper_compat_sites(sites: Sequence[Site]) -> None:
@@ -79,7 +81,7 @@ def _first_order(site: Site, T: Tensor, cur: dict[str, Tensor], hidden: Tensor |
 def paper_compat_teleport(
     fmodel: FunctionalModel,
     sites: Sequence[Site],
-    batch: Any,
+    batch: Batch,
     trainable: Sequence[str],
     live: dict[str, Tensor],
     steps: int,
@@ -118,3 +120,36 @@ def _hidden_width(site: Site, cur: dict[str, Tensor]) -> int:
         return cur[site.members[0]].shape[0]  # type: ignore[index]
     member, name = next((m, n) for m, n in zip(action.members, site.members) if n is not None)  # type: ignore[attr-defined]
     return cur[name].shape[member.axis]
+
+
+class PaperCompatEngine(TeleportEngine):
+    """The official first-order teleport as a teleport engine: planned like any other (path
+    ``"paper_compat"``, always on a batch), then ``ascent_steps`` first-order steps of size
+    ``ascent_lr`` replace search, apply and verify.  No caps, no post-condition, no watch."""
+
+    def choose_path(self, sites: Sequence[Site]) -> str:
+        return "paper_compat"
+
+    def batch_need(self, sites: Sequence[Site]) -> str:
+        return "paper_compat"
+
+    def plan_evaluator(self, plan: Plan) -> Plan | TeleportReport:
+        return plan  # the first-order teleport evaluates the model itself
+
+    def execute(self, plan: Plan) -> Any:
+        cfg, ctx, fmodel, request = self.config, plan.ctx, plan.fmodel, plan.request
+        assert fmodel is not None and request.batch is not None, "planned with a batch (paper_compat needs one)"
+        live = {n: ctx.tensors[n] for n in ctx.trainable}
+        for s in plan.sites:
+            live.update({n: ctx.tensors[n] for n in s.tensor_names})
+        paper_compat_teleport(fmodel, plan.sites, request.batch, list(ctx.trainable), live, cfg.search.steps, cfg.search.lr)
+        plan.report.loss_after = float(FunctionalModel(cfg.module, cfg.loss_fn).loss({}, request.batch))
+        loss: Any = plan.report.loss_after
+        if request.closure is not None:
+            loss = self.rerun_closure(request.closure)
+        else:
+            ctx.fresh_gradients(fmodel, request.batch)
+        plan.report.accepted = True
+        plan.report.reason = "accepted (paper_compat: not loss-preserving, no checks)"
+        self.record.accepted += 1
+        return loss
