@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from teleopt.actions.axis import AxisAction, Member
-from teleopt.actions.base import ExampleProblem, Params
+from teleopt.actions.base import ExampleProblem, Params, required
 from teleopt.groups import Permutation
 
 __all__ = ["AttentionQK", "AttentionVO", "AttentionHeadPermutation", "multi_head_attention"]
@@ -36,6 +36,7 @@ _ALL = ("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V", "W_O")
 def multi_head_attention(p: Params, x: Tensor, num_heads: int) -> Tensor:
     """Self-attention of x (batch, tokens, d_model) with stacked projections p (see module docs)."""
     W_Q, b_Q, W_K, b_K, W_V, b_V, W_O = p
+    W_Q, W_K, W_V, W_O = required(W_Q, "W_Q"), required(W_K, "W_K"), required(W_V, "W_V"), required(W_O, "W_O")
     B, T, _ = x.shape
 
     def heads(W: Tensor, b: Tensor | None) -> Tensor:

@@ -130,11 +130,11 @@ class Member:
         axis = self.axis % t.ndim
         if self.groups > 1:
             return self._transform_grouped(t, axis, fn)
-        if self.start is None:
+        if self.start is None or self.stop is None:  # both or neither (checked at construction)
             return self._transform_part(t, axis, fn)
         before = t.narrow(axis, 0, self.start)
-        part = t.narrow(axis, self.start, self.stop - self.start)  # type: ignore[operator]
-        after = t.narrow(axis, self.stop, t.shape[axis] - self.stop)  # type: ignore[operator]
+        part = t.narrow(axis, self.start, self.stop - self.start)
+        after = t.narrow(axis, self.stop, t.shape[axis] - self.stop)
         return torch.cat([before, self._transform_part(part, axis, fn), after], dim=axis)
 
     def _transform_part(self, part: Tensor, axis: int, fn: Callable[[Tensor, int], Tensor]) -> Tensor:
@@ -171,6 +171,13 @@ def _check_parts(members: tuple[Member, ...]) -> None:
                         f"members {a.name!r} and {b.name!r} of tensor {key!r} overlap on axis {a.axis}: "
                         "parts of one tensor must be disjoint slices"
                     )
+
+
+def _second_moment_power(group: Group, power: float) -> float:
+    squared = group.second_moment_power(power)
+    if squared is None:
+        raise TypeError(f"{group!r} has no exact elementwise rule for second moments")
+    return squared
 
 
 class AxisAction(GroupAction):
@@ -312,11 +319,13 @@ class AxisAction(GroupAction):
             key = m.tensor_key
             if key in current and current[key].shape != p.shape:
                 raise ValueError(f"{self.name}: members of tensor {key!r} were given tensors of different shapes")
-            power = sign * m.power
-            if square:
-                power = grp.second_moment_power(power)
+            power = _second_moment_power(grp, sign * m.power) if square else sign * m.power
             base = current.get(key, p)
-            current[key] = m.transform(base, lambda part, axis, power=power: grp.act_on_axis(g, part, axis, power))
+
+            def fn(part: Tensor, axis: int, power: float = power) -> Tensor:
+                return grp.act_on_axis(g, part, axis, power)
+
+            current[key] = m.transform(base, fn)
         return tuple(None if p is None else current[m.tensor_key] for m, p in zip(self.members, params))
 
     def act(self, g: Tensor, params: Params, data: Any = None) -> Params:

@@ -34,7 +34,19 @@ Exactness = Literal["exact", "data-dependent", "approximate"]
 Params = tuple[Tensor | None, ...]
 _EXACTNESS = ("exact", "data-dependent", "approximate")
 
-__all__ = ["GroupAction", "ExampleProblem", "Exactness", "Params"]
+__all__ = ["GroupAction", "ExampleProblem", "Exactness", "Params", "required"]
+
+
+def required(member: Tensor | None, name: str = "member") -> Tensor:
+    """An entry of :data:`Params` narrowed to a tensor.
+
+    ``Params`` allows ``None`` for optional members; :meth:`GroupAction.check_params`
+    rejects ``None`` for required ones, and this states it (to readers and the type
+    checker) where a required member is read, raising if the check was skipped.
+    """
+    if member is None:
+        raise ValueError(f"required {name} is None")
+    return member
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from teleopt.actions.activations import Activation, get_activation
 from teleopt.actions.axis import AxisAction, Member
-from teleopt.actions.base import ExampleProblem, Params
+from teleopt.actions.base import ExampleProblem, Params, required
 
 __all__ = [
     "GLLinear",
@@ -53,7 +53,7 @@ def two_layer_example(
     X = _randn((k, n), generator, dtype)
 
     def fn(p: Params, x: Tensor) -> Tensor:
-        W1, b1, W2 = p
+        W1, b1, W2 = required(p[0], "W1"), p[1], required(p[2], "W2")
         z = x @ W1.T if b1 is None else x @ W1.T + b1
         return activation(z) @ W2.T
 
@@ -177,7 +177,7 @@ def _rbf_example(generator: torch.Generator | None, dtype: torch.dtype, k: int =
     X = _randn((samples, n), generator, dtype)
 
     def fn(p: Params, x: Tensor) -> Tensor:
-        w, b, c = p
+        w, b, c = (required(t) for t in p)
         r = torch.cdist(x, c) / b
         return torch.exp(-(r**2)) @ w
 

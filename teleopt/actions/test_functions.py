@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from teleopt.actions.base import ExampleProblem, GroupAction, Params
+from teleopt.actions.base import ExampleProblem, GroupAction, Params, required
 from teleopt.groups import Group, Orthogonal
 
 __all__ = ["ConjugatedRotation", "Rosenbrock", "Booth", "QuadraticOrthogonal", "rosenbrock", "booth"]
@@ -75,7 +75,7 @@ class ConjugatedRotation(GroupAction):
         return self.M is not None
 
     def group(self, params: Params) -> Group:
-        (w,) = self.check_params(params)
+        w = required(self.check_params(params)[0], "w")
         if w.shape != (self.n,):
             raise ValueError(f"{self.name}: w must have shape ({self.n},), got {tuple(w.shape)}")
         return Orthogonal(self.n)
@@ -83,20 +83,20 @@ class ConjugatedRotation(GroupAction):
     def act(self, g: Tensor, params: Params, data: Any = None) -> Params:
         params = self.check_params(params)
         self.group(params).validate(g.detach())
-        (w,) = params
+        w = required(params[0], "w")
         return (self._h_inv(g.to(w.dtype) @ self._h(w)),)
 
     def transport_gradient(self, g: Tensor, grads: Params) -> Params:
         if self.M is None:
             return super().transport_gradient(g, grads)
-        (grad,) = self.check_params(grads)
+        grad = required(self.check_params(grads)[0], "w")
         M = self.M.to(grad)
         # (J^{-1})^T grad with J = M^{-1} g M:  J^{-T} = M^T g M^{-T}  (g orthogonal: g^{-T} = g)
         return (M.T @ (g.to(grad) @ torch.linalg.solve(M.T, grad)),)
 
     def example(self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> ExampleProblem:
         w = self._start(generator, dtype)
-        return ExampleProblem((w,), None, lambda p, _: self.loss(p[0]), functional=False)
+        return ExampleProblem((w,), None, lambda p, _: self.loss(required(p[0])), functional=False)
 
 
 def _uniform_start(n: int, scale: float, generator: torch.Generator | None, dtype: torch.dtype) -> Tensor:

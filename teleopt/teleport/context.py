@@ -75,7 +75,12 @@ class TeleportContext:
 
     def grads(self, names: Iterable[str]) -> dict[str, Tensor]:
         """``.grad`` of the trainable parameters among ``names`` that have one."""
-        return {n: self.trainable[n].grad for n in names if n in self.trainable and self.trainable[n].grad is not None}
+        out = {}
+        for n in names:
+            grad = self.trainable[n].grad if n in self.trainable else None
+            if grad is not None:
+                out[n] = grad
+        return out
 
     @torch.no_grad()
     def constant_terms(self, exclude: set[str], with_decrease: bool) -> tuple[float, float]:

@@ -182,7 +182,8 @@ class GradientNormModel:
                 self.explicit.append((site_ids, {n: grads[n] for n in names}))
         self.like = like
         self.explicit_identity = [sum(float(torch.linalg.vector_norm(t)) ** 2 for t in g.values()) for _, g in self.explicit]
-        self.identities = [grp.identity(dtype=torch.float64, device=next(iter(grads.values())).device) if grads else None for grp in self.groups]
+        device = next(iter(grads.values())).device if grads else None
+        self.identities = [grp.identity(dtype=torch.float64, device=device) for grp in self.groups]
 
     def site_value(self, index: int, element: Tensor) -> float:
         """The value when only site ``index`` moves (by ``element``); every other site at the identity."""

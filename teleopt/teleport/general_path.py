@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from teleopt.functional import FunctionalModel, LossFn, as_batch
+from teleopt.actions.base import required
 from teleopt.site import Site
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.distributed import broadcast_
@@ -81,7 +82,7 @@ class GeneralEvaluator:
             new = site.action.act(g, vals, data)
             for n, v in zip(site.members, new):
                 if n is not None:
-                    cur[n] = v
+                    cur[n] = required(v, n)
         return cur
 
     def site_params(self, elements: Sequence[Tensor]) -> dict[str, Tensor]:

@@ -165,7 +165,7 @@ class Sharpness(Objective):
         out = []
         for _ in range(self.directions):
             raw = {n: torch.randn(p.shape, generator=generator, dtype=torch.float64) for n, p in trainable.items()}
-            norm = torch.sqrt(sum(d.square().sum() for d in raw.values()))
+            norm = torch.sqrt(sum((d.square().sum() for d in raw.values()), torch.zeros((), dtype=torch.float64)))
             out.append({n: (d / norm).to(device=trainable[n].device, dtype=trainable[n].dtype) for n, d in raw.items()})
         return out
 
@@ -198,8 +198,11 @@ class Curvature(Objective):
         out = []
         for site in evaluator.sites:
             group = site.action.group(tuple(None if n is None else evaluator.like[n] for n in site.members))
-            shape = (self.curves, *group.coord_shape)
-            scale = 1.0 / group.n**0.5 if len(group.coord_shape) >= 2 else 1.0
+            coord_shape = group.coord_shape
+            if coord_shape is None:
+                raise TypeError(f"site {site.name!r}: {group!r} is discrete, it has no orbit curves")
+            shape = (self.curves, *coord_shape)
+            scale = 1.0 / group.n**0.5 if len(coord_shape) >= 2 else 1.0
             device = next(evaluator.like[n] for n in site.tensor_names).device
             out.append((torch.randn(shape, generator=generator, dtype=torch.float64) * scale).to(device))
         return out

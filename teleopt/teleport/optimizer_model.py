@@ -89,6 +89,7 @@ class OptimizerModel:
     """
 
     def __init__(self, optimizer: Optimizer) -> None:
+        self.family: str | None
         if isinstance(optimizer, Adam):  # AdamW subclasses Adam
             self.family = "adam"
         elif isinstance(optimizer, SGD):

@@ -58,17 +58,25 @@ def check_paper_compat_sites(sites: Sequence[Site]) -> None:
             )
 
 
+def _present(name: str | None) -> str:
+    if name is None:
+        raise ValueError("paper_compat: a required site member is absent")
+    return name
+
+
 def _first_order(site: Site, T: Tensor, cur: dict[str, Tensor], hidden: Tensor | None) -> None:
     eye = torch.eye(T.shape[0], dtype=T.dtype, device=T.device)
     action = site.action
     if isinstance(action, DataDependentGL):
-        n1, _, n2 = site.members
-        W1, W2 = cur[n1], cur[n2]  # type: ignore[index]
-        act = action.activation
+        n1, n2 = _present(site.members[0]), _present(site.members[2])
+        W1, W2 = cur[n1], cur[n2]
+        act, inverse = action.activation, action.activation.inverse
+        if hidden is None or inverse is None:
+            raise ValueError(f"paper_compat: site {site.name!r} needs its layer input and an invertible activation")
         # row convention: Z = H W1^T (samples x hidden); (I + T) acts on the hidden axis
         Z = act(hidden @ W1.T) @ (eye + T).T
-        cur[n1] = (torch.linalg.pinv(hidden) @ act.inverse(Z)).T  # type: ignore[index, misc]
-        cur[n2] = W2 @ (eye - T)  # type: ignore[index]
+        cur[n1] = (torch.linalg.pinv(hidden) @ inverse(Z)).T
+        cur[n2] = W2 @ (eye - T)
         return
     for member, name in zip(action.members, site.members):  # type: ignore[attr-defined]
         if name is None:
@@ -103,7 +111,7 @@ def paper_compat_teleport(
                 _first_order(site, T, cur, hidden)
             loss = fmodel.loss(cur, batch)
             grads = torch.autograd.grad(loss, [cur[n] for n in trainable], create_graph=True)
-            objective = sum(g.square().sum() for g in grads)
+            objective = sum((g.square().sum() for g in grads), torch.zeros((), dtype=grads[0].dtype, device=grads[0].device))
             dTs = torch.autograd.grad(objective, Ts, allow_unused=True)
         with torch.no_grad():
             moved = dict(base)

@@ -181,7 +181,7 @@ def preconditioned_sharpness(
     if not live:
         return 0.0, dict(zip(names, v))
     for _ in range(iterations):
-        norm = torch.sqrt(sum(x.to(torch.float64).square().sum() for x in v))
+        norm = torch.sqrt(sum((x.to(torch.float64).square().sum() for x in v), torch.zeros((), dtype=torch.float64)))
         if not float(norm) > 0:
             break
         v = [x / norm.to(x.dtype) for x in v]
