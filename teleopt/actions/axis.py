@@ -27,8 +27,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from teleopt.actions.base import ExampleProblem, Exactness, GroupAction, Params, check_exactness
-from teleopt.groups import GeneralLinear, Group, Orthogonal, Permutation, PositiveScaling, SignFlip
+from teleopt.actions.base import (
+    Exactness,
+    ExampleProblem,
+    GroupAction,
+    Params,
+    check_exactness,
+)
+from teleopt.groups import (
+    GeneralLinear,
+    Group,
+    Orthogonal,
+    Permutation,
+    PositiveScaling,
+    SignFlip,
+)
 
 __all__ = ["Member", "AxisAction", "GROUP_TYPES"]
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from teleopt.actions.axis import AxisAction, Member
-from teleopt.actions.base import ExampleProblem, Params, required
+from teleopt.actions.base import ExampleProblem, required
 
 __all__ = ["LoRAGL"]
 

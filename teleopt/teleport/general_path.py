@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from teleopt.functional import FunctionalModel, LossFn, as_batch
 from teleopt.actions.base import required
+from teleopt.functional import FunctionalModel, LossFn, as_batch
 from teleopt.site import Site
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.distributed import broadcast_

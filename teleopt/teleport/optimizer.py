@@ -28,7 +28,13 @@ from torch.utils.hooks import RemovableHandle
 
 from teleopt.functional import Batch, LossFn, as_batch
 from teleopt.site import Site
-from teleopt.teleport.config import Shortcuts, check_shortcuts, resolve_schedule, resolve_search, resolve_state_policy
+from teleopt.teleport.config import (
+    Shortcuts,
+    check_shortcuts,
+    resolve_schedule,
+    resolve_search,
+    resolve_state_policy,
+)
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.distributed import check_not_fsdp, unwrap
 from teleopt.teleport.engine import EngineConfig, TeleportEngine, TeleportRequest
@@ -38,7 +44,11 @@ from teleopt.teleport.report import TeleportReport
 from teleopt.teleport.safety import SafetyConfig
 from teleopt.teleport.schedule import Schedule
 from teleopt.teleport.search import SearchConfig
-from teleopt.teleport.sites import check_model_matches_optimizer, detect_sites, validate_sites
+from teleopt.teleport.sites import (
+    check_model_matches_optimizer,
+    detect_sites,
+    validate_sites,
+)
 from teleopt.teleport.state_policy import StatePolicy
 from teleopt.teleport.watch import TeleportRecord
 from teleopt.wrapper import OptimizerWrapper

@@ -26,7 +26,14 @@ from teleopt.teleport.ascent import ascend
 from teleopt.teleport.evaluator import Evaluator
 from teleopt.teleport.objectives import Objective
 
-__all__ = ["Path", "SearchProblem", "SearchResult", "SearchStrategy", "GradientAscent", "SearchConfig"]
+__all__ = [
+    "Path",
+    "SearchProblem",
+    "SearchResult",
+    "SearchStrategy",
+    "GradientAscent",
+    "SearchConfig",
+]
 
 Path = Literal["auto", "fast", "general"]
 
@@ -50,7 +57,9 @@ class SearchProblem:
 
     def score(self, coords: Sequence[Tensor]) -> Tensor:
         """What the search maximises at ``coords``: the objective's score at exp(coords) . w."""
-        return self.objective.score(self.evaluator, self.evaluator.elements(coords), self.prepared)
+        return self.objective.score(
+            self.evaluator, self.evaluator.elements(coords), self.prepared
+        )
 
 
 @dataclass
@@ -81,7 +90,14 @@ class GradientAscent:
     lr: float = 0.2
 
     def search(self, problem: SearchProblem) -> SearchResult:
-        found = ascend(problem.score, problem.start, problem.groups, self.steps, self.lr, problem.trust_regions)
+        found = ascend(
+            problem.score,
+            problem.start,
+            problem.groups,
+            self.steps,
+            self.lr,
+            problem.trust_regions,
+        )
         return SearchResult(found.coords, found.score_start, found.evaluations)
 
 
@@ -93,7 +109,12 @@ def _check_int(value: Any, what: str, minimum: int) -> int:
 
 def check_positive(value: Any, what: str) -> float:
     """``value`` as a float if it is a positive finite number, else ``ValueError`` naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not value > 0
+        or not math.isfinite(value)
+    ):
         raise ValueError(f"{what} must be a positive finite number, got {value!r}")
     return float(value)
 
@@ -102,8 +123,15 @@ def check_positive_or_none(value: Any, what: str) -> float | None:
     """:func:`check_positive`, with ``None`` allowed."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
-        raise ValueError(f"{what} must be a positive finite number or None, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not value > 0
+        or not math.isfinite(value)
+    ):
+        raise ValueError(
+            f"{what} must be a positive finite number or None, got {value!r}"
+        )
     return float(value)
 
 
@@ -138,11 +166,19 @@ class SearchConfig:
         _check_int(self.steps, "ascent_steps", 0)
         self.lr = check_positive(self.lr, "ascent_lr")
         if self.path not in ("auto", "fast", "general"):
-            raise ValueError(f"path must be 'auto', 'fast' or 'general', got {self.path!r}")
+            raise ValueError(
+                f"path must be 'auto', 'fast' or 'general', got {self.path!r}"
+            )
         if self.strategy is not None and not isinstance(self.strategy, SearchStrategy):
-            raise TypeError(f"strategy must have a search(problem) method, got {type(self.strategy).__name__}")
+            raise TypeError(
+                f"strategy must have a search(problem) method, got {type(self.strategy).__name__}"
+            )
 
     @property
     def chooser(self) -> SearchStrategy:
         """The strategy in use."""
-        return self.strategy if self.strategy is not None else GradientAscent(self.steps, self.lr)
+        return (
+            self.strategy
+            if self.strategy is not None
+            else GradientAscent(self.steps, self.lr)
+        )

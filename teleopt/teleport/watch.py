@@ -44,7 +44,9 @@ class Watch:
     def alarm(self, grads: list[Tensor], loss: Any, factor: float) -> str | None:
         """Why this rank's gradients ``grads`` or ``loss`` call for a rollback (``None``: all well)."""
         if grads:
-            norms = torch.stack([n.to(torch.float64).cpu() for n in torch._foreach_norm(grads)])
+            norms = torch.stack(
+                [n.to(torch.float64).cpu() for n in torch._foreach_norm(grads)]
+            )
             sq = float(norms.square().sum())
             if not math.isfinite(sq):
                 return "non-finite gradient"
@@ -55,14 +57,19 @@ class Watch:
             if not math.isfinite(value):
                 return "non-finite loss"
             if self.loss_ref > 0 and value > factor * self.loss_ref:
-                return f"loss grew to {value / self.loss_ref:.1f}x its pre-teleport value"
+                return (
+                    f"loss grew to {value / self.loss_ref:.1f}x its pre-teleport value"
+                )
         return None
 
     def triggered(self, grads: list[Tensor], loss: Any, factor: float) -> bool:
         """Whether any rank's :meth:`alarm` went off (then ``why`` says why)."""
         why = self.alarm(grads, loss, factor)
         device = grads[0].device if grads else None
-        fired = any_rank(why is not None, device=device if device is not None and device.type != "cpu" else None)
+        fired = any_rank(
+            why is not None,
+            device=device if device is not None and device.type != "cpu" else None,
+        )
         if fired:
             self.why = why or "another rank's watch triggered"
         return fired
@@ -78,7 +85,13 @@ class Watch:
         }
 
     @classmethod
-    def from_state(cls, data: dict[str, Any], module: nn.Module, optimizer: Optimizer, params: list[Tensor]) -> Watch:
+    def from_state(
+        cls,
+        data: dict[str, Any],
+        module: nn.Module,
+        optimizer: Optimizer,
+        params: list[Tensor],
+    ) -> Watch:
         """Rebuild a watch saved by :meth:`to_state` against ``module``'s live tensors."""
         tensors = {n: lookup_tensor(module, n) for n in data["snapshot"]["tensors"]}
         return cls(
@@ -103,16 +116,32 @@ class TeleportRecord:
 
     def to_state(self, rng: Tensor) -> dict[str, Any]:
         """Plain data for ``state_dict`` with the generator state ``rng`` (the watch only when one is in progress)."""
-        top: dict[str, Any] = {"step": self.step, "accepted": self.accepted, "rollbacks": self.rollbacks, "backoff": self.backoff, "rng": rng}
+        top: dict[str, Any] = {
+            "step": self.step,
+            "accepted": self.accepted,
+            "rollbacks": self.rollbacks,
+            "backoff": self.backoff,
+            "rng": rng,
+        }
         if self.watch is not None:
             top["watch"] = self.watch.to_state()
         return top
 
-    def load_state(self, top: dict[str, Any], module: nn.Module, optimizer: Optimizer, params: list[Tensor]) -> None:
+    def load_state(
+        self,
+        top: dict[str, Any],
+        module: nn.Module,
+        optimizer: Optimizer,
+        params: list[Tensor],
+    ) -> None:
         """Restore what :meth:`to_state` returned (missing counters start from zero)."""
         self.step = int(top.get("step", 0))
         self.accepted = int(top.get("accepted", 0))
         self.rollbacks = int(top.get("rollbacks", 0))
         self.backoff = float(top.get("backoff", 1.0))
         watch = top.get("watch")
-        self.watch = None if watch is None else Watch.from_state(watch, module, optimizer, params)
+        self.watch = (
+            None
+            if watch is None
+            else Watch.from_state(watch, module, optimizer, params)
+        )
