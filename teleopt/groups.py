@@ -95,7 +95,7 @@ class Group(ABC):
         return f"{type(self).__name__}{self._config()}".replace(",)", ")")
 
     def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self._config() == other._config()  # type: ignore[attr-defined]
+        return isinstance(other, Group) and type(self) is type(other) and self._config() == other._config()
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, self._config()))

@@ -95,7 +95,7 @@ class Member:
             raise TypeError(f"member {self.name!r}: axis must be an int, got {self.axis!r}")
         if (self.start is None) != (self.stop is None):
             raise ValueError(f"member {self.name!r}: give both start and stop, or neither")
-        if self.start is not None and not (0 <= self.start < self.stop):  # type: ignore[operator]
+        if self.start is not None and self.stop is not None and not 0 <= self.start < self.stop:
             raise ValueError(f"member {self.name!r}: need 0 <= start < stop, got [{self.start}, {self.stop})")
         for field_name in ("outer", "inner", "groups"):
             value = getattr(self, field_name)
@@ -122,15 +122,15 @@ class Member:
                     f"divisible into groups, got shape {tuple(t.shape)}"
                 )
             return self.groups * t.shape[self.axis]
-        if self.start is None:
+        if self.start is None or self.stop is None:  # both or neither (checked at construction)
             part = t.shape[self.axis]
-        elif self.stop > t.shape[self.axis]:  # type: ignore[operator]
+        elif self.stop > t.shape[self.axis]:
             raise ValueError(
                 f"member {self.name!r}: slice [{self.start}, {self.stop}) exceeds axis {self.axis} "
                 f"of length {t.shape[self.axis]}"
             )
         else:
-            part = self.stop - self.start  # type: ignore[operator]
+            part = self.stop - self.start
         if part % (self.outer * self.inner):
             raise ValueError(
                 f"member {self.name!r}: a part of length {part} is not divisible into outer={self.outer} "
@@ -179,7 +179,7 @@ def _check_parts(members: tuple[Member, ...]) -> None:
             for b in parts[i + 1 :]:
                 if a.axis != b.axis:
                     continue
-                if a.start is None or b.start is None or not (a.stop <= b.start or b.stop <= a.start):  # type: ignore[operator]
+                if a.start is None or b.start is None or a.stop is None or b.stop is None or not (a.stop <= b.start or b.stop <= a.start):
                     raise ValueError(
                         f"members {a.name!r} and {b.name!r} of tensor {key!r} overlap on axis {a.axis}: "
                         "parts of one tensor must be disjoint slices"
@@ -315,7 +315,8 @@ class AxisAction(GroupAction):
             b = self.blocks or 1
             if n % b:
                 raise ValueError(f"{self.name}: axis length {n} is not divisible into {b} blocks")
-            return self.group_type(n // b, blocks=self.blocks)  # type: ignore[call-arg]
+            matrix = GeneralLinear if self.group_kind == "general" else Orthogonal
+            return matrix(n // b, blocks=self.blocks)
         if self.group_kind == "permutation":
             if n % self.unit_size:
                 raise ValueError(f"{self.name}: axis length {n} is not divisible into units of {self.unit_size}")

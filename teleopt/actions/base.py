@@ -32,7 +32,7 @@ from teleopt.groups import Group
 
 Exactness = Literal["exact", "data-dependent", "approximate"]
 Params = tuple[Tensor | None, ...]
-_EXACTNESS = ("exact", "data-dependent", "approximate")
+_EXACTNESS: tuple[Exactness, ...] = ("exact", "data-dependent", "approximate")
 
 __all__ = ["GroupAction", "ExampleProblem", "Exactness", "Params", "required"]
 
@@ -238,6 +238,7 @@ class GroupAction(ABC):
 
 def check_exactness(value: str) -> Exactness:
     """Validate an exactness label."""
-    if value not in _EXACTNESS:
-        raise ValueError(f"exactness must be one of {_EXACTNESS}, got {value!r}")
-    return value  # type: ignore[return-value]
+    for label in _EXACTNESS:
+        if value == label:
+            return label
+    raise ValueError(f"exactness must be one of {_EXACTNESS}, got {value!r}")

@@ -140,7 +140,9 @@ class DataDependentGL(_TwoLayerDataDependent):
         g = g.to(W1.dtype)
         H_new = self.activation(Z) @ g.T
         self.activation.check_in_range(H_new, "g sigma(W1 X)")
-        Z_new = self.activation.inverse(H_new)  # type: ignore[misc]
+        inverse = self.activation.inverse
+        assert inverse is not None, "checked at construction: the activation is invertible"
+        Z_new = inverse(H_new)
         delta = min_norm_solve(Xa, Z_new - Z)
         residual = _relative_residual(Xa, delta, Z_new - Z)
         if residual > 100 * torch.finfo(W1.dtype).eps ** 0.5:

@@ -173,7 +173,8 @@ class GradientNormModel:
             if axis_only:
                 for i in site_ids:
                     action = self.sites[i].action
-                    for member, n in zip(action.members, self.sites[i].members):  # type: ignore[attr-defined]
+                    assert isinstance(action, AxisAction)  # axis_only
+                    for member, n in zip(action.members, self.sites[i].members):
                         if n in entries:
                             entries[n].append((i, member, self.groups[i]))
             if axis_only and all(_reducible(entries[n], grads[n].ndim) for n in names):

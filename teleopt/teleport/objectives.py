@@ -60,9 +60,11 @@ Direction = Literal["increase", "decrease"]
 
 
 def _check_direction(direction: str) -> Direction:
-    if direction not in ("increase", "decrease"):
-        raise ValueError(f"direction must be 'increase' or 'decrease', got {direction!r}")
-    return direction  # type: ignore[return-value]
+    if direction == "increase":
+        return "increase"
+    if direction == "decrease":
+        return "decrease"
+    raise ValueError(f"direction must be 'increase' or 'decrease', got {direction!r}")
 
 
 class Objective(ABC):

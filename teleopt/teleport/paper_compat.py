@@ -78,7 +78,9 @@ def _first_order(site: Site, T: Tensor, cur: dict[str, Tensor], hidden: Tensor |
         cur[n1] = (torch.linalg.pinv(hidden) @ inverse(Z)).T
         cur[n2] = W2 @ (eye - T)
         return
-    for member, name in zip(action.members, site.members):  # type: ignore[attr-defined]
+    if not isinstance(action, AxisAction):
+        raise TypeError(f"paper_compat: site {site.name!r} is not a GL site")  # check_paper_compat_sites refuses it
+    for member, name in zip(action.members, site.members):
         if name is None:
             continue
         t = cur[name]
@@ -125,8 +127,10 @@ def paper_compat_teleport(
 def _hidden_width(site: Site, cur: dict[str, Tensor]) -> int:
     action = site.action
     if isinstance(action, DataDependentGL):
-        return cur[site.members[0]].shape[0]  # type: ignore[index]
-    member, name = next((m, n) for m, n in zip(action.members, site.members) if n is not None)  # type: ignore[attr-defined]
+        return cur[_present(site.members[0])].shape[0]
+    if not isinstance(action, AxisAction):
+        raise TypeError(f"paper_compat: site {site.name!r} is not a GL site")
+    member, name = next((m, n) for m, n in zip(action.members, site.members) if n is not None)
     return cur[name].shape[member.axis]
 
 

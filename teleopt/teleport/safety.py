@@ -104,7 +104,9 @@ class SafetyConfig:
         self.heldout_tol = _positive(self.heldout_tol, "heldout_tol")
         if not isinstance(self.watch_steps, int) or isinstance(self.watch_steps, bool) or self.watch_steps < 0:
             raise ValueError(f"watch_steps must be an int >= 0, got {self.watch_steps!r}")
-        self.watch_factor = _positive(self.watch_factor, "watch_factor", allow_none=False)  # type: ignore[assignment]
+        watch_factor = _positive(self.watch_factor, "watch_factor", allow_none=False)
+        assert watch_factor is not None  # allow_none=False
+        self.watch_factor = watch_factor
         if not 0 < self.backoff <= 1:
             raise ValueError(f"backoff must be in (0, 1], got {self.backoff!r}")
 
