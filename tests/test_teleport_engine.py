@@ -54,9 +54,7 @@ def sites():
 
 def data(seed=1):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(16, 5, generator=gen, dtype=torch.float64), torch.randn(
-        16, 3, generator=gen, dtype=torch.float64
-    )
+    return torch.randn(16, 5, generator=gen, dtype=torch.float64), torch.randn(16, 3, generator=gen, dtype=torch.float64)
 
 
 def mse(out, y):
@@ -159,10 +157,7 @@ def test_a_search_strategy_chooses_the_elements_and_the_rest_of_the_teleport_is_
     report = opt.teleport(batch=(x, y))
     assert report.accepted and report.path == "fast" and report.loss_drift < 1e-12
     assert len(strategy.problems) == 1 and len(strategy.problems[0].groups) == 2
-    assert all(
-        torch.allclose(e, torch.full_like(e, math.exp(0.3)))
-        for e in report.elements.values()
-    )
+    assert all(torch.allclose(e, torch.full_like(e, math.exp(0.3))) for e in report.elements.values())
     # no score from the strategy: the teleport evaluates the objective at the identity for its report
     assert report.objective_before == pytest.approx(report.grad_norm_before**2)
 
@@ -199,10 +194,7 @@ def test_gradient_ascent_is_the_default_strategy_and_matches_the_shortcuts():
         )
         backward(m, x, y)
         reports.append(opt.teleport())
-    assert all(
-        torch.equal(reports[0].elements[k], reports[1].elements[k])
-        for k in reports[0].elements
-    )
+    assert all(torch.equal(reports[0].elements[k], reports[1].elements[k]) for k in reports[0].elements)
 
 
 # ---------------------------------------------------------------- watch and record
@@ -218,11 +210,7 @@ def test_the_watch_round_trips_through_a_weights_only_state_dict():
     backward(model, x, y)
     opt.step()
     watch = opt.record.watch
-    assert (
-        isinstance(watch, Watch)
-        and watch.teleport_step == 0
-        and watch.until == SafetyConfig().watch_steps
-    )
+    assert isinstance(watch, Watch) and watch.teleport_step == 0 and watch.until == SafetyConfig().watch_steps
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
     buf.seek(0)
@@ -261,10 +249,7 @@ def test_pickled_teleport_keeps_its_sites_action_classes():
     opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites(), every=2)
     clone = pickle.loads(pickle.dumps(opt))
     assert [type(s.action) for s in clone.sites] == [type(s.action) for s in opt.sites]
-    assert (
-        clone.record is clone._engine.record
-        and clone._generator is clone._engine.config.generator
-    )
+    assert clone.record is clone._engine.record and clone._generator is clone._engine.config.generator
 
 
 # ---------------------------------------------------------------- group math on the group
@@ -308,10 +293,7 @@ def test_an_unknown_group_gets_the_euclidean_ball():
 
 
 def test_ascent_step_size_is_per_entry_for_matrix_groups():
-    assert (
-        GeneralLinear(4).ascent_step_size(0.2) == 0.2 / 4
-        and PositiveScaling(4).ascent_step_size(0.2) == 0.2
-    )
+    assert GeneralLinear(4).ascent_step_size(0.2) == 0.2 / 4 and PositiveScaling(4).ascent_step_size(0.2) == 0.2
 
 
 @pytest.mark.parametrize(

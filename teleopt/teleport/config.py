@@ -64,17 +64,9 @@ def resolve_schedule(schedule: Schedule | None, s: Shortcuts) -> Schedule:
             max_teleports=s.get("max_teleports"),
         )
     if not isinstance(schedule, Schedule):
-        raise TypeError(
-            f"schedule must be a teleopt Schedule, got {type(schedule).__name__}"
-        )
-    if (
-        any(s.get(k) is not None for k in ("every", "at", "when", "max_teleports"))
-        or s.get("warmup", 0)
-        or s.get("batches", 1) != 1
-    ):
-        raise ValueError(
-            "give either schedule= or every/at/when/warmup/batches/max_teleports, not both"
-        )
+        raise TypeError(f"schedule must be a teleopt Schedule, got {type(schedule).__name__}")
+    if any(s.get(k) is not None for k in ("every", "at", "when", "max_teleports")) or s.get("warmup", 0) or s.get("batches", 1) != 1:
+        raise ValueError("give either schedule= or every/at/when/warmup/batches/max_teleports, not both")
     return schedule
 
 
@@ -89,25 +81,17 @@ def resolve_search(search: SearchConfig | None, s: Shortcuts) -> SearchConfig:
             path=s.get("path", default.path),
         )
     if not isinstance(search, SearchConfig):
-        raise TypeError(
-            f"search must be a teleopt SearchConfig, got {type(search).__name__}"
-        )
+        raise TypeError(f"search must be a teleopt SearchConfig, got {type(search).__name__}")
     if any(key in s for key in ("ascent_steps", "ascent_lr", "trust_region", "path")):
-        raise ValueError(
-            "give either search= or ascent_steps/ascent_lr/trust_region/path, not both"
-        )
+        raise ValueError("give either search= or ascent_steps/ascent_lr/trust_region/path, not both")
     return search
 
 
-def resolve_state_policy(
-    policy: StatePolicy | str | dict[str, str] | None, shortcuts: Shortcuts
-) -> StatePolicy:
+def resolve_state_policy(policy: StatePolicy | str | dict[str, str] | None, shortcuts: Shortcuts) -> StatePolicy:
     """``policy`` as a :class:`StatePolicy` (a string or dict is its ``policy``, ``state_fallback`` its fallback)."""
     fallback = shortcuts.get("state_fallback")
     if not isinstance(policy, StatePolicy):
         return StatePolicy(policy, fallback)
     if fallback is not None:
-        raise ValueError(
-            "give either state_policy=StatePolicy(...) or state_fallback, not both"
-        )
+        raise ValueError("give either state_policy=StatePolicy(...) or state_fallback, not both")
     return policy

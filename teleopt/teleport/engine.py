@@ -123,9 +123,7 @@ class TeleportEngine:
         self.config = config
         self.record = record
 
-    def run(
-        self, sites: list[Site], request: TeleportRequest
-    ) -> tuple[TeleportReport, Any]:
+    def run(self, sites: list[Site], request: TeleportRequest) -> tuple[TeleportReport, Any]:
         """Plan, then search, apply and verify; returns the report and the loss to hand back."""
         start = time.perf_counter()
         plan = self.plan(sites, request)
@@ -146,11 +144,7 @@ class TeleportEngine:
     # ------------------------------------------------------------------ plan
     def fast_ok(self, sites: Sequence[Site]) -> bool:
         """Whether the fast path can take these sites and the objective."""
-        return (
-            bool(sites)
-            and all(fast_path_eligible(s) for s in sites)
-            and not self.config.objective.needs_batch
-        )
+        return bool(sites) and all(fast_path_eligible(s) for s in sites) and not self.config.objective.needs_batch
 
     def choose_path(self, sites: Sequence[Site]) -> str:
         """``"fast"`` or ``"general"`` (the configured one, or the fast one when possible)."""
@@ -166,34 +160,22 @@ class TeleportEngine:
             return f"objective {objective.name!r}"
         return f"sites {[s.name for s in sites if not fast_path_eligible(s)]}"
 
-    def _check_path(
-        self, sites: Sequence[Site], path: str, batch: Batch | None
-    ) -> None:
+    def _check_path(self, sites: Sequence[Site], path: str, batch: Batch | None) -> None:
         if path == "fast" and not self.fast_ok(sites):
             bad = [s.name for s in sites if not fast_path_eligible(s)]
-            why = (
-                f"sites {bad} are not exact linear sites"
-                if bad
-                else f"objective {self.config.objective.name!r} needs a batch"
-            )
-            raise ValueError(
-                f"path='fast' is not possible: {why}; use path='general' with a batch"
-            )
+            why = f"sites {bad} are not exact linear sites" if bad else f"objective {self.config.objective.name!r} needs a batch"
+            raise ValueError(f"path='fast' is not possible: {why}; use path='general' with a batch")
         if path != "fast" and batch is None:
             raise ValueError(
                 f"{self.batch_need(sites)} need(s) a teleport batch (the general path evaluates the model on it): pass "
                 "teleport(batch=(inputs, target)) or Teleport(..., batch_fn=...)"
             )
 
-    def plan(
-        self, sites: list[Site], request: TeleportRequest
-    ) -> Plan | TeleportReport:
+    def plan(self, sites: list[Site], request: TeleportRequest) -> Plan | TeleportReport:
         """The plan phase; a report (with the reason) when the teleport is declined already."""
         cfg = self.config
         path = self.choose_path(sites)
-        report = TeleportReport(
-            step=self.record.step, path=path, objective=cfg.objective.name, sites=sites
-        )
+        report = TeleportReport(step=self.record.step, path=path, objective=cfg.objective.name, sites=sites)
         if not sites:
             report.reason = "declined: no active continuous sites"
             return report
@@ -209,9 +191,7 @@ class TeleportEngine:
         elif request.loss is not None:
             report.loss_before = float(request.loss)
         if request.heldout is not None:
-            report.heldout_before = float(
-                FunctionalModel(cfg.module, cfg.loss_fn).loss({}, request.heldout)
-            )
+            report.heldout_before = float(FunctionalModel(cfg.module, cfg.loss_fn).loss({}, request.heldout))
         plan = Plan(sites, path, replace(request, batch=batch), report, ctx, fmodel)
         return self.plan_evaluator(plan)
 
@@ -227,9 +207,7 @@ class TeleportEngine:
                 return plan.report
             ctx.gradients_from_batch(plan.fmodel, batch)
         needs_decrease = cfg.objective.needs_optimizer_model or (
-            cfg.safety.max_predicted_decrease is not None
-            and plan.report.loss_before is not None
-            and ctx.model.supported
+            cfg.safety.max_predicted_decrease is not None and plan.report.loss_before is not None and ctx.model.supported
         )
         plan.evaluator = FastEvaluator(plan.sites, ctx, with_decrease=needs_decrease)
         return plan
@@ -245,25 +223,14 @@ class TeleportEngine:
         coords, shrink = shrink_to_feasible(result.coords, caps.feasible)
         broadcast_(coords)
         report.shrink = shrink
-        report.coordinate_norms = {
-            s.name: float(c.abs().max()) if c.numel() else 0.0
-            for s, c in zip(plan.sites, coords)
-        }
+        report.coordinate_norms = {s.name: float(c.abs().max()) if c.numel() else 0.0 for s, c in zip(plan.sites, coords)}
         if all(float(c.abs().max()) == 0.0 for c in coords if c.numel()):
-            report.reason = (
-                "declined: the caps allow no move"
-                if shrink == 0.0
-                else "declined: no improvement found"
-            )
+            report.reason = "declined: the caps allow no move" if shrink == 0.0 else "declined: no improvement found"
             return None
         return self._chosen(plan, start, coords)
 
     def _trust_region(self, site: Site, ctx: TeleportContext) -> float | None:
-        radii = [
-            ctx.groups[n][self.config.trust_key]
-            for n in site.tensor_names
-            if n in ctx.groups
-        ]
+        radii = [ctx.groups[n][self.config.trust_key] for n in site.tensor_names if n in ctx.groups]
         radii = [r for r in radii if r is not None]
         if not radii:
             return None
@@ -281,9 +248,7 @@ class TeleportEngine:
             n0 = float(evaluator.grad_norm_sq(evaluator.elements(identity)).detach())
         plan.report.grad_norm_before = math.sqrt(n0)
         trust = [self._trust_region(s, ctx) for s in sites]
-        problem = SearchProblem(
-            sites, groups, evaluator, self.config.objective, prepared, coords0, trust
-        )
+        problem = SearchProblem(sites, groups, evaluator, self.config.objective, prepared, coords0, trust)
         return _Start(problem, n0, identity)
 
     def _objective_before(self, start: _Start, result: SearchResult) -> float:
@@ -291,16 +256,8 @@ class TeleportEngine:
         if result.score_start is None:  # a strategy that never evaluated the identity
             with torch.enable_grad():
                 elements = problem.evaluator.elements(start.identity)
-                return float(
-                    problem.objective.value(
-                        problem.evaluator, elements, problem.prepared
-                    ).detach()
-                )
-        return (
-            result.score_start
-            if problem.objective.direction == "increase"
-            else -result.score_start
-        )
+                return float(problem.objective.value(problem.evaluator, elements, problem.prepared).detach())
+        return result.score_start if problem.objective.direction == "increase" else -result.score_start
 
     def _caps(self, plan: Plan, start: _Start) -> Caps:
         safety, evaluator, loss0 = (
@@ -309,22 +266,11 @@ class TeleportEngine:
             plan.report.loss_before,
         )
         dec0 = None
-        if (
-            safety.max_predicted_decrease is not None
-            and loss0 is not None
-            and plan.ctx.model.supported
-            and loss0 > safety.loss_floor
-        ):
+        if safety.max_predicted_decrease is not None and loss0 is not None and plan.ctx.model.supported and loss0 > safety.loss_floor:
             with torch.enable_grad():
-                dec0 = float(
-                    evaluator.first_order_decrease(
-                        evaluator.elements(start.identity)
-                    ).detach()
-                )
+                dec0 = float(evaluator.first_order_decrease(evaluator.elements(start.identity)).detach())
         stability = self._stability(plan, start.identity)
-        return Caps(
-            safety, evaluator, self.record.backoff, start.n0, dec0, loss0, stability
-        )
+        return Caps(safety, evaluator, self.record.backoff, start.n0, dec0, loss0, stability)
 
     def _stability(self, plan: Plan, identity: list[Tensor]) -> StabilityCap | None:
         """(sharpness of a candidate, cap) for ``SafetyConfig.stability_margin``, or None when off or impossible."""
@@ -334,20 +280,11 @@ class TeleportEngine:
             plan.fmodel,
             plan.request.batch,
         )
-        if (
-            safety.stability_margin is None
-            or fmodel is None
-            or batch is None
-            or not ctx.model.supported
-        ):
+        if safety.stability_margin is None or fmodel is None or batch is None or not ctx.model.supported:
             return None
         evaluator = plan.need_evaluator()
-        threshold = min(
-            ctx.model.stability_threshold(ctx.groups[n]) for n in ctx.trainable
-        )
-        generator = torch.Generator().manual_seed(
-            self.config.seed + 7919 * (self.record.accepted + 1)
-        )
+        threshold = min(ctx.model.stability_threshold(ctx.groups[n]) for n in ctx.trainable)
+        generator = torch.Generator().manual_seed(self.config.seed + 7919 * (self.record.accepted + 1))
         warm: dict[str, Any] = {"v": None}
 
         def sharpness(coords: Sequence[Tensor]) -> float:
@@ -365,26 +302,18 @@ class TeleportEngine:
         with torch.enable_grad():
             before = sharpness(identity)
         plan.report.sharpness_before = before
-        return sharpness, max(
-            safety.stability_margin * self.record.backoff * threshold, before
-        )
+        return sharpness, max(safety.stability_margin * self.record.backoff * threshold, before)
 
     def _chosen(self, plan: Plan, start: _Start, coords: list[Tensor]) -> list[Tensor]:
         problem, report = start.problem, plan.report
         evaluator = problem.evaluator
         with torch.enable_grad():
             elements = [e.detach() for e in evaluator.elements(coords)]
-            report.objective_after = float(
-                problem.objective.value(evaluator, elements, problem.prepared).detach()
-            )
+            report.objective_after = float(problem.objective.value(evaluator, elements, problem.prepared).detach())
             if evaluator.moves_gradients:
-                report.grad_norm_after = math.sqrt(
-                    float(evaluator.grad_norm_sq(elements).detach())
-                )
+                report.grad_norm_after = math.sqrt(float(evaluator.grad_norm_sq(elements).detach()))
                 report.site_gains = evaluator.site_gains(elements, start.n0)
-        report.elements = {
-            s.name: e.to(torch.float64) for s, e in zip(plan.sites, elements)
-        }
+        report.elements = {s.name: e.to(torch.float64) for s, e in zip(plan.sites, elements)}
         return elements
 
     # ------------------------------------------------------------------ apply
@@ -393,9 +322,7 @@ class TeleportEngine:
         ctx = plan.ctx
         params = [p for g in self.config.optimizer.param_groups for p in g["params"]]
         if self.config.safety.watch_steps > 0:
-            return Snapshot(
-                dict(ctx.tensors), self.config.optimizer, params, grads=True
-            )
+            return Snapshot(dict(ctx.tensors), self.config.optimizer, params, grads=True)
         names = {n for s in plan.sites for n in s.tensor_names}
         member_ids = {id(ctx.tensors[n]) for n in names}
         return Snapshot(
@@ -417,11 +344,7 @@ class TeleportEngine:
         names = {n for s in plan.sites for n in s.tensor_names}
         ctx = plan.ctx
         moved = [ctx.tensors[n] for n in names]
-        moved += [
-            g
-            for g in (ctx.trainable[n].grad for n in names if n in ctx.trainable)
-            if g is not None
-        ]
+        moved += [g for g in (ctx.trainable[n].grad for n in names if n in ctx.trainable) if g is not None]
         reasons = []
         # one vectorised pass, no temporaries: NaN and inf propagate through a sum (an overflowing sum of
         # finite entries would only cause a needless rollback)
@@ -434,11 +357,7 @@ class TeleportEngine:
         if any_rank(bool(reasons), device=device if device.type != "cpu" else None):
             snapshot.restore()
             plan.report.accepted = False
-            plan.report.reason = "rolled back: " + (
-                "; ".join(reasons)
-                if reasons
-                else "another rank's post-condition failed"
-            )
+            plan.report.reason = "rolled back: " + ("; ".join(reasons) if reasons else "another rank's post-condition failed")
             return loss
         self.accept(plan, snapshot)
         return loss
@@ -449,11 +368,7 @@ class TeleportEngine:
         request, fmodel, report = plan.request, plan.fmodel, plan.report
         loss, loss_after = request.loss, None
         if fmodel is not None and request.batch is not None:
-            loss_after = float(
-                FunctionalModel(self.config.module, self.config.loss_fn).loss(
-                    {}, request.batch
-                )
-            )
+            loss_after = float(FunctionalModel(self.config.module, self.config.loss_fn).loss({}, request.batch))
         moves = plan.need_evaluator().moves_gradients
         if not moves and request.closure is not None:
             loss = self.rerun_closure(request.closure)
@@ -475,38 +390,21 @@ class TeleportEngine:
     def _drift(self, plan: Plan, dtype: torch.dtype) -> list[str]:
         """Why the loss or held-out loss changed too much (empty: invariance held)."""
         safety, report, heldout = self.config.safety, plan.report, plan.request.heldout
-        tol = (
-            safety.loss_tol if safety.loss_tol is not None else default_loss_tol(dtype)
-        )
+        tol = safety.loss_tol if safety.loss_tol is not None else default_loss_tol(dtype)
         reasons = []
         if report.loss_before is not None and report.loss_after is not None:
-            drift = abs(report.loss_after - report.loss_before) / max(
-                abs(report.loss_before), 1e-300
-            )
+            drift = abs(report.loss_after - report.loss_before) / max(abs(report.loss_before), 1e-300)
             if not drift <= tol:
-                reasons.append(
-                    f"loss changed by {drift:.2e} (relative) > tolerance {tol:.1e}"
-                )
+                reasons.append(f"loss changed by {drift:.2e} (relative) > tolerance {tol:.1e}")
         if heldout is not None:
-            report.heldout_after = float(
-                FunctionalModel(self.config.module, self.config.loss_fn).loss(
-                    {}, heldout
-                )
-            )
+            report.heldout_after = float(FunctionalModel(self.config.module, self.config.loss_fn).loss({}, heldout))
             htol = safety.heldout_tol
-            if htol is None and all(
-                s.action.exactness == "exact" and not s.action.needs_data
-                for s in plan.sites
-            ):
+            if htol is None and all(s.action.exactness == "exact" and not s.action.needs_data for s in plan.sites):
                 htol = tol
             if htol is not None and report.heldout_before is not None:
-                hdrift = abs(report.heldout_after - report.heldout_before) / max(
-                    abs(report.heldout_before), 1e-300
-                )
+                hdrift = abs(report.heldout_after - report.heldout_before) / max(abs(report.heldout_before), 1e-300)
                 if not hdrift <= htol:
-                    reasons.append(
-                        f"held-out loss changed by {hdrift:.2e} (relative) > tolerance {htol:.1e}"
-                    )
+                    reasons.append(f"held-out loss changed by {hdrift:.2e} (relative) > tolerance {htol:.1e}")
         return reasons
 
     def _grad_norm_after(self, plan: Plan) -> None:
@@ -527,9 +425,7 @@ class TeleportEngine:
         report.reason = "accepted"
         record.accepted += 1
         if safety.watch_steps > 0:
-            grad_ref = (
-                max(report.grad_norm_before or 0.0, report.grad_norm_after or 0.0) ** 2
-            )
+            grad_ref = max(report.grad_norm_before or 0.0, report.grad_norm_after or 0.0) ** 2
             record.watch = Watch(
                 snapshot,
                 record.step + safety.watch_steps,

@@ -54,15 +54,11 @@ class Evaluator(Protocol):
         """Site members at g . w."""
         ...
 
-    def next_step_point(
-        self, elements: Sequence[Tensor]
-    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    def next_step_point(self, elements: Sequence[Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """Every trainable parameter at g . w and the base optimizer's diagonal preconditioner there."""
         ...
 
-    def site_gains(
-        self, elements: Sequence[Tensor], n0: float
-    ) -> dict[str, float | None]:
+    def site_gains(self, elements: Sequence[Tensor], n0: float) -> dict[str, float | None]:
         """Per site: the ||grad L||^2 ratio when only that site moves (empty when not known in closed form)."""
         ...
 
@@ -80,9 +76,7 @@ class BatchEvaluator(Evaluator, Protocol):
         """L(g . w - u): the batch loss after the base optimizer's next step from g . w."""
         ...
 
-    def perturbed_loss(
-        self, elements: Sequence[Tensor], direction: Mapping[str, Tensor], t: float
-    ) -> Tensor:
+    def perturbed_loss(self, elements: Sequence[Tensor], direction: Mapping[str, Tensor], t: float) -> Tensor:
         """L(g . w + t d) on the batch."""
         ...
 
@@ -90,7 +84,5 @@ class BatchEvaluator(Evaluator, Protocol):
 def require_batch(evaluator: Evaluator, what: str) -> BatchEvaluator:
     """``evaluator`` as a :class:`BatchEvaluator`, or ``TypeError`` naming ``what`` needs one."""
     if not isinstance(evaluator, BatchEvaluator):
-        raise TypeError(
-            f"{what} needs a teleport batch (the general path); got a {type(evaluator).__name__}"
-        )
+        raise TypeError(f"{what} needs a teleport batch (the general path); got a {type(evaluator).__name__}")
     return evaluator

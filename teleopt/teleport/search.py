@@ -57,9 +57,7 @@ class SearchProblem:
 
     def score(self, coords: Sequence[Tensor]) -> Tensor:
         """What the search maximises at ``coords``: the objective's score at exp(coords) . w."""
-        return self.objective.score(
-            self.evaluator, self.evaluator.elements(coords), self.prepared
-        )
+        return self.objective.score(self.evaluator, self.evaluator.elements(coords), self.prepared)
 
 
 @dataclass
@@ -109,12 +107,7 @@ def _check_int(value: Any, what: str, minimum: int) -> int:
 
 def check_positive(value: Any, what: str) -> float:
     """``value`` as a float if it is a positive finite number, else ``ValueError`` naming ``what``."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not value > 0
-        or not math.isfinite(value)
-    ):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
         raise ValueError(f"{what} must be a positive finite number, got {value!r}")
     return float(value)
 
@@ -123,15 +116,8 @@ def check_positive_or_none(value: Any, what: str) -> float | None:
     """:func:`check_positive`, with ``None`` allowed."""
     if value is None:
         return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not value > 0
-        or not math.isfinite(value)
-    ):
-        raise ValueError(
-            f"{what} must be a positive finite number or None, got {value!r}"
-        )
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{what} must be a positive finite number or None, got {value!r}")
     return float(value)
 
 
@@ -166,19 +152,11 @@ class SearchConfig:
         _check_int(self.steps, "ascent_steps", 0)
         self.lr = check_positive(self.lr, "ascent_lr")
         if self.path not in ("auto", "fast", "general"):
-            raise ValueError(
-                f"path must be 'auto', 'fast' or 'general', got {self.path!r}"
-            )
+            raise ValueError(f"path must be 'auto', 'fast' or 'general', got {self.path!r}")
         if self.strategy is not None and not isinstance(self.strategy, SearchStrategy):
-            raise TypeError(
-                f"strategy must have a search(problem) method, got {type(self.strategy).__name__}"
-            )
+            raise TypeError(f"strategy must have a search(problem) method, got {type(self.strategy).__name__}")
 
     @property
     def chooser(self) -> SearchStrategy:
         """The strategy in use."""
-        return (
-            self.strategy
-            if self.strategy is not None
-            else GradientAscent(self.steps, self.lr)
-        )
+        return self.strategy if self.strategy is not None else GradientAscent(self.steps, self.lr)

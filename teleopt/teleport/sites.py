@@ -23,9 +23,7 @@ def _optimized(param_groups: Sequence[dict[str, Any]]) -> set[int]:
     return {id(p) for g in param_groups for p in g["params"]}
 
 
-def check_model_matches_optimizer(
-    module: nn.Module, param_groups: Sequence[dict[str, Any]]
-) -> None:
+def check_model_matches_optimizer(module: nn.Module, param_groups: Sequence[dict[str, Any]]) -> None:
     """``ValueError`` unless the optimizer updates some parameter of ``module``."""
     optimized = _optimized(param_groups)
     params = list(module.parameters())
@@ -44,9 +42,7 @@ def _resolve_name(module: nn.Module, name: str) -> str:
     except KeyError:
         if name.startswith("module."):
             return _resolve_name(module, name[len("module.") :])
-        raise ValueError(
-            f"site member {name!r} is not a parameter or buffer of {type(module).__name__}"
-        ) from None
+        raise ValueError(f"site member {name!r} is not a parameter or buffer of {type(module).__name__}") from None
 
 
 def _check_member(
@@ -59,25 +55,15 @@ def _check_member(
     if name in params:
         p = params[name]
         if not p.requires_grad:
-            raise ValueError(
-                f"site {site.name!r} acts on the frozen parameter {name!r} (requires_grad=False)"
-            )
+            raise ValueError(f"site {site.name!r} acts on the frozen parameter {name!r} (requires_grad=False)")
         if id(p) not in optimized:
-            raise ValueError(
-                f"site {site.name!r}: parameter {name!r} is not updated by the optimizer"
-            )
+            raise ValueError(f"site {site.name!r}: parameter {name!r} is not updated by the optimizer")
     if not tensor.is_floating_point():
-        raise TypeError(
-            f"site {site.name!r}: member {name!r} has dtype {tensor.dtype}; teleports need floating point"
-        )
+        raise TypeError(f"site {site.name!r}: member {name!r} has dtype {tensor.dtype}; teleports need floating point")
 
 
-def _bind(
-    site: Site, module: nn.Module, params: dict[str, nn.Parameter], optimized: set[int]
-) -> Site:
-    members = tuple(
-        None if m is None else _resolve_name(module, m) for m in site.members
-    )
+def _bind(site: Site, module: nn.Module, params: dict[str, nn.Parameter], optimized: set[int]) -> Site:
+    members = tuple(None if m is None else _resolve_name(module, m) for m in site.members)
     if members != site.members:
         site = Site(site.action, members, site.name, site.data_input, dict(site.info))
     devices, dtypes = set(), set()
@@ -87,20 +73,12 @@ def _bind(
         dtypes.add(t.dtype)
         _check_member(site, m, t, params, optimized)
     if len(devices) > 1:
-        raise ValueError(
-            f"site {site.name!r} has members on several devices ({sorted(map(str, devices))}); move them to one"
-        )
+        raise ValueError(f"site {site.name!r} has members on several devices ({sorted(map(str, devices))}); move them to one")
     if len(dtypes) > 1:
-        raise ValueError(
-            f"site {site.name!r} mixes dtypes ({sorted(map(str, dtypes))}); teleports need one dtype per site"
-        )
+        raise ValueError(f"site {site.name!r} mixes dtypes ({sorted(map(str, dtypes))}); teleports need one dtype per site")
     if site.action.needs_data and site.data_input is None:
-        raise ValueError(
-            f"site {site.name!r} is data-dependent but names no data_input module"
-        )
-    site.action.group(
-        site.tensors(module)
-    )  # shape check, raises ValueError on mismatch
+        raise ValueError(f"site {site.name!r} is data-dependent but names no data_input module")
+    site.action.group(site.tensors(module))  # shape check, raises ValueError on mismatch
     return site
 
 
@@ -115,17 +93,13 @@ def validate_sites(
     A discrete site is an error when the user ``given`` it, and skipped when detection found it.
     """
     if isinstance(sites, (str, Site)) or not isinstance(sites, Sequence):
-        raise TypeError(
-            f"sites must be 'auto' or a list of Site, got {type(sites).__name__}"
-        )
+        raise TypeError(f"sites must be 'auto' or a list of Site, got {type(sites).__name__}")
     optimized = _optimized(param_groups)
     params = dict(module.named_parameters())
     out = []
     for site in sites:
         if not isinstance(site, Site):
-            raise TypeError(
-                f"sites must contain teleopt Site objects, got {type(site).__name__}"
-            )
+            raise TypeError(f"sites must contain teleopt Site objects, got {type(site).__name__}")
         if not site.action.continuous:
             if given:
                 raise ValueError(
@@ -137,16 +111,12 @@ def validate_sites(
     return out
 
 
-def detect_sites(
-    module: nn.Module, param_groups: Sequence[dict[str, Any]], example_inputs: Any
-) -> list[Site]:
+def detect_sites(module: nn.Module, param_groups: Sequence[dict[str, Any]], example_inputs: Any) -> list[Site]:
     """The exact continuous sites ``teleopt.find_symmetries`` finds on ``module`` with ``example_inputs``."""
     try:
         from teleopt.detection import find_symmetries
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ImportError(
-            "sites='auto' needs teleopt.detection (find_symmetries); pass a list of sites instead"
-        ) from exc
+        raise ImportError("sites='auto' needs teleopt.detection (find_symmetries); pass a list of sites instead") from exc
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     found = find_symmetries(module, inputs)
     # exact sites only: an approximate site (BatchNorm input scaling, exact up to eps) would fail the

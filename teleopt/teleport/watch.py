@@ -44,9 +44,7 @@ class Watch:
     def alarm(self, grads: list[Tensor], loss: Any, factor: float) -> str | None:
         """Why this rank's gradients ``grads`` or ``loss`` call for a rollback (``None``: all well)."""
         if grads:
-            norms = torch.stack(
-                [n.to(torch.float64).cpu() for n in torch._foreach_norm(grads)]
-            )
+            norms = torch.stack([n.to(torch.float64).cpu() for n in torch._foreach_norm(grads)])
             sq = float(norms.square().sum())
             if not math.isfinite(sq):
                 return "non-finite gradient"
@@ -57,9 +55,7 @@ class Watch:
             if not math.isfinite(value):
                 return "non-finite loss"
             if self.loss_ref > 0 and value > factor * self.loss_ref:
-                return (
-                    f"loss grew to {value / self.loss_ref:.1f}x its pre-teleport value"
-                )
+                return f"loss grew to {value / self.loss_ref:.1f}x its pre-teleport value"
         return None
 
     def triggered(self, grads: list[Tensor], loss: Any, factor: float) -> bool:
@@ -140,8 +136,4 @@ class TeleportRecord:
         self.rollbacks = int(top.get("rollbacks", 0))
         self.backoff = float(top.get("backoff", 1.0))
         watch = top.get("watch")
-        self.watch = (
-            None
-            if watch is None
-            else Watch.from_state(watch, module, optimizer, params)
-        )
+        self.watch = None if watch is None else Watch.from_state(watch, module, optimizer, params)
