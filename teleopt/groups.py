@@ -29,23 +29,15 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Literal
+from collections.abc import Callable
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
 
 GroupKind = Literal["general", "orthogonal", "diagonal", "sign", "permutation", "translation"]
 
-__all__ = [
-    "Group",
-    "GeneralLinear",
-    "Orthogonal",
-    "PositiveScaling",
-    "SignFlip",
-    "Permutation",
-    "Translation",
-    "apply_on_axis",
-]
+__all__ = ["Group", "GeneralLinear", "Orthogonal", "PositiveScaling", "SignFlip", "Permutation", "Translation", "apply_on_axis"]
 
 
 def _check_tensor(g: object, what: str) -> Tensor:
@@ -65,7 +57,7 @@ def _check_size(v: object, what: str) -> None:
         raise ValueError(f"{what} must be a positive int, got {v!r}")
 
 
-def apply_on_axis(x: Tensor, axis: int, fn) -> Tensor:
+def apply_on_axis(x: Tensor, axis: int, fn: Callable[[Tensor], Tensor]) -> Tensor:
     """Apply ``fn`` to ``x`` viewed as (axis_size, rest) and return the same layout.
 
     ``fn`` receives a 2-D tensor whose rows are indexed by the chosen axis.
@@ -103,7 +95,7 @@ class Group(ABC):
         return f"{type(self).__name__}{self._config()}".replace(",)", ")")
 
     def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self._config() == other._config()  # type: ignore[attr-defined]
+        return isinstance(other, Group) and type(self) is type(other) and self._config() == other._config()
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, self._config()))
@@ -164,12 +156,40 @@ class Group(ABC):
         """
         return None
 
+    # -- geometry of the coordinates (teleportation searches here) ----------
+    has_algebra_action: ClassVar[bool] = False  #: whether :meth:`algebra_action` has a closed form
+
+    def project_coordinates(self, xi: Tensor, radius: float) -> None:
+        """Project coordinates ``xi`` (outside autograd) in place onto the trust region of ``radius``;
+        by default the Euclidean ball (groups override it with the bound their conditioning needs)."""
+        norm = xi.norm()
+        if float(norm) > radius:
+            xi.mul_(radius / norm)
+
+    def ascent_step_size(self, lr: float) -> float:
+        """Per-coordinate step of a normalised (Adam-like) ascent moving the element by about ``lr``."""
+        return lr
+
+    def algebra_action(self, M: Tensor, x: Tensor, axis: int, power: float) -> Tensor:
+        """d/dt act_on_axis(exp(t M), x, axis, power) at t = 0, for ``x`` (k, ...) and k Lie algebra
+        elements ``M`` (k, *coord_shape) batched on a leading axis."""
+        raise TypeError(f"{type(self).__name__} has no closed-form Lie-algebra action on an axis")
+
+    def square_factor(self, g: Tensor, power: float) -> Tensor | None:
+        """Entrywise factor of x**2 under ``act_on_axis(g, x, axis, power)`` if the representation is diagonal."""
+        return None
+
     def _check_axis(self, x: Tensor, axis: int) -> None:
         if x.shape[axis] != self.dim:
             raise ValueError(
                 f"{self!r} acts on an axis of length {self.dim}, but axis {axis} of a tensor "
                 f"with shape {tuple(x.shape)} has length {x.shape[axis]}"
             )
+
+    def _check_coords(self, coords: Tensor) -> None:
+        _check_tensor(coords, "Lie algebra coordinates")
+        if tuple(coords.shape) != self.coord_shape:
+            raise ValueError(f"{self!r} expects coordinates of shape {self.coord_shape}, got {tuple(coords.shape)}")
 
     def _check_shape(self, g: Tensor) -> None:
         _check_tensor(g, "group element")
@@ -237,6 +257,23 @@ class _MatrixGroup(Group):
     def _contragredient(self, g: Tensor, cols: Tensor) -> Tensor:
         """g^{-T} applied to the columns of ``cols`` (batched over blocks)."""
 
+    has_algebra_action: ClassVar[bool] = True
+
+    def ascent_step_size(self, lr: float) -> float:
+        return lr / self.n  # Adam moves every entry by about lr: a spectral norm up to n lr
+
+    def algebra_action(self, M: Tensor, x: Tensor, axis: int, power: float) -> Tensor:
+        k = x.shape[0]
+        Mb = M.to(x.dtype).reshape(k, self.blocks or 1, self.n, self.n)
+        A = self._algebra_matrix(Mb, power)
+        moved = x.movedim(axis, 1)
+        cols = moved.reshape(k, self.blocks or 1, self.n, -1)
+        return (A @ cols).reshape(moved.shape).movedim(1, axis)
+
+    @abstractmethod
+    def _algebra_matrix(self, M: Tensor, power: float) -> Tensor:
+        """The matrix d rho(M) applies to the axis' columns (batched)."""
+
 
 class GeneralLinear(_MatrixGroup):
     """GL_n(R) (or ``blocks`` independent copies): papers/001 Ex. 1.2.2, 1.2.11-1.2.13.
@@ -249,9 +286,7 @@ class GeneralLinear(_MatrixGroup):
     continuous = True
 
     def exp(self, coords: Tensor) -> Tensor:
-        _check_tensor(coords, "Lie algebra coordinates")
-        if tuple(coords.shape) != self.coord_shape:
-            raise ValueError(f"{self!r} expects coordinates of shape {self.coord_shape}, got {tuple(coords.shape)}")
+        self._check_coords(coords)
         return torch.linalg.matrix_exp(coords)
 
     @staticmethod
@@ -260,6 +295,17 @@ class GeneralLinear(_MatrixGroup):
 
     def _contragredient(self, g: Tensor, cols: Tensor) -> Tensor:
         return torch.linalg.solve(g.mT, cols)
+
+    def _algebra_matrix(self, M: Tensor, power: float) -> Tensor:
+        return M if power == 1 else -M.mT
+
+    def project_coordinates(self, xi: Tensor, radius: float) -> None:
+        """Spectral norm ||xi||_2 <= radius per block (condition number of exp(xi) <= e^{2 radius})."""
+        if float(torch.linalg.matrix_norm(xi).max()) <= radius:  # spectral <= Frobenius: nothing to clip
+            return
+        U, S, Vh = torch.linalg.svd(xi, full_matrices=False)
+        if bool((S > radius).any()):
+            xi.copy_(U @ torch.diag_embed(S.clamp(max=radius)) @ Vh)
 
     def validate(self, g: Tensor) -> None:
         self._check_shape(g)
@@ -289,9 +335,7 @@ class Orthogonal(_MatrixGroup):
     continuous = True
 
     def exp(self, coords: Tensor) -> Tensor:
-        _check_tensor(coords, "Lie algebra coordinates")
-        if tuple(coords.shape) != self.coord_shape:
-            raise ValueError(f"{self!r} expects coordinates of shape {self.coord_shape}, got {tuple(coords.shape)}")
+        self._check_coords(coords)
         return torch.linalg.matrix_exp((coords - coords.mT) / 2)
 
     @staticmethod
@@ -300,6 +344,12 @@ class Orthogonal(_MatrixGroup):
 
     def _contragredient(self, g: Tensor, cols: Tensor) -> Tensor:
         return g @ cols
+
+    def _algebra_matrix(self, M: Tensor, power: float) -> Tensor:
+        return (M - M.mT) / 2  # exp uses the skew part, the same for either power
+
+    def project_coordinates(self, xi: Tensor, radius: float) -> None:
+        """O(n) is compact: no bound needed."""
 
     def validate(self, g: Tensor) -> None:
         self._check_shape(g)
@@ -343,9 +393,7 @@ class PositiveScaling(Group):
         return 1.0 / g
 
     def exp(self, coords: Tensor) -> Tensor:
-        _check_tensor(coords, "Lie algebra coordinates")
-        if tuple(coords.shape) != self.coord_shape:
-            raise ValueError(f"{self!r} expects coordinates of shape {self.coord_shape}, got {tuple(coords.shape)}")
+        self._check_coords(coords)
         return torch.exp(coords)
 
     def random(self, generator=None, scale=1.0, dtype=torch.float64, device=None) -> Tensor:
@@ -369,6 +417,20 @@ class PositiveScaling(Group):
 
     def second_moment_power(self, power: float) -> float | None:
         return 2 * power
+
+    has_algebra_action: ClassVar[bool] = True
+
+    def project_coordinates(self, xi: Tensor, radius: float) -> None:
+        """Every log-scale |xi_i| <= radius: each scale lies in [e^-radius, e^radius]."""
+        xi.clamp_(-radius, radius)
+
+    def algebra_action(self, M: Tensor, x: Tensor, axis: int, power: float) -> Tensor:
+        shape = [x.shape[0]] + [1] * (x.ndim - 1)
+        shape[axis] = -1
+        return x * (power * M.to(x.dtype)).reshape(shape)
+
+    def square_factor(self, g: Tensor, power: float) -> Tensor | None:
+        return g ** (2.0 * power)
 
 
 class SignFlip(Group):
@@ -512,9 +574,7 @@ class Translation(Group):
         return -g
 
     def exp(self, coords: Tensor) -> Tensor:
-        _check_tensor(coords, "Lie algebra coordinates")
-        if tuple(coords.shape) != self.coord_shape:
-            raise ValueError(f"{self!r} expects coordinates of shape {self.coord_shape}, got {tuple(coords.shape)}")
+        self._check_coords(coords)
         return coords
 
     def random(self, generator=None, scale=1.0, dtype=torch.float64, device=None) -> Tensor:
@@ -528,3 +588,7 @@ class Translation(Group):
 
     def act_on_axis(self, g: Tensor, x: Tensor, axis: int, power: float = 1) -> Tensor:
         raise TypeError("the translation group acts affinely; it has no linear representation on an axis")
+
+    def project_coordinates(self, xi: Tensor, radius: float) -> None:
+        """Every |xi_i| <= radius."""
+        xi.clamp_(-radius, radius)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from teleopt.actions.axis import AxisAction
-from teleopt.actions.base import GroupAction, Params
+from teleopt.actions.base import GroupAction, Params, required
 
 __all__ = ["Site", "as_sites", "lookup_tensor"]
 
@@ -103,7 +103,7 @@ class Site:
         new = self.act(model, g, data)
         for t, v in zip(live, new):
             if t is not None:
-                t.copy_(v)
+                t.copy_(required(v))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (names, not tensors) that :meth:`from_dict` turns back into a site."""

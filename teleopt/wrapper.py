@@ -78,7 +78,7 @@ class OptimizerWrapper(Optimizer):
         return self._base
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def state(self) -> Any:
         """The base optimizer's real per-parameter state."""
         return self._base.state
 

@@ -187,3 +187,16 @@ def test_data_dependent_gl_identity_is_exact_below_full_batch():
     moved = action.act(action.identity(problem.params), problem.params, problem.data)
     for a, b in zip(moved, problem.params):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
+
+
+def test_every_registered_action_pickles_with_its_class_and_example_problem():
+    import pickle
+
+    from teleopt.registry import get_action, list_actions
+
+    for row in list_actions():
+        action = get_action(row["name"])
+        copy = pickle.loads(pickle.dumps(action))
+        assert type(copy) is type(action)
+        ours, theirs = action.example(torch.Generator().manual_seed(0)), copy.example(torch.Generator().manual_seed(0))
+        assert torch.equal(ours.loss(ours.params), theirs.loss(theirs.params)), row["name"]

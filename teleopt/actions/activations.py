@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -49,17 +50,30 @@ class Activation:
             )
 
 
+def _identity(z: Tensor) -> Tensor:
+    return z
+
+
+def _leaky_relu(slope: float, z: Tensor) -> Tensor:
+    return F.leaky_relu(z, slope)
+
+
+def _leaky_relu_inverse(slope: float, y: Tensor) -> Tensor:
+    return torch.where(y >= 0, y, y / slope)
+
+
 def _leaky(slope: float) -> Activation:
+    # module-level functions and partials, not lambdas: activations (and the actions holding them) pickle
     return Activation(
         name=f"leaky_relu({slope})",
-        fn=lambda z: F.leaky_relu(z, slope),
-        inverse=lambda y: torch.where(y >= 0, y, y / slope),
+        fn=partial(_leaky_relu, slope),
+        inverse=partial(_leaky_relu_inverse, slope),
         degree=1.0,
     )
 
 
 ACTIVATIONS: dict[str, Activation] = {
-    "identity": Activation("identity", lambda z: z, lambda y: y, degree=1.0, odd=True),
+    "identity": Activation("identity", _identity, _identity, degree=1.0, odd=True),
     "relu": Activation("relu", torch.relu, degree=1.0),
     "leaky_relu": _leaky(0.1),
     "tanh": Activation("tanh", torch.tanh, torch.atanh, odd=True, range=(-1.0, 1.0)),

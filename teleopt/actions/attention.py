@@ -18,12 +18,14 @@ the same action with A = g^{-T}.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor
 
 from teleopt.actions.axis import AxisAction, Member
-from teleopt.actions.base import ExampleProblem, Params
+from teleopt.actions.base import ExampleProblem, Params, required
 from teleopt.groups import Permutation
 
 __all__ = ["AttentionQK", "AttentionVO", "AttentionHeadPermutation", "multi_head_attention"]
@@ -34,6 +36,7 @@ _ALL = ("W_Q", "b_Q", "W_K", "b_K", "W_V", "b_V", "W_O")
 def multi_head_attention(p: Params, x: Tensor, num_heads: int) -> Tensor:
     """Self-attention of x (batch, tokens, d_model) with stacked projections p (see module docs)."""
     W_Q, b_Q, W_K, b_K, W_V, b_V, W_O = p
+    W_Q, W_K, W_V, W_O = required(W_Q, "W_Q"), required(W_K, "W_K"), required(W_V, "W_V"), required(W_O, "W_O")
     B, T, _ = x.shape
 
     def heads(W: Tensor, b: Tensor | None) -> Tensor:
@@ -46,30 +49,32 @@ def multi_head_attention(p: Params, x: Tensor, num_heads: int) -> Tensor:
     return out @ W_O.T
 
 
-def _example(num_heads: int, members: tuple[str, ...] = _ALL):
+def _example(num_heads: int, members: tuple[str, ...] = _ALL) -> Callable[..., ExampleProblem]:
     """Example problem for an action whose members are ``members`` (a subset of the seven projections)."""
+    return partial(_attention_example, num_heads, members)  # a partial, not a closure: actions pickle
 
-    def make(generator: torch.Generator | None, dtype: torch.dtype, d_model: int = 6, d_head: int = 3) -> ExampleProblem:
-        def randn(*shape: int, scale: float = 1.0) -> Tensor:
-            return (torch.randn(shape, generator=generator, dtype=torch.float64) * scale).to(dtype)
 
-        hd = num_heads * d_head
-        s = 1 / math.sqrt(d_model)
-        params = (
-            randn(hd, d_model, scale=s), randn(hd), randn(hd, d_model, scale=s), randn(hd),
-            randn(hd, d_model, scale=s), randn(hd), randn(d_model, hd, scale=s),
-        )
-        x = randn(2, 5, d_model)
-        full = dict(zip(_ALL, params))
-        mine = tuple(full[m] for m in members)
+def _attention_example(
+    num_heads: int, members: tuple[str, ...], generator: torch.Generator | None, dtype: torch.dtype, d_model: int = 6, d_head: int = 3
+) -> ExampleProblem:
+    def randn(*shape: int, scale: float = 1.0) -> Tensor:
+        return (torch.randn(shape, generator=generator, dtype=torch.float64) * scale).to(dtype)
 
-        def fn(p: Params, x: Tensor) -> Tensor:
-            values = dict(full, **dict(zip(members, p)))
-            return multi_head_attention(tuple(values[m] for m in _ALL), x, num_heads)
+    hd = num_heads * d_head
+    s = 1 / math.sqrt(d_model)
+    params = (
+        randn(hd, d_model, scale=s), randn(hd), randn(hd, d_model, scale=s), randn(hd),
+        randn(hd, d_model, scale=s), randn(hd), randn(d_model, hd, scale=s),
+    )
+    x = randn(2, 5, d_model)
+    full = dict(zip(_ALL, params))
+    mine = tuple(full[m] for m in members)
 
-        return ExampleProblem(mine, x, fn)
+    def fn(p: Params, x: Tensor) -> Tensor:
+        values = dict(full, **dict(zip(members, p)))
+        return multi_head_attention(tuple(values[m] for m in _ALL), x, num_heads)
 
-    return make
+    return ExampleProblem(mine, x, fn)
 
 
 def _members(layout: dict[str, tuple[int, int]]) -> tuple[Member, ...]:

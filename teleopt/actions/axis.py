@@ -27,8 +27,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from teleopt.actions.base import ExampleProblem, Exactness, GroupAction, Params, check_exactness
-from teleopt.groups import GeneralLinear, Group, Orthogonal, Permutation, PositiveScaling, SignFlip
+from teleopt.actions.base import (
+    Exactness,
+    ExampleProblem,
+    GroupAction,
+    Params,
+    check_exactness,
+)
+from teleopt.groups import (
+    GeneralLinear,
+    Group,
+    Orthogonal,
+    Permutation,
+    PositiveScaling,
+    SignFlip,
+)
 
 __all__ = ["Member", "AxisAction", "GROUP_TYPES"]
 
@@ -82,7 +95,7 @@ class Member:
             raise TypeError(f"member {self.name!r}: axis must be an int, got {self.axis!r}")
         if (self.start is None) != (self.stop is None):
             raise ValueError(f"member {self.name!r}: give both start and stop, or neither")
-        if self.start is not None and not (0 <= self.start < self.stop):  # type: ignore[operator]
+        if self.start is not None and self.stop is not None and not 0 <= self.start < self.stop:
             raise ValueError(f"member {self.name!r}: need 0 <= start < stop, got [{self.start}, {self.stop})")
         for field_name in ("outer", "inner", "groups"):
             value = getattr(self, field_name)
@@ -109,15 +122,15 @@ class Member:
                     f"divisible into groups, got shape {tuple(t.shape)}"
                 )
             return self.groups * t.shape[self.axis]
-        if self.start is None:
+        if self.start is None or self.stop is None:  # both or neither (checked at construction)
             part = t.shape[self.axis]
-        elif self.stop > t.shape[self.axis]:  # type: ignore[operator]
+        elif self.stop > t.shape[self.axis]:
             raise ValueError(
                 f"member {self.name!r}: slice [{self.start}, {self.stop}) exceeds axis {self.axis} "
                 f"of length {t.shape[self.axis]}"
             )
         else:
-            part = self.stop - self.start  # type: ignore[operator]
+            part = self.stop - self.start
         if part % (self.outer * self.inner):
             raise ValueError(
                 f"member {self.name!r}: a part of length {part} is not divisible into outer={self.outer} "
@@ -130,11 +143,11 @@ class Member:
         axis = self.axis % t.ndim
         if self.groups > 1:
             return self._transform_grouped(t, axis, fn)
-        if self.start is None:
+        if self.start is None or self.stop is None:  # both or neither (checked at construction)
             return self._transform_part(t, axis, fn)
         before = t.narrow(axis, 0, self.start)
-        part = t.narrow(axis, self.start, self.stop - self.start)  # type: ignore[operator]
-        after = t.narrow(axis, self.stop, t.shape[axis] - self.stop)  # type: ignore[operator]
+        part = t.narrow(axis, self.start, self.stop - self.start)
+        after = t.narrow(axis, self.stop, t.shape[axis] - self.stop)
         return torch.cat([before, self._transform_part(part, axis, fn), after], dim=axis)
 
     def _transform_part(self, part: Tensor, axis: int, fn: Callable[[Tensor, int], Tensor]) -> Tensor:
@@ -166,11 +179,18 @@ def _check_parts(members: tuple[Member, ...]) -> None:
             for b in parts[i + 1 :]:
                 if a.axis != b.axis:
                     continue
-                if a.start is None or b.start is None or not (a.stop <= b.start or b.stop <= a.start):  # type: ignore[operator]
+                if a.start is None or b.start is None or a.stop is None or b.stop is None or not (a.stop <= b.start or b.stop <= a.start):
                     raise ValueError(
                         f"members {a.name!r} and {b.name!r} of tensor {key!r} overlap on axis {a.axis}: "
                         "parts of one tensor must be disjoint slices"
                     )
+
+
+def _second_moment_power(group: Group, power: float) -> float:
+    squared = group.second_moment_power(power)
+    if squared is None:
+        raise TypeError(f"{group!r} has no exact elementwise rule for second moments")
+    return squared
 
 
 class AxisAction(GroupAction):
@@ -295,7 +315,8 @@ class AxisAction(GroupAction):
             b = self.blocks or 1
             if n % b:
                 raise ValueError(f"{self.name}: axis length {n} is not divisible into {b} blocks")
-            return self.group_type(n // b, blocks=self.blocks)  # type: ignore[call-arg]
+            matrix = GeneralLinear if self.group_kind == "general" else Orthogonal
+            return matrix(n // b, blocks=self.blocks)
         if self.group_kind == "permutation":
             if n % self.unit_size:
                 raise ValueError(f"{self.name}: axis length {n} is not divisible into units of {self.unit_size}")
@@ -312,11 +333,13 @@ class AxisAction(GroupAction):
             key = m.tensor_key
             if key in current and current[key].shape != p.shape:
                 raise ValueError(f"{self.name}: members of tensor {key!r} were given tensors of different shapes")
-            power = sign * m.power
-            if square:
-                power = grp.second_moment_power(power)
+            power = _second_moment_power(grp, sign * m.power) if square else sign * m.power
             base = current.get(key, p)
-            current[key] = m.transform(base, lambda part, axis, power=power: grp.act_on_axis(g, part, axis, power))
+
+            def fn(part: Tensor, axis: int, power: float = power) -> Tensor:
+                return grp.act_on_axis(g, part, axis, power)
+
+            current[key] = m.transform(base, fn)
         return tuple(None if p is None else current[m.tensor_key] for m, p in zip(self.members, params))
 
     def act(self, g: Tensor, params: Params, data: Any = None) -> Params:
@@ -336,6 +359,30 @@ class AxisAction(GroupAction):
         if self.group(moments).second_moment_power(1) is None:
             return None
         return self._apply(g, moments, -1, square=True)
+
+    @property
+    def has_infinitesimal_action(self) -> bool:
+        """Closed form when the group has one and every member acts on a whole axis or a slice of it
+        (no outer/inner views or grouped layouts)."""
+        return self.group_type.has_algebra_action and all(m.outer == 1 and m.inner == 1 and m.groups == 1 for m in self.members)
+
+    def infinitesimal_action(self, group: Group, M: Tensor, tensors: Params) -> Params:
+        """Each member's d rho(M) on its axis (``power`` picks the representation), zero outside its slice."""
+        out: list[Tensor | None] = []
+        for member, x in zip(self.members, tensors):
+            if x is None:
+                out.append(None)
+                continue
+            axis = member.axis % (x.ndim - 1) + 1
+            if member.start is None or member.stop is None:
+                out.append(group.algebra_action(M, x, axis, member.power))
+                continue
+            part = x.narrow(axis, member.start, member.stop - member.start)
+            moved = group.algebra_action(M, part, axis, member.power)
+            before = torch.zeros_like(x.narrow(axis, 0, member.start))
+            after = torch.zeros_like(x.narrow(axis, member.stop, x.shape[axis] - member.stop))
+            out.append(torch.cat([before, moved, after], dim=axis))
+        return tuple(out)
 
     def example(self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> ExampleProblem:
         if self._example is None:

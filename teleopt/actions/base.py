@@ -32,9 +32,21 @@ from teleopt.groups import Group
 
 Exactness = Literal["exact", "data-dependent", "approximate"]
 Params = tuple[Tensor | None, ...]
-_EXACTNESS = ("exact", "data-dependent", "approximate")
+_EXACTNESS: tuple[Exactness, ...] = ("exact", "data-dependent", "approximate")
 
-__all__ = ["GroupAction", "ExampleProblem", "Exactness", "Params"]
+__all__ = ["GroupAction", "ExampleProblem", "Exactness", "Params", "required"]
+
+
+def required(member: Tensor | None, name: str = "member") -> Tensor:
+    """An entry of :data:`Params` narrowed to a tensor.
+
+    ``Params`` allows ``None`` for optional members; :meth:`GroupAction.check_params`
+    rejects ``None`` for required ones, and this states it (to readers and the type
+    checker) where a required member is read, raising if the check was skipped.
+    """
+    if member is None:
+        raise ValueError(f"required {name} is None")
+    return member
 
 
 @dataclass(frozen=True)
@@ -203,6 +215,22 @@ class GroupAction(ABC):
         """Exact transport of elementwise second moments, or ``None`` when there is none."""
         return None
 
+    # -- the infinitesimal action ----------------------------------------------------
+    @property
+    def has_infinitesimal_action(self) -> bool:
+        """Whether :meth:`infinitesimal_action` has a closed form (papers/001 Sec. 5.2.2)."""
+        return False
+
+    def infinitesimal_action(self, group: Group, M: Tensor, tensors: Params) -> Params:
+        """d rho(M) applied to each member, batched over k Lie algebra elements.
+
+        ``tensors`` holds the members batched as (k, *shape) and ``M`` the k
+        elements (k, *coord_shape) of ``group``'s algebra; the result is each
+        member's image d/dt (exp(t M) . w) at t = 0 (zero where the member is not
+        acted on; ``None`` for absent members).
+        """
+        raise TypeError(f"site action {self.name}: no closed-form infinitesimal action")
+
     @abstractmethod
     def example(self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> ExampleProblem:
         """A small random problem this action is a symmetry of (for property tests)."""
@@ -210,6 +238,7 @@ class GroupAction(ABC):
 
 def check_exactness(value: str) -> Exactness:
     """Validate an exactness label."""
-    if value not in _EXACTNESS:
-        raise ValueError(f"exactness must be one of {_EXACTNESS}, got {value!r}")
-    return value  # type: ignore[return-value]
+    for label in _EXACTNESS:
+        if value == label:
+            return label
+    raise ValueError(f"exactness must be one of {_EXACTNESS}, got {value!r}")

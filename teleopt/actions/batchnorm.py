@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from teleopt.actions.axis import AxisAction, Member
-from teleopt.actions.base import ExampleProblem, Params
+from teleopt.actions.base import ExampleProblem, Params, required
 
 __all__ = ["BatchNormScaling", "batchnorm_scaling_bound"]
 
@@ -65,7 +65,7 @@ class BatchNormScaling(AxisAction):
             return (z - mean) / torch.sqrt(var + eps) * gamma + beta
 
         def fn(p: Params, x: Tensor) -> Tensor:
-            W, b, rm, rv = p
+            W, b, rm, rv = (required(t) for t in p)
             z = x @ W.T + b
             train = normalise(z, z.mean(0), z.var(0, unbiased=False))
             return torch.cat([train, normalise(z, rm, rv)], dim=0)

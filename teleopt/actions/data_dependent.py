@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from teleopt.actions.activations import Activation, get_activation
-from teleopt.actions.base import ExampleProblem, GroupAction, Params
+from teleopt.actions.base import ExampleProblem, GroupAction, Params, required
 from teleopt.groups import GeneralLinear, Group
 
 __all__ = ["DataDependentGL", "DataDependentGLLstsq", "min_norm_solve"]
@@ -71,6 +71,7 @@ class _TwoLayerDataDependent(GroupAction):
 
     def group(self, params: Params) -> Group:
         W1, b1, W2 = self.check_params(params)
+        W1, W2 = required(W1, "W1"), required(W2, "W2")
         if W1.ndim != 2 or W2.ndim != 2:
             raise ValueError(f"{self.name}: W1 and W2 must be matrices, got shapes {tuple(W1.shape)}, {tuple(W2.shape)}")
         h = W1.shape[0]
@@ -84,7 +85,7 @@ class _TwoLayerDataDependent(GroupAction):
         self._check_data(data)
         if not isinstance(data, Tensor):
             raise TypeError(f"{self.name}: data must be the layer input, a (batch, features) tensor")
-        W1 = params[0]
+        W1 = required(params[0], "W1")
         if data.ndim != 2 or data.shape[1] != W1.shape[1]:
             raise ValueError(
                 f"{self.name}: data must have shape (batch, {W1.shape[1]}) to feed W1 {tuple(W1.shape)}, "
@@ -106,7 +107,7 @@ class _TwoLayerDataDependent(GroupAction):
         W1, b1, W2, X = randn(h, n) / n**0.5, randn(h) * 0.1, randn(m, h), randn(k, n) * x_scale
 
         def fn(p: Params, x: Tensor) -> Tensor:
-            return act(x @ p[0].T + p[1]) @ p[2].T
+            return act(x @ required(p[0]).T + required(p[1])) @ required(p[2]).T
 
         return ExampleProblem((W1, b1, W2), X, fn)
 
@@ -127,6 +128,7 @@ class DataDependentGL(_TwoLayerDataDependent):
         grp.validate(g.detach())
         X = self._batch(params, data)
         W1, b1, W2 = params
+        W1, W2 = required(W1, "W1"), required(W2, "W2")
         Xa = self._augmented(X, b1)
         if Xa.shape[0] > Xa.shape[1]:
             raise ValueError(
@@ -138,7 +140,9 @@ class DataDependentGL(_TwoLayerDataDependent):
         g = g.to(W1.dtype)
         H_new = self.activation(Z) @ g.T
         self.activation.check_in_range(H_new, "g sigma(W1 X)")
-        Z_new = self.activation.inverse(H_new)  # type: ignore[misc]
+        inverse = self.activation.inverse
+        assert inverse is not None, "checked at construction: the activation is invertible"
+        Z_new = inverse(H_new)
         delta = min_norm_solve(Xa, Z_new - Z)
         residual = _relative_residual(Xa, delta, Z_new - Z)
         if residual > 100 * torch.finfo(W1.dtype).eps ** 0.5:
@@ -176,6 +180,7 @@ class DataDependentGLLstsq(_TwoLayerDataDependent):
         grp.validate(g.detach())
         X = self._batch(params, data)
         W1, b1, W2 = params
+        W1, W2 = required(W1, "W1"), required(W2, "W2")
         k, h = X.shape[0], grp.n
         if k > h and self.strict:
             raise ValueError(

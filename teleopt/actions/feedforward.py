@@ -15,12 +15,14 @@ column convention this is W2 sigma(W1 X + b1); the actions are identical:
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
 from teleopt.actions.activations import Activation, get_activation
 from teleopt.actions.axis import AxisAction, Member
-from teleopt.actions.base import ExampleProblem, Params
+from teleopt.actions.base import ExampleProblem, Params, required
 
 __all__ = [
     "GLLinear",
@@ -51,11 +53,15 @@ def two_layer_example(
     X = _randn((k, n), generator, dtype)
 
     def fn(p: Params, x: Tensor) -> Tensor:
-        W1, b1, W2 = p
+        W1, b1, W2 = required(p[0], "W1"), p[1], required(p[2], "W2")
         z = x @ W1.T if b1 is None else x @ W1.T + b1
         return activation(z) @ W2.T
 
     return ExampleProblem(params, X, fn)
+
+
+def _relu_power(alpha: float, z: Tensor) -> Tensor:
+    return torch.relu(z) ** alpha
 
 
 def _hidden_members(reader_power: float) -> tuple[Member, ...]:
@@ -75,7 +81,7 @@ class GLLinear(AxisAction):
             _hidden_members(-1),
             reference="papers/001 Ex. 1.2.2",
             group_name="GL_h(R)",
-            example=lambda gen, dt: two_layer_example(get_activation("identity"), gen, dt),
+            example=partial(two_layer_example, get_activation("identity")),
         )
 
 
@@ -92,7 +98,7 @@ class PositiveRescaling(AxisAction):
             alpha = 2.0 if alpha is None else float(alpha)
             if not alpha > 0:
                 raise ValueError(f"alpha must be > 0, got {alpha}")
-            act = Activation(f"relu^{alpha}", lambda z: torch.relu(z) ** alpha, degree=alpha)
+            act = Activation(f"relu^{alpha}", partial(_relu_power, alpha), degree=alpha)
         else:
             act = get_activation(activation, negative_slope if activation == "leaky_relu" else None)
             if act.degree is None:
@@ -108,7 +114,7 @@ class PositiveRescaling(AxisAction):
             _hidden_members(-alpha),
             reference="papers/001 Ex. 1.2.4",
             group_name="R_{>0}^h",
-            example=lambda gen, dt: two_layer_example(act, gen, dt),
+            example=partial(two_layer_example, act),
         )
 
 
@@ -125,7 +131,7 @@ class SignFlipAction(AxisAction):
             _hidden_members(-1),
             reference="papers/001 Ex. 1.2.5",
             group_name="Z_2^h",
-            example=lambda gen, dt: two_layer_example(act, gen, dt),
+            example=partial(two_layer_example, act),
         )
 
 
@@ -145,7 +151,7 @@ class RadialOrthogonal(AxisAction):
             _hidden_members(-1),
             reference="papers/001 Ex. 1.2.6",
             group_name="O(h)",
-            example=lambda gen, dt: two_layer_example(act, gen, dt),
+            example=partial(two_layer_example, act),
         )
 
 
@@ -160,7 +166,7 @@ class HiddenPermutation(AxisAction):
             _hidden_members(1),
             reference="papers/001 Ex. 1.2.9",
             group_name="S_h",
-            example=lambda gen, dt: two_layer_example(act, gen, dt),
+            example=partial(two_layer_example, act),
         )
 
 
@@ -171,7 +177,7 @@ def _rbf_example(generator: torch.Generator | None, dtype: torch.dtype, k: int =
     X = _randn((samples, n), generator, dtype)
 
     def fn(p: Params, x: Tensor) -> Tensor:
-        w, b, c = p
+        w, b, c = (required(t) for t in p)
         r = torch.cdist(x, c) / b
         return torch.exp(-(r**2)) @ w
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from teleopt.actions.axis import AxisAction, Member
-from teleopt.actions.base import ExampleProblem, Params
+from teleopt.actions.base import ExampleProblem, required
 
 __all__ = ["LoRAGL"]
 
@@ -20,7 +20,7 @@ def _example(generator: torch.Generator | None, dtype: torch.dtype, out: int = 6
         return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
 
     W, U, V, X = randn(out, inp), randn(out, r), randn(r, inp), randn(7, inp)
-    return ExampleProblem((U, V), X, lambda p, x: x @ (W + p[0] @ p[1]).T)
+    return ExampleProblem((U, V), X, lambda p, x: x @ (W + required(p[0]) @ required(p[1])).T)
 
 
 class LoRAGL(AxisAction):

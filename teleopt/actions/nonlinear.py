@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from teleopt.actions.activations import Activation, get_activation
-from teleopt.actions.base import ExampleProblem, GroupAction, Params
+from teleopt.actions.base import ExampleProblem, GroupAction, Params, required
 from teleopt.groups import GeneralLinear, Group
 
 __all__ = ["NonlinearGL", "householder_frame"]
@@ -63,6 +63,7 @@ class NonlinearGL(GroupAction):
 
     def group(self, params: Params) -> Group:
         U, V, b = self.check_params(params)
+        U, V = required(U, "U"), required(V, "V")
         if U.ndim != 2 or V.ndim != 2 or U.shape[1] != V.shape[0]:
             raise ValueError(f"{self.name}: need U (m, h) and V (h, n), got {tuple(U.shape)} and {tuple(V.shape)}")
         if b is not None and b.shape != V.shape[:1]:
@@ -78,9 +79,10 @@ class NonlinearGL(GroupAction):
             raise ValueError(
                 f"{self.name}: the action is exact for a single sample only; got a batch of shape {tuple(data.shape)}"
             )
-        if x.shape[0] != params[1].shape[1]:
-            raise ValueError(f"{self.name}: input has {x.shape[0]} features but V expects {params[1].shape[1]}")
-        return x.to(params[1].dtype)
+        V = required(params[1], "V")
+        if x.shape[0] != V.shape[1]:
+            raise ValueError(f"{self.name}: input has {x.shape[0]} features but V expects {V.shape[1]}")
+        return x.to(V.dtype)
 
     def _R(self, z: Tensor, what: str) -> tuple[Tensor, Tensor]:
         y = self.activation(z)
@@ -94,6 +96,7 @@ class NonlinearGL(GroupAction):
         self.group(params).validate(g.detach())
         x = self._sample(params, data)
         U, V, b = params
+        U, V = required(U, "U"), required(V, "V")
         g = g.to(V.dtype)
         z = V @ x if b is None else V @ x + b
         y, r = self._R(z, "V x + b")
@@ -108,4 +111,4 @@ class NonlinearGL(GroupAction):
 
         U, V, b, x = randn(3, 4), randn(4, 5), randn(4), randn(5)
         act = self.activation
-        return ExampleProblem((U, V, b), x, lambda p, x: p[0] @ act(p[1] @ x + p[2]))
+        return ExampleProblem((U, V, b), x, lambda p, x: required(p[0]) @ act(required(p[1]) @ x + required(p[2])))

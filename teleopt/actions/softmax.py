@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from teleopt.actions.base import ExampleProblem, GroupAction, Params
+from teleopt.actions.base import ExampleProblem, GroupAction, Params, required
 from teleopt.groups import Group, Translation
 
 __all__ = ["SoftmaxTranslation"]
@@ -40,6 +40,7 @@ class SoftmaxTranslation(GroupAction):
 
     def group(self, params: Params) -> Group:
         W, b = self.check_params(params)
+        W = required(W, "W")
         if W.ndim != 2:
             raise ValueError(f"{self.name}: W must be a matrix (classes, features), got shape {tuple(W.shape)}")
         if b is not None and b.shape != W.shape[:1]:
@@ -50,6 +51,7 @@ class SoftmaxTranslation(GroupAction):
         params = self.check_params(params)
         self.group(params).validate(g.detach())
         W, b = params
+        W = required(W, "W")
         n = W.shape[1]
         g = g.to(W.dtype)
         return (W + g[:n], None if b is None else b + g[n])
@@ -67,4 +69,4 @@ class SoftmaxTranslation(GroupAction):
             return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
 
         W, b, X = randn(5, 4), randn(5), randn(6, 4)
-        return ExampleProblem((W, b), X, lambda p, x: torch.log_softmax(x @ p[0].T + p[1], dim=-1))
+        return ExampleProblem((W, b), X, lambda p, x: torch.log_softmax(x @ required(p[0]).T + required(p[1]), dim=-1))

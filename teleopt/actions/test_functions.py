@@ -17,12 +17,13 @@ M^T R M^{-T} grad (papers/001 eq. 4.19).  The parameter tuple has one member ``w
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from teleopt.actions.base import ExampleProblem, GroupAction, Params
+from teleopt.actions.base import ExampleProblem, GroupAction, Params, required
 from teleopt.groups import Group, Orthogonal
 
 __all__ = ["ConjugatedRotation", "Rosenbrock", "Booth", "QuadraticOrthogonal", "rosenbrock", "booth"]
@@ -74,7 +75,7 @@ class ConjugatedRotation(GroupAction):
         return self.M is not None
 
     def group(self, params: Params) -> Group:
-        (w,) = self.check_params(params)
+        w = required(self.check_params(params)[0], "w")
         if w.shape != (self.n,):
             raise ValueError(f"{self.name}: w must have shape ({self.n},), got {tuple(w.shape)}")
         return Orthogonal(self.n)
@@ -82,57 +83,63 @@ class ConjugatedRotation(GroupAction):
     def act(self, g: Tensor, params: Params, data: Any = None) -> Params:
         params = self.check_params(params)
         self.group(params).validate(g.detach())
-        (w,) = params
+        w = required(params[0], "w")
         return (self._h_inv(g.to(w.dtype) @ self._h(w)),)
 
     def transport_gradient(self, g: Tensor, grads: Params) -> Params:
         if self.M is None:
             return super().transport_gradient(g, grads)
-        (grad,) = self.check_params(grads)
+        grad = required(self.check_params(grads)[0], "w")
         M = self.M.to(grad)
         # (J^{-1})^T grad with J = M^{-1} g M:  J^{-T} = M^T g M^{-T}  (g orthogonal: g^{-T} = g)
         return (M.T @ (g.to(grad) @ torch.linalg.solve(M.T, grad)),)
 
     def example(self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> ExampleProblem:
         w = self._start(generator, dtype)
-        return ExampleProblem((w,), None, lambda p, _: self.loss(p[0]), functional=False)
+        return ExampleProblem((w,), None, lambda p, _: self.loss(required(p[0])), functional=False)
 
 
-def _random_start(n: int, scale: float = 2.0):
-    def start(generator: torch.Generator | None, dtype: torch.dtype) -> Tensor:
-        return ((torch.rand(n, generator=generator, dtype=torch.float64) * 2 - 1) * scale).to(dtype)
+def _uniform_start(n: int, scale: float, generator: torch.Generator | None, dtype: torch.dtype) -> Tensor:
+    return ((torch.rand(n, generator=generator, dtype=torch.float64) * 2 - 1) * scale).to(dtype)
 
-    return start
+
+def _random_start(n: int, scale: float = 2.0) -> Callable[[torch.Generator | None, torch.dtype], Tensor]:
+    # module-level functions and partials, not closures: actions must pickle
+    return partial(_uniform_start, n, scale)
+
+
+def _rosenbrock_h(w: Tensor) -> Tensor:
+    return torch.stack([10 * (w[0] ** 2 - w[1]), w[0] - 1])
+
+
+def _rosenbrock_h_inv(u: Tensor) -> Tensor:
+    return torch.stack([u[1] + 1, (u[1] + 1) ** 2 - 0.1 * u[0]])
 
 
 class Rosenbrock(ConjugatedRotation):
     """SO(2) symmetry of the Rosenbrock function by the change of variables of papers/001 eq. 4.6."""
 
     def __init__(self) -> None:
-        def h(w: Tensor) -> Tensor:
-            return torch.stack([10 * (w[0] ** 2 - w[1]), w[0] - 1])
-
-        def h_inv(u: Tensor) -> Tensor:
-            return torch.stack([u[1] + 1, (u[1] + 1) ** 2 - 0.1 * u[0]])
-
-        super().__init__("rosenbrock_so2", 2, h, h_inv, rosenbrock, _random_start(2), "papers/001 Prop. 4.4.1, eq. 4.6-4.8")
+        super().__init__("rosenbrock_so2", 2, _rosenbrock_h, _rosenbrock_h_inv, rosenbrock, _random_start(2), "papers/001 Prop. 4.4.1, eq. 4.6-4.8")
 
 
 _BOOTH_M = torch.tensor([[1.0, 2.0], [2.0, 1.0]], dtype=torch.float64)
 _BOOTH_C = torch.tensor([-7.0, -5.0], dtype=torch.float64)
 
 
+def _booth_h(w: Tensor) -> Tensor:
+    return _BOOTH_M.to(w) @ w + _BOOTH_C.to(w)
+
+
+def _booth_h_inv(u: Tensor) -> Tensor:
+    return torch.linalg.solve(_BOOTH_M.to(u), u - _BOOTH_C.to(u))
+
+
 class Booth(ConjugatedRotation):
     """SO(2) symmetry of the Booth function by the affine change of variables of papers/001 eq. 4.9."""
 
     def __init__(self) -> None:
-        def h(w: Tensor) -> Tensor:
-            return _BOOTH_M.to(w) @ w + _BOOTH_C.to(w)
-
-        def h_inv(u: Tensor) -> Tensor:
-            return torch.linalg.solve(_BOOTH_M.to(u), u - _BOOTH_C.to(u))
-
-        super().__init__("booth_so2", 2, h, h_inv, booth, _random_start(2, 5.0), "papers/001 Prop. 4.4.1, eq. 4.9-4.11", M=_BOOTH_M)
+        super().__init__("booth_so2", 2, _booth_h, _booth_h_inv, booth, _random_start(2, 5.0), "papers/001 Prop. 4.4.1, eq. 4.9-4.11", M=_BOOTH_M)
 
 
 def _sqrtm_pd(A: Tensor) -> Tensor:
@@ -140,6 +147,18 @@ def _sqrtm_pd(A: Tensor) -> Tensor:
     if bool((evals <= 0).any()):
         raise ValueError(f"A must be positive definite; smallest eigenvalue {float(evals.min()):.3e}")
     return evecs @ torch.diag(evals.sqrt()) @ evecs.T
+
+
+def _linear_h(S: Tensor, w: Tensor) -> Tensor:
+    return S.to(w) @ w
+
+
+def _linear_h_inv(S: Tensor, u: Tensor) -> Tensor:
+    return torch.linalg.solve(S.to(u), u)
+
+
+def _quadratic(A: Tensor, w: Tensor) -> Tensor:
+    return w @ (A.to(w) @ w)
 
 
 class QuadraticOrthogonal(ConjugatedRotation):
@@ -161,13 +180,4 @@ class QuadraticOrthogonal(ConjugatedRotation):
         S = _sqrtm_pd(A)
         self.A = A
 
-        def h(w: Tensor) -> Tensor:
-            return S.to(w) @ w
-
-        def h_inv(u: Tensor) -> Tensor:
-            return torch.linalg.solve(S.to(u), u)
-
-        def loss(w: Tensor) -> Tensor:
-            return w @ (A.to(w) @ w)
-
-        super().__init__("quadratic_orthogonal", A.shape[0], h, h_inv, loss, _random_start(A.shape[0]), "papers/001 eq. 4.33", M=S, linear=True)
+        super().__init__("quadratic_orthogonal", A.shape[0], partial(_linear_h, S), partial(_linear_h_inv, S), partial(_quadratic, A), _random_start(A.shape[0]), "papers/001 eq. 4.33", M=S, linear=True)

@@ -6,7 +6,13 @@ that best serves an objective, applies it exactly, moves ``.grad`` and the
 optimizer state consistently, checks the result and lets the base optimizer
 step.  The concepts live in one module each:
 
-* :mod:`~teleopt.teleport.optimizer`: the wrapper (``Teleport``);
+* :mod:`~teleopt.teleport.optimizer`: the wrapper (``Teleport``), configured by
+  :mod:`~teleopt.teleport.config` (group objects and keyword shortcuts);
+* :mod:`~teleopt.teleport.engine`: one teleport in four phases (plan, search,
+  apply, verify); :mod:`~teleopt.teleport.evaluator`: the protocol objectives
+  evaluate g . w through; :mod:`~teleopt.teleport.search`: the pluggable search
+  (``SearchStrategy``, default ``GradientAscent``); :mod:`~teleopt.teleport.sites`:
+  binding sites to the model and optimizer;
 * :mod:`~teleopt.teleport.schedule`: when to teleport (Algorithm 1's set K);
 * :mod:`~teleopt.teleport.objectives`: gradient norm, preconditioned norm,
   one-step lookahead loss, sharpness (eq. 5.1), curvature (eq. 5.2);
@@ -19,17 +25,34 @@ step.  The concepts live in one module each:
 * :mod:`~teleopt.teleport.transport`: composition order of overlapping sites;
 * :mod:`~teleopt.teleport.optimizer_model` and :mod:`~teleopt.teleport.state_policy`:
   the base optimizer's update and its state under teleports;
-* :mod:`~teleopt.teleport.safety`: caps, post-conditions, rollback and the watch;
+* :mod:`~teleopt.teleport.safety` and :mod:`~teleopt.teleport.watch`: caps,
+  post-conditions, rollback and the watch;
 * :mod:`~teleopt.teleport.distributed`: identical parameters on every rank;
 * :mod:`~teleopt.teleport.paper_compat`: the papers' first-order, non-invariant
   teleport, for comparisons.
 """
 
-from teleopt.teleport.objectives import Curvature, GradientNorm, Lookahead, Objective, PreconditionedNorm, Sharpness, get_objective
+from teleopt.teleport.evaluator import Evaluator
+from teleopt.teleport.objectives import (
+    Curvature,
+    GradientNorm,
+    Lookahead,
+    Objective,
+    PreconditionedNorm,
+    Sharpness,
+    get_objective,
+)
 from teleopt.teleport.optimizer import Teleport
 from teleopt.teleport.report import TeleportReport
 from teleopt.teleport.safety import SafetyConfig
 from teleopt.teleport.schedule import Schedule
+from teleopt.teleport.search import (
+    GradientAscent,
+    SearchConfig,
+    SearchProblem,
+    SearchResult,
+    SearchStrategy,
+)
 from teleopt.teleport.state_policy import StatePolicy
 
 __all__ = [
@@ -38,6 +61,12 @@ __all__ = [
     "Schedule",
     "SafetyConfig",
     "StatePolicy",
+    "SearchConfig",
+    "SearchStrategy",
+    "SearchProblem",
+    "SearchResult",
+    "GradientAscent",
+    "Evaluator",
     "Objective",
     "GradientNorm",
     "PreconditionedNorm",

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from teleopt.groups import GeneralLinear, Group, Orthogonal
+from teleopt.groups import Group
 from teleopt.teleport.coordinates import project_to_trust_region
 
 __all__ = ["AscentResult", "ascend", "shrink_to_feasible"]
@@ -52,15 +52,16 @@ def ascend(
 
     ``groups`` and ``trust_regions`` give each coordinate tensor's group and radius.
     Adam moves every coordinate by about ``lr`` per step; for an n x n matrix
-    generator that is a step of spectral norm up to n * lr, so matrix groups take
-    ``lr / n`` per entry and every group moves by at most about ``lr`` in the norm
-    its trust region is measured in.
+    generator that is a step of spectral norm up to n * lr, so each group scales the
+    step (:meth:`~teleopt.groups.Group.ascent_step_size`: ``lr / n`` per entry for
+    matrix groups) and moves by at most about ``lr`` in the norm its trust region
+    is measured in.
     """
     xs = [c.detach().clone().requires_grad_(True) for c in coords]
     # Adam (Kingma & Ba 2015) written out with tensor ops: torch.optim's per-step
     # bookkeeping costs more than the whole objective on these tiny tensors
     beta1, beta2, eps = 0.9, 0.999, 1e-8
-    step_sizes = [lr / grp.n if isinstance(grp, (GeneralLinear, Orthogonal)) else lr for grp in groups]
+    step_sizes = [grp.ascent_step_size(lr) for grp in groups]
     m = [torch.zeros_like(x) for x in xs]
     v = [torch.zeros_like(x) for x in xs]
     best = [x.detach().clone() for x in xs]

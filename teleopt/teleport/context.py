@@ -18,6 +18,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from teleopt.functional import Batch, FunctionalModel
+from teleopt.teleport.distributed import all_reduce_mean_
 from teleopt.teleport.optimizer_model import OptimizerModel
 from teleopt.teleport.state_policy import StatePolicy
 
@@ -73,7 +75,12 @@ class TeleportContext:
 
     def grads(self, names: Iterable[str]) -> dict[str, Tensor]:
         """``.grad`` of the trainable parameters among ``names`` that have one."""
-        return {n: self.trainable[n].grad for n in names if n in self.trainable and self.trainable[n].grad is not None}
+        out = {}
+        for n in names:
+            grad = self.trainable[n].grad if n in self.trainable else None
+            if grad is not None:
+                out[n] = grad
+        return out
 
     @torch.no_grad()
     def constant_terms(self, exclude: set[str], with_decrease: bool) -> tuple[float, float]:
@@ -89,3 +96,22 @@ class TeleportContext:
                 u = self.model.update(self.groups[name], p, g, self.state(name))
                 dec += float((g.to(torch.float64) * u.to(torch.float64)).sum())
         return sq, dec
+
+    def gradients_from_batch(self, fmodel: FunctionalModel, batch: Batch) -> None:
+        """Set ``.grad`` of every trainable parameter to the gradient of the loss on ``batch`` at the live point."""
+        names = list(self.trainable)
+        with torch.enable_grad():
+            tensors = {n: self.trainable[n].detach().requires_grad_(True) for n in names}
+            loss = fmodel.loss(tensors, batch)
+            grads = torch.autograd.grad(loss, [tensors[n] for n in names], allow_unused=True)
+        for n, g in zip(names, grads):
+            self.trainable[n].grad = torch.zeros_like(self.trainable[n]) if g is None else g.detach()
+
+    def fresh_gradients(self, fmodel: FunctionalModel, batch: Batch) -> None:
+        """Replace ``.grad`` by the gradient at the (new) live point on ``batch``, averaged over ranks
+        (only if some parameter had a gradient)."""
+        had = [p for p in self.trainable.values() if p.grad is not None]
+        if not had:
+            return
+        self.gradients_from_batch(fmodel, batch)
+        all_reduce_mean_([g for g in (p.grad for p in had) if g is not None])

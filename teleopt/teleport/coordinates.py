@@ -9,7 +9,10 @@ region on the coordinates:
 * positive scalings: every log-scale |xi_i| <= r, so each scale lies in [e^-r, e^r];
 * GL (per block): spectral norm ||xi||_2 <= r, so every singular value of
   exp(xi) and of its inverse is at most e^r (condition number <= e^{2r});
-* compact groups (O(n)) need no bound; translations use |xi_i| <= r.
+* compact groups (O(n)) need no bound; translations use |xi_i| <= r;
+* any other group: the Euclidean ball ||xi|| <= r.
+
+Each group owns its rule (:meth:`teleopt.groups.Group.project_coordinates`).
 
 The coordinates are float64 whatever the model's dtype: the group computations are
 tiny and exact elements (``torch.linalg.matrix_exp``, ``exp``) in float64 keep the
@@ -21,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from teleopt.groups import GeneralLinear, Group, Orthogonal, PositiveScaling, Translation
+from teleopt.groups import Group
 from teleopt.site import Site
 
 __all__ = ["zero_coordinates", "project_to_trust_region"]
@@ -36,20 +39,7 @@ def zero_coordinates(site: Site, group: Group, device: torch.device) -> Tensor:
 
 
 def project_to_trust_region(xi: Tensor, group: Group, radius: float | None) -> None:
-    """Project ``xi`` (a tensor outside autograd, e.g. ``x.detach()``) in place onto the trust region."""
-    if radius is None or isinstance(group, Orthogonal):
-        return
-    if isinstance(group, (PositiveScaling, Translation)):
-        xi.clamp_(-radius, radius)
-        return
-    if isinstance(group, GeneralLinear):
-        if float(torch.linalg.matrix_norm(xi).max()) <= radius:  # spectral <= Frobenius: nothing to clip
-            return
-        U, S, Vh = torch.linalg.svd(xi, full_matrices=False)
-        if bool((S > radius).any()):
-            xi.copy_(U @ torch.diag_embed(S.clamp(max=radius)) @ Vh)
-        return
-    # a group teleopt does not know (e.g. a learned action's): Euclidean ball
-    norm = xi.norm()
-    if float(norm) > radius:
-        xi.mul_(radius / norm)
+    """Project ``xi`` (a tensor outside autograd, e.g. ``x.detach()``) in place onto the trust region
+    (:meth:`Group.project_coordinates <teleopt.groups.Group.project_coordinates>`; ``None``: unbounded)."""
+    if radius is not None:
+        group.project_coordinates(xi, radius)

@@ -46,7 +46,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def check_not_fsdp(model: nn.Module) -> None:
     """Raise ``TypeError`` if ``model`` uses FSDP (sharded parameters cannot be teleported)."""
-    kinds = []
+    kinds: list[type] = []
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
 

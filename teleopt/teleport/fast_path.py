@@ -9,8 +9,10 @@ function of the group coordinates: no forward or backward pass is needed.
 It is cheaper still after a one-off reduction of every gradient tensor to the
 group's size (:class:`GradientNormModel`):
 
-* a tensor acted on by scalings only (on one or several axes): the sums of squares
-  over the other axes, S; then ||grad'||^2 = sum S * prod_k c_k^{-2 p_k};
+* a tensor acted on by diagonal groups only (positive scalings, on one or several
+  axes): the sums of squares over the other axes, S; then
+  ||grad'||^2 = sum S * prod_k c_k^{-2 p_k} (the group's
+  :meth:`~teleopt.groups.Group.square_factor`);
 * a tensor acted on by one matrix group on one axis: the Gram matrix K = G G^T of
   that axis; then ||A G||^2 = tr(A K A^T) with A the contragredient
   representation of g (g^{-T} for writers, g for readers);
@@ -23,6 +25,7 @@ Each ascent step then costs O(h^2)-O(h^3) in the group size h, not O(#params).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -30,9 +33,10 @@ from torch import Tensor
 
 from teleopt.actions.axis import AxisAction, Member
 from teleopt.actions.base import GroupAction
-from teleopt.groups import Group, PositiveScaling
+from teleopt.groups import Group
 from teleopt.site import Site
 from teleopt.teleport.context import TeleportContext
+from teleopt.teleport.state_policy import StatePolicy
 from teleopt.teleport.transport import transport
 
 __all__ = ["GradientNormModel", "FastEvaluator", "fast_path_eligible", "member_tensors"]
@@ -90,7 +94,7 @@ class _Reduced:
         self.site_ids = {i for i, _, _ in entries}
         g = grad.detach()
         axes = [m.axis % grad.ndim for _, m, _ in entries]
-        if all(isinstance(grp, PositiveScaling) for _, _, grp in entries):
+        if all(_diagonal(grp) for _, _, grp in entries):
             self.kind = "scaling"
             other = [d for d in range(grad.ndim) if d not in axes]
             S = (g.square().sum(dim=other) if other else g.square()).to(torch.float64)
@@ -110,7 +114,7 @@ class _Reduced:
         if self.kind == "scaling":
             # sum S * prod_k c_k^{-2 p_k} as one contraction (a matrix-vector product for two axes)
             letters = "abcdefghij"[: self.S.ndim]
-            factors = [elements[i] ** (-2.0 * member.power) for i, member, _ in self.entries]
+            factors = [_square_factor(grp, elements[i], -member.power) for i, member, grp in self.entries]
             spec = letters + "," + ",".join(letters[pos] for pos in self.positions) + "->"
             return torch.einsum(spec, self.S, *factors)
         (i, member, grp) = self.entries[0]
@@ -131,7 +135,18 @@ def _reducible(entries: list[tuple[int, Member, Group]], ndim: int) -> bool:
         return False
     if len(entries) == 1:
         return True
-    return all(isinstance(grp, PositiveScaling) for _, _, grp in entries)
+    return all(_diagonal(grp) for _, _, grp in entries)
+
+
+def _diagonal(group: Group) -> bool:
+    """Whether the group's representation on an axis is diagonal (it has a square factor)."""
+    return group.square_factor(group.identity(), 1.0) is not None
+
+
+def _square_factor(group: Group, g: Tensor, power: float) -> Tensor:
+    factor = group.square_factor(g, power)
+    assert factor is not None, "only diagonal groups are reduced to sums of squares"
+    return factor
 
 
 class GradientNormModel:
@@ -158,7 +173,8 @@ class GradientNormModel:
             if axis_only:
                 for i in site_ids:
                     action = self.sites[i].action
-                    for member, n in zip(action.members, self.sites[i].members):  # type: ignore[attr-defined]
+                    assert isinstance(action, AxisAction)  # axis_only
+                    for member, n in zip(action.members, self.sites[i].members):
                         if n in entries:
                             entries[n].append((i, member, self.groups[i]))
             if axis_only and all(_reducible(entries[n], grads[n].ndim) for n in names):
@@ -167,7 +183,8 @@ class GradientNormModel:
                 self.explicit.append((site_ids, {n: grads[n] for n in names}))
         self.like = like
         self.explicit_identity = [sum(float(torch.linalg.vector_norm(t)) ** 2 for t in g.values()) for _, g in self.explicit]
-        self.identities = [grp.identity(dtype=torch.float64, device=next(iter(grads.values())).device) if grads else None for grp in self.groups]
+        device = next(iter(grads.values())).device if grads else None
+        self.identities = [grp.identity(dtype=torch.float64, device=device) for grp in self.groups]
 
     def site_value(self, index: int, element: Tensor) -> float:
         """The value when only site ``index`` moves (by ``element``); every other site at the identity."""
@@ -213,6 +230,7 @@ class FastEvaluator:
     """
 
     path = "fast"
+    moves_gradients = True
 
     def __init__(self, sites: Sequence[Site], ctx: TeleportContext, with_decrease: bool = False) -> None:
         self.sites = list(sites)
@@ -252,6 +270,32 @@ class FastEvaluator:
     def site_gain(self, index: int, element: Tensor, n0: float) -> float:
         """||grad L||^2 ratio when only site ``index`` moves by ``element`` (the others stay at the identity)."""
         return (self.norm_model.site_value(index, element) + self.other_sq) / n0
+
+    def site_gains(self, elements: Sequence[Tensor], n0: float) -> dict[str, float | None]:
+        """Per site: :meth:`site_gain` of its element (``None`` when the gradient is zero)."""
+        if n0 == 0:
+            return {s.name: None for s in self.sites}
+        return {s.name: self.site_gain(i, e, n0) for i, (s, e) in enumerate(zip(self.sites, elements))}
+
+    @torch.no_grad()
+    def apply(self, elements: Sequence[Tensor]) -> Counter[str]:
+        """Move the site members, their ``.grad`` and optimizer state to g . w in place (closed form)."""
+        ctx, sites = self.ctx, self.sites
+        names = {n for s in sites for n in s.tensor_names}
+        like = {n: ctx.tensors[n] for n in names}
+        grads = ctx.grads(names)
+        states = ctx.states(names)
+        moved_grads, _ = transport(sites, elements, grads, like, "covector")
+        moved_state = ctx.policy.move(ctx.optimizer, sites, elements, states, like, ctx.groups)
+        new_params, _ = transport(sites, elements, like, like, "params")
+        for n, t in like.items():
+            t.copy_(new_params[n])
+        for n, g in moved_grads.items():
+            grad = ctx.trainable[n].grad
+            assert grad is not None  # ctx.grads returned only parameters that have one
+            grad.copy_(g)
+        StatePolicy.write(states, moved_state)
+        return Counter(d for dec in moved_state.decisions.values() for d in dec.values())
 
     def transported_grads(self, elements: Sequence[Tensor]) -> dict[str, Tensor]:
         """Gradients of the site members at g . w."""

@@ -19,15 +19,19 @@ Every site acts through ``GroupAction.act`` only.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from teleopt.actions.base import required
 from teleopt.functional import FunctionalModel, LossFn, as_batch
 from teleopt.site import Site
 from teleopt.teleport.context import TeleportContext
+from teleopt.teleport.distributed import broadcast_
+from teleopt.teleport.state_policy import StatePolicy
 
 __all__ = ["GeneralEvaluator"]
 
@@ -47,6 +51,7 @@ class GeneralEvaluator:
     """
 
     path = "general"
+    moves_gradients = False
 
     def __init__(self, sites: Sequence[Site], ctx: TeleportContext, batch: Any, loss_fn: LossFn | None) -> None:
         self.sites = list(sites)
@@ -77,13 +82,32 @@ class GeneralEvaluator:
             new = site.action.act(g, vals, data)
             for n, v in zip(site.members, new):
                 if n is not None:
-                    cur[n] = v
+                    cur[n] = required(v, n)
         return cur
 
     def site_params(self, elements: Sequence[Tensor]) -> dict[str, Tensor]:
         """Site members at g . w."""
         params = self.params(elements)
         return {n: params[n] for n in self.names}
+
+    def site_gains(self, elements: Sequence[Tensor], n0: float) -> dict[str, float | None]:
+        """Not known in closed form on the general path: empty."""
+        return {}
+
+    @torch.no_grad()
+    def apply(self, elements: Sequence[Tensor]) -> Counter[str]:
+        """Move the site members and optimizer state to g . w in place (identical on every rank);
+        ``.grad`` is left for the caller to recompute at g . w."""
+        ctx = self.ctx
+        states = ctx.states(self.names)
+        with torch.enable_grad():
+            new_params = self.params(elements)
+        moved_state = ctx.policy.move(ctx.optimizer, self.sites, elements, states, self.like, ctx.groups)
+        for n in self.names:
+            ctx.tensors[n].copy_(new_params[n].detach())
+        broadcast_([ctx.tensors[n] for n in sorted(self.names)])
+        StatePolicy.write(states, moved_state)
+        return Counter(d for dec in moved_state.decisions.values() for d in dec.values())
 
     def loss(self, params: Mapping[str, Tensor]) -> Tensor:
         """The batch loss at ``params``."""

@@ -1,6 +1,7 @@
 """What a teleport optimises over the orbit: papers/001 Algorithm 1 and Ch. 5.
 
-Every objective is a function of the group elements, evaluated by an evaluator
+Every objective is a function of the group elements, evaluated by an
+:class:`~teleopt.teleport.evaluator.Evaluator`
 (:class:`~teleopt.teleport.fast_path.FastEvaluator` from ``.grad`` alone, or
 :class:`~teleopt.teleport.general_path.GeneralEvaluator` through the model on a
 batch) and maximised or minimised by projected ascent on the coordinates
@@ -41,6 +42,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from teleopt.teleport.evaluator import Evaluator, require_batch
 from teleopt.teleport.lie_algebra import has_infinitesimal_action, infinitesimal_action
 
 __all__ = [
@@ -58,9 +60,11 @@ Direction = Literal["increase", "decrease"]
 
 
 def _check_direction(direction: str) -> Direction:
-    if direction not in ("increase", "decrease"):
-        raise ValueError(f"direction must be 'increase' or 'decrease', got {direction!r}")
-    return direction  # type: ignore[return-value]
+    if direction == "increase":
+        return "increase"
+    if direction == "decrease":
+        return "decrease"
+    raise ValueError(f"direction must be 'increase' or 'decrease', got {direction!r}")
 
 
 class Objective(ABC):
@@ -76,15 +80,15 @@ class Objective(ABC):
     needs_optimizer_model: bool = False
     direction: Direction = "increase"
 
-    def prepare(self, evaluator: Any, generator: torch.Generator) -> Any:
+    def prepare(self, evaluator: Evaluator, generator: torch.Generator) -> Any:
         """Per-teleport randomness (``None`` for deterministic objectives)."""
         return None
 
     @abstractmethod
-    def value(self, evaluator: Any, elements: Sequence[Tensor], prepared: Any) -> Tensor:
+    def value(self, evaluator: Evaluator, elements: Sequence[Tensor], prepared: Any) -> Tensor:
         """The objective at g . w (a float64 scalar, differentiable in the elements)."""
 
-    def score(self, evaluator: Any, elements: Sequence[Tensor], prepared: Any) -> Tensor:
+    def score(self, evaluator: Evaluator, elements: Sequence[Tensor], prepared: Any) -> Tensor:
         """What the ascent maximises: the value, negated for ``direction="decrease"``."""
         v = self.value(evaluator, elements, prepared)
         return v if self.direction == "increase" else -v
@@ -101,7 +105,7 @@ class GradientNorm(Objective):
     def __init__(self, direction: Direction = "increase") -> None:
         self.direction = _check_direction(direction)
 
-    def value(self, evaluator: Any, elements: Sequence[Tensor], prepared: Any) -> Tensor:
+    def value(self, evaluator: Evaluator, elements: Sequence[Tensor], prepared: Any) -> Tensor:
         return evaluator.grad_norm_sq(elements)
 
 
@@ -114,7 +118,7 @@ class PreconditionedNorm(Objective):
     def __init__(self, direction: Direction = "increase") -> None:
         self.direction = _check_direction(direction)
 
-    def value(self, evaluator: Any, elements: Sequence[Tensor], prepared: Any) -> Tensor:
+    def value(self, evaluator: Evaluator, elements: Sequence[Tensor], prepared: Any) -> Tensor:
         return evaluator.first_order_decrease(elements)
 
 
@@ -128,8 +132,8 @@ class Lookahead(Objective):
     def __init__(self, direction: Direction = "decrease") -> None:
         self.direction = _check_direction(direction)
 
-    def value(self, evaluator: Any, elements: Sequence[Tensor], prepared: Any) -> Tensor:
-        return evaluator.lookahead_loss(elements).to(torch.float64)
+    def value(self, evaluator: Evaluator, elements: Sequence[Tensor], prepared: Any) -> Tensor:
+        return require_batch(evaluator, "objective 'lookahead'").lookahead_loss(elements).to(torch.float64)
 
 
 class Sharpness(Objective):
@@ -158,20 +162,21 @@ class Sharpness(Objective):
         self.displacements = disp
         self.directions = directions
 
-    def prepare(self, evaluator: Any, generator: torch.Generator) -> list[dict[str, Tensor]]:
+    def prepare(self, evaluator: Evaluator, generator: torch.Generator) -> list[dict[str, Tensor]]:
         trainable = evaluator.ctx.trainable
         out = []
         for _ in range(self.directions):
             raw = {n: torch.randn(p.shape, generator=generator, dtype=torch.float64) for n, p in trainable.items()}
-            norm = torch.sqrt(sum(d.square().sum() for d in raw.values()))
+            norm = torch.sqrt(sum((d.square().sum() for d in raw.values()), torch.zeros((), dtype=torch.float64)))
             out.append({n: (d / norm).to(device=trainable[n].device, dtype=trainable[n].dtype) for n, d in raw.items()})
         return out
 
-    def value(self, evaluator: Any, elements: Sequence[Tensor], prepared: list[dict[str, Tensor]]) -> Tensor:
+    def value(self, evaluator: Evaluator, elements: Sequence[Tensor], prepared: list[dict[str, Tensor]]) -> Tensor:
+        batched = require_batch(evaluator, "objective 'sharpness'")
         total = torch.zeros((), dtype=torch.float64)
         for d in prepared:
             for t in self.displacements:
-                total = total + evaluator.perturbed_loss(elements, d, t).to(torch.float64)
+                total = total + batched.perturbed_loss(elements, d, t).to(torch.float64)
         return total / (len(prepared) * len(self.displacements))
 
 
@@ -191,17 +196,20 @@ class Curvature(Objective):
             raise ValueError(f"curves must be a positive int, got {curves!r}")
         self.curves = curves
 
-    def prepare(self, evaluator: Any, generator: torch.Generator) -> list[Tensor]:
+    def prepare(self, evaluator: Evaluator, generator: torch.Generator) -> list[Tensor]:
         out = []
         for site in evaluator.sites:
             group = site.action.group(tuple(None if n is None else evaluator.like[n] for n in site.members))
-            shape = (self.curves, *group.coord_shape)
-            scale = 1.0 / group.n**0.5 if len(group.coord_shape) >= 2 else 1.0
+            coord_shape = group.coord_shape
+            if coord_shape is None:
+                raise TypeError(f"site {site.name!r}: {group!r} is discrete, it has no orbit curves")
+            shape = (self.curves, *coord_shape)
+            scale = 1.0 / group.n**0.5 if len(coord_shape) >= 2 else 1.0
             device = next(evaluator.like[n] for n in site.tensor_names).device
             out.append((torch.randn(shape, generator=generator, dtype=torch.float64) * scale).to(device))
         return out
 
-    def value(self, evaluator: Any, elements: Sequence[Tensor], prepared: list[Tensor]) -> Tensor:
+    def value(self, evaluator: Evaluator, elements: Sequence[Tensor], prepared: list[Tensor]) -> Tensor:
         sites = evaluator.sites
         if all(has_infinitesimal_action(s) for s in sites):
             v, a = self._closed_form(evaluator, elements, prepared)
@@ -214,7 +222,7 @@ class Curvature(Objective):
         kappa = (vv * aa - va * va).clamp_min(tiny).sqrt() / vv.clamp_min(tiny) ** 1.5
         return kappa.mean()
 
-    def _closed_form(self, evaluator: Any, elements: Sequence[Tensor], prepared: list[Tensor]) -> tuple[Tensor, Tensor]:
+    def _closed_form(self, evaluator: Evaluator, elements: Sequence[Tensor], prepared: list[Tensor]) -> tuple[Tensor, Tensor]:
         """gamma' = d rho(M) w and gamma'' = d rho(M)^2 w for all k curves at once (axis actions)."""
         sites, like = evaluator.sites, evaluator.like
         groups = [s.action.group(tuple(None if n is None else like[n] for n in s.members)) for s in sites]
@@ -227,7 +235,7 @@ class Curvature(Objective):
         a = torch.cat([acceleration[n].reshape(self.curves, -1) for n in names], dim=1)
         return v, a
 
-    def _autograd(self, evaluator: Any, elements: Sequence[Tensor], prepared: list[Tensor]) -> tuple[Tensor, Tensor]:
+    def _autograd(self, evaluator: Evaluator, elements: Sequence[Tensor], prepared: list[Tensor]) -> tuple[Tensor, Tensor]:
         """gamma' and gamma'' through ``act`` for any action, one curve at a time.
 
         Derivatives in t come from reverse mode twice (the double-vjp trick: for y(t),

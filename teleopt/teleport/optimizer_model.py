@@ -73,6 +73,11 @@ def _float(value: Any) -> float:
     return float(value.item()) if isinstance(value, Tensor) else float(value)
 
 
+def _lr_wd(group: dict[str, Any]) -> tuple[float, float]:
+    """The group's learning rate and weight decay as floats."""
+    return _float(group["lr"]), _float(group.get("weight_decay", 0.0))
+
+
 class OptimizerModel:
     """The next update of a known base optimizer as a pure function (see module docs).
 
@@ -84,6 +89,7 @@ class OptimizerModel:
     """
 
     def __init__(self, optimizer: Optimizer) -> None:
+        self.family: str | None
         if isinstance(optimizer, Adam):  # AdamW subclasses Adam
             self.family = "adam"
         elif isinstance(optimizer, SGD):
@@ -114,18 +120,17 @@ class OptimizerModel:
         self.require("this objective")
         maximize = bool(group.get("maximize", False))
         g = -grad if maximize else grad
-        lr = _float(group["lr"])
-        wd = _float(group.get("weight_decay", 0.0))
         if self.family == "sgd":
-            return self._sgd(group, param, g, state, lr, wd)
+            return self._sgd(group, param, g, state)
         if self.family == "adagrad":
-            return self._adagrad(group, param, g, state, lr, wd)
+            return self._adagrad(group, param, g, state)
         if self.family == "rmsprop":
-            return self._rmsprop(group, param, g, state, lr, wd)
-        return self._adam(group, param, g, state, lr, wd)
+            return self._rmsprop(group, param, g, state)
+        return self._adam(group, param, g, state)
 
     @staticmethod
-    def _sgd(group: dict[str, Any], p: Tensor, g: Tensor, state: dict[str, Any], lr: float, wd: float) -> Tensor:
+    def _sgd(group: dict[str, Any], p: Tensor, g: Tensor, state: dict[str, Any]) -> Tensor:
+        lr, wd = _lr_wd(group)
         d = g + wd * p if wd else g
         mu = float(group.get("momentum", 0.0))
         if mu:
@@ -135,7 +140,8 @@ class OptimizerModel:
         return lr * d
 
     @staticmethod
-    def _adagrad(group: dict[str, Any], p: Tensor, g: Tensor, state: dict[str, Any], lr: float, wd: float) -> Tensor:
+    def _adagrad(group: dict[str, Any], p: Tensor, g: Tensor, state: dict[str, Any]) -> Tensor:
+        lr, wd = _lr_wd(group)
         step = _step_value(state) + 1
         clr = lr / (1.0 + (step - 1) * float(group.get("lr_decay", 0.0)))
         if wd:
@@ -147,7 +153,8 @@ class OptimizerModel:
         return clr * g / (acc.sqrt() + float(group["eps"]))
 
     @staticmethod
-    def _rmsprop(group: dict[str, Any], p: Tensor, g: Tensor, state: dict[str, Any], lr: float, wd: float) -> Tensor:
+    def _rmsprop(group: dict[str, Any], p: Tensor, g: Tensor, state: dict[str, Any]) -> Tensor:
+        lr, wd = _lr_wd(group)
         if wd:
             g = g + wd * p
         alpha, eps = float(group["alpha"]), float(group["eps"])
@@ -167,7 +174,8 @@ class OptimizerModel:
         return lr * g / avg
 
     @staticmethod
-    def _adam(group: dict[str, Any], p: Tensor, g: Tensor, state: dict[str, Any], lr: float, wd: float) -> Tensor:
+    def _adam(group: dict[str, Any], p: Tensor, g: Tensor, state: dict[str, Any]) -> Tensor:
+        lr, wd = _lr_wd(group)
         beta1, beta2 = (_float(b) for b in group["betas"])
         eps = float(group["eps"])
         step = _step_value(state) + 1

@@ -34,11 +34,12 @@ from torch import Tensor
 
 from teleopt.actions.axis import AxisAction
 from teleopt.actions.data_dependent import DataDependentGL
-from teleopt.groups import GeneralLinear
+from teleopt.functional import Batch, FunctionalModel
 from teleopt.site import Site
-from teleopt.functional import FunctionalModel
+from teleopt.teleport.engine import Plan, TeleportEngine
+from teleopt.teleport.report import TeleportReport
 
-__all__ = ["check_paper_compat_sites", "paper_compat_teleport"]
+__all__ = ["check_paper_compat_sites", "paper_compat_teleport", "PaperCompatEngine"]
 
 
 def check_paper_compat_sites(sites: Sequence[Site]) -> None:
@@ -50,26 +51,36 @@ def check_paper_compat_sites(sites: Sequence[Site]) -> None:
                 raise ValueError(f"paper_compat: site {site.name!r} has a first-layer bias; the official MLP teleport has none")
             if site.data_input is None:
                 raise ValueError(f"paper_compat: data-dependent site {site.name!r} names no data_input module")
-        elif not (isinstance(action, AxisAction) and action.group_type is GeneralLinear and action.blocks is None):
+        elif not (isinstance(action, AxisAction) and action.group_type.kind == "general" and action.blocks is None):
             raise ValueError(
                 f"paper_compat reproduces the official first-order GL teleport (I + T, I - T); site {site.name!r} "
                 f"({action.name}, {action.group_name}) is not a GL site"
             )
 
 
+def _present(name: str | None) -> str:
+    if name is None:
+        raise ValueError("paper_compat: a required site member is absent")
+    return name
+
+
 def _first_order(site: Site, T: Tensor, cur: dict[str, Tensor], hidden: Tensor | None) -> None:
     eye = torch.eye(T.shape[0], dtype=T.dtype, device=T.device)
     action = site.action
     if isinstance(action, DataDependentGL):
-        n1, _, n2 = site.members
-        W1, W2 = cur[n1], cur[n2]  # type: ignore[index]
-        act = action.activation
+        n1, n2 = _present(site.members[0]), _present(site.members[2])
+        W1, W2 = cur[n1], cur[n2]
+        act, inverse = action.activation, action.activation.inverse
+        if hidden is None or inverse is None:
+            raise ValueError(f"paper_compat: site {site.name!r} needs its layer input and an invertible activation")
         # row convention: Z = H W1^T (samples x hidden); (I + T) acts on the hidden axis
         Z = act(hidden @ W1.T) @ (eye + T).T
-        cur[n1] = (torch.linalg.pinv(hidden) @ act.inverse(Z)).T  # type: ignore[index, misc]
-        cur[n2] = W2 @ (eye - T)  # type: ignore[index]
+        cur[n1] = (torch.linalg.pinv(hidden) @ inverse(Z)).T
+        cur[n2] = W2 @ (eye - T)
         return
-    for member, name in zip(action.members, site.members):  # type: ignore[attr-defined]
+    if not isinstance(action, AxisAction):
+        raise TypeError(f"paper_compat: site {site.name!r} is not a GL site")  # check_paper_compat_sites refuses it
+    for member, name in zip(action.members, site.members):
         if name is None:
             continue
         t = cur[name]
@@ -80,7 +91,7 @@ def _first_order(site: Site, T: Tensor, cur: dict[str, Tensor], hidden: Tensor |
 def paper_compat_teleport(
     fmodel: FunctionalModel,
     sites: Sequence[Site],
-    batch: Any,
+    batch: Batch,
     trainable: Sequence[str],
     live: dict[str, Tensor],
     steps: int,
@@ -102,7 +113,7 @@ def paper_compat_teleport(
                 _first_order(site, T, cur, hidden)
             loss = fmodel.loss(cur, batch)
             grads = torch.autograd.grad(loss, [cur[n] for n in trainable], create_graph=True)
-            objective = sum(g.square().sum() for g in grads)
+            objective = sum((g.square().sum() for g in grads), torch.zeros((), dtype=grads[0].dtype, device=grads[0].device))
             dTs = torch.autograd.grad(objective, Ts, allow_unused=True)
         with torch.no_grad():
             moved = dict(base)
@@ -116,6 +127,41 @@ def paper_compat_teleport(
 def _hidden_width(site: Site, cur: dict[str, Tensor]) -> int:
     action = site.action
     if isinstance(action, DataDependentGL):
-        return cur[site.members[0]].shape[0]  # type: ignore[index]
-    member, name = next((m, n) for m, n in zip(action.members, site.members) if n is not None)  # type: ignore[attr-defined]
+        return cur[_present(site.members[0])].shape[0]
+    if not isinstance(action, AxisAction):
+        raise TypeError(f"paper_compat: site {site.name!r} is not a GL site")
+    member, name = next((m, n) for m, n in zip(action.members, site.members) if n is not None)
     return cur[name].shape[member.axis]
+
+
+class PaperCompatEngine(TeleportEngine):
+    """The official first-order teleport as a teleport engine: planned like any other (path
+    ``"paper_compat"``, always on a batch), then ``ascent_steps`` first-order steps of size
+    ``ascent_lr`` replace search, apply and verify.  No caps, no post-condition, no watch."""
+
+    def choose_path(self, sites: Sequence[Site]) -> str:
+        return "paper_compat"
+
+    def batch_need(self, sites: Sequence[Site]) -> str:
+        return "paper_compat"
+
+    def plan_evaluator(self, plan: Plan) -> Plan | TeleportReport:
+        return plan  # the first-order teleport evaluates the model itself
+
+    def execute(self, plan: Plan) -> Any:
+        cfg, ctx, fmodel, request = self.config, plan.ctx, plan.fmodel, plan.request
+        assert fmodel is not None and request.batch is not None, "planned with a batch (paper_compat needs one)"
+        live = {n: ctx.tensors[n] for n in ctx.trainable}
+        for s in plan.sites:
+            live.update({n: ctx.tensors[n] for n in s.tensor_names})
+        paper_compat_teleport(fmodel, plan.sites, request.batch, list(ctx.trainable), live, cfg.search.steps, cfg.search.lr)
+        plan.report.loss_after = float(FunctionalModel(cfg.module, cfg.loss_fn).loss({}, request.batch))
+        loss: Any = plan.report.loss_after
+        if request.closure is not None:
+            loss = self.rerun_closure(request.closure)
+        else:
+            ctx.fresh_gradients(fmodel, request.batch)
+        plan.report.accepted = True
+        plan.report.reason = "accepted (paper_compat: not loss-preserving, no checks)"
+        self.record.accepted += 1
+        return loss

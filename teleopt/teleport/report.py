@@ -9,21 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from teleopt.actions.axis import AxisAction
 from teleopt.site import Site, lookup_tensor
 from teleopt.teleport.transport import transport
 
-__all__ = ["TeleportReport", "sites_to_state", "sites_from_state"]
-
-
-def sites_to_state(sites: list[Site]) -> list[tuple[str, Any]]:
-    """Picklable form of ``sites``: exact linear actions as plain config (their example problems hold lambdas)."""
-    return [("config", s.to_dict()) if isinstance(s.action, AxisAction) else ("site", s) for s in sites]
-
-
-def sites_from_state(state: list[tuple[str, Any]]) -> list[Site]:
-    """Inverse of :func:`sites_to_state`."""
-    return [Site.from_dict(v) if kind == "config" else v for kind, v in state]
+__all__ = ["TeleportReport"]
 
 
 @dataclass
@@ -127,16 +116,6 @@ class TeleportReport:
         moved, _ = transport(sites, elements, live, live, "params")
         for n, t in live.items():
             t.copy_(moved[n])
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["sites"] = sites_to_state(self.sites)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        state["sites"] = sites_from_state(state["sites"])
-        self.__dict__.update(state)
 
     def summary(self) -> Mapping[str, Any]:
         """Plain-data view (for logging)."""

@@ -49,7 +49,7 @@ parameters and optimizer state) off.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,8 +58,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from teleopt.numerics import default_rtol
+from teleopt.teleport.evaluator import Evaluator
 
-__all__ = ["SafetyConfig", "Snapshot", "default_loss_tol", "preconditioned_sharpness"]
+__all__ = ["SafetyConfig", "Caps", "Snapshot", "default_loss_tol", "preconditioned_sharpness"]
 
 #: Relative loss change a loss-preserving teleport may show: the library-wide table of
 #: :func:`teleopt.numerics.default_rtol` (1e-10 float64, 1e-5 float32, 1e-2 otherwise).
@@ -103,9 +104,54 @@ class SafetyConfig:
         self.heldout_tol = _positive(self.heldout_tol, "heldout_tol")
         if not isinstance(self.watch_steps, int) or isinstance(self.watch_steps, bool) or self.watch_steps < 0:
             raise ValueError(f"watch_steps must be an int >= 0, got {self.watch_steps!r}")
-        self.watch_factor = _positive(self.watch_factor, "watch_factor", allow_none=False)  # type: ignore[assignment]
+        watch_factor = _positive(self.watch_factor, "watch_factor", allow_none=False)
+        assert watch_factor is not None  # allow_none=False
+        self.watch_factor = watch_factor
         if not 0 < self.backoff <= 1:
             raise ValueError(f"backoff must be in (0, 1], got {self.backoff!r}")
+
+
+#: (sharpness of the teleported point at given coordinates, its cap) for ``stability_margin``.
+StabilityCap = tuple[Callable[[Sequence[Tensor]], float], float]
+
+
+@dataclass
+class Caps:
+    """The caps of :class:`SafetyConfig` for one teleport (see module docs).
+
+    ``n0`` is ||grad L(w)||^2, ``dec0`` the predicted decrease at the identity
+    (``None``: the decrease cap is off), ``loss0`` the loss at w, ``backoff`` the
+    factor later teleports' caps are scaled by after watch rollbacks.
+    """
+
+    safety: SafetyConfig
+    evaluator: Evaluator
+    backoff: float
+    n0: float
+    dec0: float | None = None
+    loss0: float | None = None
+    stability: StabilityCap | None = None
+
+    def feasible(self, coords: Sequence[Tensor]) -> bool:
+        """Whether every cap holds at ``coords``."""
+        safety, evaluator = self.safety, self.evaluator
+        if self.stability is not None:
+            sharpness, cap = self.stability
+            with torch.enable_grad():
+                if not sharpness(coords) <= cap:
+                    return False
+        with torch.enable_grad():
+            elements = evaluator.elements(coords)
+            if safety.max_gain is not None:
+                n = float(evaluator.grad_norm_sq(elements).detach())
+                if not n <= safety.max_gain * self.n0:
+                    return False
+            if self.dec0 is not None and self.loss0 is not None and safety.max_predicted_decrease is not None:
+                # at most the cap, or what the current point already has (the identity stays feasible)
+                cap = max(safety.max_predicted_decrease * self.backoff * (self.loss0 - safety.loss_floor), self.dec0)
+                if not float(evaluator.first_order_decrease(elements).detach()) <= cap:
+                    return False
+        return True
 
 
 def preconditioned_sharpness(
@@ -137,7 +183,7 @@ def preconditioned_sharpness(
     if not live:
         return 0.0, dict(zip(names, v))
     for _ in range(iterations):
-        norm = torch.sqrt(sum(x.to(torch.float64).square().sum() for x in v))
+        norm = torch.sqrt(sum((x.to(torch.float64).square().sum() for x in v), torch.zeros((), dtype=torch.float64)))
         if not float(norm) > 0:
             break
         v = [x / norm.to(x.dtype) for x in v]

@@ -83,7 +83,7 @@ class Schedule:
             return (step - self.warmup) % self.every == 0
         if self.at is not None:
             return step in self.at
-        return bool(self.when(step))  # type: ignore[misc]
+        return self.when is not None and bool(self.when(step))
 
     def __repr__(self) -> str:
         if self.every is not None:

@@ -47,12 +47,12 @@ from torch.optim import Adagrad, Optimizer
 
 from teleopt.site import Site
 from teleopt.teleport.optimizer_model import StateRole, state_role
-from teleopt.teleport.transport import transport
+from teleopt.teleport.transport import TensorKind, transport
 
 __all__ = ["StatePolicy", "POLICIES", "MovedState"]
 
 POLICIES = ("transport", "reset", "keep")
-_ROLES = ("first_moment", "second_moment", "step", "derived", "update", "unknown")
+_ROLES: tuple[StateRole, ...] = ("first_moment", "second_moment", "step", "derived", "update", "unknown")
 _DEFAULT: dict[str, str] = {
     "first_moment": "transport",
     "second_moment": "transport",
@@ -132,7 +132,7 @@ class StatePolicy:
 
     def describe(self) -> dict[str, str]:
         """Effective policy per role (for reports and docs)."""
-        return {role: self.resolve(role, role) for role in _ROLES}  # type: ignore[arg-type]
+        return {role: self.resolve(role, role) for role in _ROLES}
 
     # ------------------------------------------------------------------------------
     def move(
@@ -167,12 +167,13 @@ class StatePolicy:
                     by_role[role][f"{name}\x00{key}"] = value
         moved: dict[str, dict[str, Tensor]] = {}
         no_rule: dict[str, set[str]] = {}
-        for role, kind in (("first_moment", "covector"), ("second_moment", "second_moment")):
+        kinds: tuple[tuple[str, TensorKind], ...] = (("first_moment", "covector"), ("second_moment", "second_moment"))
+        for moment, kind in kinds:
             # transport() works on tensor names; one state key at a time
-            keys = {k.split("\x00", 1)[1] for k in by_role[role]}
+            keys = {k.split("\x00", 1)[1] for k in by_role[moment]}
             for key in keys:
-                values = {k.split("\x00", 1)[0]: v for k, v in by_role[role].items() if k.endswith("\x00" + key)}
-                out, missing = transport(sites, elements, values, like, kind)  # type: ignore[arg-type]
+                values = {k.split("\x00", 1)[0]: v for k, v in by_role[moment].items() if k.endswith("\x00" + key)}
+                out, missing = transport(sites, elements, values, like, kind)
                 moved[key] = out
                 no_rule[key] = missing
         result = MovedState()

@@ -104,8 +104,8 @@ def _merged(site: Site, inputs: Sequence[Tensor | None], outputs: Sequence[Tenso
     for n, x, y in zip(site.members, inputs, outputs):
         if n is None or y is None:
             continue
-        if n in merged and not _composes_parts(site, n):
-            merged[n] = merged[n] + (y - x)  # type: ignore[operator]
+        if n in merged and x is not None and not _composes_parts(site, n):  # x is None only for absent members
+            merged[n] = merged[n] + (y - x)
         else:
             merged[n] = y
     return merged

@@ -1,0 +1,97 @@
+"""``Teleport``'s configuration: four group objects and the keyword shortcuts for them.
+
+``Teleport`` is configured by :class:`~teleopt.teleport.schedule.Schedule` (when),
+:class:`~teleopt.teleport.search.SearchConfig` (how elements are chosen),
+:class:`~teleopt.teleport.safety.SafetyConfig` (caps, checks, watch) and
+:class:`~teleopt.teleport.state_policy.StatePolicy` (the optimizer state).  The
+common fields have keyword shortcuts (:class:`Shortcuts`): ``every=100`` means
+``schedule=Schedule(every=100)``, ``ascent_steps=20`` means
+``search=SearchConfig(steps=20)``.  A group object and its shortcuts are not
+given together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypedDict
+
+from teleopt.teleport.schedule import Schedule
+from teleopt.teleport.search import Path, SearchConfig
+from teleopt.teleport.state_policy import StatePolicy
+
+__all__ = [
+    "Shortcuts",
+    "check_shortcuts",
+    "resolve_schedule",
+    "resolve_search",
+    "resolve_state_policy",
+]
+
+
+class Shortcuts(TypedDict, total=False):
+    """Keyword shortcuts of ``Teleport`` for fields of its group objects."""
+
+    every: int | None
+    at: Sequence[int] | None
+    when: Callable[[int], bool] | None
+    warmup: int
+    batches: int
+    max_teleports: int | None
+    ascent_steps: int
+    ascent_lr: float
+    trust_region: float | None
+    path: Path
+    state_fallback: str | dict[str, str] | None
+
+
+def check_shortcuts(shortcuts: Mapping[str, object]) -> None:
+    """``TypeError`` for a keyword that is no shortcut (as Python says for unknown keywords)."""
+    known = set(Shortcuts.__annotations__)
+    for key in shortcuts:
+        if key not in known:
+            raise TypeError(f"Teleport() got an unexpected keyword argument {key!r}")
+
+
+def resolve_schedule(schedule: Schedule | None, s: Shortcuts) -> Schedule:
+    """``schedule``, or one built from the ``every``/``at``/``when``/``warmup``/``batches``/``max_teleports`` shortcuts."""
+    if schedule is None:
+        return Schedule(
+            every=s.get("every"),
+            at=s.get("at"),
+            when=s.get("when"),
+            warmup=s.get("warmup", 0),
+            batches=s.get("batches", 1),
+            max_teleports=s.get("max_teleports"),
+        )
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a teleopt Schedule, got {type(schedule).__name__}")
+    if any(s.get(k) is not None for k in ("every", "at", "when", "max_teleports")) or s.get("warmup", 0) or s.get("batches", 1) != 1:
+        raise ValueError("give either schedule= or every/at/when/warmup/batches/max_teleports, not both")
+    return schedule
+
+
+def resolve_search(search: SearchConfig | None, s: Shortcuts) -> SearchConfig:
+    """``search``, or one built from the ``ascent_steps``/``ascent_lr``/``trust_region``/``path`` shortcuts."""
+    if search is None:
+        default = SearchConfig()
+        return SearchConfig(
+            steps=s.get("ascent_steps", default.steps),
+            lr=s.get("ascent_lr", default.lr),
+            trust_region=s.get("trust_region", default.trust_region),
+            path=s.get("path", default.path),
+        )
+    if not isinstance(search, SearchConfig):
+        raise TypeError(f"search must be a teleopt SearchConfig, got {type(search).__name__}")
+    if any(key in s for key in ("ascent_steps", "ascent_lr", "trust_region", "path")):
+        raise ValueError("give either search= or ascent_steps/ascent_lr/trust_region/path, not both")
+    return search
+
+
+def resolve_state_policy(policy: StatePolicy | str | dict[str, str] | None, shortcuts: Shortcuts) -> StatePolicy:
+    """``policy`` as a :class:`StatePolicy` (a string or dict is its ``policy``, ``state_fallback`` its fallback)."""
+    fallback = shortcuts.get("state_fallback")
+    if not isinstance(policy, StatePolicy):
+        return StatePolicy(policy, fallback)
+    if fallback is not None:
+        raise ValueError("give either state_policy=StatePolicy(...) or state_fallback, not both")
+    return policy

@@ -1,0 +1,162 @@
+"""How a teleport chooses its group elements: the search phase and its settings.
+
+A :class:`SearchStrategy` receives a :class:`SearchProblem` (the sites, their
+groups, the evaluator, the objective and the trust regions) and returns Lie
+algebra coordinates per site; the element applied is exp of them, after the
+safety caps scaled them towards the identity where needed
+(:func:`~teleopt.teleport.ascent.shrink_to_feasible`).  The default,
+:class:`GradientAscent`, is the projected Adam of papers/001 Algorithm 1 line 3
+(:func:`~teleopt.teleport.ascent.ascend`).  Any other way to choose an element
+(a learned teleport policy, a closed form, a grid) plugs in through
+``SearchConfig(strategy=...)`` without touching the rest of a teleport.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from torch import Tensor
+
+from teleopt.groups import Group
+from teleopt.site import Site
+from teleopt.teleport.ascent import ascend
+from teleopt.teleport.evaluator import Evaluator
+from teleopt.teleport.objectives import Objective
+
+__all__ = [
+    "Path",
+    "SearchProblem",
+    "SearchResult",
+    "SearchStrategy",
+    "GradientAscent",
+    "SearchConfig",
+]
+
+Path = Literal["auto", "fast", "general"]
+
+
+@dataclass
+class SearchProblem:
+    """What a search strategy is given for one teleport.
+
+    ``start`` holds the identity's coordinates (float64 zeros of each group's
+    ``coord_shape``); ``trust_regions`` each site's radius (``None``: unbounded),
+    to be kept with :meth:`Group.project_coordinates <teleopt.groups.Group.project_coordinates>`.
+    """
+
+    sites: Sequence[Site]
+    groups: Sequence[Group]
+    evaluator: Evaluator
+    objective: Objective
+    prepared: Any
+    start: list[Tensor]
+    trust_regions: list[float | None]
+
+    def score(self, coords: Sequence[Tensor]) -> Tensor:
+        """What the search maximises at ``coords``: the objective's score at exp(coords) . w."""
+        return self.objective.score(self.evaluator, self.evaluator.elements(coords), self.prepared)
+
+
+@dataclass
+class SearchResult:
+    """Chosen coordinates per site; ``score_start`` is the score at the identity when the
+    strategy evaluated it (else the teleport evaluates it for its report)."""
+
+    coords: list[Tensor]
+    score_start: float | None = None
+    evaluations: int = 0
+
+
+@runtime_checkable
+class SearchStrategy(Protocol):
+    """Chooses the group coordinates of a teleport (see module docs)."""
+
+    def search(self, problem: SearchProblem) -> SearchResult:
+        """Coordinates per site of ``problem`` (the identity's zeros decline the teleport)."""
+        ...
+
+
+@dataclass(frozen=True)
+class GradientAscent:
+    """Projected Adam on the coordinates from the identity (papers/001 Algorithm 1 line 3):
+    ``steps`` steps of size ``lr`` (a distance in coordinates, e.g. log-scales)."""
+
+    steps: int = 100
+    lr: float = 0.2
+
+    def search(self, problem: SearchProblem) -> SearchResult:
+        found = ascend(
+            problem.score,
+            problem.start,
+            problem.groups,
+            self.steps,
+            self.lr,
+            problem.trust_regions,
+        )
+        return SearchResult(found.coords, found.score_start, found.evaluations)
+
+
+def _check_int(value: Any, what: str, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def check_positive(value: Any, what: str) -> float:
+    """``value`` as a float if it is a positive finite number, else ``ValueError`` naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{what} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def check_positive_or_none(value: Any, what: str) -> float | None:
+    """:func:`check_positive`, with ``None`` allowed."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{what} must be a positive finite number or None, got {value!r}")
+    return float(value)
+
+
+@dataclass
+class SearchConfig:
+    """Search settings of a :class:`~teleopt.teleport.Teleport`.
+
+    Parameters
+    ----------
+    steps, lr:
+        Projected Adam on the group coordinates: number of steps and step size
+        (``ascent_steps=``/``ascent_lr=`` shortcuts of ``Teleport``).
+    trust_region:
+        Bound on the coordinates (|log-scale| <= r, spectral norm of GL generators
+        <= r), stored per param group as ``teleopt_teleport_trust_region`` (a site
+        uses the smallest over its parameters' groups).  Default log 4.
+    path:
+        ``"auto"`` (fast when every site and the objective allow it), ``"fast"`` or ``"general"``.
+    strategy:
+        How elements are chosen (:class:`SearchStrategy`); default
+        ``GradientAscent(steps, lr)``.
+    """
+
+    steps: int = 100
+    lr: float = 0.2
+    trust_region: float | None = math.log(4)
+    path: Path = "auto"
+    strategy: SearchStrategy | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        check_positive_or_none(self.trust_region, "trust_region")
+        _check_int(self.steps, "ascent_steps", 0)
+        self.lr = check_positive(self.lr, "ascent_lr")
+        if self.path not in ("auto", "fast", "general"):
+            raise ValueError(f"path must be 'auto', 'fast' or 'general', got {self.path!r}")
+        if self.strategy is not None and not isinstance(self.strategy, SearchStrategy):
+            raise TypeError(f"strategy must have a search(problem) method, got {type(self.strategy).__name__}")
+
+    @property
+    def chooser(self) -> SearchStrategy:
+        """The strategy in use."""
+        return self.strategy if self.strategy is not None else GradientAscent(self.steps, self.lr)

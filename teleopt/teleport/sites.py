@@ -1,0 +1,129 @@
+"""Binding sites to the model and optimizer a ``Teleport`` wraps: checks and ``sites="auto"`` detection.
+
+A site names tensors of ``model.state_dict()``; a teleport needs every member to
+be a floating-point tensor of the model, every parameter member trainable and
+updated by the optimizer, one device and one dtype per site, and a data input
+for data-dependent actions.  Each check fails with an error naming the site and
+the member.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from teleopt.site import Site, lookup_tensor
+
+__all__ = ["check_model_matches_optimizer", "validate_sites", "detect_sites"]
+
+
+def _optimized(param_groups: Sequence[dict[str, Any]]) -> set[int]:
+    return {id(p) for g in param_groups for p in g["params"]}
+
+
+def check_model_matches_optimizer(module: nn.Module, param_groups: Sequence[dict[str, Any]]) -> None:
+    """``ValueError`` unless the optimizer updates some parameter of ``module``."""
+    optimized = _optimized(param_groups)
+    params = list(module.parameters())
+    if not params or not any(id(p) in optimized for p in params):
+        raise ValueError(
+            f"the optimizer does not update any parameter of the model ({type(module).__name__}): "
+            "pass the model whose parameters were given to the optimizer"
+        )
+
+
+def _resolve_name(module: nn.Module, name: str) -> str:
+    """``name``, or ``name`` without DDP's ``module.`` prefixes, as a tensor of ``module``."""
+    try:
+        lookup_tensor(module, name)
+        return name
+    except KeyError:
+        if name.startswith("module."):
+            return _resolve_name(module, name[len("module.") :])
+        raise ValueError(f"site member {name!r} is not a parameter or buffer of {type(module).__name__}") from None
+
+
+def _check_member(
+    site: Site,
+    name: str,
+    tensor: Tensor,
+    params: dict[str, nn.Parameter],
+    optimized: set[int],
+) -> None:
+    if name in params:
+        p = params[name]
+        if not p.requires_grad:
+            raise ValueError(f"site {site.name!r} acts on the frozen parameter {name!r} (requires_grad=False)")
+        if id(p) not in optimized:
+            raise ValueError(f"site {site.name!r}: parameter {name!r} is not updated by the optimizer")
+    if not tensor.is_floating_point():
+        raise TypeError(f"site {site.name!r}: member {name!r} has dtype {tensor.dtype}; teleports need floating point")
+
+
+def _bind(site: Site, module: nn.Module, params: dict[str, nn.Parameter], optimized: set[int]) -> Site:
+    members = tuple(None if m is None else _resolve_name(module, m) for m in site.members)
+    if members != site.members:
+        site = Site(site.action, members, site.name, site.data_input, dict(site.info))
+    devices, dtypes = set(), set()
+    for m in site.tensor_names:
+        t = lookup_tensor(module, m)
+        devices.add(t.device)
+        dtypes.add(t.dtype)
+        _check_member(site, m, t, params, optimized)
+    if len(devices) > 1:
+        raise ValueError(f"site {site.name!r} has members on several devices ({sorted(map(str, devices))}); move them to one")
+    if len(dtypes) > 1:
+        raise ValueError(f"site {site.name!r} mixes dtypes ({sorted(map(str, dtypes))}); teleports need one dtype per site")
+    if site.action.needs_data and site.data_input is None:
+        raise ValueError(f"site {site.name!r} is data-dependent but names no data_input module")
+    site.action.group(site.tensors(module))  # shape check, raises ValueError on mismatch
+    return site
+
+
+def validate_sites(
+    sites: Sequence[Site],
+    module: nn.Module,
+    param_groups: Sequence[dict[str, Any]],
+    given: bool,
+) -> list[Site]:
+    """The continuous sites of ``sites`` bound to ``module`` (see module docs).
+
+    A discrete site is an error when the user ``given`` it, and skipped when detection found it.
+    """
+    if isinstance(sites, (str, Site)) or not isinstance(sites, Sequence):
+        raise TypeError(f"sites must be 'auto' or a list of Site, got {type(sites).__name__}")
+    optimized = _optimized(param_groups)
+    params = dict(module.named_parameters())
+    out = []
+    for site in sites:
+        if not isinstance(site, Site):
+            raise TypeError(f"sites must contain teleopt Site objects, got {type(site).__name__}")
+        if not site.action.continuous:
+            if given:
+                raise ValueError(
+                    f"site {site.name!r} has a discrete group ({site.action.group_name}): Teleport searches "
+                    "continuous groups by ascent on Lie-algebra coordinates"
+                )
+            continue
+        out.append(_bind(site, module, params, optimized))
+    return out
+
+
+def detect_sites(module: nn.Module, param_groups: Sequence[dict[str, Any]], example_inputs: Any) -> list[Site]:
+    """The exact continuous sites ``teleopt.find_symmetries`` finds on ``module`` with ``example_inputs``."""
+    try:
+        from teleopt.detection import find_symmetries
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ImportError("sites='auto' needs teleopt.detection (find_symmetries); pass a list of sites instead") from exc
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    found = find_symmetries(module, inputs)
+    # exact sites only: an approximate site (BatchNorm input scaling, exact up to eps) would fail the
+    # invariance post-condition; pass such sites explicitly with a loss tolerance
+    return validate_sites(
+        [s for s in found.sites if s.action.exactness == "exact"],
+        module,
+        param_groups,
+        given=False,
+    )
