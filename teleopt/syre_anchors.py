@@ -1,0 +1,147 @@
+"""Anchors of :class:`~teleopt.syre.Syre` (papers/003 eq. 6 and eq. 7): scales, seeded draws, option checks.
+
+An anchor ``theta_0`` is a parameter-shaped Gaussian draw with standard deviation
+``sigma0 / sqrt(fan_in)`` (papers/003 Sec. 5.4: ``sigma0`` relative to the
+initialisation scale); eq. 7's diagonal ``D`` is ``Uniform(1 - eps, 1 + eps)``.
+Both come from a CPU ``torch.Generator`` seeded by ``(seed, parameter index,
+stream)``, so every process, rank and device draws the same numbers.  Complex
+parameters are handled in their real view (``torch.view_as_real``): their anchors
+and ``D`` have the real view's shape and dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["OPTION_NAMES", "anchor_std", "check_options", "check_scales", "draw_anchor", "draw_diagonal", "fan_in", "real_view"]
+
+_MASK64 = (1 << 64) - 1
+_ANCHOR_STREAM = 0
+_DIAGONAL_STREAM = 1
+OPTION_NAMES = ("gamma", "sigma0", "decoupled", "diagonal_eps", "enabled", "exclude_1d", "fan_in", "seed")
+# |z| <= 16 for every standard normal draw ever made (P(|z| > 16) ~ 1e-57): anchors stay below 16 std.
+_DRAW_BOUND = 16.0
+
+
+def fan_in(shape: Iterable[int]) -> int | None:
+    """torch.nn.init's fan-in of a weight of this shape (``shape[1] * prod(shape[2:])``); None below 2-D.
+
+    This is the fan-in the default initialisers scale by, so ``sigma0`` is relative
+    to the initialisation scale as in papers/003 Sec. 5.4: ``(out, in)`` Linear
+    weights have fan-in ``in``, ``(out, in / groups, *kernel)`` conv weights
+    ``in / groups * prod(kernel)``.  1-D and 0-D tensors (biases, norm weights,
+    scalars) have no defined fan-in.
+    """
+    dims = tuple(int(s) for s in shape)
+    if len(dims) < 2:
+        return None
+    return dims[1] * math.prod(dims[2:])
+
+
+def anchor_std(sigma0: float, shape: Iterable[int], group_fan_in: int | None) -> float:
+    """Standard deviation of an anchor entry: ``sigma0 / sqrt(n)``.
+
+    ``n`` is the group's ``fan_in`` when set, else the tensor's :func:`fan_in`;
+    tensors below 2-D have none and use their length, the width ``d`` of papers/003
+    Sec. 5.4's ``0.01 / sqrt(d)`` (1 for a scalar).
+    """
+    dims = tuple(int(s) for s in shape)
+    size = group_fan_in or fan_in(dims) or max(math.prod(dims), 1)
+    return sigma0 / math.sqrt(size)
+
+
+def real_view(t: Tensor) -> Tensor:
+    """``t`` itself, or its real view (trailing axis of 2) when complex."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _generator(seed: int, index: int, stream: int) -> torch.Generator:
+    """A CPU generator for (seed, parameter index, stream): the same numbers in every process and on every rank."""
+    mixed = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ index) ^ stream)
+    return torch.Generator(device="cpu").manual_seed(mixed)
+
+
+def _draw_dtype(dtype: torch.dtype) -> torch.dtype:
+    # float64 parameters get float64 draws; everything else is drawn in float32 and rounded.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def draw_anchor(seed: int, index: int, p: Tensor, std: float) -> Tensor:
+    """The anchor of parameter ``index`` (in ``p``'s real view, device and dtype)."""
+    target = real_view(p)
+    generator = _generator(seed, index, _ANCHOR_STREAM)
+    noise = torch.randn(target.shape, generator=generator, dtype=_draw_dtype(target.dtype))
+    return noise.mul_(std).to(device=target.device, dtype=target.dtype)
+
+
+def draw_diagonal(seed: int, index: int, p: Tensor, eps: float) -> Tensor:
+    """eq. 7's diagonal ``D ~ Uniform(1 - eps, 1 + eps)`` of parameter ``index`` (in ``p``'s real view)."""
+    target = real_view(p)
+    generator = _generator(seed, index, _DIAGONAL_STREAM)
+    uniform = torch.rand(target.shape, generator=generator, dtype=_draw_dtype(target.dtype))
+    return uniform.mul_(2 * eps).add_(1 - eps).to(device=target.device, dtype=target.dtype)
+
+
+def _is_real_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_options(options: dict[str, Any], where: str) -> None:
+    """Validate syre hyperparameters (names without prefix); raises ValueError/TypeError naming the option."""
+    unknown = set(options) - set(OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"{where}: unknown syre option(s) {sorted(unknown)}; known: {list(OPTION_NAMES)}")
+    for name in ("gamma", "sigma0"):
+        if name in options:
+            value = options[name]
+            if not _is_real_number(value):
+                raise TypeError(f"{where}: {name} must be a finite real number, got {value!r}")
+            if value < 0:
+                raise ValueError(f"{where}: {name} must be >= 0, got {value}")
+    if "diagonal_eps" in options:
+        value = options["diagonal_eps"]
+        if not _is_real_number(value):
+            raise TypeError(f"{where}: diagonal_eps must be a finite real number, got {value!r}")
+        if not 0 <= value < 1:
+            raise ValueError(f"{where}: diagonal_eps must lie in [0, 1) so that D is positive, got {value}")
+    for name in ("decoupled", "enabled", "exclude_1d"):
+        if name in options and not isinstance(options[name], bool):
+            raise TypeError(f"{where}: {name} must be a bool, got {options[name]!r}")
+    if "fan_in" in options and options["fan_in"] is not None:
+        value = options["fan_in"]
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{where}: fan_in must be None or a positive int, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{where}: fan_in must be a positive int, got {value}")
+    if "seed" in options and (not isinstance(options["seed"], int) or isinstance(options["seed"], bool)):
+        raise TypeError(f"{where}: seed must be an int, got {options['seed']!r}")
+
+
+def check_scales(gamma: float, sigma0: float, diagonal_eps: float, std: float, dtype: torch.dtype, where: str) -> None:
+    """Anchors and decay must stay finite in the parameter's (real) dtype; raises ValueError naming the option.
+
+    Anchor entries stay below ``16 std`` (:data:`_DRAW_BOUND`), which must be finite;
+    the decay ``gamma * D * (w - theta_0)`` must be finite for ``|w - theta_0|`` up
+    to ``16 * max(1, 32 std)`` (weights of magnitude up to 16 and the largest anchor).
+    """
+    del sigma0  # the check is on std = sigma0 / sqrt(n); the message names sigma0
+    largest = torch.finfo(dtype.to_real() if dtype.is_complex else dtype).max
+    if std * _DRAW_BOUND > largest:
+        raise ValueError(
+            f"{where}: sigma0 gives anchors of standard deviation {std:.3g}, which overflow {dtype} "
+            f"(largest finite value {largest:.3g}); choose a smaller sigma0"
+        )
+    if gamma * (1 + diagonal_eps) * _DRAW_BOUND * max(1.0, 2 * _DRAW_BOUND * std) > largest:
+        raise ValueError(f"{where}: gamma={gamma:.3g} makes the decay overflow {dtype} (largest finite value {largest:.3g})")
