@@ -48,10 +48,12 @@ from teleopt.syre_anchors import (
     anchor_std,
     check_options,
     check_scales,
+    decay_list,
     draw_anchor,
     draw_diagonal,
     fan_in,
     real_view,
+    use_foreach,
 )
 from teleopt.wrapper import OptimizerWrapper
 
@@ -228,7 +230,7 @@ class Syre(OptimizerWrapper):
     @staticmethod
     def _check_scales(options: dict[str, Any], p: Tensor, where: str) -> None:
         std = anchor_std(options["sigma0"], p.shape, options["fan_in"])
-        check_scales(options["gamma"], options["sigma0"], options["diagonal_eps"], std, p.dtype, where)
+        check_scales(options["gamma"], options["diagonal_eps"], std, p.dtype, where)
 
     @staticmethod
     def _excluded(options: dict[str, Any], p: Tensor) -> bool:
@@ -344,11 +346,14 @@ class Syre(OptimizerWrapper):
         return self._penalty(coupled_only=False)
 
     def _penalty(self, coupled_only: bool) -> Tensor:
+        """:meth:`penalty`; ``coupled_only``: of coupled groups, negated under ``maximize`` (LBFGS's objective)."""
         total = torch.zeros((), dtype=torch.float64)
         for index, group, p in self._targets():
             gamma = group[self.prefix + "gamma"]
             if gamma == 0 or (coupled_only and group[self.prefix + "decoupled"]):
                 continue
+            if coupled_only and group.get("maximize", False):
+                gamma = -gamma
             diff = real_view(p) - self._anchor_of(index, group, p)
             diagonal = self._diagonal_of(index, group, p)
             squares = diff * diff if diagonal is None else diff * diff * diagonal
@@ -356,15 +361,6 @@ class Syre(OptimizerWrapper):
         return total
 
     # -- step -------------------------------------------------------------------------
-    @staticmethod
-    def _use_foreach(group: dict[str, Any], tensors: list[Tensor]) -> bool:
-        """The base's choice: foreach/fused when it asked for them, torch's default (CUDA only) otherwise."""
-        if group.get("foreach") is not None:
-            return bool(group["foreach"])
-        if group.get("fused"):
-            return True
-        return all(t.device.type == "cuda" for t in tensors)
-
     def _acting(self, with_grad: bool = True) -> Iterator[tuple[dict[str, Any], list[tuple[int, Tensor]]]]:
         """Groups that decay in this step with their (index, parameter) members that have a gradient.
 
@@ -380,59 +376,6 @@ class Syre(OptimizerWrapper):
             members.setdefault(id(group), []).append((index, p))
         for key, group in groups.items():
             yield group, members[key]
-
-    @staticmethod
-    def _decay_list(
-        params: list[Tensor],
-        grads: list[Tensor],
-        anchors: list[Tensor],
-        diagonals: list[Tensor] | None,
-        coefficient: float,
-        decoupled: bool,
-        foreach: bool,
-        scratch: list[Tensor] | None = None,
-    ) -> list[Tensor]:
-        """Apply the decay to one device/dtype bucket; returns the new gradients (coupled) or [].
-
-        ``w - theta_0`` is formed first, so it is exactly 0 at the anchor (the fixed
-        point stays exact even under Adam's normalisation); coupled mode then builds
-        ``grad + coefficient * D * (w - theta_0)`` in the same buffer.  The buffers are
-        ``scratch`` when given (reused across steps: on the CPU a fresh gradient-sized
-        allocation per step costs more in page faults than the arithmetic), else new
-        (one allocation per tensor, like torch's own coupled weight decay).
-        """
-        if foreach:
-            if decoupled and diagonals is None:
-                torch._foreach_lerp_(params, anchors, coefficient)
-                return []
-            if scratch is None:
-                diffs = list(torch._foreach_sub(params, anchors))
-            else:
-                diffs = scratch
-                torch._foreach_copy_(diffs, params)
-                torch._foreach_sub_(diffs, anchors)
-            if decoupled:
-                torch._foreach_addcmul_(params, diffs, diagonals, value=-coefficient)
-                return []
-            if diagonals is not None:
-                torch._foreach_mul_(diffs, diagonals)
-            torch._foreach_mul_(diffs, coefficient)
-            torch._foreach_add_(diffs, grads)
-            return diffs
-        new_grads = []
-        for i, (p, a) in enumerate(zip(params, anchors)):
-            d = None if diagonals is None else diagonals[i]
-            if decoupled and d is None:
-                p.lerp_(a, coefficient)
-                continue
-            diff = p - a if scratch is None else torch.sub(p, a, out=scratch[i])
-            if decoupled:
-                p.addcmul_(diff, d, value=-coefficient)
-                continue
-            if d is not None:
-                diff.mul_(d)
-            new_grads.append(diff.mul_(coefficient).add_(grads[i]))
-        return new_grads
 
     def _scratch_of(self, p: Tensor) -> Tensor:
         """A reused buffer shaped like ``p``'s real view for ``w - theta_0`` (CPU, stored-anchor mode; never saved)."""
@@ -491,8 +434,8 @@ class Syre(OptimizerWrapper):
                 anchor = self._anchor_of(index, group, p)
                 diagonal = self._diagonal_of(index, group, p)
                 grads = [] if p.grad is None else [real_view(p.grad)]
-                new = self._decay_list([real_view(p)], grads, [anchor], None if diagonal is None else [diagonal],
-                                       coefficient, decoupled, foreach=False)
+                diagonals = None if diagonal is None else [diagonal]
+                new = decay_list([real_view(p)], grads, [anchor], diagonals, coefficient, decoupled, foreach=False)
                 install([p], new)
             return swapped
         buckets: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]] = {}
@@ -508,21 +451,15 @@ class Syre(OptimizerWrapper):
             if diagonal is not None:
                 diagonals.append(diagonal)
         for (device, _), (ps, gs, anchors, diagonals) in buckets.items():
-            foreach = self._use_foreach(group, ps)
+            foreach = use_foreach(group, ps)
             # Reused buffers on the CPU only: accelerators' caching allocators make the transient
             # allocation cheap, and there it is free again for the next forward pass.
             reuse = device.type == "cpu" and not (decoupled and not has_diagonal)
             scratch = [self._scratch_of(p) for p in ps] if reuse else None
-            new = self._decay_list([real_view(p) for p in ps], gs, anchors, diagonals if has_diagonal else None,
-                                   coefficient, decoupled, foreach, scratch)
+            new = decay_list([real_view(p) for p in ps], gs, anchors, diagonals if has_diagonal else None,
+                             coefficient, decoupled, foreach, scratch)
             install(ps, new)
         return swapped
-
-    def _innermost(self) -> Optimizer:
-        inner = self._base
-        while isinstance(inner, OptimizerWrapper):
-            inner = inner.base
-        return inner
 
     def _check_acting(self, with_grad: bool = True) -> None:
         """Validate gamma and materialise/check every anchor, so a bad one fails before any tensor changes."""
@@ -585,7 +522,7 @@ class Syre(OptimizerWrapper):
                 return value + penalty.to(device=value.device, dtype=value.dtype)
             return value if value is None else value + float(penalty)
 
-        inner = self._innermost()
+        inner = self.innermost
         handles = (inner.register_step_pre_hook(decay), inner.register_step_post_hook(finish))
         try:
             loss = self._step_base(decayed_closure if in_closure else None, loss)

@@ -1,4 +1,4 @@
-"""Anchors of :class:`~teleopt.syre.Syre` (papers/003 eq. 6 and eq. 7): scales, seeded draws, option checks.
+"""Anchors and decay kernel of :class:`~teleopt.syre.Syre` (papers/003 eq. 6, eq. 7): draws, checks, math.
 
 An anchor ``theta_0`` is a parameter-shaped Gaussian draw with standard deviation
 ``sigma0 / sqrt(fan_in)`` (papers/003 Sec. 5.4: ``sigma0`` relative to the
@@ -6,7 +6,9 @@ initialisation scale); eq. 7's diagonal ``D`` is ``Uniform(1 - eps, 1 + eps)``.
 Both come from a CPU ``torch.Generator`` seeded by ``(seed, parameter index,
 stream)``, so every process, rank and device draws the same numbers.  Complex
 parameters are handled in their real view (``torch.view_as_real``): their anchors
-and ``D`` have the real view's shape and dtype.
+and ``D`` have the real view's shape and dtype.  :func:`decay_list` is the decay's
+functional kernel on one device/dtype bucket (like torch.optim's ``_single_tensor_*``
+/ ``_multi_tensor_*`` kernels); :class:`~teleopt.syre.Syre` gathers the buckets.
 """
 
 from __future__ import annotations
@@ -18,7 +20,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["OPTION_NAMES", "anchor_std", "check_options", "check_scales", "draw_anchor", "draw_diagonal", "fan_in", "real_view"]
+__all__ = [
+    "OPTION_NAMES",
+    "anchor_std",
+    "check_options",
+    "check_scales",
+    "decay_list",
+    "draw_anchor",
+    "draw_diagonal",
+    "fan_in",
+    "real_view",
+    "use_foreach",
+]
 
 _MASK64 = (1 << 64) - 1
 _ANCHOR_STREAM = 0
@@ -129,14 +142,13 @@ def check_options(options: dict[str, Any], where: str) -> None:
         raise TypeError(f"{where}: seed must be an int, got {options['seed']!r}")
 
 
-def check_scales(gamma: float, sigma0: float, diagonal_eps: float, std: float, dtype: torch.dtype, where: str) -> None:
-    """Anchors and decay must stay finite in the parameter's (real) dtype; raises ValueError naming the option.
+def check_scales(gamma: float, diagonal_eps: float, std: float, dtype: torch.dtype, where: str) -> None:
+    """Anchors (``std``, from ``sigma0``) and decay must stay finite in the parameter's (real) dtype, or ``ValueError``.
 
     Anchor entries stay below ``16 std`` (:data:`_DRAW_BOUND`), which must be finite;
     the decay ``gamma * D * (w - theta_0)`` must be finite for ``|w - theta_0|`` up
     to ``16 * max(1, 32 std)`` (weights of magnitude up to 16 and the largest anchor).
     """
-    del sigma0  # the check is on std = sigma0 / sqrt(n); the message names sigma0
     largest = torch.finfo(dtype.to_real() if dtype.is_complex else dtype).max
     if std * _DRAW_BOUND > largest:
         raise ValueError(
@@ -145,3 +157,68 @@ def check_scales(gamma: float, sigma0: float, diagonal_eps: float, std: float, d
         )
     if gamma * (1 + diagonal_eps) * _DRAW_BOUND * max(1.0, 2 * _DRAW_BOUND * std) > largest:
         raise ValueError(f"{where}: gamma={gamma:.3g} makes the decay overflow {dtype} (largest finite value {largest:.3g})")
+
+
+# -- the decay kernel (one device/dtype bucket; Syre gathers the buckets) ---------------------------
+
+
+def use_foreach(group: dict[str, Any], tensors: list[Tensor]) -> bool:
+    """The base's choice: foreach/fused when it asked for them, torch's default (CUDA only) otherwise."""
+    if group.get("foreach") is not None:
+        return bool(group["foreach"])
+    if group.get("fused"):
+        return True
+    return all(t.device.type == "cuda" for t in tensors)
+
+
+def decay_list(
+    params: list[Tensor],
+    grads: list[Tensor],
+    anchors: list[Tensor],
+    diagonals: list[Tensor] | None,
+    coefficient: float,
+    decoupled: bool,
+    foreach: bool,
+    scratch: list[Tensor] | None = None,
+) -> list[Tensor]:
+    """Apply the decay to one device/dtype bucket; returns the new gradients (coupled) or [].
+
+    ``w - theta_0`` is formed first, so it is exactly 0 at the anchor (the fixed
+    point stays exact even under Adam's normalisation); coupled mode then builds
+    ``grad + coefficient * D * (w - theta_0)`` in the same buffer.  The buffers are
+    ``scratch`` when given (reused across steps: on the CPU a fresh gradient-sized
+    allocation per step costs more in page faults than the arithmetic), else new
+    (one allocation per tensor, like torch's own coupled weight decay).
+    """
+    if foreach:
+        if decoupled and diagonals is None:
+            torch._foreach_lerp_(params, anchors, coefficient)
+            return []
+        if scratch is None:
+            diffs = list(torch._foreach_sub(params, anchors))
+        else:
+            diffs = scratch
+            torch._foreach_copy_(diffs, params)
+            torch._foreach_sub_(diffs, anchors)
+        if decoupled:
+            torch._foreach_addcmul_(params, diffs, diagonals, value=-coefficient)
+            return []
+        if diagonals is not None:
+            torch._foreach_mul_(diffs, diagonals)
+        torch._foreach_mul_(diffs, coefficient)
+        torch._foreach_add_(diffs, grads)
+        return diffs
+    new_grads = []
+    for i, (p, a) in enumerate(zip(params, anchors)):
+        d = None if diagonals is None else diagonals[i]
+        if decoupled and d is None:
+            p.lerp_(a, coefficient)
+            continue
+        diff = p - a if scratch is None else torch.sub(p, a, out=scratch[i])
+        if decoupled:
+            p.addcmul_(diff, d, value=-coefficient)
+            continue
+        if d is not None:
+            diff.mul_(d)
+        new_grads.append(diff.mul_(coefficient).add_(grads[i]))
+    return new_grads

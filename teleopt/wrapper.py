@@ -33,6 +33,7 @@ Subclasses implement ``step`` and the two state hooks.  A subclass's ``step`` is
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -58,8 +59,13 @@ def step_needs_closure(optimizer: Optimizer) -> bool:
     """
     if isinstance(optimizer, OptimizerWrapper):
         return optimizer.base_needs_closure
+    return _class_needs_closure(type(optimizer))
+
+
+@functools.lru_cache(maxsize=None)
+def _class_needs_closure(cls: type) -> bool:
     try:
-        parameters = list(inspect.signature(type(optimizer).step).parameters.values())[1:]
+        parameters = list(inspect.signature(cls.step).parameters.values())[1:]
     except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
         return False
     for parameter in parameters:
@@ -140,6 +146,14 @@ class OptimizerWrapper(Optimizer):
     def base(self) -> Optimizer:
         """The wrapped optimizer."""
         return self._base
+
+    @property
+    def innermost(self) -> Optimizer:
+        """The real optimizer at the bottom of a stack of wrappers."""
+        inner = self._base
+        while isinstance(inner, OptimizerWrapper):
+            inner = inner.base
+        return inner
 
     @property
     def state(self) -> Any:  # type: ignore[override]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from teleopt.syre import Syre, fan_in
+from teleopt.syre_anchors import decay_list
 from teleopt.testing import assert_close
 from teleopt.testing.conformance import WrapperConformance
 from teleopt.wrapper import OptimizerWrapper
@@ -227,7 +228,7 @@ def test_reused_and_fresh_buffers_give_the_same_bits(decoupled, foreach):
     outcomes = []
     for scratch in (None, [torch.empty(s) for s in shapes]):
         ps = [p.clone() for p in params]
-        new = Syre._decay_list(ps, grads, anchors, diagonals, 0.3, decoupled, foreach, scratch)
+        new = decay_list(ps, grads, anchors, diagonals, 0.3, decoupled, foreach, scratch)
         outcomes.append(ps + list(new))
     assert all(torch.equal(a, b) for a, b in zip(*outcomes))
     assert decoupled or all(not torch.equal(n, gr) for n, gr in zip(outcomes[0][2:], grads))
