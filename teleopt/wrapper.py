@@ -37,7 +37,6 @@ import functools
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from itertools import chain
 from typing import Any, ClassVar
 
 import torch
@@ -62,7 +61,7 @@ def step_needs_closure(optimizer: Optimizer) -> bool:
     return _class_needs_closure(type(optimizer))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _class_needs_closure(cls: type) -> bool:
     try:
         parameters = list(inspect.signature(cls.step).parameters.values())[1:]

@@ -29,20 +29,24 @@ from __future__ import annotations
 import collections
 import functools
 import io
+import math
 import warnings
 from typing import Any
 
 import pytest
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 pytest.importorskip("expecttest", reason="torch.testing._internal needs expecttest (in the dev extra)")
-from torch.testing._internal.common_optimizers import optim_db  # noqa: E402
+from torch.testing._internal.common_optimizers import optim_db
 
-from teleopt import Site, get_action  # noqa: E402
-from teleopt.syre import Syre  # noqa: E402
-from teleopt.teleport import Teleport  # noqa: E402
-from teleopt.wrapper import OptimizerWrapper  # noqa: E402
+from teleopt import Site, get_action
+from teleopt.syre import Syre
+from teleopt.teleport import Teleport
+from teleopt.wrapper import OptimizerWrapper
 
 MODES = ("syre_off", "syre", "teleport_off", "syre_of_teleport", "teleport_of_syre")
 TRANSPARENT = {"syre_off", "teleport_off"}
@@ -226,7 +230,8 @@ def assert_same(actual: Any, expected: Any, what: str) -> None:
         for i, (a, e) in enumerate(zip(actual, expected)):
             assert_same(a, e, f"{what}[{i}]")
     else:
-        assert actual == expected or (actual != actual and expected != expected), f"{what}: {actual!r} != {expected!r}"
+        both_nan = isinstance(actual, float) and isinstance(expected, float) and math.isnan(actual) and math.isnan(expected)
+        assert actual == expected or both_nan, f"{what}: {actual!r} != {expected!r}"
 
 
 _BARE_RESUMES: dict[tuple[str, str, str], bool] = {}
@@ -356,8 +361,8 @@ def test_optimizer_contract(info, optim_input, mode, dtype):
     resumed.train(2)
     exact = bare_resumes_bitwise(problem, optim_input)
     if not exact:
-        SKIPS[(mode, f"resume checked to 1e-6, not bitwise: the bare {info.optim_cls.__name__} does not resume bitwise "
-                     f"in {dtype} either")] += 1
+        name = info.optim_cls.__name__
+        SKIPS[(mode, f"resume checked to 1e-6, not bitwise: the bare {name} does not resume bitwise in {dtype} either")] += 1
     for i, (a, e) in enumerate(zip(resumed.params, wrapped.params)):
         if exact:
             assert_same(a.detach(), e.detach(), f"parameter {i} after resume")
@@ -388,8 +393,8 @@ def test_optimizer_contract(info, optim_input, mode, dtype):
 
     # a param group added later gets the wrapper's defaults and trains
     if not info.supports_param_groups:
-        skip(mode, f"{info.optim_cls.__name__} takes one param group only (optim_db: supports_param_groups=False); "
-                   "every other check passed")
+        reason = f"{info.optim_cls.__name__} takes one param group only (optim_db: supports_param_groups=False)"
+        skip(mode, f"{reason}; every other check passed")
     wrapped.extra = problem.new_extra()
     before = wrapped.extra.detach().clone()
     keys = set(base.param_groups[0]) - {"params", "initial_lr"}

@@ -10,7 +10,10 @@ import warnings
 
 import pytest
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from teleopt import Site, get_action
 from teleopt.syre import Syre
