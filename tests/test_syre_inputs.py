@@ -17,6 +17,9 @@ import torch
 
 from teleopt.syre import Syre
 
+# Adahessian needs backward(create_graph=True); torch warns about the parameter <-> .grad cycle it makes.
+pytestmark = pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
+
 
 def mlp(dtype=torch.float32, seed: int = 0):
     torch.manual_seed(seed)
