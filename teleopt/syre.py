@@ -225,12 +225,7 @@ class Syre(OptimizerWrapper):
             if not (p.is_floating_point() or p.is_complex()):
                 raise TypeError(f"{where} has dtype {p.dtype}; syre needs floating-point parameters")
             if not self._excluded(options, p):
-                self._check_scales(options, p, where)
-
-    @staticmethod
-    def _check_scales(options: dict[str, Any], p: Tensor, where: str) -> None:
-        std = anchor_std(options["sigma0"], p.shape, options["fan_in"])
-        check_scales(options["gamma"], options["diagonal_eps"], std, p.dtype, where)
+                check_scales(options, p, where)
 
     @staticmethod
     def _excluded(options: dict[str, Any], p: Tensor) -> bool:
@@ -467,7 +462,7 @@ class Syre(OptimizerWrapper):
             options = self._options(group)
             check_options({"gamma": options["gamma"]}, "Syre.step")
             for index, p in members:
-                self._check_scales(options, p, f"Syre.step: parameter {index}")
+                check_scales(options, p, f"Syre.step: parameter {index}")
                 if self.store_anchors:
                     self._anchor_of(index, group, p)
                     self._diagonal_of(index, group, p)

@@ -13,6 +13,7 @@ functional kernel on one device/dtype bucket (like torch.optim's ``_single_tenso
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -142,21 +143,33 @@ def check_options(options: dict[str, Any], where: str) -> None:
         raise TypeError(f"{where}: seed must be an int, got {options['seed']!r}")
 
 
-def check_scales(gamma: float, diagonal_eps: float, std: float, dtype: torch.dtype, where: str) -> None:
-    """Anchors (``std``, from ``sigma0``) and decay must stay finite in the parameter's (real) dtype, or ``ValueError``.
+def check_scales(options: dict[str, Any], p: Tensor, where: str) -> None:
+    """Anchors and decay of ``p`` under ``options`` (syre options) stay finite in its dtype, or ``ValueError``."""
+    problem = _scale_problem(
+        options["gamma"], options["sigma0"], options["diagonal_eps"], options["fan_in"], tuple(p.shape), p.dtype
+    )
+    if problem:
+        raise ValueError(f"{where}: {problem}")
+
+
+@functools.lru_cache(maxsize=4096)  # checked in every step: a few shapes and dtypes per model
+def _scale_problem(
+    gamma: float, sigma0: float, diagonal_eps: float, group_fan_in: int | None, shape: tuple[int, ...], dtype: torch.dtype
+) -> str | None:
+    """Why anchors or decay would overflow ``dtype``, or None.
 
     Anchor entries stay below ``16 std`` (:data:`_DRAW_BOUND`), which must be finite;
     the decay ``gamma * D * (w - theta_0)`` must be finite for ``|w - theta_0|`` up
     to ``16 * max(1, 32 std)`` (weights of magnitude up to 16 and the largest anchor).
     """
+    std = anchor_std(sigma0, shape, group_fan_in)
     largest = torch.finfo(dtype.to_real() if dtype.is_complex else dtype).max
     if std * _DRAW_BOUND > largest:
-        raise ValueError(
-            f"{where}: sigma0 gives anchors of standard deviation {std:.3g}, which overflow {dtype} "
-            f"(largest finite value {largest:.3g}); choose a smaller sigma0"
-        )
+        return (f"sigma0 gives anchors of standard deviation {std:.3g}, which overflow {dtype} "
+                f"(largest finite value {largest:.3g}); choose a smaller sigma0")
     if gamma * (1 + diagonal_eps) * _DRAW_BOUND * max(1.0, 2 * _DRAW_BOUND * std) > largest:
-        raise ValueError(f"{where}: gamma={gamma:.3g} makes the decay overflow {dtype} (largest finite value {largest:.3g})")
+        return f"gamma={gamma:.3g} makes the decay overflow {dtype} (largest finite value {largest:.3g})"
+    return None
 
 
 # -- the decay kernel (one device/dtype bucket; Syre gathers the buckets) ---------------------------
