@@ -5,7 +5,7 @@ copy (incoming weights, bias, outgoing weights) of one of ``k`` random templates
 the symmetric state of the permutation symmetry (papers/003 Sec. 4).  The network
 is trained on scikit-learn's digits with SGD+momentum and with Adam, either plain,
 with the base optimizer's weight decay ``gamma``, or with ``Syre(gamma)`` (coupled,
-eq. 6, biases excluded).  Printed per run: the training loss along the way, test
+eq. 6, biases excluded unless ``--one-d decay``).  Printed per run: the training loss along the way, test
 accuracy, the number of distinct hidden neurons (units whose parameter vectors
 differ by more than ``1e-3`` relative) and the rank of the hidden representation
 (eigenvalues of its covariance over the training set above ``1e-4`` times the
@@ -66,16 +66,17 @@ def representation_rank(params, x, rtol: float = 1e-4) -> int:
     return int((eigenvalues > rtol * eigenvalues.max()).sum())
 
 
-def train(k: int, optimizer_name: str, method: str, data, steps: int, gamma: float, sigma0: float) -> dict:
+def train(k: int, optimizer_name: str, method: str, data, steps: int, gamma: float, sigma0: float,
+          exclude_1d: bool = True, seed: int = 0) -> dict:
     x_train, y_train, x_test, y_test = data
-    params = collapsed_init(k, seed=1)
+    params = collapsed_init(k, seed=1 + seed)
     weight_decay = gamma if method == "weight decay" else 0.0
     if optimizer_name == "sgd":
         base = torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=weight_decay)
     else:
         base = torch.optim.Adam(params, lr=1e-3, weight_decay=weight_decay)
-    optimizer = Syre(base, gamma=gamma, sigma0=sigma0, exclude_1d=True) if method == "syre" else base
-    batches = torch.Generator().manual_seed(2)
+    optimizer = Syre(base, gamma=gamma, sigma0=sigma0, exclude_1d=exclude_1d) if method == "syre" else base
+    batches = torch.Generator().manual_seed(2 + seed)
     curve = []
     for step in range(steps):
         rows = torch.randint(0, len(x_train), (64,), generator=batches)
@@ -131,6 +132,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--gamma", type=float, default=1e-3)
     p.add_argument("--sigma0", type=float, default=0.01)
+    p.add_argument("--one-d", choices=["exclude", "decay"], default="exclude",
+                   help="syre's treatment of biases (1-D tensors): timm's exclusion or decay towards an anchor")
+    p.add_argument("--seed", type=int, default=0, help="offset of the initialisation and batch seeds")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     steps = args.steps or (200 if args.quick else 2000)
@@ -138,10 +142,11 @@ def main(argv: list[str] | None = None) -> dict:
     optimizers = ["sgd"] if args.quick else ["sgd", "adam"]
     data = digits()
     runs = [(name, k, method) for name in optimizers for k in capacities for method in ("plain", "weight decay", "syre")]
-    rows = [train(k, name, method, data, steps, args.gamma, args.sigma0)
+    rows = [train(k, name, method, data, steps, args.gamma, args.sigma0, args.one_d == "exclude", args.seed)
             for name, k, method in tqdm(runs, desc="syre_collapse", disable=args.quick)]
     result = {**header("syre_collapse (papers/003 Fig. 1)",
-                       {"steps": steps, "gamma": args.gamma, "sigma0": args.sigma0, "hidden": HIDDEN, "batch": 64}),
+                       {"steps": steps, "gamma": args.gamma, "sigma0": args.sigma0, "hidden": HIDDEN, "batch": 64,
+                        "one_d": args.one_d, "seed": args.seed}),
               "rows": rows}
     print(f"papers/003 Fig. 1 on digits: 64-unit ReLU net from k distinct neurons, {steps} steps, "
           f"gamma={args.gamma}, sigma0={args.sigma0}; {result['machine']}, {result['date']}")

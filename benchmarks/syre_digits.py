@@ -4,7 +4,7 @@ A four-layer fully connected ReLU network (64 -> 300 -> 300 -> 300 -> 10, as in 
 paper's Fig. 5 but on scikit-learn's bundled 8x8 digits instead of MNIST) is trained
 with SGD+momentum (lr 0.05, batch 64) at several weight decays ``gamma``: vanilla uses
 SGD's own ``weight_decay=gamma`` (decay towards zero, the symmetric point of the
-permutation symmetry), syre uses ``Syre(gamma, sigma0)`` (coupled, biases excluded)
+permutation symmetry), syre uses ``Syre(gamma, sigma0)`` (coupled, biases excluded unless ``--one-d decay``)
 for several anchor scales ``sigma0``.  Inputs are standardised and multiplied by
 ``alpha`` (the paper's input-output correlation strength).  Printed: train/test
 accuracy and the rank of the covariance of the first layer's output over the
@@ -47,12 +47,13 @@ def first_layer_ranks(model: torch.nn.Sequential, x: torch.Tensor, alpha: float)
     return ranks[0], ranks[1]
 
 
-def train(method: str, gamma: float, sigma0: float | None, alpha: float, epochs: int) -> dict:
+def train(method: str, gamma: float, sigma0: float | None, alpha: float, epochs: int, exclude_1d: bool = True,
+          seed: int = 0) -> dict:
     x_train, y_train, x_test, y_test = digits(alpha=alpha)
-    model = mlp(seed=1)
+    model = mlp(seed=1 + seed)
     base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=gamma if method == "vanilla" else 0.0)
-    optimizer = Syre(base, gamma=gamma, sigma0=sigma0, exclude_1d=True) if method == "syre" else base
-    shuffles = torch.Generator().manual_seed(2)
+    optimizer = Syre(base, gamma=gamma, sigma0=sigma0, exclude_1d=exclude_1d) if method == "syre" else base
+    shuffles = torch.Generator().manual_seed(2 + seed)
     for _ in range(epochs):
         order = torch.randperm(len(x_train), generator=shuffles)
         for i in range(0, len(x_train), 64):
@@ -96,6 +97,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--alpha", type=float, nargs="+", default=[1.0])
     p.add_argument("--gammas", type=float, nargs="+", default=None)
     p.add_argument("--sigma0", type=float, nargs="+", default=None)
+    p.add_argument("--one-d", choices=["exclude", "decay"], default="exclude",
+                   help="syre's treatment of biases (1-D tensors): timm's exclusion or decay towards an anchor")
+    p.add_argument("--seed", type=int, default=0, help="offset of the initialisation and shuffling seeds")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     epochs = args.epochs or (3 if args.quick else 40)
@@ -103,11 +107,12 @@ def main(argv: list[str] | None = None) -> dict:
     sigma0s = args.sigma0 or ([1.0] if args.quick else [0.01, 0.1, 1.0])
     runs = [(alpha, gamma, "vanilla", None) for alpha in args.alpha for gamma in gammas]
     runs += [(alpha, gamma, "syre", s) for alpha in args.alpha for gamma in gammas if gamma > 0 for s in sigma0s]
-    rows = [train(method, gamma, sigma0, alpha, epochs)
+    rows = [train(method, gamma, sigma0, alpha, epochs, args.one_d == "exclude", args.seed)
             for alpha, gamma, method, sigma0 in tqdm(runs, desc="syre_digits", disable=args.quick)]
     rows.sort(key=lambda r: (r["alpha"], r["gamma"], r["method"] != "vanilla", str(r["sigma0"])))
     result = {**header("syre_digits (papers/003 Sec. 6.3, Fig. 5)",
-                       {"epochs": epochs, "lr": 0.05, "momentum": 0.9, "batch": 64, "widths": [64, 300, 300, 300, 10]}),
+                       {"epochs": epochs, "lr": 0.05, "momentum": 0.9, "batch": 64, "widths": [64, 300, 300, 300, 10],
+                        "one_d": args.one_d, "seed": args.seed}),
               "rows": rows}
     print(f"papers/003 Fig. 5 in small: 4-layer MLP on digits, {epochs} epochs of SGD+momentum; "
           f"{result['machine']}, {result['date']}")

@@ -35,7 +35,6 @@ section 1 wrapper contract).  Units and conventions:
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable
@@ -44,83 +43,21 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from teleopt.syre_anchors import (
+    OPTION_NAMES,
+    anchor_std,
+    check_options,
+    check_scales,
+    decay_list,
+    draw_anchor,
+    draw_diagonal,
+    fan_in,
+    real_view,
+    use_foreach,
+)
 from teleopt.wrapper import OptimizerWrapper
 
 __all__ = ["Syre", "fan_in"]
-
-_MASK64 = (1 << 64) - 1
-_ANCHOR_STREAM = 0
-_DIAGONAL_STREAM = 1
-_OPTION_NAMES = ("gamma", "sigma0", "decoupled", "diagonal_eps", "enabled", "exclude_1d", "fan_in", "seed")
-
-
-def fan_in(shape: Iterable[int]) -> int | None:
-    """torch.nn.init's fan-in of a weight of this shape (``shape[1] * prod(shape[2:])``); None below 2-D.
-
-    This is the fan-in the default initialisers scale by, so ``sigma0`` is relative
-    to the initialisation scale as in papers/003 Sec. 5.4: ``(out, in)`` Linear
-    weights have fan-in ``in``, ``(out, in / groups, *kernel)`` conv weights
-    ``in / groups * prod(kernel)``.  1-D and 0-D tensors (biases, norm weights,
-    scalars) have no defined fan-in.
-    """
-    dims = tuple(int(s) for s in shape)
-    if len(dims) < 2:
-        return None
-    return dims[1] * math.prod(dims[2:])
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _generator(seed: int, index: int, stream: int) -> torch.Generator:
-    """A CPU generator for (seed, parameter index, stream): the same numbers in every process and on every rank."""
-    mixed = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ index) ^ stream)
-    return torch.Generator(device="cpu").manual_seed(mixed)
-
-
-def _draw_dtype(dtype: torch.dtype) -> torch.dtype:
-    # float64 parameters get float64 draws; everything else is drawn in float32 and rounded.
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _is_real_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check_options(options: dict[str, Any], where: str) -> None:
-    """Validate syre hyperparameters (names without prefix); raises ValueError/TypeError naming the option."""
-    unknown = set(options) - set(_OPTION_NAMES)
-    if unknown:
-        raise TypeError(f"{where}: unknown syre option(s) {sorted(unknown)}; known: {list(_OPTION_NAMES)}")
-    for name in ("gamma", "sigma0"):
-        if name in options:
-            value = options[name]
-            if not _is_real_number(value):
-                raise TypeError(f"{where}: {name} must be a finite real number, got {value!r}")
-            if value < 0:
-                raise ValueError(f"{where}: {name} must be >= 0, got {value}")
-    if "diagonal_eps" in options:
-        value = options["diagonal_eps"]
-        if not _is_real_number(value):
-            raise TypeError(f"{where}: diagonal_eps must be a finite real number, got {value!r}")
-        if not 0 <= value < 1:
-            raise ValueError(f"{where}: diagonal_eps must lie in [0, 1) so that D is positive, got {value}")
-    for name in ("decoupled", "enabled", "exclude_1d"):
-        if name in options and not isinstance(options[name], bool):
-            raise TypeError(f"{where}: {name} must be a bool, got {options[name]!r}")
-    if "fan_in" in options and options["fan_in"] is not None:
-        value = options["fan_in"]
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{where}: fan_in must be None or a positive int, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{where}: fan_in must be a positive int, got {value}")
-    if "seed" in options and (not isinstance(options["seed"], int) or isinstance(options["seed"], bool)):
-        raise TypeError(f"{where}: seed must be an int, got {options['seed']!r}")
-
 
 class Syre(OptimizerWrapper):
     r"""Weight decay towards a random static anchor: syre (papers/003 eq. 6) and advanced removal (eq. 7).
@@ -172,10 +109,19 @@ class Syre(OptimizerWrapper):
     Every option is a per-group hyperparameter stored as
     ``"teleopt_syre_<name>"`` in the base's param groups (set your own value in a
     group before wrapping, or use :meth:`param_group`); schedulers may change
-    ``gamma``.  ``enabled=False`` opts a group out; ``exclude_1d=True`` skips 1-D and
-    0-D tensors (biases, norm weights: timm's weight-decay exclusion); ``fan_in``
-    overrides the fan-in of every tensor of a group (tensors below 2-D have none,
-    and are an error unless excluded or given one).
+    ``gamma``.  ``enabled=False`` opts a group out.  ``exclude_1d=True`` (default)
+    leaves 1-D and 0-D tensors (biases, norm weights, scalars) alone: timm's
+    optimizer factory exempts them from weight decay, pulling a norm's weight
+    towards a point near zero hurts as plain decay does, and every neuron-level
+    symmetry (permutation, rescaling, sign flip) also moves a weight matrix, whose
+    anchor already breaks it (``benchmarks/syre_collapse.py`` and ``syre_digits.py``
+    measure no gain from decaying biases, see the README).  Give ``exclude_1d=False``
+    when a symmetry lives in 1-D tensors alone (papers/003's ``u * w`` model): they
+    then use their length as the width ``d`` of ``sigma0 / sqrt(d)``.  ``fan_in``
+    overrides the fan-in of every tensor of a group, 1-D ones included.  Complex parameters decay in
+    their real view (``torch.view_as_real``; anchors and ``D`` are kept in it).
+    ``sigma0`` and ``gamma`` must keep anchors and decay finite in each parameter's
+    dtype (checked when wrapping, adding groups, loading and stepping).
 
     Composition: ``Syre(Teleport(base))`` and ``Teleport(Syre(base))`` work and take
     the same steps (hyperparameters live under separate prefixes, state dicts nest,
@@ -203,7 +149,7 @@ class Syre(OptimizerWrapper):
     diagonal_eps:
         ``eps`` of eq. 7's ``D ~ Uniform(1 - eps, 1 + eps)``; 0 (default) is eq. 6.
     exclude_1d:
-        Leave tensors with fewer than two dimensions alone.
+        Leave tensors with fewer than two dimensions alone (default, timm's convention).
     seed:
         Seed of the anchors (and ``D``).
     store_anchors:
@@ -220,7 +166,7 @@ class Syre(OptimizerWrapper):
         sigma0: float = 0.01,
         decoupled: bool = False,
         diagonal_eps: float = 0.0,
-        exclude_1d: bool = False,
+        exclude_1d: bool = True,
         seed: int = 0,
         store_anchors: bool = True,
     ) -> None:
@@ -234,7 +180,7 @@ class Syre(OptimizerWrapper):
             "fan_in": None,
             "seed": seed,
         }
-        _check_options(options, "Syre")
+        check_options(options, "Syre")
         if not isinstance(store_anchors, bool):
             raise TypeError(f"Syre: store_anchors must be a bool, got {store_anchors!r}")
         inner = optimizer
@@ -260,38 +206,31 @@ class Syre(OptimizerWrapper):
 
         Example: ``AdamW([{"params": body}, Syre.param_group(head, gamma=0.0)])``.
         """
-        _check_options(options, "Syre.param_group")
+        check_options(options, "Syre.param_group")
         group: dict[str, Any] = {"params": [params] if isinstance(params, Tensor) else list(params)}
         group.update({cls.prefix + name: value for name, value in options.items()})
         return group
 
     def _options(self, group: dict[str, Any]) -> dict[str, Any]:
-        return {name: group[self.prefix + name] for name in _OPTION_NAMES}
+        return {name: group[self.prefix + name] for name in OPTION_NAMES}
 
     def _check_group(self, group: dict[str, Any], number: int, start: int) -> None:
+        """Options valid, parameters floating point (real or complex), anchors and decay finite in their dtype."""
         options = self._options(group)
-        _check_options(options, f"Syre (param group {number})")
+        check_options(options, f"Syre (param group {number})")
         if not options["enabled"]:
             return
         for offset, p in enumerate(group["params"]):
             where = f"Syre: parameter {start + offset} (param group {number}, shape {tuple(p.shape)})"
-            if not p.is_floating_point():
-                raise TypeError(f"{where} has dtype {p.dtype}; syre needs real floating-point parameters")
-            if self._excluded(options, p):
-                continue
-            if options["fan_in"] is None:
-                size = fan_in(p.shape)
-                if size is None:
-                    raise ValueError(
-                        f"{where} has no defined fan-in (fewer than 2 dimensions): pass exclude_1d=True "
-                        f"(timm-style) or set '{self.prefix}fan_in' in its param group"
-                    )
-                if size == 0:
-                    raise ValueError(f"{where} has fan-in 0, so sigma0 / sqrt(fan_in) is undefined")
+            if not (p.is_floating_point() or p.is_complex()):
+                raise TypeError(f"{where} has dtype {p.dtype}; syre needs floating-point parameters")
+            if not self._excluded(options, p):
+                check_scales(options, p, where)
 
     @staticmethod
     def _excluded(options: dict[str, Any], p: Tensor) -> bool:
-        return options["exclude_1d"] and p.dim() < 2
+        """1-D/0-D tensors are excluded under ``exclude_1d`` unless their group gives a ``fan_in``."""
+        return options["exclude_1d"] and p.dim() < 2 and options["fan_in"] is None
 
     def _warn_base_weight_decay(self, numbers: Iterable[int]) -> None:
         numbers = [
@@ -332,28 +271,24 @@ class Syre(OptimizerWrapper):
     def _targets(self) -> Iterator[tuple[int, dict[str, Any], Tensor]]:
         """(index, group, parameter) of every parameter syre acts on (enabled group, not excluded)."""
         for index, group, p in self.iter_params():
-            if group[self.prefix + "enabled"] and not (group[self.prefix + "exclude_1d"] and p.dim() < 2):
+            excluded = group[self.prefix + "exclude_1d"] and p.dim() < 2 and group[self.prefix + "fan_in"] is None
+            if group[self.prefix + "enabled"] and not excluded:
                 yield index, group, p
 
     def _draw_anchor(self, index: int, group: dict[str, Any], p: Tensor) -> Tensor:
-        size = group[self.prefix + "fan_in"] or fan_in(p.shape)
-        std = group[self.prefix + "sigma0"] / math.sqrt(size)
-        generator = _generator(group[self.prefix + "seed"], index, _ANCHOR_STREAM)
-        noise = torch.randn(p.shape, generator=generator, dtype=_draw_dtype(p.dtype))
-        return noise.mul_(std).to(device=p.device, dtype=p.dtype)
+        std = anchor_std(group[self.prefix + "sigma0"], p.shape, group[self.prefix + "fan_in"])
+        return draw_anchor(group[self.prefix + "seed"], index, p, std)
 
     def _draw_diagonal(self, index: int, group: dict[str, Any], p: Tensor) -> Tensor | None:
         eps = group[self.prefix + "diagonal_eps"]
-        if eps == 0:
-            return None
-        generator = _generator(group[self.prefix + "seed"], index, _DIAGONAL_STREAM)
-        uniform = torch.rand(p.shape, generator=generator, dtype=_draw_dtype(p.dtype))
-        return uniform.mul_(2 * eps).add_(1 - eps).to(device=p.device, dtype=p.dtype)
+        return None if eps == 0 else draw_diagonal(group[self.prefix + "seed"], index, p, eps)
 
     def _check_match(self, index: int, p: Tensor, value: Tensor, what: str) -> Tensor:
-        if value.shape != p.shape:
+        """``value`` (an anchor or ``D``, kept in the real view of complex parameters) matches ``p``."""
+        target = real_view(p)
+        if value.shape != target.shape:
             raise ValueError(f"Syre: the {what} of parameter {index} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}")
-        if value.device != p.device or value.dtype != p.dtype:
+        if value.device != target.device or value.dtype != target.dtype:
             raise ValueError(
                 f"Syre: parameter {index} is a {p.dtype} tensor on {p.device} but its {what} is a {value.dtype} tensor "
                 f"on {value.device}; the parameter was moved or cast after its {what} was made: move the model "
@@ -388,10 +323,11 @@ class Syre(OptimizerWrapper):
     def anchor(self, p: Tensor) -> Tensor:
         """The anchor ``theta_0`` of parameter ``p`` (papers/003 eq. 6), on ``p``'s device and dtype; do not modify it."""
         index, group = self._locate(p)
-        return self._anchor_of(index, group, p)
+        anchor = self._anchor_of(index, group, p)
+        return torch.view_as_complex(anchor) if p.is_complex() else anchor
 
     def diagonal(self, p: Tensor) -> Tensor | None:
-        """The diagonal of eq. 7's ``D`` for parameter ``p``, or None when ``diagonal_eps`` is 0 (eq. 6)."""
+        """The diagonal of eq. 7's ``D`` for parameter ``p`` (in its real view when complex), or None for eq. 6."""
         index, group = self._locate(p)
         return self._diagonal_of(index, group, p)
 
@@ -402,102 +338,61 @@ class Syre(OptimizerWrapper):
         to the data gradient, so coupled syre trains on ``loss + penalty()`` (eq. 6/7 with
         ``gamma_p = gamma / 2``).  Useful for logging the regularised objective.
         """
+        return self._penalty(coupled_only=False)
+
+    def _penalty(self, coupled_only: bool) -> Tensor:
+        """:meth:`penalty`; ``coupled_only``: of coupled groups, negated under ``maximize`` (LBFGS's objective)."""
         total = torch.zeros((), dtype=torch.float64)
         for index, group, p in self._targets():
             gamma = group[self.prefix + "gamma"]
-            if gamma == 0:
+            if gamma == 0 or (coupled_only and group[self.prefix + "decoupled"]):
                 continue
-            diff = p - self._anchor_of(index, group, p)
+            if coupled_only and group.get("maximize", False):
+                gamma = -gamma
+            diff = real_view(p) - self._anchor_of(index, group, p)
             diagonal = self._diagonal_of(index, group, p)
             squares = diff * diff if diagonal is None else diff * diff * diagonal
             total = total + (0.5 * gamma) * squares.sum().to(device="cpu", dtype=torch.float64)
         return total
 
     # -- step -------------------------------------------------------------------------
-    @staticmethod
-    def _use_foreach(group: dict[str, Any], tensors: list[Tensor]) -> bool:
-        """The base's choice: foreach/fused when it asked for them, torch's default (CUDA only) otherwise."""
-        if group.get("foreach") is not None:
-            return bool(group["foreach"])
-        if group.get("fused"):
-            return True
-        return all(t.device.type == "cuda" for t in tensors)
+    def _acting(self, with_grad: bool = True) -> Iterator[tuple[dict[str, Any], list[tuple[int, Tensor]]]]:
+        """Groups that decay in this step with their (index, parameter) members that have a gradient.
 
-    def _acting(self) -> Iterator[tuple[dict[str, Any], list[tuple[int, Tensor]]]]:
-        """Groups that decay in this step with their (index, parameter) members that have a gradient."""
+        ``with_grad=False`` takes every member that requires grad instead (a base that
+        evaluates the closure itself has no gradients yet when the decay starts).
+        """
         members: dict[int, list[tuple[int, Tensor]]] = {}
         groups: dict[int, dict[str, Any]] = {}
         for index, group, p in self._targets():
-            if p.grad is None or group[self.prefix + "gamma"] == 0:
+            if (p.grad is None if with_grad else not p.requires_grad) or group[self.prefix + "gamma"] == 0:
                 continue
             groups[id(group)] = group
             members.setdefault(id(group), []).append((index, p))
         for key, group in groups.items():
             yield group, members[key]
 
-    @staticmethod
-    def _decay_list(
-        params: list[Tensor],
-        grads: list[Tensor],
-        anchors: list[Tensor],
-        diagonals: list[Tensor] | None,
-        coefficient: float,
-        decoupled: bool,
-        foreach: bool,
-        scratch: list[Tensor] | None = None,
-    ) -> list[Tensor]:
-        """Apply the decay to one device/dtype bucket; returns the new gradients (coupled) or [].
-
-        ``w - theta_0`` is formed first, so it is exactly 0 at the anchor (the fixed
-        point stays exact even under Adam's normalisation); coupled mode then builds
-        ``grad + coefficient * D * (w - theta_0)`` in the same buffer.  The buffers are
-        ``scratch`` when given (reused across steps: on the CPU a fresh gradient-sized
-        allocation per step costs more in page faults than the arithmetic), else new
-        (one allocation per tensor, like torch's own coupled weight decay).
-        """
-        if foreach:
-            if decoupled and diagonals is None:
-                torch._foreach_lerp_(params, anchors, coefficient)
-                return []
-            if scratch is None:
-                diffs = list(torch._foreach_sub(params, anchors))
-            else:
-                diffs = scratch
-                torch._foreach_copy_(diffs, params)
-                torch._foreach_sub_(diffs, anchors)
-            if decoupled:
-                torch._foreach_addcmul_(params, diffs, diagonals, value=-coefficient)
-                return []
-            if diagonals is not None:
-                torch._foreach_mul_(diffs, diagonals)
-            torch._foreach_mul_(diffs, coefficient)
-            torch._foreach_add_(diffs, grads)
-            return diffs
-        new_grads = []
-        for i, (p, a) in enumerate(zip(params, anchors)):
-            d = None if diagonals is None else diagonals[i]
-            if decoupled and d is None:
-                p.lerp_(a, coefficient)
-                continue
-            diff = p - a if scratch is None else torch.sub(p, a, out=scratch[i])
-            if decoupled:
-                p.addcmul_(diff, d, value=-coefficient)
-                continue
-            if d is not None:
-                diff.mul_(d)
-            new_grads.append(diff.mul_(coefficient).add_(grads[i]))
-        return new_grads
-
     def _scratch_of(self, p: Tensor) -> Tensor:
-        """A reused parameter-sized buffer for ``w - theta_0`` (CPU, stored-anchor mode only; never saved)."""
+        """A reused buffer shaped like ``p``'s real view for ``w - theta_0`` (CPU, stored-anchor mode; never saved)."""
+        target = real_view(p)
         buffer = self._scratch.get(p)
-        if buffer is None or buffer.shape != p.shape or buffer.dtype != p.dtype or buffer.device != p.device:
-            buffer = torch.empty_like(p, memory_format=torch.contiguous_format)
+        if buffer is None or buffer.shape != target.shape or buffer.dtype != target.dtype or buffer.device != target.device:
+            buffer = torch.empty_like(target, memory_format=torch.contiguous_format)
             self._scratch[p] = buffer
         return buffer
 
-    def _decay_group(self, group: dict[str, Any], members: list[tuple[int, Tensor]]) -> list[tuple[Tensor, Tensor]]:
-        """Decay one group's parameters; returns (parameter, original gradient) pairs swapped in coupled mode."""
+    def _decay_group(
+        self, group: dict[str, Any], members: list[tuple[int, Tensor]], deferred: list[tuple[Tensor, Tensor]]
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Decay one group's parameters; returns (parameter, original gradient) pairs swapped in coupled mode.
+
+        Complex parameters decay in their real view.  Gradients with a graph
+        (``backward(create_graph=True)``, as Adahessian needs) keep one: the coupled
+        decay is added out of place with autograd on, so Hessian-vector products see
+        the penalty's ``gamma * D``; the decoupled decay is not applied in place
+        before the base step (that would invalidate the saved weights of the graph)
+        but appended to ``deferred`` as ``(parameter, decrement)`` for after it.
+        """
         gamma = group[self.prefix + "gamma"]
         decoupled = group[self.prefix + "decoupled"]
         if decoupled:
@@ -514,15 +409,28 @@ class Syre(OptimizerWrapper):
         def install(ps: list[Tensor], new_grads: list[Tensor]) -> None:
             for p, g in zip(ps, new_grads):
                 swapped.append((p, p.grad))
-                p.grad = g
+                p.grad = torch.view_as_complex(g) if p.is_complex() else g
 
+        if any(p.grad is not None and p.grad.requires_grad for _, p in members):
+            for index, p in members:
+                anchor, diagonal = self._anchor_of(index, group, p), self._diagonal_of(index, group, p)
+                with torch.enable_grad():
+                    diff = real_view(p) - anchor
+                    scaled = diff * (coefficient if diagonal is None else coefficient * diagonal)
+                if decoupled:
+                    deferred.append((p, scaled.detach()))
+                else:
+                    with torch.enable_grad():
+                        install([p], [real_view(p.grad) + scaled])
+            return swapped
         if not self.store_anchors:
             # Regenerate tensor by tensor: never more than one anchor in memory.
             for index, p in members:
                 anchor = self._anchor_of(index, group, p)
                 diagonal = self._diagonal_of(index, group, p)
-                new = self._decay_list([p], [p.grad], [anchor], None if diagonal is None else [diagonal],
-                                       coefficient, decoupled, foreach=False)
+                grads = [] if p.grad is None else [real_view(p.grad)]
+                diagonals = None if diagonal is None else [diagonal]
+                new = decay_list([real_view(p)], grads, [anchor], diagonals, coefficient, decoupled, foreach=False)
                 install([p], new)
             return swapped
         buckets: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]] = {}
@@ -532,33 +440,30 @@ class Syre(OptimizerWrapper):
             diagonal = self._diagonal_of(index, group, p)
             ps, gs, anchors, diagonals = buckets.setdefault((p.device, p.dtype), ([], [], [], []))
             ps.append(p)
-            gs.append(p.grad)
+            if p.grad is not None:
+                gs.append(real_view(p.grad))
             anchors.append(anchor)
             if diagonal is not None:
                 diagonals.append(diagonal)
         for (device, _), (ps, gs, anchors, diagonals) in buckets.items():
-            foreach = self._use_foreach(group, ps)
+            foreach = use_foreach(group, ps)
             # Reused buffers on the CPU only: accelerators' caching allocators make the transient
             # allocation cheap, and there it is free again for the next forward pass.
             reuse = device.type == "cpu" and not (decoupled and not has_diagonal)
             scratch = [self._scratch_of(p) for p in ps] if reuse else None
-            new = self._decay_list(ps, gs, anchors, diagonals if has_diagonal else None, coefficient, decoupled,
-                                   foreach, scratch)
+            new = decay_list([real_view(p) for p in ps], gs, anchors, diagonals if has_diagonal else None,
+                             coefficient, decoupled, foreach, scratch)
             install(ps, new)
         return swapped
 
-    def _innermost(self) -> Optimizer:
-        inner = self._base
-        while isinstance(inner, OptimizerWrapper):
-            inner = inner.base
-        return inner
-
-    def _check_acting(self) -> None:
+    def _check_acting(self, with_grad: bool = True) -> None:
         """Validate gamma and materialise/check every anchor, so a bad one fails before any tensor changes."""
-        for group, members in self._acting():
-            _check_options({"gamma": group[self.prefix + "gamma"]}, "Syre.step")
-            if self.store_anchors:
-                for index, p in members:
+        for group, members in self._acting(with_grad):
+            options = self._options(group)
+            check_options({"gamma": options["gamma"]}, "Syre.step")
+            for index, p in members:
+                check_scales(options, p, f"Syre.step: parameter {index}")
+                if self.store_anchors:
                     self._anchor_of(index, group, p)
                     self._diagonal_of(index, group, p)
 
@@ -571,29 +476,55 @@ class Syre(OptimizerWrapper):
         ``Teleport``) has moved the parameters and their gradients: the decay always
         acts at the point the update starts from, so ``Syre(Teleport(base))`` and
         ``Teleport(Syre(base))`` take the same steps.
+
+        A base that evaluates the closure itself (``LBFGS``) gets a closure that adds
+        the coupled decay to the gradients and ``gamma / 2 |w - theta_0|_D^2`` of the
+        coupled groups to the loss it returns (so its line search sees eq. 6/7's
+        objective); decoupled groups decay once before its step.
         """
-        loss = self._run_closure(closure)
-        self._check_acting()
+        in_closure = self.base_needs_closure
+        loss = self._closure_before_step(closure)
+        self._check_acting(with_grad=not in_closure)
         swapped: list[tuple[Tensor, Tensor]] = []
+        deferred: list[tuple[Tensor, Tensor]] = []
 
         def restore() -> None:
             while swapped:
                 p, grad = swapped.pop()
                 p.grad = grad
 
-        def decay(*_: Any) -> None:
-            self._check_acting()
-            for group, members in self._acting():
-                swapped.extend(self._decay_group(group, members))
+        def finish(*_: Any) -> None:
+            while deferred:
+                p, decrement = deferred.pop()
+                real_view(p).sub_(decrement)
+            restore()
 
-        inner = self._innermost()
-        handles = (inner.register_step_pre_hook(decay), inner.register_step_post_hook(lambda *_: restore()))
+        def decay(*_: Any) -> None:
+            self._check_acting(with_grad=not in_closure)
+            for group, members in self._acting(with_grad=not in_closure):
+                if not (in_closure and not group[self.prefix + "decoupled"]):
+                    swapped.extend(self._decay_group(group, members, deferred))
+
+        def decayed_closure() -> Any:
+            restore()  # the closure may accumulate into .grad: give it the data gradients
+            value = closure()
+            with torch.no_grad():
+                for group, members in self._acting():
+                    if not group[self.prefix + "decoupled"]:
+                        swapped.extend(self._decay_group(group, members, deferred))
+                penalty = self._penalty(coupled_only=True)
+            if isinstance(value, Tensor):
+                return value + penalty.to(device=value.device, dtype=value.dtype)
+            return value if value is None else value + float(penalty)
+
+        inner = self.innermost
+        handles = (inner.register_step_pre_hook(decay), inner.register_step_post_hook(finish))
         try:
-            self._base.step()
+            loss = self._step_base(decayed_closure if in_closure else None, loss)
         finally:
             for handle in handles:
                 handle.remove()
-            restore()
+            finish()
         return loss
 
     # -- state --------------------------------------------------------------------------
@@ -614,6 +545,42 @@ class Syre(OptimizerWrapper):
             per_param[index] = entry
         return per_param, {}
 
+    def _check_loaded(
+        self,
+        saved_groups: list[dict[str, Any]],
+        current: list[dict[str, Any]],
+        per_param: dict[int, dict[str, Any]],
+        top: dict[str, Any],
+    ) -> None:
+        super()._check_loaded(saved_groups, current, per_param, top)
+        params = {index: p for index, _, p in self.iter_params()}
+        start = 0
+        for number, (saved, now) in enumerate(zip(saved_groups, current)):
+            mine = {k: v for k, v in saved.items() if isinstance(k, str) and k.startswith(self.prefix)}
+            unknown = sorted(set(mine) - {self.prefix + name for name in OPTION_NAMES})
+            if unknown:
+                raise ValueError(f"Syre.load_state_dict: param group {number} has unknown syre keys {unknown}")
+            group = {**now, **mine, "params": self.param_groups[number]["params"]}
+            try:
+                self._check_group(group, number, start)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"Syre.load_state_dict: {error}") from error
+            start += len(group["params"])
+        for index, entries in per_param.items():
+            p = params[index]
+            for key, value in entries.items():
+                where = f"Syre.load_state_dict: entry {self.prefix + key!r} of parameter {index}"
+                if key not in ("anchor", "diagonal") or not isinstance(value, Tensor):
+                    raise ValueError(f"Syre.load_state_dict: unexpected entry {self.prefix + key!r} for parameter {index}")
+                if not value.is_floating_point():
+                    raise ValueError(f"{where} has dtype {value.dtype}; anchors and D are floating point")
+                if value.shape != real_view(p).shape:
+                    what = "anchor" if key == "anchor" else "diagonal D"
+                    raise ValueError(f"Syre: the {what} of parameter {index} has shape {tuple(value.shape)}, "
+                                     f"the parameter {tuple(p.shape)}")
+                if not bool(torch.isfinite(value).all()) or (key == "diagonal" and not bool((value > 0).all())):
+                    raise ValueError(f"{where} has non-finite{' or non-positive' if key == 'diagonal' else ''} entries")
+
     def _load_wrapper_state(self, per_param: dict[int, dict[str, Any]], top: dict[str, Any]) -> None:
         params = {index: p for index, _, p in self.iter_params()}
         anchors: dict[Tensor, Tensor] = {}
@@ -621,8 +588,6 @@ class Syre(OptimizerWrapper):
         for index, entries in per_param.items():
             p = params[index]
             for key, value in entries.items():
-                if key not in ("anchor", "diagonal") or not isinstance(value, Tensor):
-                    raise ValueError(f"Syre.load_state_dict: unexpected entry {self.prefix + key!r} for parameter {index}")
                 what = "anchor" if key == "anchor" else "diagonal D"
                 (anchors if key == "anchor" else diagonals)[p] = self._check_match(index, p, value, what)
         self._anchors = anchors

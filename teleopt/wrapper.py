@@ -16,27 +16,97 @@ section 1):
   base's new list;
 * ``deepcopy``/``pickle`` keep every wrapper attribute; unknown attributes are never
   forwarded to the base (a fused base's ``_step_supports_amp_scaling`` must not leak,
-  or ``GradScaler`` would skip unscaling).
+  or ``GradScaler`` would skip unscaling);
+* one user ``step()`` is one optimizer step to the outside world: the base is stepped
+  through :meth:`OptimizerWrapper._step_base`, which runs the base's own instance
+  step hooks but not torch's *global* step hooks (those fire for the wrapper only),
+  and hands the closure to bases whose ``step`` requires it (``LBFGS``).
 
-Subclasses implement ``step`` and the two state hooks.
+Subclasses implement ``step`` and the two state hooks.  A subclass's ``step`` is::
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self._closure_before_step(closure)  # None when the base evaluates it
+        ...  # the wrapper's work (gradients exist unless base_needs_closure)
+        return self._step_base(closure, loss)
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["OptimizerWrapper", "is_scalar"]
+__all__ = ["OptimizerWrapper", "is_scalar", "step_needs_closure"]
 
 
 def is_scalar(value: Any) -> bool:
     """Whether ``value`` may live in a param group (plain Python scalars, strings and None only)."""
     return value is None or isinstance(value, (bool, int, float, str))
+
+
+def step_needs_closure(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer.step`` requires a closure (``LBFGS``), read from its signature.
+
+    A wrapper answers for the optimizer it wraps (:attr:`OptimizerWrapper.base_needs_closure`).
+    """
+    if isinstance(optimizer, OptimizerWrapper):
+        return optimizer.base_needs_closure
+    cls: Any = type(optimizer)  # classes hash by identity; typeshed's type[Optimizer] hides that
+    return _class_needs_closure(cls)
+
+
+@functools.cache
+def _class_needs_closure(cls: Any) -> bool:
+    try:
+        parameters = list(inspect.signature(cls.step).parameters.values())[1:]
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return False
+    for parameter in parameters:
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        if parameter.name == "closure" or parameter.kind == parameter.POSITIONAL_ONLY:
+            return parameter.default is inspect.Parameter.empty
+    return False
+
+
+def _step_without_global_hooks(optimizer: Optimizer, args: tuple[Any, ...]) -> Any:
+    """``optimizer.step(*args)`` with its instance step hooks but without torch's global ones.
+
+    ``Optimizer`` patches every subclass's ``step`` with ``profile_hook_step``, which
+    fires the global hooks (``register_optimizer_step_pre_hook``) and then the
+    instance hooks.  Inside a wrapper the global hooks have already fired for the
+    wrapper, so the base runs its unpatched ``step`` between its own instance hooks,
+    as ``profile_hook_step`` would (same order, same ``(args, kwargs)`` rewriting).
+    """
+    patched = type(optimizer).step
+    raw = getattr(patched, "__wrapped__", None)
+    own = vars(optimizer).get("step")
+    if own is not None and getattr(own, "_wrapped_by_lr_sched", False):
+        optimizer._opt_called = True  # type: ignore[attr-defined]  # what the scheduler's wrapper records
+        own = None
+    if raw is None or not getattr(patched, "hooked", False) or own is not None:
+        return optimizer.step(*args)  # not torch's patch, or replaced on the instance: call it as it is
+    kwargs: dict[str, Any] = {}
+    with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
+        call_args: tuple[Any, ...] = (optimizer, *args)
+        for pre_hook in optimizer._optimizer_step_pre_hooks.values():
+            result = pre_hook(optimizer, call_args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(f"{patched} must return None or a tuple of (new_args, new_kwargs), but got {result}.")
+                call_args, kwargs = result
+        out = raw(*call_args, **kwargs)
+        optimizer._optimizer_step_code()
+        for post_hook in optimizer._optimizer_step_post_hooks.values():
+            post_hook(optimizer, call_args, kwargs)
+    return out
 
 
 class OptimizerWrapper(Optimizer):
@@ -76,6 +146,14 @@ class OptimizerWrapper(Optimizer):
     def base(self) -> Optimizer:
         """The wrapped optimizer."""
         return self._base
+
+    @property
+    def innermost(self) -> Optimizer:
+        """The real optimizer at the bottom of a stack of wrappers."""
+        inner = self._base
+        while isinstance(inner, OptimizerWrapper):
+            inner = inner.base
+        return inner
 
     @property
     def state(self) -> Any:
@@ -120,6 +198,37 @@ class OptimizerWrapper(Optimizer):
         with torch.enable_grad():
             return closure()
 
+    @property
+    def base_needs_closure(self) -> bool:
+        """Whether the innermost optimizer's ``step`` requires the closure (``LBFGS``).
+
+        Such a base evaluates the closure itself, as often as it needs: the wrapper
+        then passes it on instead of running it (:meth:`_closure_before_step`).
+        """
+        return step_needs_closure(self._base)
+
+    def _closure_before_step(self, closure: Callable[[], Any] | None) -> Any:
+        """Run the closure once before the wrapper's work, unless the base evaluates it; returns its loss or None."""
+        if self.base_needs_closure:
+            if closure is None:
+                raise TypeError(f"{type(self).__name__}.step: the base optimizer {type(self._base).__name__} needs a closure")
+            return None
+        return self._run_closure(closure)
+
+    def _step_base(self, closure: Callable[[], Any] | None = None, loss: Any = None) -> Any:
+        """Step the base once; returns the step's loss.
+
+        A base that needs the closure gets it and its return value is the loss;
+        any other base steps without it and ``loss`` (what
+        :meth:`_closure_before_step` returned) is passed through.  The base's
+        instance step hooks fire; torch's global step hooks do not (they fired for
+        the wrapper).
+        """
+        if self.base_needs_closure:
+            return _step_without_global_hooks(self._base, (closure,))
+        _step_without_global_hooks(self._base, ())
+        return loss
+
     # -- state --------------------------------------------------------------------------
     def _wrapper_state(self) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
         """Per-parameter (index -> {key: tensor}) and top-level wrapper state; keys without prefix."""
@@ -154,40 +263,94 @@ class OptimizerWrapper(Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Split out the wrapper's entries, load the rest into the base, re-point ``param_groups``."""
+        """Split out the wrapper's entries, load the rest into the base, re-point ``param_groups``.
+
+        Groups saved without the wrapper's keys (a checkpoint of the bare base, made
+        before the wrapper was added) keep the values their group had before the load.
+        Malformed input raises ``ValueError`` before anything changes.
+        """
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("state_dict must have the keys 'state' and 'param_groups'")
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        where = f"{type(self).__name__}.load_state_dict"
+        saved_state, saved_groups = state_dict["state"], state_dict["param_groups"]
+        if not isinstance(saved_state, dict):
+            raise ValueError(f"{where}: 'state' must be a dict, got {type(saved_state).__name__}")
+        if not isinstance(saved_groups, (list, tuple)) or not all(isinstance(g, dict) for g in saved_groups):
+            raise ValueError(f"{where}: 'param_groups' must be a list of dicts")
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"{where}: the state_dict has {len(saved_groups)} param group(s), the optimizer {len(self.param_groups)}"
+            )
         base_state: dict[Any, Any] = {}
         per_param: dict[int, dict[str, Any]] = {}
-        for idx, entries in state_dict["state"].items():
-            mine = {k[len(self.prefix):]: v for k, v in entries.items() if k.startswith(self.prefix)}
-            rest = {k: v for k, v in entries.items() if not k.startswith(self.prefix)}
+        for idx, entries in saved_state.items():
+            if not isinstance(entries, dict):
+                raise ValueError(f"{where}: the state of parameter {idx!r} must be a dict, got {type(entries).__name__}")
+            mine = {k[len(self.prefix):]: v for k, v in entries.items() if isinstance(k, str) and k.startswith(self.prefix)}
+            rest = {k: v for k, v in entries.items() if not (isinstance(k, str) and k.startswith(self.prefix))}
             if mine:
-                per_param[int(idx)] = mine
+                if isinstance(idx, bool) or not isinstance(idx, int):
+                    raise ValueError(f"{where}: wrapper state is keyed by parameter index (int), got {idx!r}")
+                per_param[idx] = mine
             if rest:
                 base_state[idx] = rest
         top = state_dict.get(self._top_key, {})
+        if not isinstance(top, dict):
+            raise ValueError(f"{where}: {self._top_key!r} must be a dict, got {type(top).__name__}")
+        params = {idx: p for idx, _, p in self.iter_params()}
+        for idx in per_param:
+            if idx not in params:
+                raise ValueError(f"{where}: state_dict has wrapper state for parameter {idx}, but the optimizer has {len(params)}")
+        mine_before = [{k: v for k, v in group.items() if k.startswith(self.prefix)} for group in self.param_groups]
+        self._check_loaded(saved_groups, mine_before, per_param, top)
         base_sd = {k: v for k, v in state_dict.items() if k not in ("state", self._top_key)}
         base_sd["state"] = base_state
         self._base.load_state_dict(base_sd)
         self.param_groups = self._base.param_groups
-        params = {idx: p for idx, _, p in self.iter_params()}
+        for group, previous in zip(self.param_groups, mine_before):
+            for key, value in previous.items():
+                group.setdefault(key, value)
         for idx, entries in per_param.items():
-            if idx not in params:
-                raise ValueError(f"state_dict has wrapper state for parameter {idx}, but the optimizer has {len(params)}")
             p = params[idx]
             for key, value in entries.items():
                 if isinstance(value, Tensor) and value.is_floating_point():
+                    # a real entry of a complex parameter (kept in its real view) takes the real dtype
+                    dtype = p.dtype.to_real() if p.is_complex() else p.dtype
+                    entries[key] = value.to(device=p.device, dtype=dtype)
+                elif isinstance(value, Tensor) and value.is_complex():
                     entries[key] = value.to(device=p.device, dtype=p.dtype)
                 elif isinstance(value, Tensor):
                     entries[key] = value.to(device=p.device)
         self._load_wrapper_state(per_param, top)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _check_loaded(
+        self,
+        saved_groups: Sequence[dict[str, Any]],
+        current: list[dict[str, Any]],
+        per_param: dict[int, dict[str, Any]],
+        top: dict[str, Any],
+    ) -> None:
+        """Validate the wrapper's part of a state dict before anything is loaded; raise ``ValueError``.
+
+        ``saved_groups`` are the saved param groups (all keys), ``current`` each group's
+        wrapper keys now (saved groups without them keep these), ``per_param`` and
+        ``top`` the wrapper's entries (prefix removed, tensors not yet cast).
+        Subclasses with validated hyperparameters or state extend this.
+        """
+        del current, per_param, top
+        for number, group in enumerate(saved_groups):
+            for key, value in group.items():
+                if isinstance(key, str) and key.startswith(self.prefix) and not is_scalar(value):
+                    raise ValueError(
+                        f"{type(self).__name__}.load_state_dict: param group {number} has {key}={value!r}; "
+                        "wrapper hyperparameters are plain scalars"
+                    )
 
     # -- copy and pickle ----------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:

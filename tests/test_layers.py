@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("teleopt.groups",),
     ("teleopt.actions",),
     ("teleopt.registry",),
-    ("teleopt.site", "teleopt.functional", "teleopt.wrapper"),
+    ("teleopt.site", "teleopt.functional", "teleopt.wrapper", "teleopt.syre_anchors"),
     ("teleopt.detection", "teleopt.datasets"),
     ("teleopt.teleport", "teleopt.syre", "teleopt.discovery", "teleopt.analysis", "teleopt.learned_teleport"),
     ("teleopt.testing", "teleopt.demo"),

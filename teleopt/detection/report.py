@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,14 +124,43 @@ class SymmetryReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SymmetryReport:
-        """Inverse of :meth:`to_dict`."""
-        return cls(
-            sites=[Site.from_dict(s) for s in data["sites"]],
-            skipped=[SkippedEntry(**e) for e in data.get("skipped", [])],
-            frozen=dict(data.get("frozen", {})),
-            coverage=float(data.get("coverage", 0.0)),
-            coverage_exact=float(data.get("coverage_exact", 0.0)),
-            parameters=int(data.get("parameters", 0)),
-            model=str(data.get("model", "")),
-            seconds=float(data.get("seconds", 0.0)),
-        )
+        """Inverse of :meth:`to_dict`; ``ValueError`` naming the entry for malformed data."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a symmetry report is a dict, got {type(data).__name__}")
+        if not isinstance(data.get("sites"), list):
+            raise ValueError("a symmetry report needs 'sites', a list of site dicts")
+        sites = []
+        for number, entry in enumerate(data["sites"]):
+            try:
+                sites.append(Site.from_dict(entry))
+            except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+                raise ValueError(f"symmetry report: site {number} is malformed ({type(e).__name__}: {e})") from e
+        skipped = []
+        for number, entry in enumerate(_typed(data, "skipped", list, [])):
+            if not isinstance(entry, dict) or set(entry) != {"kind", "where", "reason"} or not all(
+                isinstance(v, str) for v in entry.values()
+            ):
+                raise ValueError(f"symmetry report: skipped entry {number} must be a dict of strings kind, where, reason")
+            skipped.append(SkippedEntry(**entry))
+        frozen = _typed(data, "frozen", dict, {})
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in frozen.items()):
+            raise ValueError("symmetry report: 'frozen' must map parameter names to reasons (strings)")
+        numbers = {}
+        for key, low, high in (("coverage", 0.0, 1.0), ("coverage_exact", 0.0, 1.0), ("seconds", 0.0, math.inf)):
+            value = _typed(data, key, (int, float), 0.0)
+            if not (low <= value <= high) or math.isnan(value):
+                raise ValueError(f"symmetry report: {key}={value!r} is outside [{low}, {high}]")
+            numbers[key] = float(value)
+        parameters = _typed(data, "parameters", int, 0)
+        if parameters < 0:
+            raise ValueError(f"symmetry report: parameters={parameters} is negative")
+        return cls(sites=sites, skipped=skipped, frozen=dict(frozen), parameters=parameters,
+                   model=_typed(data, "model", str, ""), **numbers)
+
+
+def _typed(data: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any) -> Any:
+    """``data[key]`` (or ``default``) when it has the type ``kind`` (bools are not numbers); else ``ValueError``."""
+    value = data.get(key, default)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ValueError(f"symmetry report: {key!r} has type {type(value).__name__}")
+    return value

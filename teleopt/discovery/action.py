@@ -23,7 +23,6 @@ the configuration, a few validation samples and a format version.
 from __future__ import annotations
 
 import os
-import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -40,11 +39,13 @@ from teleopt.discovery.network import ActionNetwork
 from teleopt.discovery.problems import build_problem
 from teleopt.discovery.samples import SampleSpec
 
-__all__ = ["LearnedAction", "FILE_FORMAT", "FORMAT_VERSION"]
+__all__ = ["LearnedAction", "FILE_FORMAT", "FORMAT_VERSION", "MAX_INTEGRATION_STEPS"]
 
 FILE_FORMAT = "teleopt.learned_action"
 FORMAT_VERSION = 1
 _REQUIRED_KEYS = ("name", "spec", "network", "integration_steps", "weights", "generators")
+# RK4 steps per unit time: 8 by default; beyond this an action costs minutes per element.
+MAX_INTEGRATION_STEPS = 10_000
 
 
 class LearnedAction(GroupAction):
@@ -94,8 +95,9 @@ class LearnedAction(GroupAction):
             raise TypeError(f"network must be an ActionNetwork, got {type(network).__name__}")
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
-        if isinstance(integration_steps, bool) or not isinstance(integration_steps, int) or integration_steps < 1:
-            raise ValueError(f"integration_steps must be a positive int, got {integration_steps!r}")
+        if (isinstance(integration_steps, bool) or not isinstance(integration_steps, int)
+                or not 1 <= integration_steps <= MAX_INTEGRATION_STEPS):
+            raise ValueError(f"integration_steps must be an int in [1, {MAX_INTEGRATION_STEPS}], got {integration_steps!r}")
         self._group = LearnedLieGroup(generators)
         if network.num_params != spec.num_params or network.data_features != spec.data_features:
             raise ValueError(
@@ -228,7 +230,12 @@ class LearnedAction(GroupAction):
 
     @classmethod
     def from_state(cls, state: dict[str, Any], loss_fn: Callable[[Params, Any], Tensor] | None = None, name: str | None = None) -> LearnedAction:
-        """Rebuild an action from :meth:`state` (``ValueError`` for other formats, versions or inconsistent shapes)."""
+        """Rebuild an action from :meth:`state`.
+
+        ``ValueError`` for other formats or versions, missing or mistyped entries,
+        inconsistent shapes and out-of-range numbers; the network's shapes are checked
+        against the saved weights before anything is allocated.
+        """
         if not isinstance(state, dict) or state.get("format") != FILE_FORMAT:
             raise ValueError(f"not a teleopt learned-action file (expected format {FILE_FORMAT!r})")
         version = state.get("version")
@@ -240,36 +247,73 @@ class LearnedAction(GroupAction):
         missing = [k for k in _REQUIRED_KEYS if k not in state]
         if missing:
             raise ValueError(f"the learned-action file lacks {', '.join(map(repr, missing))} (a damaged or hand-made file)")
-        spec = SampleSpec.from_config(state["spec"])
-        net_cfg = state["network"]
-        network = ActionNetwork(
-            int(net_cfg["num_params"]), int(net_cfg["data_features"]), tuple(net_cfg["hidden"]), str(net_cfg["activation"]),
-            dtype=state["weights"]["layers.0.weight"].dtype,
-            linear_base=bool(net_cfg.get("linear_base", True)),
-        )
-        expected = {k: tuple(v.shape) for k, v in network.state_dict().items()}
-        found = {k: tuple(v.shape) for k, v in state["weights"].items()}
+        try:
+            return cls._from_checked_state(state, loss_fn, name)
+        except (KeyError, TypeError, AttributeError, IndexError) as e:
+            raise ValueError(f"damaged learned-action file: {type(e).__name__}: {e}") from e
+
+    @classmethod
+    def _from_checked_state(
+        cls, state: dict[str, Any], loss_fn: Callable[[Params, Any], Tensor] | None, name: str | None
+    ) -> LearnedAction:
+        def entry(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
+            if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+                raise ValueError(f"the learned-action file's {what} is a {type(value).__name__} (a damaged or hand-made file)")
+            return value
+
+        steps = entry(state["integration_steps"], int, "integration_steps")
+        if not 1 <= steps <= MAX_INTEGRATION_STEPS:
+            raise ValueError(f"the learned-action file has integration_steps={steps}, outside [1, {MAX_INTEGRATION_STEPS}]")
+        spec = SampleSpec.from_config(entry(state["spec"], dict, "spec"))
+        net_cfg = entry(state["network"], dict, "network configuration")
+        weights = entry(state["weights"], dict, "weights")
+        if not all(isinstance(k, str) and isinstance(v, Tensor) and v.is_floating_point() for k, v in weights.items()):
+            raise ValueError("the learned-action file's weights must map names to floating-point tensors")
+        if not all(bool(torch.isfinite(v).all()) for v in weights.values()):
+            raise ValueError("the learned-action file's network weights have non-finite entries (a damaged file)")
+        generators = entry(state["generators"], Tensor, "generators")
+        p, d = spec.num_params, spec.data_features
+        num_params, data_features = entry(net_cfg["num_params"], int, "num_params"), entry(net_cfg["data_features"], int, "data_features")
+        hidden = tuple(entry(w, int, "hidden width") for w in entry(net_cfg["hidden"], (list, tuple), "hidden widths"))
+        if (num_params, data_features) != (p, d):
+            raise ValueError(
+                f"the network acts on {num_params} parameters and reads {data_features} data entries, "
+                f"but the shapes give {p} and {d}"
+            )
+        widths = (p * p + p + d, *hidden, p)
+        expected = {}
+        for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+            expected[f"layers.{i}.weight"], expected[f"layers.{i}.bias"] = (b, a), (b,)
+        found = {k: tuple(v.shape) for k, v in weights.items()}
         if expected != found:
             diff = sorted(k for k in set(expected) | set(found) if expected.get(k) != found.get(k))
             raise ValueError(
                 f"the network weights do not match the saved configuration: {diff[0]} has shape "
                 f"{found.get(diff[0])}, the configuration needs {expected.get(diff[0])}"
             )
-        network.load_state_dict(state["weights"])
-        generators = state["generators"]
-        p = spec.num_params
-        if tuple(generators.shape[1:]) != (p, p):
+        network = ActionNetwork(
+            num_params, data_features, hidden, str(net_cfg["activation"]), dtype=weights["layers.0.weight"].dtype,
+            linear_base=bool(net_cfg.get("linear_base", True)),
+        )
+        network.load_state_dict(weights)
+        if generators.ndim != 3 or tuple(generators.shape[1:]) != (p, p) or not generators.is_floating_point():
             raise ValueError(f"the saved generators have shape {tuple(generators.shape)}, the parameters need (n, {p}, {p})")
         examples = None
         if "examples" in state:
-            examples = (state["examples"]["theta"], tuple(state["examples"]["data"]))
-        config = dict(state.get("config", {}))
+            saved = entry(state["examples"], dict, "examples")
+            theta = entry(saved["theta"], Tensor, "examples' theta")
+            leaves = tuple(entry(leaf, Tensor, "examples' data") for leaf in entry(saved["data"], (list, tuple), "examples' data"))
+            examples = (theta, leaves)
+        config = dict(entry(state.get("config", {}), dict, "config"))
+        history = state.get("history")
+        if history is not None:
+            entry(history, dict, "history")
+            entry(history["terms"], (list, tuple), "history terms")
+            entry(history["values"], Tensor, "history values")
         if loss_fn is None and config.get("problem") is not None:
             loss_fn = build_problem(config["problem"]).loss_fn
-        return cls(
-            network, generators, spec, name or state["name"], int(state["integration_steps"]), loss_fn, examples, config,
-            state.get("history"),
-        )
+        saved_name = name or entry(state["name"], str, "name")
+        return cls(network, generators, spec, saved_name, steps, loss_fn, examples, config, history)
 
     @classmethod
     def load(
@@ -283,13 +327,15 @@ class LearnedAction(GroupAction):
 
         Actions learned on a problem of :mod:`teleopt.discovery.problems` get their
         loss function back; for any other, pass ``loss_fn``.  Files of another format
-        version, and files that ``torch.load(weights_only=True)`` cannot read (not a
-        torch file, or holding pickled objects other than plain data and tensors),
-        raise ``ValueError``.
+        version, damaged files, and files that ``torch.load(weights_only=True)`` cannot
+        read (not a torch file, or holding pickled objects other than plain data and
+        tensors) raise ``ValueError``; a missing file ``FileNotFoundError``.
         """
         try:
             state = torch.load(path, map_location=map_location, weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        except (FileNotFoundError, IsADirectoryError, PermissionError):
+            raise
+        except Exception as e:  # a damaged file fails anywhere in the unpickler (KeyError, IndexError, OSError, ...)
             raise ValueError(
                 f"{os.fspath(path)!r} is not a teleopt learned-action file readable with weights_only=True ({_load_failure(e)})"
             ) from e

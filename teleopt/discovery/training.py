@@ -18,7 +18,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from teleopt.actions.base import Params
-from teleopt.discovery.action import LearnedAction
+from teleopt.discovery.action import MAX_INTEGRATION_STEPS, LearnedAction
 from teleopt.discovery.losses import TERMS, LossWeights, discovery_losses, loss_derivative, loss_gradient_norms, total_loss
 from teleopt.discovery.network import ActionNetwork
 from teleopt.discovery.problems import DiscoveryProblem
@@ -163,6 +163,8 @@ def discover(
     batch_size = _positive_int(batch_size, "batch_size")
     lr_decay_every = _positive_int(lr_decay_every, "lr_decay_every")
     integration_steps = _positive_int(integration_steps, "integration_steps")
+    if integration_steps > MAX_INTEGRATION_STEPS:
+        raise ValueError(f"integration_steps must be at most {MAX_INTEGRATION_STEPS}, got {integration_steps}")
     num_examples = _positive_int(num_examples, "num_examples")
     beta, lr, generator_lr = _positive_float(beta, "beta"), _positive_float(lr, "lr"), _positive_float(generator_lr, "generator_lr")
     lr_decay = _positive_float(lr_decay, "lr_decay")

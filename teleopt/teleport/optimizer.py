@@ -81,6 +81,19 @@ def _check_seed(value: Any) -> int:
     return value
 
 
+def restart_curvature_history(optimizer: Optimizer) -> None:
+    """Make an ``LBFGS`` start its curvature history afresh at its next step.
+
+    ``LBFGS`` stores one flat history of steps and gradient differences; after a
+    teleport those pairs belong to another point of the orbit, so the next step
+    begins again from a scaled gradient step (``n_iter`` 0 is how ``LBFGS`` itself
+    starts).  Other optimizers are left alone.
+    """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        for state in optimizer.state.values():
+            state["n_iter"] = 0
+
+
 class Teleport(OptimizerWrapper):
     """Symmetry teleportation around any ``torch.optim`` optimizer (papers/001 Algorithm 1, Ch. 5).
 
@@ -297,19 +310,26 @@ class Teleport(OptimizerWrapper):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Teleport if scheduled (or roll back a teleport that went wrong), then step the base optimizer."""
-        loss = self._run_closure(closure)
+        """Teleport if scheduled (or roll back a teleport that went wrong), then step the base optimizer.
+
+        A base that evaluates the closure itself (``LBFGS``) gets it; when a teleport is
+        due, the closure runs once more beforehand so the teleport sees fresh gradients.
+        """
+        loss = self._closure_before_step(closure)  # None when the base evaluates the closure
         record = self._record
+        due = self._enabled() and self._schedule.due(record.step, record.accepted)
+        if self.base_needs_closure and (due or record.watch is not None):
+            loss = self._run_closure(closure)
         if record.watch is not None and record.watch.triggered(self._grads(), loss, self._safety.watch_factor):
             self._rollback_watch(record.step)
             record.step += 1
             return loss
-        if self._enabled() and self._schedule.due(record.step, record.accepted):
+        if due:
             for _ in range(self._schedule.batches):
                 batch = None if self._batch_fn is None else as_batch(self._batch_fn())
                 # the closure already ran once (torch's contract: at most once per step)
                 self._teleport_now(TeleportRequest(loss, None, batch, self._heldout))
-        self._base.step()
+        loss = self._step_base(closure, loss)
         record.step += 1
         if record.watch is not None and record.step > record.watch.until:
             record.watch = None
@@ -331,6 +351,8 @@ class Teleport(OptimizerWrapper):
 
     def _teleport_now(self, request: TeleportRequest) -> tuple[TeleportReport, Any]:
         report, loss = self._engine.run(self._active_sites(request.batch), request)
+        if report.accepted:
+            restart_curvature_history(self.innermost)
         self._call_hooks(report)
         return report, loss
 

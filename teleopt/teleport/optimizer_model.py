@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from torch.optim import SGD, Adagrad, Adam, Optimizer, RMSprop
+from torch.optim import LBFGS, SGD, Adagrad, Adam, Optimizer, RMSprop
 
 __all__ = ["StateRole", "state_role", "OptimizerModel"]
 
@@ -57,8 +57,14 @@ def state_role(optimizer: Optimizer, key: str) -> StateRole:
 
     RMSprop's ``momentum_buffer`` accumulates *updates* grad / sqrt(v), which are
     neither covectors nor their squares: its role is ``"update"`` (no exact
-    transport rule; it is reset by default).
+    transport rule; it is reset by default).  ``LBFGS`` keeps one flat curvature
+    history for all parameters; it is ``"derived"`` here (left alone per tensor) and
+    :class:`~teleopt.teleport.Teleport` restarts the whole history after an accepted
+    teleport, since pairs of steps and gradient differences from before the teleport
+    describe a different point of the orbit.
     """
+    if isinstance(optimizer, LBFGS):
+        return "derived"
     if key == "momentum_buffer" and isinstance(optimizer, RMSprop):
         return "update"
     return _ROLES.get(key, "unknown")
