@@ -12,33 +12,49 @@ Table 1.1 and Sec. 1.2; teleportation (papers/001 Ch. 4) acts through the sites.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 from torch import Tensor, nn
 
 from teleopt.detection.attention import find_attention_sites
 from teleopt.detection.axes import KINDS
+from teleopt.detection.certify import CertificationEntry, certify_sites
 from teleopt.detection.relations import ModelTensors, Relations
 from teleopt.detection.report import SkippedEntry, SymmetryReport
 from teleopt.detection.rules import run_rules
 from teleopt.detection.sites import blocked_reasons, class_sites, direct_sites, module_order, settle, softmax_translation_sites
-from teleopt.detection.tracing import trace_model
+from teleopt.detection.tracing import DetectionError, trace_model
 from teleopt.site import Site
 
-__all__ = ["find_symmetries"]
+__all__ = ["find_symmetries", "unwrap_model"]
 
 _LOSSES = ("none", "cross_entropy")
 
 
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module inside ``DistributedDataParallel``/``DataParallel`` and ``torch.compile`` wrappers."""
+    for _ in range(16):
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            break
+    return model
+
+
 def find_symmetries(
     model: nn.Module,
-    example_inputs: Tensor | Sequence[Tensor],
+    example_inputs: Tensor | Sequence[Tensor] | None = None,
     *,
+    example_kwargs: Mapping[str, Any] | None = None,
     loss: Literal["none", "cross_entropy"] = "none",
     include_discrete: bool = True,
     include_approximate: bool = True,
     include_frozen: bool = False,
+    certify: bool = True,
+    certify_seed: int = 0,
 ) -> SymmetryReport:
     """Find every place where a group action leaves the model's output unchanged (papers/001 Table 1.1).
 
@@ -49,8 +65,14 @@ def find_symmetries(
         submodules that cannot be traced are kept opaque and frozen.
     example_inputs:
         One tensor or a tuple of positional inputs, with the shapes used in training
-        (small images are fine).  The model runs once on them in eval mode (buffers
-        and RNG state are restored).
+        (small images are fine; a batch of one works, detection runs in eval mode).
+        The model runs on them in eval mode (buffers, RNG state and the train/eval
+        flags are restored).  May be left out when ``example_kwargs`` supplies the inputs.
+    example_kwargs:
+        Keyword arguments of the call, as in training: ``model(*example_inputs,
+        **example_kwargs)`` (``input_ids``/``attention_mask`` of a transformers model,
+        ``smooth=True``).  Tensors are traced as inputs; other values are constants of
+        the trace, so a flag that changes the computed path is seen.
     loss:
         ``"cross_entropy"`` adds the softmax translation of a final linear classifier
         (papers/001 Ex. 1.2.8), which leaves the loss, not the logits, unchanged.
@@ -60,6 +82,16 @@ def find_symmetries(
         Report the eps-approximate scaling of BatchNorm inputs (papers/001 Ex. 1.2.7).
     include_frozen:
         Let sites move parameters with ``requires_grad=False`` (default: they are fixed).
+    certify:
+        Check every site before reporting it (default; ``teleopt.detection.certify``):
+        each exact site is applied with a random element at the edge of the range to a
+        float64 copy of the model, and the outputs on the example inputs and keyword
+        arguments must stay within ``default_rtol(float64)`` in eval and train mode (same
+        dropout masks); eps-approximate BatchNorm input sites are checked with eps * c^2.
+        A site that fails is dropped and listed in ``report.certification`` with its error.
+        ``False`` reports what the rules propose, unchecked (faster, not safe).
+    certify_seed:
+        Seed of the random elements and of the forward RNG of the certification.
 
     Returns
     -------
@@ -77,18 +109,48 @@ def find_symmetries(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(example_inputs, Tensor):
-        inputs: tuple[Tensor, ...] = (example_inputs,)
+    model = unwrap_model(model)
+    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
+        raise TypeError(f"example_kwargs must be a mapping of keyword arguments, got {type(example_kwargs).__name__}")
+    kwargs = dict(example_kwargs or {})
+    if not all(isinstance(k, str) for k in kwargs):
+        raise TypeError("example_kwargs must have string keys")
+    if example_inputs is None:
+        inputs: tuple[Tensor, ...] = ()
+    elif isinstance(example_inputs, Tensor):
+        inputs = (example_inputs,)
     elif isinstance(example_inputs, Sequence) and not isinstance(example_inputs, str):
         inputs = tuple(example_inputs)
     else:
         raise TypeError(f"example_inputs must be a tensor or a sequence of tensors, got {type(example_inputs).__name__}")
-    if not inputs or not all(isinstance(t, Tensor) for t in inputs):
-        raise TypeError("example_inputs must contain at least one tensor, and only tensors")
+    if not all(isinstance(t, Tensor) for t in inputs):
+        raise TypeError("example_inputs must contain only tensors")
+    if not inputs and not any(isinstance(v, Tensor) for v in kwargs.values()):
+        raise TypeError("example_inputs must contain at least one tensor (or example_kwargs a tensor input)")
     if loss not in _LOSSES:
         raise ValueError(f"loss must be one of {_LOSSES}, got {loss!r}")
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        return _find(model, inputs, kwargs, loss, include_discrete, include_approximate, include_frozen, certify, certify_seed)
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def _find(
+    model: nn.Module,
+    inputs: tuple[Tensor, ...],
+    kwargs: dict[str, Any],
+    loss: str,
+    include_discrete: bool,
+    include_approximate: bool,
+    include_frozen: bool,
+    certify: bool,
+    certify_seed: int,
+) -> SymmetryReport:
     start = time.perf_counter()
-    graphs, opaque = trace_model(model, inputs)
+    model.eval()
+    graphs, opaque = trace_model(model, inputs, kwargs)
     rel = Relations(ModelTensors.of(model, include_frozen))
     run_rules(model, rel, graphs)
     skipped = [SkippedEntry("module", w.split(":")[0], f"could not be traced ({w.split(': ', 1)[1]}); kept opaque") for w in opaque]
@@ -111,6 +173,22 @@ def find_symmetries(
     if not include_approximate:
         sites = [s for s in sites if s.action.exactness != "approximate"]
     sites = _name(_dedupe(sites), order)
+    certification: list[CertificationEntry] = []
+    certify_seconds = 0.0
+    if certify and sites:
+        t0 = time.perf_counter()
+        try:
+            sites, certification = certify_sites(model, sites, inputs, kwargs, seed=certify_seed)
+        except DetectionError:
+            raise
+        except Exception as e:  # the model does not run as called: say so rather than report unchecked sites
+            raise DetectionError(
+                f"certification could not run {type(model).__name__} on the example inputs: {type(e).__name__}: {e}"
+            ) from None
+        certify_seconds = time.perf_counter() - t0
+        for entry in certification:
+            if entry.status == "dropped":
+                skipped.append(SkippedEntry("site", entry.site, f"failed certification: relative output error {entry.error:.2e}"))
     for kind, where, reason in [*rel.skipped, *notes, *notes2]:
         entry = SkippedEntry(kind, where, reason)
         if entry not in skipped:
@@ -133,6 +211,8 @@ def find_symmetries(
         parameters=total,
         model=type(model).__name__,
         seconds=time.perf_counter() - start,
+        certification=certification,
+        certify_seconds=certify_seconds,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from teleopt.detection.certify import CertificationEntry
 from teleopt.site import Site
 
 __all__ = ["SkippedEntry", "SymmetryReport"]
@@ -45,7 +46,13 @@ class SymmetryReport:
     model:
         The model's class name.
     seconds:
-        Wall-clock time of the detection.
+        Wall-clock time of the detection (certification included).
+    certification:
+        One :class:`~teleopt.detection.certify.CertificationEntry` per site the rules
+        proposed (``status`` "certified", "dropped", "demoted" or "unchecked", with the
+        measured relative output error); empty when detection ran with ``certify=False``.
+    certify_seconds:
+        Wall-clock time of the certification.
     """
 
     sites: list[Site]
@@ -56,6 +63,18 @@ class SymmetryReport:
     parameters: int = 0
     model: str = ""
     seconds: float = 0.0
+    certification: list[CertificationEntry] = field(default_factory=list)
+    certify_seconds: float = 0.0
+
+    @property
+    def certified(self) -> bool:
+        """Whether the sites were certified (``find_symmetries(..., certify=True)``)."""
+        return bool(self.certification)
+
+    @property
+    def dropped(self) -> list[CertificationEntry]:
+        """The proposed sites that failed certification, with their errors."""
+        return [e for e in self.certification if e.status == "dropped"]
 
     @property
     def continuous_sites(self) -> list[Site]:
@@ -100,6 +119,7 @@ class SymmetryReport:
             f"{self.model}: {len(self.sites)} sites ({n_cont} continuous, {len(self.sites) - n_cont} discrete), "
             f"coverage {100 * self.coverage:.1f}% of {self.parameters} parameters ({100 * self.coverage_exact:.1f}% by exact sites), "
             f"{len(self.skipped)} skipped, {len(self.frozen)} parameters without a continuous site, {self.seconds:.2f} s"
+            + (f" ({len(self.dropped)} sites dropped by certification, {self.certify_seconds:.2f} s)" if self.certification else "")
         )
 
     def __str__(self) -> str:
@@ -119,6 +139,8 @@ class SymmetryReport:
             "coverage_exact": self.coverage_exact,
             "parameters": self.parameters,
             "seconds": self.seconds,
+            "certification": [e.to_dict() for e in self.certification],
+            "certify_seconds": self.certify_seconds,
         }
 
     @classmethod
@@ -133,4 +155,6 @@ class SymmetryReport:
             parameters=int(data.get("parameters", 0)),
             model=str(data.get("model", "")),
             seconds=float(data.get("seconds", 0.0)),
+            certification=[CertificationEntry.from_dict(e) for e in data.get("certification", [])],
+            certify_seconds=float(data.get("certify_seconds", 0.0)),
         )
