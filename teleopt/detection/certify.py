@@ -173,6 +173,16 @@ class _Checker:
             self.state = {k: v.detach().clone() for k, v in self.live.items()}
         self.dirty: set[str] = set()
         self.forwards = 0
+        self.skipped_modes: dict[str, str] = {}
+        for mode in tuple(self.modes):  # a mode the model cannot run in (train mode on a batch of one) is left out
+            try:
+                self.modes = (mode,)
+                self.outputs()
+            except Exception as e:  # noqa: BLE001
+                self.skipped_modes[mode] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        self.modes = tuple(m for m in modes if m not in self.skipped_modes)
+        if not self.modes:
+            raise RuntimeError(f"the model does not run on the example inputs: {next(iter(self.skipped_modes.values()))}")
         self.reference = self.outputs()
 
     @torch.no_grad()
@@ -246,6 +256,7 @@ def certify_sites(
     modes: Sequence[str] = _MODES,
     rtol: float | None = None,
     demote: bool = False,
+    perturb: bool = True,
 ) -> tuple[list[Site], list[CertificationEntry]]:
     """Certify ``sites`` on a float64 deep copy of ``model``; returns the surviving sites and one entry per site.
 
@@ -254,6 +265,13 @@ def certify_sites(
     ``site.info["certified_error"]`` when ``demote``.  Approximate BatchNorm input
     sites are checked exactly with eps scaled by c^2 and dropped on failure.
     Data-dependent sites are kept unchecked.  The model is not changed.
+
+    With ``perturb`` (default) the copy's trainable parameters get noise of 0.1 times
+    their RMS (0.5 for all-zero tensors) first: a rule that leaves out a member which
+    happens to be zero (timm initialises q/v biases and some heads to zero) would
+    otherwise pass at initialisation and fail after training.  Buffers and frozen
+    parameters are constants of the model and are not perturbed.  If the perturbed
+    copy's outputs are not finite, the model's own parameters are used.
     """
     kwargs = dict(kwargs or {})
     tol = default_rtol(torch.float64) if rtol is None else rtol
@@ -263,7 +281,15 @@ def certify_sites(
         reason = f"the model could not be copied to float64 ({type(e).__name__}: {e})"
         return sites, [CertificationEntry(s.name, "unchecked", math.nan, reason) for s in sites]
     gen = torch.Generator().manual_seed(seed)
+    saved = {k: v.detach().clone() for k, v in moved.named_parameters()} if perturb else {}
+    if perturb:
+        _perturb_(moved, gen)
     checker = _Checker(moved, inputs, kwargs, modes, seed)
+    if perturb and not all(bool(torch.isfinite(t).all()) for leaves in checker.reference for t in leaves if t.is_floating_point()):
+        with torch.no_grad():  # the perturbed model overflows: certify at the model's own parameters
+            for k, p in moved.named_parameters():
+                p.copy_(saved[k])
+        checker = _Checker(moved, inputs, kwargs, modes, seed)
     entries: dict[int, CertificationEntry] = {}
     keep: dict[int, Site] = {}
     groups: dict[str, list[int]] = {"exact": [], "translation": [], "batchnorm": []}
@@ -325,7 +351,20 @@ def certify_sites(
                     why = "fails with eps * c^2" if kind == "batchnorm" else "output changes under a random element"
                     entries[j] = CertificationEntry(s.name, "dropped", failed[j], why)
     checker.restore()
+    if checker.skipped_modes:
+        note = "; ".join(f"{m} mode not checked ({why})" for m, why in checker.skipped_modes.items())
+        entries = {i: CertificationEntry(e.site, e.status, e.error, f"{e.reason}; {note}" if e.reason else note) for i, e in entries.items()}
     return [keep[i] for i in sorted(keep)], [entries[i] for i in sorted(entries)]
+
+
+@torch.no_grad()
+def _perturb_(model: nn.Module, gen: torch.Generator) -> None:
+    for p in model.parameters():
+        if not p.requires_grad or not p.is_floating_point() or p.numel() == 0:
+            continue
+        rms = float(p.detach().pow(2).mean().sqrt())
+        sigma = 0.1 * rms if rms > 0 else 0.5
+        p.add_(sigma * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype))
 
 
 def _demoted(site: Site, err: float) -> Site:

@@ -213,6 +213,7 @@ def _find(
         seconds=time.perf_counter() - start,
         certification=certification,
         certify_seconds=certify_seconds,
+        certified=certify,
     )
 
 

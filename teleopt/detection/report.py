@@ -53,6 +53,8 @@ class SymmetryReport:
         measured relative output error); empty when detection ran with ``certify=False``.
     certify_seconds:
         Wall-clock time of the certification.
+    certified:
+        Whether the sites were certified (``find_symmetries(..., certify=True)``).
     """
 
     sites: list[Site]
@@ -65,11 +67,7 @@ class SymmetryReport:
     seconds: float = 0.0
     certification: list[CertificationEntry] = field(default_factory=list)
     certify_seconds: float = 0.0
-
-    @property
-    def certified(self) -> bool:
-        """Whether the sites were certified (``find_symmetries(..., certify=True)``)."""
-        return bool(self.certification)
+    certified: bool = False
 
     @property
     def dropped(self) -> list[CertificationEntry]:
@@ -119,7 +117,7 @@ class SymmetryReport:
             f"{self.model}: {len(self.sites)} sites ({n_cont} continuous, {len(self.sites) - n_cont} discrete), "
             f"coverage {100 * self.coverage:.1f}% of {self.parameters} parameters ({100 * self.coverage_exact:.1f}% by exact sites), "
             f"{len(self.skipped)} skipped, {len(self.frozen)} parameters without a continuous site, {self.seconds:.2f} s"
-            + (f" ({len(self.dropped)} sites dropped by certification, {self.certify_seconds:.2f} s)" if self.certification else "")
+            + (f" ({len(self.dropped)} sites dropped by certification, {self.certify_seconds:.2f} s)" if self.certified else "")
         )
 
     def __str__(self) -> str:
@@ -141,6 +139,7 @@ class SymmetryReport:
             "seconds": self.seconds,
             "certification": [e.to_dict() for e in self.certification],
             "certify_seconds": self.certify_seconds,
+            "certified": self.certified,
         }
 
     @classmethod
@@ -157,4 +156,5 @@ class SymmetryReport:
             seconds=float(data.get("seconds", 0.0)),
             certification=[CertificationEntry.from_dict(e) for e in data.get("certification", [])],
             certify_seconds=float(data.get("certify_seconds", 0.0)),
+            certified=bool(data.get("certified", False)),
         )

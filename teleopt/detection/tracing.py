@@ -268,8 +268,8 @@ def trace_model(
     Returns the distinct graphs (one if both modes compute the same thing) and the
     submodules that had to be kept opaque, each with the tracing error.  Shapes are
     recorded in eval mode (no BatchNorm statistics are updated, no random numbers
-    drawn); a train graph with a different structure is run in train mode with the
-    buffers and the RNG state restored afterwards.  ``kwargs`` are the keyword
+    drawn, a batch of one works), also for a train graph with a different structure
+    (buffers and RNG state restored afterwards).  ``kwargs`` are the keyword
     arguments of ``model(*inputs, **kwargs)``: tensors are traced as inputs, other
     values are constants of the trace.
     """
@@ -288,7 +288,8 @@ def trace_model(
                 continue
             if graphs and _structure(graphs[0]) == _structure(traced):
                 traced.values = graphs[0].values
-            else:
+            else:  # shapes do not depend on the mode: record in eval mode (a batch of one passes BatchNorm)
+                model.eval()
                 traced.values = _record(model, graph, args)
             graphs.append(traced)
     finally:
