@@ -341,3 +341,54 @@ def test_modes_are_restored_and_batch_of_one_works(training):
     with pytest.raises(ValueError):
         teleopt.find_symmetries(model, torch.randn(1, 5))
     assert [m.training for m in model.modules()] == flags
+
+
+# -- the timm models these constructs come from, at tiny sizes (pretrained=False) -------------------------
+
+
+def _res2net():
+    from timm.models.res2net import Bottle2neck
+    from timm.models.resnet import ResNet
+
+    return ResNet(block=Bottle2neck, layers=[1, 1, 1, 1], channels=(8, 8, 8, 8), stem_width=8, base_width=26, block_args={"scale": 4}, num_classes=5)
+
+
+TIMM = {
+    # name: (architecture or builder, timm kwargs, input shape, sites certification must drop today)
+    "beit": ("beit_base_patch16_224", {"img_size": 32, "patch_size": 8, "embed_dim": 16, "depth": 1, "num_heads": 2}, (2, 3, 32, 32), True),
+    "eva02": ("eva02_tiny_patch14_224", {"img_size": 28, "patch_size": 14, "embed_dim": 16, "depth": 1, "num_heads": 2}, (2, 3, 28, 28), True),
+    "swinv2": (
+        "swinv2_tiny_window8_256",
+        {"img_size": 32, "patch_size": 4, "window_size": 4, "embed_dim": 8, "depths": (1, 1), "num_heads": (2, 2)},
+        (2, 3, 32, 32),
+        True,
+    ),
+    "res2net": (_res2net, {}, (2, 3, 32, 32), True),
+    "coat": (
+        "coat_lite_tiny",
+        {"img_size": 32, "embed_dims": [16, 16, 16, 16], "serial_depths": [1, 1, 1, 1], "num_heads": 8, "mlp_ratios": [2, 2, 2, 2]},
+        (2, 3, 32, 32),
+        True,
+    ),
+    "edgenext": ("edgenext_xx_small", {"depths": (1, 1, 1, 1), "dims": (8, 16, 24, 32), "heads": (2, 2, 2, 2)}, (2, 3, 64, 64), True),
+    "levit": (
+        "levit_128s",
+        {"img_size": 64, "embed_dim": (16, 32, 48), "key_dim": 8, "num_heads": (2, 2, 2), "depth": (1, 1, 1)},
+        (1, 3, 64, 64),  # a batch of one: detection and certification run in eval mode
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TIMM))
+def test_timm_no_uncertified_exact_site(name):
+    timm = pytest.importorskip("timm")
+    arch, kwargs, shape, drops = TIMM[name]
+    torch.manual_seed(0)
+    model = arch() if callable(arch) else timm.create_model(arch, pretrained=False, num_classes=5, **kwargs)
+    x = torch.randn(shape)
+    report = teleopt.find_symmetries(model, x)
+    assert report.certified and report.sites
+    assert bool(report.dropped) == drops, [(e.site, e.error) for e in report.dropped]
+    modes = ("eval",) if shape[0] == 1 else ("train", "eval")
+    assert_exact_sites_invariant(model, (x,), report, modes=modes, seeds=(11,))
