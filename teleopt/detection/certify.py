@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from teleopt.numerics import default_rtol
 from teleopt.site import Site
 
-__all__ = ["CertificationEntry", "certify_sites", "edge_element", "output_leaves"]
+__all__ = ["CertificationEntry", "certify_sites", "edge_element", "output_leaves", "mode_dependent"]
 
 _MODES = ("eval", "train")
 _EDGE = {"general": math.log(9.9) / 2, "orthogonal": math.pi / 2, "diagonal": math.log(4.0), "translation": 1.0}
@@ -88,6 +88,25 @@ def edge_element(site: Site, model: nn.Module, generator: torch.Generator) -> Te
     else:
         coords = coords * (edge / coords.norm().clamp_min(1e-12))
     return group.exp(coords).to(dtype=ref.dtype, device=ref.device)
+
+
+def mode_dependent(module: nn.Module) -> bool:
+    """Whether a leaf module may compute differently in train and eval mode (fail closed: True if unsure).
+
+    Dropout with p = 0 does not; BatchNorm/InstanceNorm and any module whose ``forward``
+    source mentions ``training`` (or cannot be read) may.
+    """
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return float(module.p) > 0
+    if isinstance(module, nn.modules.batchnorm._NormBase):
+        return True
+    try:
+        import inspect
+
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return True
+    return "training" in source
 
 
 def output_leaves(output: Any) -> list[Tensor]:
@@ -169,21 +188,20 @@ class _Checker:
         self.modes = tuple(modes)
         self.seed = seed
         self.live = model.state_dict(keep_vars=True)
-        with torch.no_grad():
-            self.state = {k: v.detach().clone() for k, v in self.live.items()}
+        self.state: dict[str, Tensor] = {}  # snapshots of the tensors sites act on, taken on first use
         self.dirty: set[str] = set()
         self.forwards = 0
         self.skipped_modes: dict[str, str] = {}
+        self.reference: list[list[Tensor]] = []
         for mode in tuple(self.modes):  # a mode the model cannot run in (train mode on a batch of one) is left out
             try:
                 self.modes = (mode,)
-                self.outputs()
+                self.reference += self.outputs()
             except Exception as e:  # noqa: BLE001
                 self.skipped_modes[mode] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         self.modes = tuple(m for m in modes if m not in self.skipped_modes)
         if not self.modes:
             raise RuntimeError(f"the model does not run on the example inputs: {next(iter(self.skipped_modes.values()))}")
-        self.reference = self.outputs()
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -192,6 +210,9 @@ class _Checker:
         self.dirty.clear()
 
     def apply(self, site: Site, g: Tensor) -> None:
+        for n in site.tensor_names:
+            if n in self.live and n not in self.state:
+                self.state[n] = self.live[n].detach().clone()
         self.dirty.update(n for n in site.tensor_names if n in self.live)
         site.apply_(self.model, g)
 
@@ -266,8 +287,9 @@ def certify_sites(
     sites are checked exactly with eps scaled by c^2 and dropped on failure.
     Data-dependent sites are kept unchecked.  The model is not changed.
 
-    With ``perturb`` (default) the copy's trainable parameters get noise of 0.1 times
-    their RMS (0.5 for all-zero tensors) first: a rule that leaves out a member which
+    With ``perturb`` (default) the copy's constant trainable tensors (zero biases,
+    norm weights of one, LayerScale 1e-6, zero heads) get noise of 0.5 max(|c|, 1)
+    and other vectors 0.1 times their RMS first: a rule that leaves out a member which
     happens to be zero (timm initialises q/v biases and some heads to zero) would
     otherwise pass at initialisation and fail after training.  Buffers and frozen
     parameters are constants of the model and are not perturbed.  If the perturbed
@@ -281,14 +303,12 @@ def certify_sites(
         reason = f"the model could not be copied to float64 ({type(e).__name__}: {e})"
         return sites, [CertificationEntry(s.name, "unchecked", math.nan, reason) for s in sites]
     gen = torch.Generator().manual_seed(seed)
-    saved = {k: v.detach().clone() for k, v in moved.named_parameters()} if perturb else {}
-    if perturb:
-        _perturb_(moved, gen)
+    saved = _perturb_(moved, gen) if perturb else {}
     checker = _Checker(moved, inputs, kwargs, modes, seed)
     if perturb and not all(bool(torch.isfinite(t).all()) for leaves in checker.reference for t in leaves if t.is_floating_point()):
         with torch.no_grad():  # the perturbed model overflows: certify at the model's own parameters
-            for k, p in moved.named_parameters():
-                p.copy_(saved[k])
+            for p, value in saved:
+                p.copy_(value)
         checker = _Checker(moved, inputs, kwargs, modes, seed)
     entries: dict[int, CertificationEntry] = {}
     keep: dict[int, Site] = {}
@@ -358,13 +378,21 @@ def certify_sites(
 
 
 @torch.no_grad()
-def _perturb_(model: nn.Module, gen: torch.Generator) -> None:
+def _perturb_(model: nn.Module, gen: torch.Generator) -> list[tuple[Tensor, Tensor]]:
+    saved = []
     for p in model.parameters():
         if not p.requires_grad or not p.is_floating_point() or p.numel() == 0:
             continue
-        rms = float(p.detach().pow(2).mean().sqrt())
-        sigma = 0.1 * rms if rms > 0 else 0.5
+        lo, hi = torch.aminmax(p.detach().reshape(-1))
+        if float(lo) == float(hi):  # constant (zero biases, norm weights of one, LayerScale 1e-6, zero heads)
+            sigma = 0.5 * max(abs(float(lo)), 1.0)
+        elif p.ndim >= 2:  # a non-constant matrix is generic already
+            continue
+        else:
+            sigma = 0.1 * float(p.detach().pow(2).mean().sqrt())
+        saved.append((p, p.detach().clone()))
         p.add_(sigma * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype))
+    return saved
 
 
 def _demoted(site: Site, err: float) -> Site:

@@ -178,7 +178,7 @@ def _find(
     if certify and sites:
         t0 = time.perf_counter()
         try:
-            sites, certification = certify_sites(model, sites, inputs, kwargs, seed=certify_seed)
+            sites, certification = certify_sites(model, sites, inputs, kwargs, seed=certify_seed, modes=_certify_modes(graphs, opaque))
         except DetectionError:
             raise
         except Exception as e:  # the model does not run as called: say so rather than report unchecked sites
@@ -215,6 +215,19 @@ def _find(
         certify_seconds=certify_seconds,
         certified=certify,
     )
+
+
+def _certify_modes(graphs, opaque) -> tuple[str, ...]:
+    """Train mode is checked unless the traced forward is the same in both modes and no leaf module depends on the mode."""
+    from teleopt.detection.certify import mode_dependent
+
+    if len(graphs) != 1 or opaque:
+        return ("eval", "train")
+    traced = graphs[0]
+    for node in traced.graph.nodes:
+        if node.op == "call_module" and mode_dependent(traced.modules[str(node.target)]):
+            return ("eval", "train")
+    return ("eval",)
 
 
 def _signature(site: Site) -> frozenset:
