@@ -150,7 +150,13 @@ def _find(
 ) -> SymmetryReport:
     start = time.perf_counter()
     model.eval()
-    graphs, opaque = trace_model(model, inputs, kwargs)
+    try:
+        graphs, opaque = trace_model(model, inputs, kwargs)
+    except DetectionError as e:
+        if not str(e).startswith("could not trace") or not any(True for _ in model.children()) or isinstance(model, _Call):
+            raise
+        report = _find_children(model, inputs, kwargs, loss, include_discrete, include_approximate, include_frozen, str(e))
+        return _certified(model, report, inputs, kwargs, certify, certify_seed, ("eval", "train"), start)
     rel = Relations(ModelTensors.of(model, include_frozen))
     run_rules(model, rel, graphs)
     skipped = [SkippedEntry("module", w.split(":")[0], f"could not be traced ({w.split(': ', 1)[1]}); kept opaque") for w in opaque]
@@ -215,6 +221,196 @@ def _find(
         certify_seconds=certify_seconds,
         certified=certify,
     )
+
+
+def _certified(model, report, inputs, kwargs, certify, seed, modes, start) -> SymmetryReport:
+    """Certify a report assembled from parts (the children fallback) and recompute its coverage."""
+    if certify and report.sites:
+        t0 = time.perf_counter()
+        try:
+            report.sites, report.certification = certify_sites(model, report.sites, inputs, kwargs, seed=seed, modes=modes)
+        except Exception as e:  # noqa: BLE001
+            raise DetectionError(
+                f"certification could not run {type(model).__name__} on the example inputs: {type(e).__name__}: {e}"
+            ) from None
+        report.certify_seconds = time.perf_counter() - t0
+        for entry in report.dropped:
+            report.skipped.append(SkippedEntry("site", entry.site, f"failed certification: relative output error {entry.error:.2e}"))
+    report.certified = certify
+    covered, total = _coverage(model, report.sites)
+    covered_exact, _ = _coverage(model, [s for s in report.sites if s.action.exactness == "exact"])
+    report.coverage = sum(covered.values()) / total if total else 0.0
+    report.coverage_exact = sum(covered_exact.values()) / total if total else 0.0
+    report.parameters = total
+    report.frozen = {n: report.frozen.get(n, "no site acts on it") for n, _ in model.named_parameters() if not covered.get(n, 0)}
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+class _Call(nn.Module):
+    """Calls ``module`` with recorded keyword arguments whose tensors are this wrapper's positional inputs."""
+
+    def __init__(self, module: nn.Module, call: dict[str, Any]) -> None:
+        from torch.utils._pytree import tree_flatten
+
+        super().__init__()
+        self.m = module
+        self._leaves, self._spec = tree_flatten(call)
+        self._slots = [i for i, v in enumerate(self._leaves) if isinstance(v, Tensor)]
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return tuple(self._leaves[i] for i in self._slots)
+
+    def call(self, tensors: tuple) -> Any:
+        from torch.utils._pytree import tree_unflatten
+
+        leaves = list(self._leaves)
+        for i, t in zip(self._slots, tensors):
+            leaves[i] = t
+        return self.m(**tree_unflatten(leaves, self._spec))
+
+
+def _call_module(module: nn.Module, call: dict[str, Any]) -> _Call:
+    """A ``_Call`` whose ``forward`` takes one named positional input per tensor (fx cannot trace ``*args``)."""
+    wrapper = _Call(module, call)
+    names = [f"t{i}" for i in range(len(wrapper._slots))]
+    namespace: dict[str, Any] = {}
+    exec(f"def forward(self, {', '.join(names)}):\n    return self.call(({''.join(n + ', ' for n in names)}))", namespace)  # noqa: S102
+    wrapper.__class__ = type("_Call", (_Call,), {"forward": namespace["forward"]})
+    return wrapper
+
+
+def _record_calls(model: nn.Module, inputs, kwargs) -> dict[str, list[tuple[tuple, dict]]]:
+    """The arguments every descendant module is called with, when the model runs once in eval mode."""
+    import torch
+
+    calls: dict[str, list[tuple[tuple, dict]]] = {}
+    hooks = []
+    for name, m in model.named_modules():
+        if name:
+            hooks.append(m.register_forward_pre_hook(lambda mod, a, k, name=name: calls.setdefault(name, []).append((a, dict(k))), with_kwargs=True))
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(*inputs, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+        with torch.no_grad():
+            for b, v in buffers:
+                b.copy_(v)
+    return calls
+
+
+def _under(name: str, path: str) -> str:
+    """A name inside a ``_Call`` wrapper ("m", "m.<rest>") as a name inside the model (``path``, "<path>.<rest>")."""
+    if name == "m":
+        return path
+    return path + name[1:] if name.startswith("m.") else name
+
+
+def _renamed(site: Site, path: str) -> Site:
+    from teleopt.actions.axis import AxisAction
+
+    info = dict(site.info)
+    if isinstance(info.get("module"), str):
+        info["module"] = _under(info["module"], path)
+    if isinstance(info.get("batchnorm"), list):
+        info["batchnorm"] = [_under(p, path) for p in info["batchnorm"]]
+    action = site.action
+    if isinstance(action, AxisAction):  # member roles carry the wrapper's tensor names (they name the site)
+        cfg = action.config()
+        for m in cfg["members"]:
+            m["name"] = _under(m["name"], path)
+            if m.get("tensor"):
+                m["tensor"] = _under(m["tensor"], path)
+        if isinstance(cfg.get("reference"), str):
+            cfg["reference"] = _under(cfg["reference"], path)
+        action = AxisAction.from_config(cfg)
+    return Site(action, tuple(None if m is None else _under(m, path) for m in site.members), "", site.data_input, info)
+
+
+def _find_children(model, inputs, kwargs, loss, include_discrete, include_approximate, include_frozen, why) -> SymmetryReport:
+    """Fallback when the root ``forward`` cannot be traced (transformers models): analyse the called submodules.
+
+    The model runs once with hooks that record each submodule's arguments; every
+    submodule called exactly once is traced on its own with those arguments (tensors
+    as inputs, everything else constant), recursing into submodules that cannot be
+    traced either.  A submodule's inputs and outputs are then fixed streams, so its
+    sites leave its output, hence the model's, unchanged; sites on tensors that are
+    shared with other parts are dropped, and certification checks the rest on the
+    whole model.
+    """
+    import inspect
+
+    calls = _record_calls(model, inputs, kwargs)
+    owners: dict[int, set[str]] = {}
+    sites: list[Site] = []
+    skipped = [SkippedEntry("module", "", f"the root forward could not be traced ({why.split(chr(10))[0][:200]}); its submodules were analysed one by one")]
+    frozen: dict[str, str] = {}
+
+    def visit(module: nn.Module, path: str) -> None:
+        for name, child in module.named_children():
+            full = f"{path}{name}"
+            record = calls.get(full)
+            if not record:
+                visit(child, full + ".")
+                continue
+            if len(record) > 1:
+                skipped.append(SkippedEntry("module", full, f"called {len(record)} times: not analysed on its own"))
+                continue
+            args, kw = record[0]
+            try:
+                bound = inspect.signature(child.forward).bind(*args, **kw)
+            except TypeError as e:
+                skipped.append(SkippedEntry("module", full, f"its arguments could not be bound ({e})"))
+                continue
+            call: dict[str, Any] = {}
+            ok = True
+            for pname, value in bound.arguments.items():
+                param = inspect.signature(child.forward).parameters[pname]
+                if param.kind == param.VAR_KEYWORD:
+                    call.update(value)
+                elif param.kind == param.VAR_POSITIONAL:
+                    ok = ok and not value
+                else:
+                    call[pname] = value
+            if not ok:
+                skipped.append(SkippedEntry("module", full, "called with *args: not analysed on its own"))
+                continue
+            wrapper = _call_module(child, call)
+            try:
+                sub = _find(wrapper, wrapper.tensors(), {}, "none", include_discrete, include_approximate, include_frozen, False, 0)
+            except DetectionError as e:
+                if str(e).startswith("could not trace") and any(True for _ in child.children()):
+                    visit(child, full + ".")
+                else:
+                    skipped.append(SkippedEntry("module", full, f"could not be analysed ({str(e)[:200]})"))
+                continue
+            if any(e.kind == "module" and e.where == "m" for e in sub.skipped):  # the child itself is untraceable
+                visit(child, full + ".")
+                continue
+            sites.extend(_renamed(site, full) for site in sub.sites)
+            skipped.extend(SkippedEntry(e.kind, _under(e.where, full), e.reason) for e in sub.skipped)
+            frozen.update({_under(n, full): reason for n, reason in sub.frozen.items()})
+
+    visit(model, "")
+    shared = _shared_tensor_names(model)
+    kept = [s for s in sites if not shared & set(s.tensor_names)]
+    for s in sites:
+        if s not in kept:
+            skipped.append(SkippedEntry("site", s.name, "acts on a tensor shared with another part of the model"))
+    if loss == "cross_entropy":
+        skipped.append(SkippedEntry("site", "softmax_translation", "the root forward could not be traced"))
+    return SymmetryReport(sites=_name(_dedupe(kept), module_order(model)), skipped=skipped, frozen=frozen, model=type(model).__name__)
+
+
+def _shared_tensor_names(model: nn.Module) -> set[str]:
+    """Qualified names of parameters/buffers reachable under more than one name (tied weights)."""
+    seen: dict[int, list[str]] = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        seen.setdefault(id(t), []).append(name)
+    return {n for names in seen.values() if len(names) > 1 for n in names}
 
 
 def _certify_modes(graphs, opaque) -> tuple[str, ...]:
