@@ -334,19 +334,22 @@ def certify_sites(
         except Exception as e:  # noqa: BLE001
             entries[i] = CertificationEntry(s.name, "dropped", math.inf, f"no element could be drawn: {type(e).__name__}: {e}")
     for kind, idx in groups.items():
-        if not idx:
+        if not idx and not (kind == "exact" and groups["batchnorm"]):
             continue
         transform = _log_softmax_leaves if kind == "translation" else None
-        # BatchNorm sites sharing a BatchNorm cannot scale its eps twice: check those one by one
+        # exact and BatchNorm sites share one batch (one forward per mode when all pass); BatchNorm
+        # sites sharing a BatchNorm cannot scale its eps twice: those are checked one by one
         batches = [idx]
-        if kind == "batchnorm":
+        if kind == "exact":
             seen: set[str] = set()
-            batches = [[], []]
-            for j in idx:
+            alone: list[int] = []
+            for j in groups["batchnorm"]:
                 bns = set(sites[j].info["batchnorm"])
-                batches[1 if bns & seen else 0].append(j)
+                (alone if bns & seen else batches[0]).append(j)
                 seen |= bns
-            batches = [batches[0]] + [[j] for j in batches[1]]
+            batches += [[j] for j in alone]
+        elif kind == "batchnorm":
+            continue
 
         def check(subset: list[int], transform=transform) -> float:
             return checker.error([items[j] for j in subset], transform)
@@ -359,16 +362,17 @@ def certify_sites(
             _bisect(check, list(batch_idx), tol, failed, batch)
             for j in batch_idx:
                 s = sites[j]
-                note = "approximate BatchNorm input site, exact with eps * c^2" if kind == "batchnorm" else ""
+                bn = s.action.exactness == "approximate"
+                note = "approximate BatchNorm input site, exact with eps * c^2" if bn else ""
                 if j not in failed:
                     # the error of the whole batch when it passed (<= rtol), else 0 (passed within a sub-batch)
                     entries[j] = CertificationEntry(s.name, "certified", batch if batch <= tol else 0.0, note)
                     keep[j] = s
-                elif demote and kind != "batchnorm" and math.isfinite(failed[j]):
+                elif demote and not bn and math.isfinite(failed[j]):
                     entries[j] = CertificationEntry(s.name, "demoted", failed[j], "output changes: demoted to approximate")
                     keep[j] = _demoted(s, failed[j])
                 else:
-                    why = "fails with eps * c^2" if kind == "batchnorm" else "output changes under a random element"
+                    why = "fails with eps * c^2" if bn else "output changes under a random element"
                     entries[j] = CertificationEntry(s.name, "dropped", failed[j], why)
     checker.restore()
     if checker.skipped_modes:
