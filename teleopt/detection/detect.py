@@ -62,7 +62,11 @@ def find_symmetries(
     ----------
     model:
         Any ``nn.Module`` whose ``forward`` torch.fx can trace (timm models can);
-        submodules that cannot be traced are kept opaque and frozen.
+        submodules that cannot be traced are kept opaque and frozen.  If the root's
+        own ``forward`` cannot be traced (transformers models), each submodule it
+        calls once is analysed on its own with the arguments it was called with.
+        ``DistributedDataParallel``/``DataParallel`` and ``torch.compile`` wrappers
+        are unwrapped; site names are relative to the unwrapped module.
     example_inputs:
         One tensor or a tuple of positional inputs, with the shapes used in training
         (small images are fine; a batch of one works, detection runs in eval mode).
