@@ -15,7 +15,6 @@ on the rule table will let detection find the right site instead.
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -33,34 +32,51 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # -- the hand-written corpus -------------------------------------------------------------
 
+
 class _Attn(nn.Module):
     def __init__(s, dim=8, heads=2):
-        super().__init__(); s.h = heads; s.d = dim // heads
+        super().__init__()
+        s.h = heads
+        s.d = dim // heads
+
     def attend(s, qkv, B, N, C):
         q, k, v = qkv.reshape(B, N, 3, s.h, s.d).permute(2, 0, 3, 1, 4).unbind(0)
-        a = ((q * s.d ** -0.5) @ k.transpose(-2, -1)).softmax(-1)
+        a = ((q * s.d**-0.5) @ k.transpose(-2, -1)).softmax(-1)
         return (a @ v).transpose(1, 2).reshape(B, N, C)
+
 
 class FusedQKVBias(_Attn):
     """timm BEiT/EVA/SwinV2: qkv weight without bias, q/v biases and a zero k bias (buffer or zeros_like)."""
+
     def __init__(s, dim=8, heads=2, k_bias="buffer"):
         super().__init__(dim, heads)
-        s.inp = nn.Linear(4, dim); s.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        s.q_bias = nn.Parameter(torch.randn(dim)); s.v_bias = nn.Parameter(torch.randn(dim))
+        s.inp = nn.Linear(4, dim)
+        s.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        s.q_bias = nn.Parameter(torch.randn(dim))
+        s.v_bias = nn.Parameter(torch.randn(dim))
         s.kind = k_bias
         if k_bias == "buffer":
             s.register_buffer("k_bias", torch.zeros(dim), persistent=False)
-        s.proj = nn.Linear(dim, dim); s.out = nn.Linear(dim, 3)
+        s.proj = nn.Linear(dim, dim)
+        s.out = nn.Linear(dim, 3)
+
     def forward(s, x):
-        x = s.inp(x); B, N, C = x.shape
+        x = s.inp(x)
+        B, N, C = x.shape
         kb = s.k_bias if s.kind == "buffer" else torch.zeros_like(s.v_bias)
         qkv = F.linear(x, s.qkv.weight, torch.cat((s.q_bias, kb, s.v_bias)))
         return s.out(x + s.proj(s.attend(qkv, B, N, C)))
 
+
 class SelfMask(nn.Module):
     """h * (h > t): a mask computed from the activation it multiplies."""
+
     def __init__(s, mode="threshold"):
-        super().__init__(); s.fc1 = nn.Linear(4, 8); s.fc2 = nn.Linear(8, 3); s.mode = mode
+        super().__init__()
+        s.fc1 = nn.Linear(4, 8)
+        s.fc2 = nn.Linear(8, 3)
+        s.mode = mode
+
     def forward(s, x):
         h = s.fc1(x)
         if s.mode == "threshold":
@@ -72,25 +88,41 @@ class SelfMask(nn.Module):
             h = h * F.one_hot(h.argmax(-1), h.shape[-1]).to(h.dtype)
         return s.fc2(h)
 
+
 class SplitNegative(nn.Module):
     """parts[-1] of torch.split (timm Res2Net, EdgeNeXt)."""
+
     def __init__(s):
-        super().__init__(); s.fc1 = nn.Linear(4, 12); s.a = nn.Linear(4, 3); s.b = nn.Linear(8, 3)
+        super().__init__()
+        s.fc1 = nn.Linear(4, 12)
+        s.a = nn.Linear(4, 3)
+        s.b = nn.Linear(8, 3)
+
     def forward(s, x):
         parts = torch.split(s.fc1(x), [4, 8], dim=-1)
         return s.a(F.relu(parts[0])) + s.b(F.relu(parts[-1]))
 
+
 class MHA(nn.Module):
     def __init__(s, **kw):
-        super().__init__(); s.inp = nn.Linear(4, 8); s.mha = nn.MultiheadAttention(8, 2, batch_first=True, **kw); s.out = nn.Linear(8, 3)
+        super().__init__()
+        s.inp = nn.Linear(4, 8)
+        s.mha = nn.MultiheadAttention(8, 2, batch_first=True, **kw)
+        s.out = nn.Linear(8, 3)
+
     def forward(s, x):
         h = s.inp(x)
         return s.out(s.mha(h, h, h, need_weights=False)[0])
 
+
 class KwargPath(nn.Module):
     """forward(x, smooth=False): smooth=True replaces ReLU by softplus (no positive scaling)."""
+
     def __init__(s):
-        super().__init__(); s.fc1 = nn.Linear(4, 8); s.fc2 = nn.Linear(8, 3)
+        super().__init__()
+        s.fc1 = nn.Linear(4, 8)
+        s.fc2 = nn.Linear(8, 3)
+
     def forward(s, x, smooth=False, mask=None):
         h = s.fc1(x)
         h = F.softplus(h) if smooth else F.relu(h)
@@ -98,19 +130,27 @@ class KwargPath(nn.Module):
             h = h * mask
         return s.fc2(h)
 
+
 class RelPosConv(_Attn):
     """CoaT factorised attention with a depthwise-conv relative position encoding on v."""
+
     def __init__(s, dim=8, heads=2, size=3):
-        super().__init__(dim, heads); s.size = size
-        s.inp = nn.Linear(4, dim); s.qkv = nn.Linear(dim, 3 * dim); s.proj = nn.Linear(dim, dim); s.out = nn.Linear(dim, 3)
+        super().__init__(dim, heads)
+        s.size = size
+        s.inp = nn.Linear(4, dim)
+        s.qkv = nn.Linear(dim, 3 * dim)
+        s.proj = nn.Linear(dim, dim)
+        s.out = nn.Linear(dim, 3)
         s.conv = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+
     def forward(s, x):
-        x = s.inp(x); B, N, C = x.shape
+        x = s.inp(x)
+        B, N, C = x.shape
         q, k, v = s.qkv(x).reshape(B, N, 3, s.h, s.d).permute(2, 0, 3, 1, 4).unbind(0)
         fa = q @ (k.softmax(dim=2).transpose(-1, -2) @ v)
         v_img = v.transpose(-1, -2).reshape(B, C, s.size, s.size)
         conv_v = s.conv(v_img).reshape(B, s.h, s.d, N).transpose(-1, -2)
-        y = (s.d ** -0.5 * fa + q * conv_v).transpose(1, 2).reshape(B, N, C)
+        y = (s.d**-0.5 * fa + q * conv_v).transpose(1, 2).reshape(B, N, C)
         return s.out(x + s.proj(y))
 
 
@@ -350,13 +390,20 @@ def _res2net():
     from timm.models.res2net import Bottle2neck
     from timm.models.resnet import ResNet
 
-    return ResNet(block=Bottle2neck, layers=[1, 1, 1, 1], channels=(8, 8, 8, 8), stem_width=8, base_width=26, block_args={"scale": 4}, num_classes=5)
+    return ResNet(
+        block=Bottle2neck, layers=[1, 1, 1, 1], channels=(8, 8, 8, 8), stem_width=8, base_width=26, block_args={"scale": 4}, num_classes=5
+    )
 
 
 TIMM = {
     # name: (architecture or builder, timm kwargs, input shape, sites certification must drop today)
     "beit": ("beit_base_patch16_224", {"img_size": 32, "patch_size": 8, "embed_dim": 16, "depth": 1, "num_heads": 2}, (2, 3, 32, 32), True),
-    "eva02": ("eva02_tiny_patch14_224", {"img_size": 28, "patch_size": 14, "embed_dim": 16, "depth": 1, "num_heads": 2}, (2, 3, 28, 28), True),
+    "eva02": (
+        "eva02_tiny_patch14_224",
+        {"img_size": 28, "patch_size": 14, "embed_dim": 16, "depth": 1, "num_heads": 2},
+        (2, 3, 28, 28),
+        True,
+    ),
     "swinv2": (
         "swinv2_tiny_window8_256",
         {"img_size": 32, "patch_size": 4, "window_size": 4, "embed_dim": 8, "depths": (1, 1), "num_heads": (2, 2)},

@@ -39,14 +39,22 @@ def build(name):
     T = transformers
     ids, mask = _inputs()
     if name == "bert":
-        cfg = T.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, max_position_embeddings=16)
+        cfg = T.BertConfig(
+            vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, max_position_embeddings=16
+        )
         return T.BertModel(cfg), {"input_ids": ids, "attention_mask": mask}
     if name == "gpt2":
         cfg = T.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=0)
         return T.GPT2Model(cfg), {"input_ids": ids, "attention_mask": mask, "use_cache": False}
     if name == "llama":
         cfg = T.LlamaConfig(
-            vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32, max_position_embeddings=16
+            vocab_size=50,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=32,
+            max_position_embeddings=16,
         )
         return T.LlamaModel(cfg), {"input_ids": ids, "attention_mask": mask, "use_cache": False}
     cfg = T.ViTConfig(image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)

@@ -377,7 +377,9 @@ def certify_sites(
     checker.restore()
     if checker.skipped_modes:
         note = "; ".join(f"{m} mode not checked ({why})" for m, why in checker.skipped_modes.items())
-        entries = {i: CertificationEntry(e.site, e.status, e.error, f"{e.reason}; {note}" if e.reason else note) for i, e in entries.items()}
+        entries = {
+            i: CertificationEntry(e.site, e.status, e.error, f"{e.reason}; {note}" if e.reason else note) for i, e in entries.items()
+        }
     return [keep[i] for i in sorted(keep)], [entries[i] for i in sorted(entries)]
 
 

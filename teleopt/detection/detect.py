@@ -292,7 +292,9 @@ def _record_calls(model: nn.Module, inputs, kwargs) -> dict[str, list[tuple[tupl
     hooks = []
     for name, m in model.named_modules():
         if name:
-            hooks.append(m.register_forward_pre_hook(lambda mod, a, k, name=name: calls.setdefault(name, []).append((a, dict(k))), with_kwargs=True))
+            hooks.append(
+                m.register_forward_pre_hook(lambda mod, a, k, name=name: calls.setdefault(name, []).append((a, dict(k))), with_kwargs=True)
+            )
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -348,9 +350,12 @@ def _find_children(model, inputs, kwargs, loss, include_discrete, include_approx
     import inspect
 
     calls = _record_calls(model, inputs, kwargs)
-    owners: dict[int, set[str]] = {}
     sites: list[Site] = []
-    skipped = [SkippedEntry("module", "", f"the root forward could not be traced ({why.split(chr(10))[0][:200]}); its submodules were analysed one by one")]
+    skipped = [
+        SkippedEntry(
+            "module", "", f"the root forward could not be traced ({why.split(chr(10))[0][:200]}); its submodules were analysed one by one"
+        )
+    ]
     frozen: dict[str, str] = {}
 
     def visit(module: nn.Module, path: str) -> None:
