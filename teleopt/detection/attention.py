@@ -26,12 +26,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from teleopt.detection.fx_args import Argument, arg, float_arg, int_arg, tensor_arg
 from teleopt.detection.ops import identify_node
 from teleopt.detection.relations import DirectSite, Relations
+from teleopt.detection.rules.masks import is_zeros
 from teleopt.detection.tracing import TensorMeta, TracedGraph, module_path
 from teleopt.detection.views import index_items, perm_of, reshape_groups
 
@@ -170,7 +170,7 @@ class _Finder:
             view = self.rel.views.get(("t", self._gi, t.name, ()))
             if view is not None and view.axis_map == (0,) and view.kind == "parameter":
                 pieces.append(_BiasPiece(offset, offset + n, "parameter", view.name))
-            elif view is None and _is_zeros(t):
+            elif view is None and is_zeros(t):
                 pieces.append(_BiasPiece(offset, offset + n, "zero"))
             else:
                 pieces.append(_BiasPiece(offset, offset + n, "fixed"))
@@ -554,13 +554,6 @@ class _Finder:
         members.append((proj.weight, {"axis": 1, "power": -1}))
         info = {"heads": H, "head_dim": dv, "module": where}
         return DirectSite("attention_vo_gl", "general", members, H if H > 1 else None, 1, "papers/001 Ex. 1.2.12", where, info, "exact", self._gi)
-
-
-def _is_zeros(node: fx.Node) -> bool:
-    """A tensor of zeros built in forward (``torch.zeros_like``, ``torch.zeros``, ``Tensor.new_zeros``)."""
-    if node.op == "call_method":
-        return node.target == "new_zeros"
-    return node.op == "call_function" and node.target in (torch.zeros_like, torch.zeros)
 
 
 def _as_node(value: Argument, what: str) -> fx.Node:
