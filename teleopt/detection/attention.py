@@ -117,7 +117,7 @@ class _Finder:
 
     def users(self, node: fx.Node) -> list[fx.Node]:
         """Users that read the values of ``node`` (not only its shape, dtype or device)."""
-        return [u for u in node.users if self.op(u)[0] not in ("metadata", "constant", "constant_like")]
+        return [u for u in node.users if self.op(u)[0] not in ("metadata", "constant", "constant_like") and not _reads_dtype_only(u, node)]
 
     # -- projections ------------------------------------------------------------------
     def projection(self, node: fx.Node) -> _Projection | None:
@@ -554,6 +554,11 @@ class _Finder:
         members.append((proj.weight, {"axis": 1, "power": -1}))
         info = {"heads": H, "head_dim": dv, "module": where}
         return DirectSite("attention_vo_gl", "general", members, H if H > 1 else None, 1, "papers/001 Ex. 1.2.12", where, info, "exact", self._gi)
+
+
+def _reads_dtype_only(user: fx.Node, node: fx.Node) -> bool:
+    """``x.type_as(node)`` reads only the dtype of ``node`` (EVA-02's rotary embedding casts q to v's dtype)."""
+    return user.op == "call_method" and user.target == "type_as" and user.args[0] is not node and node not in user.kwargs.values()
 
 
 def _as_node(value: Argument, what: str) -> fx.Node:
