@@ -69,6 +69,9 @@ def _elementwise(ctx: RuleContext, operands: list[Ref], out: Ref) -> list[list[t
 
 def _compare(ctx: RuleContext) -> None:
     node = ctx.node
+    if not isinstance(ctx.value(node), TensorMeta):  # a comparison of sizes or python numbers
+        ctx.constant()
+        return
     a_arg = node.args[0]
     b_arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
     tensors = [a for a in (a_arg, b_arg) if _is_tensor_arg(ctx, a)]
