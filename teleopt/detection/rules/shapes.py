@@ -113,6 +113,8 @@ def _getitem_tuple(ctx: RuleContext) -> None:
             if src in ctx.rel.axes:
                 ctx.rel.aliases[("t", ctx.gi, node.name, ())] = src
                 return
+            if isinstance(entries[index], TensorMeta) and not entries[index].is_float:
+                return  # indices no rule declared (max(dim)[1]): fixed where they are used
             if not isinstance(entries[index], TensorMeta):  # a nested tuple: alias its tensors one by one
                 if _alias_entries(ctx, parent, [(index % n, ())]):
                     return
