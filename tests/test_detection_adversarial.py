@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-import torch.nn.functional as F
 from torch import nn
 
 from teleopt.detection import find_symmetries
@@ -188,7 +188,9 @@ class MHA(nn.Module):
         super().__init__()
         self.inp = nn.Linear(5, 8)
         self.kin = nn.Linear(5, kdim) if kdim else None
-        self.attn = nn.MultiheadAttention(8, 2, bias=bias, add_bias_kv=bias_kv, add_zero_attn=zero_attn, batch_first=True, kdim=kdim, vdim=kdim)
+        self.attn = nn.MultiheadAttention(
+            8, 2, bias=bias, add_bias_kv=bias_kv, add_zero_attn=zero_attn, batch_first=True, kdim=kdim, vdim=kdim
+        )
         self.head = nn.Linear(8, 3)
 
     def forward(self, x):

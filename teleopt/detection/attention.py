@@ -14,6 +14,11 @@ q.  Then
 * (GL_{d_v})^H on (V, O): v rows and bias by B_h, the output projection's columns
   of head h by B_h^{-1}.
 
+A bias concatenated in forward (timm BEiT, EVA-02, SwinV2:
+``F.linear(x, qkv.weight, torch.cat((q_bias, k_bias, v_bias)))``) is read piece by
+piece: a parameter piece moves with its rows, a zero built in forward stays zero,
+and a fixed piece (a buffer, a constant) under the q or v rows drops the site.
+
 Anything else on the way (qk-norm, rotary embeddings, a gate, a norm before the
 output projection, a tensor that also leaves the attention) removes the
 corresponding site and is reported; head permutations are found by the generic
@@ -130,8 +135,8 @@ class _Finder:
             w, b = names.get(id(m.weight)), (names.get(id(m.bias)) if m.bias is not None else None)
             if w is None or (m.bias is not None and b is None):
                 return None
-            pieces = (_BiasPiece(0, m.out_features, "parameter", b),) if b is not None else ()
-            return _Projection(node, w, b, m.in_features, m.out_features, pieces)
+            own: tuple[_BiasPiece, ...] = (_BiasPiece(0, m.out_features, "parameter", b),) if b is not None else ()
+            return _Projection(node, w, b, m.in_features, m.out_features, own)
         w_arg, b_arg = arg(node, 1, "weight"), arg(node, 2, "bias")
         w_view = self.rel.views.get(("t", self._gi, w_arg.name, ())) if isinstance(w_arg, fx.Node) else None
         if w_view is None or w_view.kind != "parameter" or w_view.axis_map != (0, 1):

@@ -306,7 +306,7 @@ class NodeContext:
         unknown = ref not in self.rel.axes and isinstance(meta, TensorMeta) and not meta.is_float
         self.rel.declare(ref, meta.shape)
         if unknown:  # a mask or index no rule followed (an op without a rule drops them): fixed
-            for i, atoms in enumerate(self.rel.axes[ref]):
+            for atoms in self.rel.axes[ref]:
                 for kind in KINDS:
                     self.rel.spaces[kind].block(self.rel.nodes(kind, atoms), self.reason("a non-floating-point tensor of unknown origin"))
         self._involved.append(ref)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from teleopt.detection.fx_args import arg
+from teleopt.detection.fx_args import arg, int_arg
 from teleopt.detection.relations import ALL, D, G, P, Ref
 from teleopt.detection.rules.context import OpRule, RuleContext, align
 from teleopt.detection.tracing import TensorMeta
@@ -180,7 +180,7 @@ def _argmax(ctx: RuleContext) -> None:
         ctx.block_tensor(ALL, x, f"{ctx.describe} over all entries")
         ctx.block_tensor(ALL, out, f"{ctx.describe} over all entries")
         return
-    _select_along(ctx, x, int(dim) % len(ctx.meta(x)), [(out, False)], bool(arg(node, 2, "keepdim", False)))
+    _select_along(ctx, x, int_arg(node, 1, "dim") % len(ctx.meta(x)), [(out, False)], bool(arg(node, 2, "keepdim", False)))
 
 
 def _topk(ctx: RuleContext) -> None:
@@ -189,7 +189,7 @@ def _topk(ctx: RuleContext) -> None:
     value = ctx.value(node)
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise TypeError("topk returns (values, indices)")
-    dim = int(arg(node, 2, "dim", -1)) % len(ctx.meta(x))
+    dim = int_arg(node, 2, "dim", -1) % len(ctx.meta(x))
     values, indices = ctx.output((0,)), ctx.output((1,))
     _select_along(ctx, x, dim, [(values, True), (indices, False)], keepdim=True)
 

@@ -106,7 +106,7 @@ def _getitem_tuple(ctx: RuleContext) -> None:
     node = ctx.node
     parent, index = node.args
     entries = ctx.value(parent) if isinstance(parent, fx.Node) else None
-    if isinstance(entries, (tuple, list)):
+    if isinstance(parent, fx.Node) and isinstance(entries, (tuple, list)):
         n = len(entries)
         if isinstance(index, int) and not isinstance(index, bool) and -n <= index < n:
             src = ctx.node_ref(parent, (index % n,))
