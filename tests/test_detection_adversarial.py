@@ -273,9 +273,10 @@ def _members(site) -> set[str]:
     return set(site.members)
 
 
+@pytest.mark.parametrize("separate", [False, True])
 @pytest.mark.parametrize("k_bias", ["zeros_like", "buffer", "param", "buffer_nonzero"])
-def test_concatenated_qkv_bias_moves_with_its_rows(k_bias):
-    model = _ready(SeparateQKVBias(k_bias))
+def test_concatenated_qkv_bias_moves_with_its_rows(k_bias, separate):
+    model = _ready(SeparateQKVBias(k_bias, separate=separate))
     report = find_symmetries(model, _x(2, 5, 8))
     (qk,) = _sites(report, "attention_qk_gl")
     (vo,) = _sites(report, "attention_vo_gl")

@@ -127,6 +127,8 @@ class _Finder:
     # -- projections ------------------------------------------------------------------
     def projection(self, node: fx.Node) -> _Projection | None:
         op, _ = self.op(node)
+        if op == "add":
+            return self.projection_plus_bias(node)
         if op != "linear":
             return None
         names = self.rel.tensors.names
@@ -155,6 +157,20 @@ class _Finder:
                 pieces = found
                 b_name = next((p.name for p in pieces if p.kind == "parameter"), None)
         return _Projection(node, w_view.name, b_name, w_view.shape[1], w_view.shape[0], pieces)
+
+    def projection_plus_bias(self, node: fx.Node) -> _Projection | None:
+        """``qkv = self.qkv(x); qkv += torch.cat((q_bias, k_bias, v_bias))`` (timm ``qkv_bias_separate``), else ``None``."""
+        base, b_arg = node.args[0], (node.args[1] if len(node.args) > 1 else None)
+        if len(node.args) != 2 or node.kwargs or not isinstance(base, fx.Node) or self.op(base)[0] != "linear":
+            return None
+        inner = self.projection(base)
+        if inner is None or inner.bias_pieces or self.users(base) != [node]:
+            return None
+        pieces = self.concatenated_bias(b_arg, node, inner.out_features)
+        if pieces is None:
+            return None
+        name = next((p.name for p in pieces if p.kind == "parameter"), None)
+        return _Projection(node, inner.weight, name, inner.in_features, inner.out_features, pieces)
 
     def concatenated_bias(self, b_arg: Argument, linear: fx.Node, rows: int) -> tuple[_BiasPiece, ...] | None:
         """The pieces of a bias ``torch.cat((q_bias, k_bias, v_bias))`` read by this projection only, else ``None``."""
