@@ -258,7 +258,7 @@ CASES = CASES_qkv() + CASES_split() + CASES_mask() + CASES_mha() + CASES_coat()
 
 # -- the tests ------------------------------------------------------------------------------------
 # False exact sites before these fixes (main at 4667407) -> after, same seeds:
-#   qkv (8 configurations): 2-3 each (19 in all) -> 0;  split/chunk/slice/unbind: 2, 4, 4, 2 -> 0;
+#   qkv (8 configurations): 2-3 each (18 in all) -> 0;  split/chunk/slice/unbind: 2, 4, 4, 2 -> 0;
 #   masks: gt_float 1, topk_threshold 1, eq_float 1, argmax 1 -> 0;  MultiheadAttention with
 #   add_bias_kv or add_zero_attn and a bias: 1 each (6 of 16) -> 0;  head-group convs: 6 of 6 -> 0.
 @pytest.mark.parametrize("label, make", CASES, ids=[c[0] for c in CASES])
