@@ -33,6 +33,7 @@ _LAZY = {
     "Teleport": "teleopt.teleport",
     "find_symmetries": "teleopt.detection",
     "SymmetryReport": "teleopt.detection",
+    "register_op_rule": "teleopt.detection",
     "discover": "teleopt.discovery",
     "LearnedAction": "teleopt.discovery",
     "conserved_quantities": "teleopt.analysis.conserved",
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
     from teleopt.analysis.invariance import FiniteLinearGroup, asymmetry, split_weights
     from teleopt.analysis.monitor import ConservationMonitor
     from teleopt.analysis.orbits import orbit_curve, sample_orbit
-    from teleopt.detection import SymmetryReport, find_symmetries
+    from teleopt.detection import SymmetryReport, find_symmetries, register_op_rule
     from teleopt.discovery import LearnedAction, discover
     from teleopt.registry import get_action, list_actions, register_action, unregister_action
     from teleopt.site import Site

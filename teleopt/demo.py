@@ -46,7 +46,7 @@ from teleopt.datasets import Digits, MLPRegression, digits_mlp, hidden_rescaling
 from teleopt.syre import Syre
 from teleopt.teleport import Teleport
 
-__all__ = ["RunResult", "DemoResult", "run_demo", "plot", "add_arguments", "main", "feature_rank"]
+__all__ = ["RunResult", "DemoResult", "run_demo", "plot", "main", "feature_rank"]
 
 DEFAULT_STEPS = {"regression": 300, "digits": 1000}
 QUICK_STEPS = {"regression": 300, "digits": 300}
@@ -396,25 +396,8 @@ def plot(result: DemoResult, path: str | Path) -> Path:
     return path
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The demo's command-line options (used by ``python -m teleopt demo``)."""
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: 300 regression, 1000 digits)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of data order, initialisation and teleport batches")
-    parser.add_argument("--out", type=Path, default=Path("teleopt-demo"), help="folder for demo.png and demo.json")
-    parser.add_argument("--quick", action="store_true", help="reduced run (300 steps per run, well under a minute)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: these models are tiny)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--no-plot", action="store_true", help="skip demo.png (no matplotlib needed)")
-
-
 def main(args: argparse.Namespace) -> int:
-    """Run the demo from parsed arguments: print the table, write ``demo.json`` and ``demo.png``."""
-    if args.steps is not None and args.steps < 10:
-        raise SystemExit(f"teleopt demo: --steps must be >= 10, got {args.steps}")
-    if args.seed < 0:
-        raise SystemExit(f"teleopt demo: --seed must be >= 0, got {args.seed}")
-    if args.threads < 1:
-        raise SystemExit(f"teleopt demo: --threads must be >= 1, got {args.threads}")
+    """Run the demo from arguments parsed by :func:`teleopt.cli.build_parser`: print the table, write ``demo.json`` and ``demo.png``."""
     try:
         import sklearn  # noqa: F401
     except ImportError:

@@ -236,30 +236,50 @@ def test_corpus_no_uncertified_exact_site(name):
     assert_exact_sites_invariant(model, (x,), report, kwargs)
 
 
-# Constructs where the rules propose a false exact site today: certification must drop it.
-# MHA with add_bias_kv/add_zero_attn: the (Q, K) GL site leaves the k part of in_proj_bias
-# fixed, which only cancels in softmax when every key carries it (zero at init: caught
-# because certification perturbs constant tensors).
-CAUGHT = ["qkv_bias_buffer", "qkv_bias_zeros_like", "mask_argmax", "split_negative_index", "mha_add_bias_kv", "mha_add_zero_attn"]
+# Constructs where the rules once proposed a false exact site (issue: certified symmetries).
+# The rules are fixed at the source now (tests/test_detection_adversarial.py), so the
+# unchecked report is already right; certification is the second line of defence and is
+# exercised below by a wrong user rule and by injected sites.
+ONCE_FALSE = ["qkv_bias_buffer", "qkv_bias_zeros_like", "mask_argmax", "split_negative_index", "mha_add_bias_kv", "mha_add_zero_attn"]
 
 
-@pytest.mark.parametrize("name", CAUGHT)
-def test_certification_drops_false_sites(name):
+@pytest.mark.parametrize("name", ONCE_FALSE)
+def test_rules_alone_propose_no_false_site_and_certification_agrees(name):
     build, shape, kwargs = CORPUS[name]
     torch.manual_seed(0)
     model = build()
     x = torch.randn(shape)
     unchecked = teleopt.find_symmetries(model, x, example_kwargs=kwargs, certify=False)
+    assert_exact_sites_invariant(model, (x,), unchecked, kwargs)
     checked = teleopt.find_symmetries(model, x, example_kwargs=kwargs)
+    assert not checked.dropped
+    assert [s.name for s in checked.sites] == [s.name for s in unchecked.sites]
+
+
+class Softplus2(nn.Module):
+    """softplus, which is not positively homogeneous: a user rule claiming degree 1 is wrong."""
+
+    def forward(self, x):
+        return torch.nn.functional.softplus(x)
+
+
+def test_a_wrong_user_rule_is_caught_by_certification():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Softplus2(), nn.Linear(8, 3))
+    x = torch.randn(6, 4)
+    with teleopt.register_op_rule(Softplus2, teleopt.detection.pointwise_rule(degree=1)):
+        unchecked = teleopt.find_symmetries(model, x, certify=False)
+        checked = teleopt.find_symmetries(model, x)
+    wrong = [s.name for s in unchecked.sites if s.action.name == "positive_rescaling"]
+    assert wrong, "the wrong rule proposes a rescaling site"
+    with pytest.raises(AssertionError, match="not symmetries"):
+        assert_exact_sites_invariant(model, (x,), unchecked)
     dropped = {e.site: e.error for e in checked.dropped}
-    assert dropped, "expected certification to drop a false site"
-    assert set(dropped) <= set(_exact(unchecked))
-    assert all(err > 1e-8 for err in dropped.values())
+    assert set(wrong) <= set(dropped) and all(err > 1e-3 for err in dropped.values())
     assert not set(dropped) & {s.name for s in checked.sites}
     assert any(e.kind == "site" and e.where in dropped and "certification" in e.reason for e in checked.skipped)
     assert "dropped by certification" in checked.summary()
-    with pytest.raises(AssertionError, match="not symmetries"):
-        assert_exact_sites_invariant(model, (x,), unchecked, kwargs)
+    assert_exact_sites_invariant(model, (x,), checked)
 
 
 def test_injected_wrong_site_is_dropped_with_its_error():
@@ -292,14 +312,18 @@ def test_certification_catches_a_zero_initialised_member():
         model.v_bias.zero_()
     x = torch.randn(2, 5, 4)
     report = teleopt.find_symmetries(model, x)
-    assert report.dropped
-    assert_exact_sites_invariant(model, (x,), report)
+    assert not report.dropped  # the rules keep the bias members
+    qk = next(s for s in report.sites if s.action.name == "attention_qk_gl")
+    vo = next(s for s in report.sites if s.action.name == "attention_vo_gl")
+    assert "q_bias" in qk.members and "v_bias" in vo.members
+    assert_exact_sites_invariant(model, (x,), report)  # on perturbed copies, where the biases are not zero
 
 
 def test_report_round_trip_keeps_certification():
     torch.manual_seed(0)
-    model = SplitNegative()
-    report = teleopt.find_symmetries(model, torch.randn(6, 4))
+    model = nn.Sequential(nn.Linear(4, 8), Softplus2(), nn.Linear(8, 3))
+    with teleopt.register_op_rule(Softplus2, teleopt.detection.pointwise_rule(degree=1)):  # wrong: something to drop
+        report = teleopt.find_symmetries(model, torch.randn(6, 4))
     again = teleopt.SymmetryReport.from_dict(report.to_dict())
     assert again.certification == report.certification and again.certify_seconds == report.certify_seconds
     assert again.dropped == report.dropped and report.dropped
@@ -399,28 +423,29 @@ def _res2net():
 
 
 TIMM = {
-    # name: (architecture or builder, timm kwargs, input shape, sites certification must drop today)
-    "beit": ("beit_base_patch16_224", {"img_size": 32, "patch_size": 8, "embed_dim": 16, "depth": 1, "num_heads": 2}, (2, 3, 32, 32), True),
+    # name: (architecture or builder, timm kwargs, input shape, whether certification drops a site);
+    # every model here once had a false exact site the rules now leave out (drops were True)
+    "beit": ("beit_base_patch16_224", {"img_size": 32, "patch_size": 8, "embed_dim": 16, "depth": 1, "num_heads": 2}, (2, 3, 32, 32), False),
     "eva02": (
         "eva02_tiny_patch14_224",
         {"img_size": 28, "patch_size": 14, "embed_dim": 16, "depth": 1, "num_heads": 2},
         (2, 3, 28, 28),
-        True,
+        False,
     ),
     "swinv2": (
         "swinv2_tiny_window8_256",
         {"img_size": 32, "patch_size": 4, "window_size": 4, "embed_dim": 8, "depths": (1, 1), "num_heads": (2, 2)},
         (2, 3, 32, 32),
-        True,
+        False,
     ),
-    "res2net": (_res2net, {}, (2, 3, 32, 32), True),
+    "res2net": (_res2net, {}, (2, 3, 32, 32), False),
     "coat": (
         "coat_lite_tiny",
         {"img_size": 32, "embed_dims": [16, 16, 16, 16], "serial_depths": [1, 1, 1, 1], "num_heads": 8, "mlp_ratios": [2, 2, 2, 2]},
         (2, 3, 32, 32),
-        True,
+        False,
     ),
-    "edgenext": ("edgenext_xx_small", {"depths": (1, 1, 1, 1), "dims": (8, 16, 24, 32), "heads": (2, 2, 2, 2)}, (2, 3, 64, 64), True),
+    "edgenext": ("edgenext_xx_small", {"depths": (1, 1, 1, 1), "dims": (8, 16, 24, 32), "heads": (2, 2, 2, 2)}, (2, 3, 64, 64), False),
     "levit": (
         "levit_128s",
         {"img_size": 64, "embed_dim": (16, 32, 48), "key_dim": 8, "num_heads": (2, 2, 2), "depth": (1, 1, 1)},

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
+import teleopt
 from teleopt.cli import main
 from teleopt.demo import feature_rank, run_demo
 
@@ -50,10 +53,55 @@ def test_demo_bad_input(tmp_path):
         run_demo(seed=-1)
     with pytest.raises(ValueError, match="tasks"):
         run_demo(tasks=("mnist",))
-    with pytest.raises(SystemExit, match="--steps"):
-        main(["demo", "--steps", "3", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="--threads"):
-        main(["demo", "--threads", "0", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["demo", "--steps", "3"], "--steps must be >= 10, got 3"),
+        (["demo", "--threads", "0"], "--threads must be >= 1, got 0"),
+        (["demo", "--seed", "x"], "--seed must be an integer"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["demo", "--quick", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_cli_rejects_bad_arguments_before_training(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_checks_out_before_training(tmp_path, capsys):
+    """--out naming a file fails at parse time, not after a minute of training."""
+    a_file = tmp_path / "taken"
+    a_file.write_text("")
+    with pytest.raises(SystemExit):
+        main(["demo", "--out", str(a_file)])
+    assert "exists and is not a folder" in capsys.readouterr().err
+
+
+def test_cli_help_and_version_do_not_import_torch():
+    code = (
+        "import sys, contextlib, io\n"
+        "from teleopt.cli import main\n"
+        "for argv in (['--help'], ['--version'], ['demo', '--help']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
+        "        main(argv)\n"
+        "    print(argv[0], out.getvalue().splitlines()[0])\n"
+        "print('torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "False", "parsing the command line imported torch"
+    assert f"teleopt {teleopt.__version__}" in result.stdout
+    assert lines[0].startswith("--help usage: teleopt")
+
+
+def test_cli_without_a_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "demo" in capsys.readouterr().out
 
 
 def test_demo_regression_only_is_deterministic():

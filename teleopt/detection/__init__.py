@@ -10,15 +10,30 @@ frozen and listed in the report.  Detection proposes, certification decides: eve
 proposed site is checked numerically on a float64 copy before it is reported
 (``certify=True`` by default; ``report.certification`` lists each outcome).
 
-Modules: ``tracing`` (fx graphs with shapes), ``axes`` (union-find over axes),
-``ops`` (what a node computes), ``relations`` and ``rules`` (how each op ties or
-blocks axes), ``attention`` (head structure), ``sites`` (classes to sites),
-``certify`` (the numerical check), ``report`` (the result), ``detect`` (the pipeline).
+``register_op_rule`` teaches detection an op it has no rule for.
+
+Modules: ``tracing`` (fx graphs with shapes), ``fx_args`` (typed call arguments),
+``axes`` (union-find over axes), ``ops`` (what a node computes), ``views`` (how
+view ops relabel axes), ``relations`` and ``rules`` (how each op ties or blocks
+axes: a table by op family), ``attention`` (head structure), ``sites`` (classes to
+sites), ``certify`` (the numerical check), ``report`` (the result), ``detect`` (the pipeline).
 """
 
 from teleopt.detection.certify import CertificationEntry, certify_sites
 from teleopt.detection.detect import find_symmetries
 from teleopt.detection.report import SkippedEntry, SymmetryReport
+from teleopt.detection.rules import OpRuleHandle, RuleContext, pointwise_rule, register_op_rule
 from teleopt.detection.tracing import DetectionError
 
-__all__ = ["find_symmetries", "SymmetryReport", "SkippedEntry", "DetectionError", "CertificationEntry", "certify_sites"]
+__all__ = [
+    "find_symmetries",
+    "SymmetryReport",
+    "SkippedEntry",
+    "DetectionError",
+    "CertificationEntry",
+    "certify_sites",
+    "register_op_rule",
+    "pointwise_rule",
+    "OpRuleHandle",
+    "RuleContext",
+]

@@ -2,7 +2,8 @@
 
 Pipeline: trace ``forward`` with torch.fx in train and eval mode and record the
 shape of every value on the example inputs (``tracing``); let each op's rule tie,
-block or reshape the axes it touches, for each group kind (``rules``,
+block or reshape the axes it touches, for each group kind (``rules``, a table by
+op family that ``register_op_rule`` extends;
 ``relations``, ``axes``); find the per-head structure of attention (``attention``);
 settle the pending constraints and turn every free class into an ``AxisAction``
 bound by tensor names (``sites``).  Papers: the groups are those of papers/001
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 from teleopt.detection.attention import find_attention_sites
 from teleopt.detection.axes import KINDS
 from teleopt.detection.certify import CertificationEntry, certify_sites
+from teleopt.detection.ops import custom_module_types
 from teleopt.detection.relations import ModelTensors, Relations
 from teleopt.detection.report import SkippedEntry, SymmetryReport
 from teleopt.detection.rules import run_rules
@@ -155,7 +157,7 @@ def _find(
     start = time.perf_counter()
     model.eval()
     try:
-        graphs, opaque = trace_model(model, inputs, kwargs)
+        graphs, opaque = trace_model(model, inputs, kwargs, custom_module_types())
     except DetectionError as e:
         if not str(e).startswith("could not trace") or not any(True for _ in model.children()) or isinstance(model, _Call):
             raise
@@ -500,7 +502,7 @@ def _coverage(model: nn.Module, sites: list[Site]) -> tuple[dict[str, int], int]
         for m, name in zip(members, s.members):
             if name not in params:
                 continue
-            if m is None or m.start is None or m.groups > 1:
+            if m is None or m.start is None or m.stop is None or m.groups > 1:
                 full.add(name)
             else:
                 axis = m.axis % params[name].ndim

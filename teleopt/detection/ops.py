@@ -17,10 +17,26 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Pointwise", "POINTWISE", "function_op", "method_op", "module_op", "METADATA_ATTRIBUTES"]
+from teleopt.detection.tracing import TensorMeta, TracedGraph
+
+__all__ = [
+    "Pointwise",
+    "POINTWISE",
+    "function_op",
+    "method_op",
+    "module_op",
+    "identify_node",
+    "custom_module_types",
+    "set_custom_op",
+    "user_op",
+    "builtin_op",
+    "is_user_op",
+    "METADATA_ATTRIBUTES",
+]
 
 
 @dataclass(frozen=True)
@@ -130,6 +146,13 @@ _FUNCTIONS: dict[str, tuple] = {
     "select": (torch.select,),
     "identity_like": (torch.clone, torch.detach),
     "constant_like": (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like),
+    "compare": (operator.gt, operator.lt, operator.ge, operator.le, torch.gt, torch.lt, torch.ge, torch.le, torch.eq, torch.ne,
+                torch.greater, torch.less, torch.greater_equal, torch.less_equal, torch.not_equal),
+    "where": (torch.where,),
+    "masked_fill": (torch.masked_fill,),
+    "topk": (torch.topk,),
+    "argmax": (torch.argmax, torch.argmin),
+    "one_hot": (F.one_hot,),
     "getitem": (operator.getitem,),
     "getattr": (getattr,),
 }
@@ -157,7 +180,12 @@ def _timm_functions() -> dict[int, str]:
 
 
 def function_op(fn: object) -> str | None:
-    """Canonical op name of a ``call_function`` target (``None`` if unknown)."""
+    """Canonical op name of a ``call_function`` target (``None`` if unknown); user registrations first."""
+    custom = _custom_function_op(fn)
+    return custom if custom is not None else _builtin_function_op(fn)
+
+
+def _builtin_function_op(fn: object) -> str | None:
     name = _FUNCTION_OPS.get(id(fn))
     if name is not None:
         return name
@@ -203,6 +231,12 @@ _METHODS: dict[str, tuple[str, ...]] = {
     "narrow": ("narrow",),
     "select": ("select",),
     "identity_like": ("contiguous", "clone", "detach", "to", "float", "double", "half", "bfloat16", "type_as", "requires_grad_"),
+    "compare": ("gt", "lt", "ge", "le", "eq", "ne", "greater", "less", "greater_equal", "less_equal", "not_equal",
+                "__gt__", "__lt__", "__ge__", "__le__", "__eq__", "__ne__"),
+    "where": ("where",),
+    "masked_fill": ("masked_fill", "masked_fill_"),
+    "topk": ("topk",),
+    "argmax": ("argmax", "argmin"),
     "metadata": ("size", "dim", "numel", "get_device", "is_contiguous", "is_floating_point"),
     "constant_like": ("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"),
     "random_fill": ("bernoulli_", "uniform_", "normal_", "fill_", "zero_", "exponential_", "random_", "bernoulli"),
@@ -211,8 +245,8 @@ _METHOD_OPS = {m: name for name, methods in _METHODS.items() for m in methods}
 
 
 def method_op(method: str) -> str | None:
-    """Canonical op name of a ``call_method`` target (``None`` if unknown)."""
-    return _METHOD_OPS.get(method)
+    """Canonical op name of a ``call_method`` target (``None`` if unknown); user registrations first."""
+    return _CUSTOM_METHODS.get(method) or _METHOD_OPS.get(method)
 
 
 #: tensor attributes that only read metadata
@@ -259,5 +293,107 @@ _MODULE_OPS = {t: name for name, types in _MODULES.items() for t in types}
 
 
 def module_op(module: nn.Module) -> str | None:
-    """Canonical op name of a leaf module, by exact type (subclasses are traced through)."""
-    return _MODULE_OPS.get(type(module))
+    """Canonical op name of a leaf module, by exact type (subclasses are traced through); user registrations first."""
+    return _CUSTOM_MODULES.get(type(module)) or _MODULE_OPS.get(type(module))
+
+
+# -- user registrations (``teleopt.detection.register_op_rule``) -------------------------
+_CUSTOM_FUNCTIONS: dict[int, tuple[object, str]] = {}  # id(target) -> (target, op); the target is kept alive
+_CUSTOM_METHODS: dict[str, str] = {}
+_CUSTOM_MODULES: dict[type, str] = {}
+
+
+def _custom_function_op(fn: object) -> str | None:
+    entry = _CUSTOM_FUNCTIONS.get(id(fn))
+    if entry is None and isinstance(fn, torch._ops.OpOverload):  # a registered op covers its overloads
+        entry = _CUSTOM_FUNCTIONS.get(id(fn.overloadpacket))
+    return entry[1] if entry is not None else None
+
+
+def set_custom_op(target: object, op: str | None) -> str | None:
+    """Map a call target (function or op, method name, module type) to op ``op`` (``None``: remove); returns the previous op."""
+    if isinstance(target, str):
+        previous = _CUSTOM_METHODS.pop(target, None)
+        if op is not None:
+            _CUSTOM_METHODS[target] = op
+    elif isinstance(target, type):
+        previous = _CUSTOM_MODULES.pop(target, None)
+        if op is not None:
+            _CUSTOM_MODULES[target] = op
+    else:
+        entry = _CUSTOM_FUNCTIONS.pop(id(target), None)
+        previous = entry[1] if entry is not None else None
+        if op is not None:
+            _CUSTOM_FUNCTIONS[id(target)] = (target, op)
+    return previous
+
+
+def user_op(target: object) -> str | None:
+    """The op a user registration gave a call target (function or op, method name, module type), if any."""
+    if isinstance(target, str):
+        return _CUSTOM_METHODS.get(target)
+    if isinstance(target, type):
+        return _CUSTOM_MODULES.get(target)
+    entry = _CUSTOM_FUNCTIONS.get(id(target))
+    return entry[1] if entry is not None else None
+
+
+def builtin_op(target: object) -> str | None:
+    """The library's own op for a call target, ignoring user registrations."""
+    if isinstance(target, str):
+        return _METHOD_OPS.get(target)
+    if isinstance(target, type):
+        return _MODULE_OPS.get(target)
+    return _builtin_function_op(target)
+
+
+def custom_module_types() -> frozenset[type]:
+    """Module types given a rule by the user: the tracer keeps them as leaves."""
+    return frozenset(_CUSTOM_MODULES)
+
+
+def identify_node(node: fx.Node, traced: TracedGraph) -> tuple[str | None, str]:
+    """Canonical op name and a readable description of a traced node."""
+    if node.op == "call_module":
+        target = str(node.target)
+        module = traced.modules.get(target)
+        if target in traced.opaque:
+            return None, f"untraceable module {type(module).__name__}"
+        op = module_op(module) if module is not None else None
+        return op, type(module).__name__ if module is not None else target
+    if node.op == "call_method":
+        return method_op(str(node.target)), f"Tensor.{node.target}"
+    if node.op != "call_function":
+        return None, node.op
+    fn = node.target
+    op = function_op(fn)
+    if op == "metadata" and fn in (operator.eq, operator.ne) and any(
+        isinstance(a, fx.Node) and isinstance(traced.values.get(a.name), TensorMeta) for a in node.args
+    ):
+        op = "compare"  # ``h == t`` on a tensor is a mask, not a shape check
+    if op == "getitem":
+        parent = node.args[0]
+        value = traced.values.get(parent.name) if isinstance(parent, fx.Node) else None
+        if isinstance(value, TensorMeta):
+            return "getitem_view", "indexing"
+        return "getitem_tuple", "getitem"
+    if op == "getattr":
+        attr = node.args[1]
+        if attr in METADATA_ATTRIBUTES:
+            return "metadata", f"getattr {attr}"
+        if attr in ("T", "mT"):
+            return "permute", f"Tensor.{attr}"
+        return None, f"getattr {attr}"
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", str(fn))
+    module_name = getattr(fn, "__module__", None) or ""
+    return op, f"{module_name + '.' if module_name else ''}{name}"
+
+
+def is_user_op(node: fx.Node, traced: TracedGraph) -> bool:
+    """Whether the node's target was given its rule by ``register_op_rule`` (the driver then seals it)."""
+    if node.op == "call_module":
+        module = traced.modules.get(str(node.target))
+        return module is not None and type(module) in _CUSTOM_MODULES
+    if node.op == "call_method":
+        return str(node.target) in _CUSTOM_METHODS
+    return node.op == "call_function" and _custom_function_op(node.target) is not None

@@ -303,7 +303,12 @@ class NodeContext:
             return ref
         ref = self.node_ref(arg)
         meta = self.value(arg)
+        unknown = ref not in self.rel.axes and isinstance(meta, TensorMeta) and not meta.is_float
         self.rel.declare(ref, meta.shape)
+        if unknown:  # a mask or index no rule followed (an op without a rule drops them): fixed
+            for atoms in self.rel.axes[ref]:
+                for kind in KINDS:
+                    self.rel.spaces[kind].block(self.rel.nodes(kind, atoms), self.reason("a non-floating-point tensor of unknown origin"))
         self._involved.append(ref)
         return ref
 
@@ -311,7 +316,7 @@ class NodeContext:
         """The node's output tensor (or one entry of a tuple output)."""
         ref = self.node_ref(self.node, path)
         if shape is None:
-            value = self.traced.values.get(self.node.name)
+            value: Any = self.traced.values.get(self.node.name)
             for i in path:
                 value = value[i]
             shape = value.shape

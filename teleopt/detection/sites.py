@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch.fx as fx
 from torch import nn
@@ -23,8 +23,9 @@ from torch import nn
 from teleopt.actions.axis import AxisAction, Member
 from teleopt.actions.softmax import SoftmaxTranslation
 from teleopt.detection.axes import KINDS, AxisClasses
+from teleopt.detection.fx_args import float_arg
+from teleopt.detection.ops import identify_node
 from teleopt.detection.relations import DirectSite, Relations
-from teleopt.detection.rules import identify_node
 from teleopt.detection.tracing import TensorMeta, TracedGraph
 from teleopt.site import Site
 
@@ -107,7 +108,10 @@ def _krons(rel: Relations, kind: str, done: set[tuple]) -> bool:
         fnodes = [rel.nodes(kind, f) for f in factors]
         roots = {leaf.root for f in fnodes for leaf in space.leaves(f)}
         if len(leaves) != 1 or leaves[0].root in roots:
-            changed |= _block_all(space, fnodes, f"{where}: a reshaped axis is cut or tied to its own factors")
+            # the merged axis too: its pieces (a fused qkv cut by a concatenated bias) reach the
+            # blocked factors through the reshape, so no group may act on them either
+            why = f"{where}: a reshaped axis is cut or tied to its own factors"
+            changed |= _block_all(space, fnodes + [rel.nodes(kind, m_atoms)], why)
             continue
         groups.setdefault(leaves[0].root, []).append((idx, leaves[0].power, fnodes, where))
     for cm, recs in groups.items():
@@ -358,11 +362,12 @@ def direct_sites(rel: Relations, n_graphs: int) -> tuple[list[Site], list[tuple[
         if len({d.graph for d in found}) < n_graphs:
             skipped.append(("attention", ds.where, f"{ds.action} holds in one mode only"))
             continue
-        names = [n for n, _ in ds.members]
-        bad = [n for n in names if n is None or n not in rel.tensors.movable]
+        bad = [n for n, _ in ds.members if n is None or n not in rel.tensors.movable]
         if bad:
             skipped.append(("attention", ds.where, f"{ds.action}: {bad[0]} is frozen or not a state_dict entry"))
             continue
+        named = [(n, kw) for n, kw in ds.members if n is not None]  # all of them (checked above)
+        names = [n for n, _ in named]
         shared = [n for n in names if len(uses.get(n, ())) > 1]
         if shared:
             skipped.append(("attention", ds.where, f"{ds.action}: {shared[0]} is also used elsewhere"))
@@ -372,7 +377,7 @@ def direct_sites(rel: Relations, n_graphs: int) -> tuple[list[Site], list[tuple[
             counts[n] = counts.get(n, 0) + 1
         try:
             members = []
-            for n, kw in ds.members:
+            for n, kw in named:
                 label = n if counts[n] == 1 else f"{n}[{kw.get('axis', 0)}:{kw.get('start', '')}:{kw.get('stop', '')}]"
                 members.append(Member(label, tensor=n if counts[n] > 1 else None, **kw))
             action = AxisAction(
@@ -407,7 +412,7 @@ def softmax_translation_sites(graphs: list[TracedGraph], rel: Relations) -> tupl
         return [], [("site", "softmax_translation", why)]
     if len(set(found)) != 1:
         return [], [("site", "softmax_translation", "the classifier differs between train and eval mode")]
-    w, b = found[0]  # type: ignore[misc]
+    w, b = cast("tuple[str, str | None]", found[0])  # no entry is a reason (checked above)
     uses: dict[str, set] = {}
     for occ in rel.occurrences.values():
         uses.setdefault(occ.param, set()).add(occ.use)
@@ -429,7 +434,10 @@ def _classifier(traced: TracedGraph, gi: int, rel: Relations) -> tuple[str, str 
         if op == "linear":
             break
         if op in ("identity", "identity_like") or (op == "dropout" and not _p(traced, cur)):
-            cur = cur.args[0]
+            nxt = cur.args[0]
+            if not isinstance(nxt, fx.Node):
+                return f"the model output is computed by {describe}, not by a linear classifier"
+            cur = nxt
             continue
         return f"the model output is computed by {describe}, not by a linear classifier"
     users = [u for u in cur.users if identify_node(u, traced)[0] != "metadata"]
@@ -453,8 +461,9 @@ def _classifier(traced: TracedGraph, gi: int, rel: Relations) -> tuple[str, str 
 
 def _p(traced: TracedGraph, node: fx.Node) -> float:
     if node.op == "call_module":
-        return float(traced.modules[str(node.target)].p)
-    return float(node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5))
+        module: Any = traced.modules[str(node.target)]
+        return float(module.p)
+    return float(float_arg(node, 1, "p", 0.5))
 
 
 def blocked_reasons(rel: Relations, param: str, kinds: Iterable[str] = ("diagonal", "general")) -> str:

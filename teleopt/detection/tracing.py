@@ -86,13 +86,18 @@ def _autowrap_functions() -> tuple:
 class _Tracer(fx.Tracer):
     """fx tracer that keeps ``torch.nn`` modules as leaves and remembers which module failed."""
 
-    def __init__(self, opaque: set[str]) -> None:
+    def __init__(self, opaque: set[str], leaf_types: frozenset[type] = frozenset()) -> None:
         super().__init__(autowrap_functions=_autowrap_functions())
         self.opaque = opaque
+        self.leaf_types = leaf_types
         self.failed_in: str | None = None
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.opaque or super().is_leaf_module(m, module_qualified_name)
+        return (
+            module_qualified_name in self.opaque
+            or type(m) in self.leaf_types
+            or super().is_leaf_module(m, module_qualified_name)
+        )
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
         try:
@@ -166,12 +171,14 @@ def graph_arguments(model: nn.Module, inputs: Sequence[Any], kwargs: dict[str, A
     return tuple(args)
 
 
-def _trace_once(model: nn.Module, n_inputs: int, kwargs: dict[str, Any] | None = None) -> tuple[fx.Graph, set[str], list[str]]:
+def _trace_once(
+    model: nn.Module, n_inputs: int, kwargs: dict[str, Any] | None = None, leaf_types: frozenset[type] = frozenset()
+) -> tuple[fx.Graph, set[str], list[str]]:
     opaque: set[str] = set()
     failures: list[str] = []
     concrete = _concrete_args(model, n_inputs, kwargs)
     for _ in range(_MAX_OPAQUE):
-        tracer = _Tracer(opaque)
+        tracer = _Tracer(opaque, leaf_types)
         try:
             graph = tracer.trace(model, concrete_args=concrete or None)
             return graph, opaque, failures
@@ -261,9 +268,12 @@ def _record(model: nn.Module, graph: fx.Graph, inputs: Sequence[Any]) -> dict[st
 
 
 def trace_model(
-    model: nn.Module, inputs: Sequence[Tensor], kwargs: dict[str, Any] | None = None
+    model: nn.Module, inputs: Sequence[Tensor], kwargs: dict[str, Any] | None = None, leaf_types: frozenset[type] = frozenset()
 ) -> tuple[list[TracedGraph], list[str]]:
     """Trace ``model`` in eval and in train mode and record every value's shape on ``inputs``.
+
+    ``torch.nn`` modules and modules of exactly the types in ``leaf_types`` (those
+    given a rule with ``register_op_rule``) stay leaves; the rest is traced through.
 
     Returns the distinct graphs (one if both modes compute the same thing) and the
     submodules that had to be kept opaque, each with the tracing error.  Shapes are
@@ -281,7 +291,7 @@ def trace_model(
     try:
         for mode in ("eval", "train"):
             model.train(mode == "train")
-            graph, opaque, failures = _trace_once(model, len(inputs), kwargs)
+            graph, opaque, failures = _trace_once(model, len(inputs), kwargs, leaf_types)
             opaque_all.extend(f for f in failures if f not in opaque_all)
             traced = TracedGraph(mode, graph, {}, dict(model.named_modules()), frozenset(opaque))
             if graphs and graphs[0].signature() == traced.signature():

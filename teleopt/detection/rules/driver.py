@@ -1,0 +1,119 @@
+"""The rule driver: walks a traced graph and applies, node by node, the rule of its op from the table.
+
+Inputs and outputs of the model are fixed; parameters enter as views (``get_attr``)
+that view ops relabel without stating relations; every other node gets the rule of
+its canonical op from :data:`~teleopt.detection.rules.table.RULES`.  A node without
+a rule, or whose rule raises, freezes every axis it touches and is reported (fail
+closed); a rule registered by the user is sealed: what it leaves out is frozen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+from teleopt.detection.fx_args import nodes_in
+from teleopt.detection.ops import identify_node, is_user_op
+from teleopt.detection.relations import ALL, ParamView, Relations
+from teleopt.detection.rules.context import RuleContext, tensor_paths
+from teleopt.detection.rules.table import RULES
+from teleopt.detection.tracing import TensorMeta, TracedGraph
+from teleopt.detection.views import view_through
+
+__all__ = ["run_rules"]
+
+_VIEW_OPS = {"reshape", "permute", "expand", "identity_like", "identity", "getitem_view"}
+
+
+def run_rules(model: nn.Module, rel: Relations, graphs: list[TracedGraph]) -> None:
+    """Apply the op rules of every traced graph (train and eval) to one set of relations."""
+    for gi, traced in enumerate(graphs):
+        for node in traced.graph.nodes:
+            _node(model, rel, traced, gi, node)
+
+
+def _node(model: nn.Module, rel: Relations, traced: TracedGraph, gi: int, node: fx.Node) -> None:
+    if node.op == "placeholder":
+        ctx = RuleContext(rel, traced, gi, node, "the model input")
+        for path, meta in tensor_paths(traced.values.get(node.name)):
+            if meta.is_float:
+                ctx.block_tensor(ALL, ctx.output(path), "the model input is fixed")
+        return
+    if node.op == "get_attr":
+        _get_attr(model, rel, traced, gi, node)
+        return
+    if node.op == "output":
+        ctx = RuleContext(rel, traced, gi, node, "the model output")
+        for a in nodes_in(node.args):
+            if ctx.is_tensor(a):
+                ctx.block_tensor(ALL, ctx.tensor(a, role="output"), "the model output is fixed")
+        ctx.finish()
+        return
+    op, describe = identify_node(node, traced)
+    ctx = RuleContext(rel, traced, gi, node, describe)
+    if op in _VIEW_OPS and _propagate_view(ctx, op):
+        return
+    if op == "metadata":
+        return
+    rule = RULES.get(op) if op is not None else None
+    if rule is None:
+        if any(ctx.is_operand(a) for a in nodes_in((node.args, node.kwargs))):
+            ctx.fail_closed(describe)
+        else:
+            ctx.constant()
+    else:
+        try:
+            rule(ctx)
+            if is_user_op(node, traced):
+                ctx.seal()
+        except Exception as e:  # a call the rule does not understand: fail closed (relations
+            # it stated before failing are true of the op; blocking everything it touches dominates them)
+            ctx.finish()
+            ctx = RuleContext(rel, traced, gi, node, describe)
+            ctx.fail_closed(f"{describe} (its rule failed: {type(e).__name__}: {e})")
+    _dead(ctx)
+    ctx.finish()
+
+
+def _get_attr(model: nn.Module, rel: Relations, traced: TracedGraph, gi: int, node: fx.Node) -> None:
+    """A parameter, buffer or constant read by the graph becomes a view of it (no relations yet)."""
+    target = str(node.target)
+    meta = traced.values.get(node.name)
+    if not isinstance(meta, TensorMeta):
+        return
+    obj: Any = None
+    for getter in (model.get_parameter, model.get_buffer):
+        try:
+            obj = getter(target)
+            break
+        except AttributeError:
+            continue
+    name = rel.tensors.names.get(id(obj)) if obj is not None else None
+    kind = rel.tensors.kinds.get(name, "constant") if name else "constant"  # tensors fx made constants of
+    n = len(meta.shape)
+    rel.views[("t", gi, node.name, ())] = ParamView(name or target, kind, tuple(range(n)), meta.shape, (False,) * n)
+
+
+def _propagate_view(ctx: RuleContext, op: str) -> bool:
+    """A view op on a parameter view gives another view (no relations yet)."""
+    node = ctx.node
+    view = ctx.view_of(node.args[0] if node.args else None)
+    if view is None:
+        return False
+    out = ctx.value(node)
+    if not isinstance(out, TensorMeta):
+        return False
+    new = view_through(node, op, view, out.shape)
+    if new is None:
+        return False
+    ctx.rel.views[("t", ctx.gi, node.name, ())] = new
+    return True
+
+
+def _dead(ctx: RuleContext) -> None:
+    """The outputs of a node nothing reads (but shape queries) are fixed."""
+    if not [u for u in ctx.node.users if ctx.op_of(u) != "metadata"]:
+        for ref in ctx.outputs():
+            ctx.block_tensor(ALL, ref, "this value is not used")

@@ -1,0 +1,227 @@
+"""Rules of layers with weights: linear, matmul, convolutions (grouped, depthwise, transposed), embedding.
+
+A layer y = W x + b is a boundary (papers/001 Prop. 1.2.3): its output axis is
+written by the rows of W and by b (g), its input axis read by the columns of W
+(g^{-T}).  A product of two activations contracts their shared axis the same way.
+A grouped convolution allows positive scaling of its channels through the grouped
+weight layout only (a virtual axis over the weight's two channel axes); a
+depthwise one scales each channel by its own filter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from teleopt.detection.fx_args import arg, int_arg, optional_tensor_arg, tensor_arg
+from teleopt.detection.relations import ALL, DP, GD, D, G, P, Ref
+from teleopt.detection.rules.context import OpRule, RuleContext
+
+__all__ = ["RULES", "linear"]
+
+
+def linear(ctx: RuleContext, x: Ref, w: Ref, b: Ref | None) -> None:
+    """out = x W^T + b along the last axis of ``x``; other axes pass as in a batch."""
+    out = ctx.output()
+    ctx.unify(ALL, (out, -1), (w, 0))
+    if b is not None:
+        ctx.unify(ALL, (out, -1), (b, 0))
+    ctx.unify(ALL, (x, -1), (w, 1), -1.0)
+    for i in range(len(ctx.meta(x)) - 1):
+        ctx.unify(P, (x, i), (out, i))
+        if b is None:
+            ctx.unify(GD, (x, i), (out, i))
+        else:
+            ctx.block(GD, (x, i), "a layer with a bias is affine along this axis")
+            ctx.block(GD, (out, i), "a layer with a bias is affine along this axis")
+
+
+def _linear(ctx: RuleContext) -> None:
+    node = ctx.node
+    if node.op == "call_module":
+        m = ctx.module
+        x = ctx.tensor(node.args[0])
+        w = ctx.param(m, "weight", "weight")
+        if w is None:
+            raise TypeError(f"{type(m).__name__} has no weight")
+        linear(ctx, x, w, ctx.param(m, "bias", "bias"))
+        return
+    x = ctx.tensor(node.args[0])
+    w = ctx.tensor(tensor_arg(node, 1, "weight"), role="weight")
+    b_arg = optional_tensor_arg(node, 2, "bias")
+    b = ctx.tensor(b_arg, role="bias") if b_arg is not None else None
+    linear(ctx, x, w, b)
+
+
+def _matmul(ctx: RuleContext) -> None:
+    node = ctx.node
+    a, b = ctx.tensor(node.args[0], role="left"), ctx.tensor(node.args[1], role="right")
+    out = ctx.output()
+    sa, sb, so = ctx.meta(a), ctx.meta(b), ctx.meta(out)
+    ctx.unify(ALL, (a, -1), (b, -2 if len(sb) >= 2 else 0), -1.0)
+    k = 0
+    if len(sb) >= 2:
+        ctx.unify(ALL, (b, -1), (out, -1))
+        k += 1
+    if len(sa) >= 2:
+        ctx.unify(ALL, (a, -2), (out, len(so) - 1 - k))
+        k += 1
+    nb = len(so) - k
+    for j in range(nb):
+        handles = []
+        for t, s in ((a, sa), (b, sb)):
+            i = j - (nb - (len(s) - 2))
+            if len(s) >= 2 and i >= 0:
+                handles.append(((t, i), s[i] == so[j]))
+        full = [h for h, f in handles if f]
+        for h, f in handles:
+            if not f:
+                ctx.block(ALL, h, "broadcast axis")
+        for h in full:
+            ctx.unify(P, h, (out, j))
+        if len(full) == 1:
+            ctx.unify(GD, full[0], (out, j))
+        else:
+            for h in full:
+                ctx.block(GD, h, "both factors of a batched product vary along this axis")
+            ctx.block(GD, (out, j), "both factors of a batched product vary along this axis")
+
+
+def _conv_core(ctx: RuleContext, x: Ref, w_arg: Any, b: Ref | None, groups: int, pointwise: bool, transposed: bool, module: Any) -> None:
+    out = ctx.output()
+    xs = ctx.meta(x)
+    w_shape: tuple[int, ...]
+    if module is not None:
+        w_shape = tuple(module.weight.shape)
+        param = ctx.rel.tensors.names.get(id(module.weight))
+    else:
+        w_shape = ctx.value(w_arg).shape
+        view = ctx.view_of(w_arg)
+        param = view.name if view is not None and view.axis_map == tuple(range(len(w_shape))) and view.kind == "parameter" else None
+    n_spatial = len(w_shape) - 2
+    batched = len(xs) == n_spatial + 2
+    ch = 1 if batched else 0
+
+    def weight(role: str) -> Ref:
+        if module is not None:
+            ref = ctx.param(module, "weight", role)
+            assert ref is not None  # module.weight was read above
+            return ref
+        return ctx.tensor(w_arg, role=role)
+
+    c_in = xs[ch]
+    out_axis, in_axis = (1, 0) if transposed else (0, 1)
+    c_out = w_shape[1] * groups if transposed else w_shape[0]
+    depthwise = groups == c_in and c_out == c_in and (w_shape[1] == 1)
+    if groups == 1:
+        w = weight("weight")
+        ctx.unify(ALL, (out, ch), (w, out_axis))
+        if b is not None:
+            ctx.unify(ALL, (out, ch), (b, 0))
+        ctx.unify(ALL, (x, ch), (w, in_axis), -1.0)
+    elif depthwise and param is not None:
+        # depthwise: channel c in -> channel c out, weight row c (axis 0)
+        w_val, w_in, w_out = weight("weight"), weight("absorbs"), weight("writes")
+        ctx.unify(P, (x, ch), (out, ch))
+        ctx.unify(P, (out, ch), (w_val, 0))
+        ctx.unify(D, (x, ch), (w_in, 0), -1.0)
+        ctx.unify(D, (out, ch), (w_out, 0))
+        if b is not None:
+            ctx.unify(DP, (out, ch), (b, 0))
+        ctx.block(G, (x, ch), "a depthwise convolution is not GL-equivariant")
+        ctx.block(G, (out, ch), "a depthwise convolution is not GL-equivariant")
+    elif param is not None:
+        # grouped: positive scaling of input channels through the grouped weight layout
+        w = weight("weight")
+        if transposed:
+            ctx.unify(D, (x, ch), (w, 0), -1.0)
+            virtual = ctx.virtual_axis(param, 1, groups, "writes", w_shape[1] * groups)
+            ctx.unify(D, (out, ch), virtual)
+        else:
+            ctx.unify(D, (out, ch), (w, 0))
+            virtual = ctx.virtual_axis(param, 1, groups, "absorbs", w_shape[1] * groups)
+            ctx.unify(D, (x, ch), virtual, -1.0)
+        if b is not None:
+            ctx.unify(D, (out, ch), (b, 0))
+        why = f"a grouped convolution ({groups} groups) only allows permutations within groups"
+        ctx.block(("general", "permutation"), (x, ch), why)
+        ctx.block(("general", "permutation"), (out, ch), why)
+    else:
+        weight("weight")
+        ctx.block(ALL, (x, ch), "a grouped convolution with a computed weight")
+        ctx.block(ALL, (out, ch), "a grouped convolution with a computed weight")
+    for i in range(ch + 1, len(xs)):
+        if pointwise:
+            ctx.unify(P, (x, i), (out, i))
+            if b is None:
+                ctx.unify(GD, (x, i), (out, i))
+        else:
+            ctx.block(ALL, (x, i), "a convolution mixes positions")
+            ctx.block(ALL, (out, i), "a convolution mixes positions")
+    if batched:
+        ctx.unify(P, (x, 0), (out, 0))
+        if b is None:
+            ctx.unify(GD, (x, 0), (out, 0))
+
+
+def _all_equal(v: Any, x: int) -> bool:
+    return all(e == x for e in v) if isinstance(v, (tuple, list)) else bool(v == x)
+
+
+def _conv(ctx: RuleContext, transposed: bool) -> None:
+    node = ctx.node
+    x = ctx.tensor(node.args[0])
+    if node.op == "call_module":
+        m: Any = ctx.module  # an exact torch.nn conv type, or a user type with the same attributes
+        pointwise = (
+            all(k == 1 for k in m.kernel_size)
+            and all(s == 1 for s in m.stride)
+            and (m.padding in ("valid", "same") or all(p == 0 for p in m.padding))
+            and all(p == 0 for p in getattr(m, "output_padding", (0,)))
+        )
+        b = ctx.param(m, "bias", "bias")
+        _conv_core(ctx, x, None, b, m.groups, pointwise, transposed, m)
+        return
+    w_arg = arg(node, 1, "weight")
+    b_arg = optional_tensor_arg(node, 2, "bias")
+    b = ctx.tensor(b_arg, role="bias") if b_arg is not None else None
+    # conv(input, weight, bias, stride, padding, dilation, groups);
+    # conv_transpose(input, weight, bias, stride, padding, output_padding, groups, dilation)
+    groups = int_arg(node, 6, "groups", 1)
+    pad = arg(node, 4, "padding", 0)
+    if transposed and not _all_equal(arg(node, 5, "output_padding", 0), 0):
+        pad = 1
+    stride = arg(node, 3, "stride", 1)
+    w_shape = ctx.value(w_arg).shape
+    pointwise = all(k == 1 for k in w_shape[2:]) and _all_equal(stride, 1) and (pad in ("valid", "same") or _all_equal(pad, 0))
+    _conv_core(ctx, x, w_arg, b, groups, pointwise, transposed, None)
+
+
+def _conv_forward(ctx: RuleContext) -> None:
+    _conv(ctx, transposed=False)
+
+
+def _conv_transpose(ctx: RuleContext) -> None:
+    _conv(ctx, transposed=True)
+
+
+def _embedding(ctx: RuleContext) -> None:
+    node = ctx.node
+    module: Any = ctx.module if node.op == "call_module" else None
+    max_norm = module.max_norm if module is not None else arg(node, 3, "max_norm")
+    if max_norm is not None:  # renormalises the looked-up rows in place: not scale-equivariant
+        ctx.fail_closed("an embedding with max_norm")
+        return
+    w = ctx.param(module, "weight", "table") if module is not None else ctx.tensor(arg(node, 1, "weight"), role="table")
+    if w is None:
+        raise TypeError(f"{type(module).__name__} has no weight")
+    out = ctx.output()
+    ctx.unify(ALL, (out, -1), (w, 1))
+
+
+RULES: dict[str, OpRule] = {
+    "linear": _linear,
+    "matmul": _matmul,
+    "conv": _conv_forward,
+    "conv_transpose": _conv_transpose,
+    "embedding": _embedding,
+}
