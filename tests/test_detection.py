@@ -950,9 +950,22 @@ class WithUntraceableChild(nn.Module):
 
 
 def test_untraceable_model_raises_a_clear_error():
-    with pytest.raises(DetectionError, match="could not trace Untraceable.forward with torch.fx"):
-        find_symmetries(Untraceable(), torch.randn(2, 4))
+    # a root without submodules cannot be analysed at all
+    class Bare(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(2, 4))
+
+        def forward(self, x):
+            return x @ self.w.T if x.sum() > 0 else -(x @ self.w.T)
+
+    with pytest.raises(DetectionError, match="could not trace Bare.forward with torch.fx"):
+        find_symmetries(Bare(), torch.randn(2, 4))
     assert issubclass(DetectionError, ValueError)
+    # a root with submodules falls back to analysing them one by one and says why
+    report = find_symmetries(Untraceable(), torch.randn(2, 4))
+    assert any(e.where == "" and "could not trace Untraceable.forward with torch.fx" in e.reason for e in report.skipped)
+    assert report.sites == []  # l alone: its input and output are fixed
 
 
 def test_untraceable_submodule_is_kept_opaque_and_frozen():

@@ -14,6 +14,11 @@ q.  Then
 * (GL_{d_v})^H on (V, O): v rows and bias by B_h, the output projection's columns
   of head h by B_h^{-1}.
 
+A bias concatenated in forward (timm BEiT, EVA-02, SwinV2:
+``F.linear(x, qkv.weight, torch.cat((q_bias, k_bias, v_bias)))``) is read piece by
+piece: a parameter piece moves with its rows, a zero built in forward stays zero,
+and a fixed piece (a buffer, a constant) under the q or v rows drops the site.
+
 Anything else on the way (qk-norm, rotary embeddings, a gate, a norm before the
 output projection, a tensor that also leaves the attention) removes the
 corresponding site and is reported; head permutations are found by the generic
@@ -31,6 +36,7 @@ import torch.fx as fx
 from teleopt.detection.fx_args import Argument, arg, float_arg, int_arg, tensor_arg
 from teleopt.detection.ops import identify_node
 from teleopt.detection.relations import DirectSite, Relations
+from teleopt.detection.rules.masks import is_zeros
 from teleopt.detection.tracing import TensorMeta, TracedGraph, module_path
 from teleopt.detection.views import index_items, perm_of, reshape_groups
 
@@ -52,12 +58,48 @@ class _Layout:
 
 
 @dataclass(frozen=True)
+class _BiasPiece:
+    """Rows [start, stop) of a projection's bias: a parameter (``name``), a zero built in forward, or fixed."""
+
+    start: int
+    stop: int
+    kind: str  # "parameter" | "zero" | "fixed"
+    name: str | None = None
+
+
+@dataclass(frozen=True)
 class _Projection:
     node: fx.Node
     weight: str
     bias: str | None
     in_features: int
     out_features: int
+    #: the bias as pieces of rows: one parameter piece for a plain bias; timm BEiT/EVA/SwinV2 pass
+    #: ``torch.cat((q_bias, k_bias, v_bias))`` (k_bias a zero buffer or ``zeros_like``)
+    bias_pieces: tuple[_BiasPiece, ...] = ()
+
+    def bias_members(self, start: int, length: int, power: int, what: str, fixed_ok: bool = False) -> list[tuple[str, dict]]:
+        """Members moving the bias of rows [start, start+length) like those rows (fail closed on a fixed piece).
+
+        A zero piece built in forward stays zero under any linear map; a fixed nonzero
+        piece (a buffer, a constant) cannot move, so the site is dropped unless
+        ``fixed_ok`` (the key bias, which softmax ignores).
+        """
+        stop = start + length
+        hit = [p for p in self.bias_pieces if p.start < stop and start < p.stop]
+        members: list[tuple[str, dict]] = []
+        for p in hit:
+            if p.kind == "zero":
+                continue
+            if p.kind == "fixed":
+                if fixed_ok:
+                    continue
+                raise _NoMatch(f"the bias of rows {start}..{stop} of {self.weight} is a fixed tensor that cannot move with them")
+            if not (p.start <= start and stop <= p.stop):
+                raise _NoMatch(f"the bias of rows {start}..{stop} of {self.weight} is split across several parameters")
+            assert p.name is not None
+            members.append((p.name, _rows(start - p.start, length, p.stop - p.start, power)))
+        return members
 
 
 _PLUMBING = {"reshape", "permute", "identity_like", "identity", "getitem_tuple", "getitem_view", "split", "dropout", "mul", "div"}
@@ -80,31 +122,81 @@ class _Finder:
 
     def users(self, node: fx.Node) -> list[fx.Node]:
         """Users that read the values of ``node`` (not only its shape, dtype or device)."""
-        return [u for u in node.users if self.op(u)[0] not in ("metadata", "constant", "constant_like")]
+        return [u for u in node.users if self.op(u)[0] not in ("metadata", "constant", "constant_like") and not _reads_dtype_only(u, node)]
 
     # -- projections ------------------------------------------------------------------
     def projection(self, node: fx.Node) -> _Projection | None:
         op, _ = self.op(node)
+        if op == "add":
+            return self.projection_plus_bias(node)
         if op != "linear":
             return None
         names = self.rel.tensors.names
         if node.op == "call_module":
             m: Any = self.traced.modules[str(node.target)]  # nn.Linear, or a user type given its rule
             w, b = names.get(id(m.weight)), (names.get(id(m.bias)) if m.bias is not None else None)
-            if w is None:
+            if w is None or (m.bias is not None and b is None):
                 return None
-            return _Projection(node, w, b, m.in_features, m.out_features)
+            own: tuple[_BiasPiece, ...] = (_BiasPiece(0, m.out_features, "parameter", b),) if b is not None else ()
+            return _Projection(node, w, b, m.in_features, m.out_features, own)
         w_arg, b_arg = arg(node, 1, "weight"), arg(node, 2, "bias")
         w_view = self.rel.views.get(("t", self._gi, w_arg.name, ())) if isinstance(w_arg, fx.Node) else None
         if w_view is None or w_view.kind != "parameter" or w_view.axis_map != (0, 1):
             return None
         b_name = None
+        pieces: tuple[_BiasPiece, ...] = ()
         if b_arg is not None:
             b_view = self.rel.views.get(("t", self._gi, b_arg.name, ())) if isinstance(b_arg, fx.Node) else None
-            if b_view is None or b_view.kind != "parameter" or b_view.axis_map != (0,):
+            if b_view is not None and b_view.kind == "parameter" and b_view.axis_map == (0,):
+                b_name = b_view.name
+                pieces = (_BiasPiece(0, w_view.shape[0], "parameter", b_name),)
+            else:
+                found = self.concatenated_bias(b_arg, node, w_view.shape[0])
+                if found is None:
+                    return None
+                pieces = found
+                b_name = next((p.name for p in pieces if p.kind == "parameter"), None)
+        return _Projection(node, w_view.name, b_name, w_view.shape[1], w_view.shape[0], pieces)
+
+    def projection_plus_bias(self, node: fx.Node) -> _Projection | None:
+        """``qkv = self.qkv(x); qkv += torch.cat((q_bias, k_bias, v_bias))`` (timm ``qkv_bias_separate``), else ``None``."""
+        base, b_arg = node.args[0], (node.args[1] if len(node.args) > 1 else None)
+        if len(node.args) != 2 or node.kwargs or not isinstance(base, fx.Node) or self.op(base)[0] != "linear":
+            return None
+        inner = self.projection(base)
+        if inner is None or inner.bias_pieces or self.users(base) != [node]:
+            return None
+        pieces = self.concatenated_bias(b_arg, node, inner.out_features)
+        if pieces is None:
+            return None
+        name = next((p.name for p in pieces if p.kind == "parameter"), None)
+        return _Projection(node, inner.weight, name, inner.in_features, inner.out_features, pieces)
+
+    def concatenated_bias(self, b_arg: Argument, linear: fx.Node, rows: int) -> tuple[_BiasPiece, ...] | None:
+        """The pieces of a bias ``torch.cat((q_bias, k_bias, v_bias))`` read by this projection only, else ``None``."""
+        if not isinstance(b_arg, fx.Node) or self.op(b_arg)[0] != "cat" or self.users(b_arg) != [linear]:
+            return None
+        tensors = arg(b_arg, 0, "tensors")
+        dim = arg(b_arg, 1, "dim", 0)
+        if not isinstance(tensors, (list, tuple)) or not isinstance(dim, int) or dim not in (0, -1):
+            return None
+        pieces, offset = [], 0
+        for t in tensors:
+            if not isinstance(t, fx.Node):
                 return None
-            b_name = b_view.name
-        return _Projection(node, w_view.name, b_name, w_view.shape[1], w_view.shape[0])
+            value = self.values.get(t.name)
+            if not isinstance(value, TensorMeta) or len(value.shape) != 1:
+                return None
+            n = value.shape[0]
+            view = self.rel.views.get(("t", self._gi, t.name, ()))
+            if view is not None and view.axis_map == (0,) and view.kind == "parameter":
+                pieces.append(_BiasPiece(offset, offset + n, "parameter", view.name))
+            elif view is None and is_zeros(t):
+                pieces.append(_BiasPiece(offset, offset + n, "zero"))
+            else:
+                pieces.append(_BiasPiece(offset, offset + n, "fixed"))
+            offset += n
+        return tuple(pieces) if offset == rows else None
 
     def is_scalar_op(self, node: fx.Node) -> bool:
         """mul/div of a tensor by a python number (the attention scale)."""
@@ -165,13 +257,16 @@ class _Finder:
             if not isinstance(index, int):
                 raise _NoMatch(f"cannot follow {describe} on {what}")
             src_shape = self.shape(tensor_arg(parent, 0, "input"))
+            pieces = self.values[parent.name]
+            if not isinstance(pieces, (tuple, list)) or not -len(pieces) <= index < len(pieces):
+                raise _NoMatch(f"cannot follow {describe} on {what}")
+            index %= len(pieces)  # parts[-1]
             name = str(parent.target) if parent.op == "call_method" else getattr(parent.target, "__name__", "")
             if name == "unbind":
                 dim = int_arg(parent, 1, "dim", 0) % len(src_shape)
                 return self.pick(layout, dim, index, what)
             dim_index = 2 if name in ("split", "chunk", "tensor_split") else 1
             dim = int_arg(parent, dim_index, "dim", 0) % len(src_shape)
-            pieces = self.values[parent.name]
             start = sum(p.shape[dim] for p in pieces[:index])
             return self.narrow(layout, dim, start, pieces[index].shape[dim], what)
         if op == "getitem_view":
@@ -432,11 +527,12 @@ class _Finder:
                     if isinstance(other, fx.Node) and self._depends_on(other, plumbing):
                         raise _NoMatch("a tensor added to the attention scores depends on q or k")
             self._check_private(inner[:-1], set(inner), "scores")
+            q_bias = pq.bias_members(q0, H * d, 1, "q")
+            pk.bias_members(k0, H * d, -1, "k", fixed_ok=True)  # left out (see below), but it must be a known bias
         except _NoMatch as e:
             return f"no (GL)^h site on (Q, K): {e}"
         members: list[tuple[str | None, dict[str, Any]]] = [(pq.weight, _rows(q0, H * d, pq.out_features, 1))]
-        if pq.bias is not None:
-            members.append((pq.bias, _rows(q0, H * d, pq.out_features, 1)))
+        members += q_bias
         members.append((pk.weight, _rows(k0, H * d, pk.out_features, -1)))
         info = {"heads": H, "head_dim": d, "module": where, "key_bias": "left out: softmax ignores it"}
         return DirectSite("attention_qk_gl", "general", members, H if H > 1 else None, 1, "papers/001 Ex. 1.2.11-1.2.12", where, info, "exact", self._gi)
@@ -471,14 +567,19 @@ class _Finder:
             if any(ax for ax in layout.axes[:-1]) or feat != [(H * dv, 1)] or layout.offset or proj.in_features != H * dv:
                 raise _NoMatch("the output projection does not read the heads as contiguous column blocks")
             self._flow_check(pv, set(range(v0, v0 + H * dv)), {v}, {out}, "v")
+            v_bias = pv.bias_members(v0, H * dv, 1, "v")
         except _NoMatch as e:
             return f"no (GL)^h site on (V, O): {e}"
         members: list[tuple[str | None, dict[str, Any]]] = [(pv.weight, _rows(v0, H * dv, pv.out_features, 1))]
-        if pv.bias is not None:
-            members.append((pv.bias, _rows(v0, H * dv, pv.out_features, 1)))
+        members += v_bias
         members.append((proj.weight, {"axis": 1, "power": -1}))
         info = {"heads": H, "head_dim": dv, "module": where}
         return DirectSite("attention_vo_gl", "general", members, H if H > 1 else None, 1, "papers/001 Ex. 1.2.12", where, info, "exact", self._gi)
+
+
+def _reads_dtype_only(user: fx.Node, node: fx.Node) -> bool:
+    """``x.type_as(node)`` reads only the dtype of ``node`` (EVA-02's rotary embedding casts q to v's dtype)."""
+    return user.op == "call_method" and user.target == "type_as" and user.args[0] is not node and node not in user.kwargs.values()
 
 
 def _as_node(value: Argument, what: str) -> fx.Node:

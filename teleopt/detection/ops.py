@@ -146,6 +146,13 @@ _FUNCTIONS: dict[str, tuple] = {
     "select": (torch.select,),
     "identity_like": (torch.clone, torch.detach),
     "constant_like": (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like),
+    "compare": (operator.gt, operator.lt, operator.ge, operator.le, torch.gt, torch.lt, torch.ge, torch.le, torch.eq, torch.ne,
+                torch.greater, torch.less, torch.greater_equal, torch.less_equal, torch.not_equal),
+    "where": (torch.where,),
+    "masked_fill": (torch.masked_fill,),
+    "topk": (torch.topk,),
+    "argmax": (torch.argmax, torch.argmin),
+    "one_hot": (F.one_hot,),
     "getitem": (operator.getitem,),
     "getattr": (getattr,),
 }
@@ -224,6 +231,12 @@ _METHODS: dict[str, tuple[str, ...]] = {
     "narrow": ("narrow",),
     "select": ("select",),
     "identity_like": ("contiguous", "clone", "detach", "to", "float", "double", "half", "bfloat16", "type_as", "requires_grad_"),
+    "compare": ("gt", "lt", "ge", "le", "eq", "ne", "greater", "less", "greater_equal", "less_equal", "not_equal",
+                "__gt__", "__lt__", "__ge__", "__le__", "__eq__", "__ne__"),
+    "where": ("where",),
+    "masked_fill": ("masked_fill", "masked_fill_"),
+    "topk": ("topk",),
+    "argmax": ("argmax", "argmin"),
     "metadata": ("size", "dim", "numel", "get_device", "is_contiguous", "is_floating_point"),
     "constant_like": ("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"),
     "random_fill": ("bernoulli_", "uniform_", "normal_", "fill_", "zero_", "exponential_", "random_", "bernoulli"),
@@ -354,6 +367,10 @@ def identify_node(node: fx.Node, traced: TracedGraph) -> tuple[str | None, str]:
         return None, node.op
     fn = node.target
     op = function_op(fn)
+    if op == "metadata" and fn in (operator.eq, operator.ne) and any(
+        isinstance(a, fx.Node) and isinstance(traced.values.get(a.name), TensorMeta) for a in node.args
+    ):
+        op = "compare"  # ``h == t`` on a tensor is a mask, not a shape check
     if op == "getitem":
         parent = node.args[0]
         value = traced.values.get(parent.name) if isinstance(parent, fx.Node) else None

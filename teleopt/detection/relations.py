@@ -303,7 +303,12 @@ class NodeContext:
             return ref
         ref = self.node_ref(arg)
         meta = self.value(arg)
+        unknown = ref not in self.rel.axes and isinstance(meta, TensorMeta) and not meta.is_float
         self.rel.declare(ref, meta.shape)
+        if unknown:  # a mask or index no rule followed (an op without a rule drops them): fixed
+            for atoms in self.rel.axes[ref]:
+                for kind in KINDS:
+                    self.rel.spaces[kind].block(self.rel.nodes(kind, atoms), self.reason("a non-floating-point tensor of unknown origin"))
         self._involved.append(ref)
         return ref
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from teleopt.detection.certify import CertificationEntry
 from teleopt.site import Site
 
 __all__ = ["SkippedEntry", "SymmetryReport"]
@@ -46,7 +47,15 @@ class SymmetryReport:
     model:
         The model's class name.
     seconds:
-        Wall-clock time of the detection.
+        Wall-clock time of the detection (certification included).
+    certification:
+        One :class:`~teleopt.detection.certify.CertificationEntry` per site the rules
+        proposed (``status`` "certified", "dropped", "demoted" or "unchecked", with the
+        measured relative output error); empty when detection ran with ``certify=False``.
+    certify_seconds:
+        Wall-clock time of the certification.
+    certified:
+        Whether the sites were certified (``find_symmetries(..., certify=True)``).
     """
 
     sites: list[Site]
@@ -57,6 +66,14 @@ class SymmetryReport:
     parameters: int = 0
     model: str = ""
     seconds: float = 0.0
+    certification: list[CertificationEntry] = field(default_factory=list)
+    certify_seconds: float = 0.0
+    certified: bool = False
+
+    @property
+    def dropped(self) -> list[CertificationEntry]:
+        """The proposed sites that failed certification, with their errors."""
+        return [e for e in self.certification if e.status == "dropped"]
 
     @property
     def continuous_sites(self) -> list[Site]:
@@ -101,6 +118,7 @@ class SymmetryReport:
             f"{self.model}: {len(self.sites)} sites ({n_cont} continuous, {len(self.sites) - n_cont} discrete), "
             f"coverage {100 * self.coverage:.1f}% of {self.parameters} parameters ({100 * self.coverage_exact:.1f}% by exact sites), "
             f"{len(self.skipped)} skipped, {len(self.frozen)} parameters without a continuous site, {self.seconds:.2f} s"
+            + (f" ({len(self.dropped)} sites dropped by certification, {self.certify_seconds:.2f} s)" if self.certified else "")
         )
 
     def __str__(self) -> str:
@@ -120,6 +138,9 @@ class SymmetryReport:
             "coverage_exact": self.coverage_exact,
             "parameters": self.parameters,
             "seconds": self.seconds,
+            "certification": [e.to_dict() for e in self.certification],
+            "certify_seconds": self.certify_seconds,
+            "certified": self.certified,
         }
 
     @classmethod
@@ -154,8 +175,26 @@ class SymmetryReport:
         parameters = _typed(data, "parameters", int, 0)
         if parameters < 0:
             raise ValueError(f"symmetry report: parameters={parameters} is negative")
-        return cls(sites=sites, skipped=skipped, frozen=dict(frozen), parameters=parameters,
-                   model=_typed(data, "model", str, ""), **numbers)
+        certification = []
+        for number, entry in enumerate(_typed(data, "certification", list, [])):
+            try:
+                certification.append(CertificationEntry.from_dict(entry))
+            except (KeyError, TypeError, AttributeError, ValueError) as e:
+                raise ValueError(f"symmetry report: certification entry {number} is malformed ({type(e).__name__}: {e})") from e
+        certify_seconds = float(_typed(data, "certify_seconds", (int, float), 0.0))
+        if not certify_seconds >= 0.0:
+            raise ValueError(f"symmetry report: certify_seconds={certify_seconds!r} is negative")
+        return cls(
+            sites=sites,
+            skipped=skipped,
+            frozen=dict(frozen),
+            parameters=parameters,
+            model=_typed(data, "model", str, ""),
+            certification=certification,
+            certify_seconds=certify_seconds,
+            certified=_typed(data, "certified", bool, False),
+            **numbers,
+        )
 
 
 def _typed(data: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any) -> Any:

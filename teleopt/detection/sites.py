@@ -108,7 +108,10 @@ def _krons(rel: Relations, kind: str, done: set[tuple]) -> bool:
         fnodes = [rel.nodes(kind, f) for f in factors]
         roots = {leaf.root for f in fnodes for leaf in space.leaves(f)}
         if len(leaves) != 1 or leaves[0].root in roots:
-            changed |= _block_all(space, fnodes, f"{where}: a reshaped axis is cut or tied to its own factors")
+            # the merged axis too: its pieces (a fused qkv cut by a concatenated bias) reach the
+            # blocked factors through the reshape, so no group may act on them either
+            why = f"{where}: a reshaped axis is cut or tied to its own factors"
+            changed |= _block_all(space, fnodes + [rel.nodes(kind, m_atoms)], why)
             continue
         groups.setdefault(leaves[0].root, []).append((idx, leaves[0].power, fnodes, where))
     for cm, recs in groups.items():

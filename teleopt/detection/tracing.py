@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-__all__ = ["TensorMeta", "TracedGraph", "DetectionError", "trace_model", "module_path"]
+__all__ = ["TensorMeta", "TracedGraph", "DetectionError", "trace_model", "module_path", "graph_arguments"]
 
 _MAX_OPAQUE = 64
 
@@ -108,24 +108,43 @@ class _Tracer(fx.Tracer):
             raise
 
 
-def _concrete_args(model: nn.Module, n_inputs: int) -> dict[str, Any]:
-    """Defaults of the ``forward`` parameters the example inputs do not supply."""
-    params = [
-        p
-        for p in inspect.signature(model.forward).parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    ]
+def _forward_parameters(model: nn.Module) -> list[inspect.Parameter]:
+    return list(inspect.signature(model.forward).parameters.values())
+
+
+def _concrete_args(model: nn.Module, n_inputs: int, kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Constants of the trace: non-tensor keyword arguments, and the defaults of the parameters nothing supplies.
+
+    Tensor keyword arguments are traced as inputs (placeholders); everything else
+    (``smooth=True``, ``use_cache=False``, ``None``) is specialised, so the graph
+    computes what ``model(*inputs, **kwargs)`` computes.
+    """
+    kwargs = kwargs or {}
+    all_params = _forward_parameters(model)
+    params = [p for p in all_params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     positional = [p for p in params if p.kind != p.KEYWORD_ONLY]
-    if n_inputs > len(positional) and not any(
-        p.kind == p.VAR_POSITIONAL for p in inspect.signature(model.forward).parameters.values()
-    ):
+    if n_inputs > len(positional) and not any(p.kind == p.VAR_POSITIONAL for p in all_params):
         raise DetectionError(
             f"{type(model).__name__}.forward takes {len(positional)} positional inputs, "
             f"but {n_inputs} example inputs were given"
         )
+    names = {p.name for p in params}
+    unknown = [k for k in kwargs if k not in names]
+    if unknown and not any(p.kind == p.VAR_KEYWORD for p in all_params):
+        raise DetectionError(f"{type(model).__name__}.forward has no parameter {unknown[0]!r} (example_kwargs)")
+    if unknown:
+        raise DetectionError(
+            f"{type(model).__name__}.forward takes **kwargs: torch.fx cannot trace the keyword argument {unknown[0]!r} through it"
+        )
     concrete = {}
     for i, p in enumerate(params):
         if i < n_inputs and p.kind != p.KEYWORD_ONLY:
+            if p.name in kwargs:
+                raise DetectionError(f"{p.name!r} is given both as an example input and in example_kwargs")
+            continue
+        if p.name in kwargs:
+            if not isinstance(kwargs[p.name], Tensor):
+                concrete[p.name] = kwargs[p.name]
             continue
         if p.default is inspect.Parameter.empty:
             raise DetectionError(
@@ -135,10 +154,29 @@ def _concrete_args(model: nn.Module, n_inputs: int) -> dict[str, Any]:
     return concrete
 
 
-def _trace_once(model: nn.Module, n_inputs: int, leaf_types: frozenset[type]) -> tuple[fx.Graph, set[str], list[str]]:
+def graph_arguments(model: nn.Module, inputs: Sequence[Any], kwargs: dict[str, Any] | None = None) -> tuple[Any, ...]:
+    """The positional arguments of the traced graph (one per placeholder) for ``model(*inputs, **kwargs)``."""
+    if not kwargs:
+        return tuple(inputs)
+    concrete = _concrete_args(model, len(inputs), kwargs)
+    params = [p for p in _forward_parameters(model) if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    args: list[Any] = []
+    for i, p in enumerate(params):
+        if i < len(inputs) and p.kind != p.KEYWORD_ONLY:
+            args.append(inputs[i])
+        elif p.name in kwargs:
+            args.append(kwargs[p.name])
+        else:
+            args.append(concrete[p.name])
+    return tuple(args)
+
+
+def _trace_once(
+    model: nn.Module, n_inputs: int, kwargs: dict[str, Any] | None = None, leaf_types: frozenset[type] = frozenset()
+) -> tuple[fx.Graph, set[str], list[str]]:
     opaque: set[str] = set()
     failures: list[str] = []
-    concrete = _concrete_args(model, n_inputs)
+    concrete = _concrete_args(model, n_inputs, kwargs)
     for _ in range(_MAX_OPAQUE):
         tracer = _Tracer(opaque, leaf_types)
         try:
@@ -195,7 +233,7 @@ class _Run(nn.Module):
         self.gm = gm
         self.values: dict[str, Any] = {}
 
-    def forward(self, *inputs: Tensor) -> Any:
+    def forward(self, *inputs: Any) -> Any:
         recorder = _Recorder(self.gm)
         try:
             return recorder.run(*inputs)
@@ -203,7 +241,7 @@ class _Run(nn.Module):
             self.values = recorder.values
 
 
-def _record(model: nn.Module, graph: fx.Graph, inputs: Sequence[Tensor]) -> dict[str, Any]:
+def _record(model: nn.Module, graph: fx.Graph, inputs: Sequence[Any]) -> dict[str, Any]:
     """Shapes of every value: first on the meta device (no arithmetic), else for real."""
     gm = fx.GraphModule(model, graph)
     run = _Run(gm)
@@ -213,12 +251,12 @@ def _record(model: nn.Module, graph: fx.Graph, inputs: Sequence[Tensor]) -> dict
     }
     try:
         with torch.no_grad():
-            torch.func.functional_call(run, meta, tuple(t.to("meta") for t in inputs))
+            torch.func.functional_call(run, meta, tuple(t.to("meta") if isinstance(t, Tensor) else t for t in inputs))
         return run.values
     except Exception:  # an op without a meta kernel, or real tensors created in forward: run for real
         pass
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    devices = sorted({t.device.index or 0 for t in inputs if t.device.type == "cuda"})
+    devices = sorted({t.device.index or 0 for t in inputs if isinstance(t, Tensor) and t.device.type == "cuda"})
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             run(*inputs)
@@ -230,7 +268,7 @@ def _record(model: nn.Module, graph: fx.Graph, inputs: Sequence[Tensor]) -> dict
 
 
 def trace_model(
-    model: nn.Module, inputs: Sequence[Tensor], leaf_types: frozenset[type] = frozenset()
+    model: nn.Module, inputs: Sequence[Tensor], kwargs: dict[str, Any] | None = None, leaf_types: frozenset[type] = frozenset()
 ) -> tuple[list[TracedGraph], list[str]]:
     """Trace ``model`` in eval and in train mode and record every value's shape on ``inputs``.
 
@@ -240,9 +278,12 @@ def trace_model(
     Returns the distinct graphs (one if both modes compute the same thing) and the
     submodules that had to be kept opaque, each with the tracing error.  Shapes are
     recorded in eval mode (no BatchNorm statistics are updated, no random numbers
-    drawn); a train graph with a different structure is run in train mode with the
-    buffers and the RNG state restored afterwards.
+    drawn, a batch of one works), also for a train graph with a different structure
+    (buffers and RNG state restored afterwards).  ``kwargs`` are the keyword
+    arguments of ``model(*inputs, **kwargs)``: tensors are traced as inputs, other
+    values are constants of the trace.
     """
+    args = graph_arguments(model, inputs, kwargs)
     flags = [(m, m.training) for m in model.modules()]
     attributes = set(vars(model))
     graphs: list[TracedGraph] = []
@@ -250,15 +291,16 @@ def trace_model(
     try:
         for mode in ("eval", "train"):
             model.train(mode == "train")
-            graph, opaque, failures = _trace_once(model, len(inputs), leaf_types)
+            graph, opaque, failures = _trace_once(model, len(inputs), kwargs, leaf_types)
             opaque_all.extend(f for f in failures if f not in opaque_all)
             traced = TracedGraph(mode, graph, {}, dict(model.named_modules()), frozenset(opaque))
             if graphs and graphs[0].signature() == traced.signature():
                 continue
             if graphs and _structure(graphs[0]) == _structure(traced):
                 traced.values = graphs[0].values
-            else:
-                traced.values = _record(model, graph, inputs)
+            else:  # shapes do not depend on the mode: record in eval mode (a batch of one passes BatchNorm)
+                model.eval()
+                traced.values = _record(model, graph, args)
             graphs.append(traced)
     finally:
         for m, flag in flags:

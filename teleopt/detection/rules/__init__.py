@@ -18,11 +18,15 @@ papers/001 Sec. 1.2:
 * attention contracts queries with keys: their channels carry g and g^{-T}
   (Ex. 1.2.11); values pass to the output linearly (Ex. 1.2.12);
 * reshapes merge or split axes into row-major products (``kron``), concatenation
-  and chunking cut axes into segments; everything else fails closed.
+  and chunking cut axes into segments; a merged axis that is cut freezes with
+  its factors;
+* a comparison is a mask entry by entry: permutations pass, positive scaling
+  only through a sign test; ``topk``/``argmax`` freeze the axis they select along;
+* everything else fails closed (a non-float tensor no rule declared is fixed).
 
 Layout: ``context`` (what a rule receives), one module per op family
 (``pointwise``, ``arithmetic``, ``reductions``, ``shapes``, ``layers``, ``norms``,
-``attention``), ``table`` (op -> rule), ``driver`` (walks a graph),
+``attention``, ``masks``), ``table`` (op -> rule), ``driver`` (walks a graph),
 ``register`` (``register_op_rule`` for user ops).
 """
 

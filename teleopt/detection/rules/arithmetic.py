@@ -33,11 +33,8 @@ def _operand(ctx: RuleContext, arg: Any) -> tuple[str, Any]:
         if isinstance(value, TensorMeta):
             if value.is_float:
                 return "tensor", ctx.tensor(arg)
-            ref = ctx.node_ref(arg)
-            ctx.rel.declare(ref, value.shape)
-            ctx._involved.append(ref)
-            ctx.block_tensor(ALL, ref, "a non-floating-point tensor is a fixed operand")
-            return "tensor", ref
+            # a mask a rule followed (a comparison, one_hot) keeps its classes; any other is fixed
+            return "tensor", ctx.tensor(arg)
         return "scalar", value
     return "scalar", arg
 

@@ -151,6 +151,10 @@ def _mha_sites(ctx: RuleContext, m: nn.MultiheadAttention, heads_permutable: boo
     b_in = name(m.in_proj_bias)
     if b_in is not None:
         q_rows.append((b_in, dict(axis=0, power=1, start=0, stop=E)))
+        if m.bias_k is not None or m.add_zero_attn:
+            # the key bias adds q . b_k to the scores of the projected keys only, not to those of the
+            # appended key (bias_k) or zero key: no longer a per-query constant that softmax ignores
+            k_rows.append((b_in, dict(axis=0, power=-1, start=E, stop=2 * E)))
         v_rows.append((b_in, dict(axis=0, power=1, start=2 * E, stop=3 * E)))
         perm_rows.append((b_in, dict(axis=0, outer=3)))
     if m.bias_k is not None:

@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from teleopt.detection.fx_args import arg, int_arg, nodes_in
 from teleopt.detection.relations import ALL, GD, P, Ref
-from teleopt.detection.rules.context import OpRule, RuleContext
+from teleopt.detection.rules.context import OpRule, RuleContext, tensor_paths
 from teleopt.detection.tracing import TensorMeta
 from teleopt.detection.views import index_items, perm_of, reshape_groups
 
@@ -96,16 +96,56 @@ def _getitem_view(ctx: RuleContext) -> None:
 
 
 def _getitem_tuple(ctx: RuleContext) -> None:
+    """An entry (or a slice) of a tuple output: the same tensors under another name.
+
+    Negative indices and slices are resolved against the recorded tuple (``parts[-1]``
+    after ``torch.split`` in timm Res2Net and EdgeNeXt): an unresolved entry would leave
+    the chunk it names tied to its source but to none of its readers.  What cannot be
+    resolved freezes the getitem's output and every tensor of the tuple (fail closed).
+    """
     node = ctx.node
     parent, index = node.args
-    if isinstance(parent, fx.Node) and isinstance(index, int):
-        src = ctx.node_ref(parent, (index,))
-        if src in ctx.rel.axes:
-            ctx.rel.aliases[("t", ctx.gi, node.name, ())] = src
-            return
+    entries = ctx.value(parent) if isinstance(parent, fx.Node) else None
+    if isinstance(parent, fx.Node) and isinstance(entries, (tuple, list)):
+        n = len(entries)
+        if isinstance(index, int) and not isinstance(index, bool) and -n <= index < n:
+            src = ctx.node_ref(parent, (index % n,))
+            if src in ctx.rel.axes:
+                ctx.rel.aliases[("t", ctx.gi, node.name, ())] = src
+                return
+            if isinstance(entries[index], TensorMeta) and not entries[index].is_float:
+                return  # indices no rule declared (max(dim)[1]): fixed where they are used
+            if not isinstance(entries[index], TensorMeta):  # a nested tuple: alias its tensors one by one
+                if _alias_entries(ctx, parent, [(index % n, ())]):
+                    return
+        elif isinstance(index, slice):
+            picked = list(range(n))[index]
+            if _alias_entries(ctx, parent, [(i, (j,)) for j, i in enumerate(picked)]):
+                return
+        for path, meta in tensor_paths(entries):
+            src = ctx.node_ref(parent, path)
+            if meta.is_float and src in ctx.rel.axes:
+                ctx.block_tensor(ALL, src, "getitem: an entry of this tuple could not be followed")
     value = ctx.value(node)
-    if isinstance(value, TensorMeta) and value.is_float:
+    if any(meta.is_float for _, meta in tensor_paths(value)):
         ctx.fail_closed("getitem")
+
+
+def _alias_entries(ctx: RuleContext, parent: fx.Node, picks: list[tuple[int, tuple]]) -> bool:
+    """Alias every tensor of the picked entries of ``parent``; False (nothing aliased) if one is missing."""
+    pairs = []
+    for i, prefix in picks:
+        value = ctx.value(parent)[i]
+        for path, meta in tensor_paths(value):
+            src = ctx.node_ref(parent, (i, *path))
+            if src not in ctx.rel.axes:
+                if meta.is_float:
+                    return False
+                continue
+            pairs.append((("t", ctx.gi, ctx.node.name, (*prefix, *path)), src))
+    for dst, src in pairs:
+        ctx.rel.aliases[dst] = src
+    return True
 
 
 def _select(ctx: RuleContext) -> None:

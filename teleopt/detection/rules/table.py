@@ -13,6 +13,7 @@ from teleopt.detection.rules import (
     arithmetic,
     attention,
     layers,
+    masks,
     norms,
     pointwise,
     reductions,
@@ -33,9 +34,9 @@ def _merge(*families: Mapping[str, OpRule]) -> dict[str, OpRule]:
     return table
 
 
-#: The library's rules by op family (pointwise, arithmetic, reductions and pooling, shapes, layers, norms, attention).
+#: The library's rules by op family (pointwise, arithmetic, reductions and pooling, shapes, layers, norms, attention, masks).
 BUILTIN_RULES: Mapping[str, OpRule] = MappingProxyType(
-    _merge(pointwise.RULES, arithmetic.RULES, reductions.RULES, shapes.RULES, layers.RULES, norms.RULES, attention.RULES)
+    _merge(pointwise.RULES, arithmetic.RULES, reductions.RULES, shapes.RULES, layers.RULES, norms.RULES, attention.RULES, masks.RULES)
 )
 
 #: The table the driver dispatches through: the built-in rules plus user registrations.
