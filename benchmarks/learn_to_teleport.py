@@ -41,7 +41,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from teleopt.learned_teleport import TeleportPolicy, TwoLayerProblems, meta_train, rollout  # noqa: E402
+from teleopt.learned_teleport import (
+    TeleportPolicy,
+    TwoLayerProblems,
+    meta_train,
+    rollout,
+)
 
 ARMS = {
     "gd": ("gd", False),

@@ -8,8 +8,18 @@
 * :class:`LearnedTeleportOptimizer`: run a policy in place on a model.
 """
 
-from teleopt.learned_teleport.meta_training import MetaTrainResult, evaluate, meta_train, rollout
-from teleopt.learned_teleport.policy import CoordinateLSTM, LearnedTeleportOptimizer, TeleportPolicy, preprocess_gradient
+from teleopt.learned_teleport.meta_training import (
+    MetaTrainResult,
+    evaluate,
+    meta_train,
+    rollout,
+)
+from teleopt.learned_teleport.policy import (
+    CoordinateLSTM,
+    LearnedTeleportOptimizer,
+    TeleportPolicy,
+    preprocess_gradient,
+)
 from teleopt.learned_teleport.problems import MetaProblem, TwoLayerProblems
 
 __all__ = [

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from teleopt.site import Site, as_sites, lookup_tensor
 
-__all__ = ["CoordinateLSTM", "TeleportPolicy", "LearnedTeleportOptimizer", "preprocess_gradient"]
+__all__ = ["CoordinateLSTM", "LearnedTeleportOptimizer", "TeleportPolicy", "preprocess_gradient"]
 
 UpdateMode = Literal["lstm", "lr", "gd"]
 _FORMAT = "teleopt.learned_teleport.TeleportPolicy"
@@ -293,7 +293,7 @@ class TeleportPolicy(nn.Module):
             raise ValueError(f"{os.fspath(path)}: unsupported TeleportPolicy file version {blob.get('version')!r}")
         config, sd = blob.get("config"), blob.get("state_dict")
         if not isinstance(config, dict) or not isinstance(sd, dict):
-            raise ValueError(f"{os.fspath(path)}: 'config' and 'state_dict' must be dicts")
+            raise ValueError(f"{os.fspath(path)}: 'config' and 'state_dict' must be dicts")  # noqa: TRY004 (a bad file)
         try:
             policy = cls(**config)
         except TypeError as exc:
