@@ -321,7 +321,8 @@ class LearnedTeleportOptimizer:
         self.policy = policy
         self.params = dict(model.named_parameters())
         for site in self.sites:
-            _check_site(site) if policy.group_net is not None else None
+            if policy.group_net is not None:
+                _check_site(site)
             for m in site.tensor_names:
                 lookup_tensor(model, m)
         self.state = policy.new_state()
