@@ -44,6 +44,8 @@ _LAZY = {
     "FiniteLinearGroup": "teleopt.analysis.invariance",
     "split_weights": "teleopt.analysis.invariance",
     "asymmetry": "teleopt.analysis.invariance",
+    "TeleportPolicy": "teleopt.learned_teleport",
+    "meta_train": "teleopt.learned_teleport",
 }
 
 __all__ = [*_LAZY, "__version__"]
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
     from teleopt.analysis.orbits import orbit_curve, sample_orbit
     from teleopt.detection import SymmetryReport, find_symmetries, register_op_rule
     from teleopt.discovery import LearnedAction, discover
+    from teleopt.learned_teleport import TeleportPolicy, meta_train
     from teleopt.registry import get_action, list_actions, register_action, unregister_action
     from teleopt.site import Site
     from teleopt.syre import Syre

@@ -51,7 +51,7 @@ def test_python_snippets_run(index, tmp_path, monkeypatch):
 
 
 API_MODULES = ["teleopt", "teleopt.teleport", "teleopt.testing", "teleopt.testing.conformance", "teleopt.detection",
-               "teleopt.discovery", "teleopt.datasets", "teleopt.demo", "teleopt.analysis"]
+               "teleopt.discovery", "teleopt.datasets", "teleopt.demo", "teleopt.analysis", "teleopt.learned_teleport"]
 
 
 @pytest.mark.parametrize("module", API_MODULES)
