@@ -29,7 +29,10 @@ def quick(tmp_path_factory) -> tuple[dict, str, Path]:
     out = tmp_path_factory.mktemp("realistic")
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.realistic", "--quick", "--json", str(out / "r.json"), "--no-progress", "--threads", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "r.json").read_text()), proc.stdout, out
@@ -44,8 +47,19 @@ def test_quick_run_covers_every_configuration_and_arm(quick):
         assert c["lr"] in c["lr_grid"] and c["seeds"] == 1
         assert len(c["runs"]) == len(ARMS)
         for s in c["summary"].values():
-            for key in ("final_train_loss", "best_val_loss", "test_loss", "test_acc", "steps_to_T1", "seconds_to_T2",
-                        "speedup_Vbest", "teleports_accepted", "teleport_cost_iters", "dead_units", "feature_rank"):
+            for key in (
+                "final_train_loss",
+                "best_val_loss",
+                "test_loss",
+                "test_acc",
+                "steps_to_T1",
+                "seconds_to_T2",
+                "speedup_Vbest",
+                "teleports_accepted",
+                "teleport_cost_iters",
+                "dead_units",
+                "feature_rank",
+            ):
                 assert STATS <= set(s[key]), key
             assert s["divergences"] in (0, 1)
         assert (out / f"realistic_{c['config']}.png").is_file()

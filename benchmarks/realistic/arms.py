@@ -66,7 +66,9 @@ class ArmContext:
 ARMS: dict[str, Callable[[ArmContext], Optimizer]] = {
     "baseline": lambda c: c.optimizer(),
     # exactly the documented drop-in call: whatever the library's defaults are at run time
-    "teleport_default": lambda c: Teleport(c.optimizer(), c.model, "auto", example_inputs=c.example_inputs, loss_fn=c.loss_fn, batch_fn=c.batch_fn),
+    "teleport_default": lambda c: Teleport(
+        c.optimizer(), c.model, "auto", example_inputs=c.example_inputs, loss_fn=c.loss_fn, batch_fn=c.batch_fn
+    ),
     "teleport_once": lambda c: Teleport(c.optimizer(), c.model, "auto", at=[c.teleport_step], **c.teleport_kwargs()),
     "teleport_every200": lambda c: Teleport(c.optimizer(), c.model, "auto", every=200, **c.teleport_kwargs()),
     # the decay comparison (papers/003): plain decay towards zero vs towards a random static anchor, same strength

@@ -112,7 +112,9 @@ def _mlp_problem(quick: bool, large: bool) -> Problem:
     width = 1024 if large else 256
 
     def make(seed: int) -> nn.Module:
-        return _seeded(lambda: nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)), seed)
+        return _seeded(
+            lambda: nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)), seed
+        )
 
     def features(model: nn.Module, x: Tensor) -> Tensor:
         return model[:4](x)
@@ -133,8 +135,17 @@ def _cnn_problem(quick: bool, large: bool) -> Problem:
     def make(seed: int) -> nn.Module:
         return _seeded(lambda: timm.create_model("resnet18", pretrained=False, num_classes=10, in_chans=1, channels=channels), seed)
 
-    return Problem(_images(x_tr, 32), y_tr, _images(x_va, 32), y_va, _images(x_te, 32), y_te, make, _timm_features,
-                   info={"model": f"timm resnet18 channels={channels}, 32x32 upsampled digits"})
+    return Problem(
+        _images(x_tr, 32),
+        y_tr,
+        _images(x_va, 32),
+        y_va,
+        _images(x_te, 32),
+        y_te,
+        make,
+        _timm_features,
+        info={"model": f"timm resnet18 channels={channels}, 32x32 upsampled digits"},
+    )
 
 
 def _vit_problem(quick: bool, large: bool) -> Problem:
@@ -146,8 +157,17 @@ def _vit_problem(quick: bool, large: bool) -> Problem:
     def make(seed: int) -> nn.Module:
         return _seeded(lambda: timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10, in_chans=1, **kw), seed)
 
-    return Problem(_images(x_tr, 16), y_tr, _images(x_va, 16), y_va, _images(x_te, 16), y_te, make, _timm_features,
-                   info={"model": f"timm vit_tiny {kw}, 16x16 upsampled digits"})
+    return Problem(
+        _images(x_tr, 16),
+        y_tr,
+        _images(x_va, 16),
+        y_va,
+        _images(x_te, 16),
+        y_te,
+        make,
+        _timm_features,
+        info={"model": f"timm vit_tiny {kw}, 16x16 upsampled digits"},
+    )
 
 
 # ----------------------------------------------------------------------------- LoRA
@@ -270,28 +290,106 @@ def _lora_problem(quick: bool, large: bool) -> Problem:
     def features(model: nn.Module, x: Tensor) -> Tensor:
         return model.pooled(x)
 
-    return Problem(tokens[s[0]:s[1]], y_b[s[0]:s[1]], tokens[s[1]:s[2]], y_b[s[1]:s[2]], tokens[s[2]:s[3]], y_b[s[2]:s[3]],
-                   make, features, info={"model": f"TinyTransformer {size} pre-trained {pre_steps} steps on task A, LoRA rank 4 on q,v,fc1,fc2 + head, task B"})
+    return Problem(
+        tokens[s[0] : s[1]],
+        y_b[s[0] : s[1]],
+        tokens[s[1] : s[2]],
+        y_b[s[1] : s[2]],
+        tokens[s[2] : s[3]],
+        y_b[s[2] : s[3]],
+        make,
+        features,
+        info={"model": f"TinyTransformer {size} pre-trained {pre_steps} steps on task A, LoRA rank 4 on q,v,fc1,fc2 + head, task B"},
+    )
 
 
 # ----------------------------------------------------------------------------- the table
 CONFIGS: dict[str, Config] = {
     c.name: c
     for c in (
-        Config("mlp_sgd", "MLP 64-256-256-10 ReLU on digits, SGD momentum 0.9, batch 64", _mlp_problem, "sgd",
-               steps=2000, quick_steps=40, batch=64, eval_every=25, lr_grid=(0.01, 0.03, 0.1, 0.3), quick_lr_grid=(0.03, 0.1),
-               base_wd=5e-4, decay=1e-2, teleport_at=20, collapse=True),
-        Config("mlp_adamw", "MLP 64-256-256-10 ReLU on digits, AdamW, batch 64", _mlp_problem, "adamw",
-               steps=2000, quick_steps=40, batch=64, eval_every=25, lr_grid=(3e-4, 1e-3, 3e-3), quick_lr_grid=(1e-3, 3e-3),
-               base_wd=0.05, decay=0.5, teleport_at=20, collapse=True),
-        Config("cnn_adamw", "timm resnet18 quarter width on 32x32 digits, AdamW, warm-up 20 + cosine, batch 64", _cnn_problem, "adamw",
-               steps=300, quick_steps=6, batch=64, eval_every=20, lr_grid=(1e-3, 3e-3, 1e-2), quick_lr_grid=(3e-3,),
-               base_wd=0.05, decay=1.0, warmup=20, cosine=True, teleport_at=20, collapse=True),
-        Config("vit_adamw", "timm vit_tiny narrowed (16x16, patch 4, depth 6, dim 96), AdamW, warm-up 20 + cosine, batch 64",
-               _vit_problem, "adamw", steps=300, quick_steps=6, batch=64, eval_every=20, lr_grid=(3e-4, 1e-3, 3e-3),
-               quick_lr_grid=(1e-3,), base_wd=0.05, decay=1.0, warmup=20, cosine=True, teleport_at=20),
-        Config("lora_adamw", "hand-written transformer, LoRA r=4 fine-tune on a shifted teacher, AdamW, warm-up 20 + cosine",
-               _lora_problem, "adamw", steps=400, quick_steps=20, batch=64, eval_every=20, lr_grid=(1e-3, 3e-3, 1e-2),
-               quick_lr_grid=(3e-3,), base_wd=0.01, decay=0.5, warmup=20, cosine=True, teleport_at=20),
+        Config(
+            "mlp_sgd",
+            "MLP 64-256-256-10 ReLU on digits, SGD momentum 0.9, batch 64",
+            _mlp_problem,
+            "sgd",
+            steps=2000,
+            quick_steps=40,
+            batch=64,
+            eval_every=25,
+            lr_grid=(0.01, 0.03, 0.1, 0.3),
+            quick_lr_grid=(0.03, 0.1),
+            base_wd=5e-4,
+            decay=1e-2,
+            teleport_at=20,
+            collapse=True,
+        ),
+        Config(
+            "mlp_adamw",
+            "MLP 64-256-256-10 ReLU on digits, AdamW, batch 64",
+            _mlp_problem,
+            "adamw",
+            steps=2000,
+            quick_steps=40,
+            batch=64,
+            eval_every=25,
+            lr_grid=(3e-4, 1e-3, 3e-3),
+            quick_lr_grid=(1e-3, 3e-3),
+            base_wd=0.05,
+            decay=0.5,
+            teleport_at=20,
+            collapse=True,
+        ),
+        Config(
+            "cnn_adamw",
+            "timm resnet18 quarter width on 32x32 digits, AdamW, warm-up 20 + cosine, batch 64",
+            _cnn_problem,
+            "adamw",
+            steps=300,
+            quick_steps=6,
+            batch=64,
+            eval_every=20,
+            lr_grid=(1e-3, 3e-3, 1e-2),
+            quick_lr_grid=(3e-3,),
+            base_wd=0.05,
+            decay=1.0,
+            warmup=20,
+            cosine=True,
+            teleport_at=20,
+            collapse=True,
+        ),
+        Config(
+            "vit_adamw",
+            "timm vit_tiny narrowed (16x16, patch 4, depth 6, dim 96), AdamW, warm-up 20 + cosine, batch 64",
+            _vit_problem,
+            "adamw",
+            steps=300,
+            quick_steps=6,
+            batch=64,
+            eval_every=20,
+            lr_grid=(3e-4, 1e-3, 3e-3),
+            quick_lr_grid=(1e-3,),
+            base_wd=0.05,
+            decay=1.0,
+            warmup=20,
+            cosine=True,
+            teleport_at=20,
+        ),
+        Config(
+            "lora_adamw",
+            "hand-written transformer, LoRA r=4 fine-tune on a shifted teacher, AdamW, warm-up 20 + cosine",
+            _lora_problem,
+            "adamw",
+            steps=400,
+            quick_steps=20,
+            batch=64,
+            eval_every=20,
+            lr_grid=(1e-3, 3e-3, 1e-2),
+            quick_lr_grid=(3e-3,),
+            base_wd=0.01,
+            decay=0.5,
+            warmup=20,
+            cosine=True,
+            teleport_at=20,
+        ),
     )
 }

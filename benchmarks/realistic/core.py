@@ -11,11 +11,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from teleopt.teleport import Teleport
-from teleopt.wrapper import OptimizerWrapper
-
 from benchmarks.realistic.arms import ArmContext
 from benchmarks.realistic.configs import Config, Problem
+from teleopt.teleport import Teleport
+from teleopt.wrapper import OptimizerWrapper
 
 __all__ = ["train_run", "add_targets", "summarise", "verdicts", "overall_verdict", "TELEPORT_BATCH"]
 
@@ -55,8 +54,9 @@ def dead_and_rank(features: Tensor) -> tuple[int, int]:
     return dead, feature_rank(features)
 
 
-def train_run(cfg: Config, problem: Problem, arm: str, build: Callable[[ArmContext], Any], lr: float, seed: int,
-              steps: int, device: str = "cpu") -> dict[str, Any]:
+def train_run(
+    cfg: Config, problem: Problem, arm: str, build: Callable[[ArmContext], Any], lr: float, seed: int, steps: int, device: str = "cpu"
+) -> dict[str, Any]:
     """Train one arm for one seed; returns its curves (evaluation excluded from the seconds) and final figures."""
     model = problem.make_model(seed).to(device)
     n = len(problem.x_train)
@@ -75,8 +75,17 @@ def train_run(cfg: Config, problem: Problem, arm: str, build: Callable[[ArmConte
         rows = torch.randint(n, (min(TELEPORT_BATCH, n),), generator=teleport_gen).to(device)
         return problem.x_train[rows], problem.y_train[rows]
 
-    ctx = ArmContext(model, cfg.optimizer, lr, cfg.base_wd, cfg.decay, min(cfg.teleport_at, steps // 2),
-                     problem.x_train[:32], problem.loss_fn, teleport_batch)
+    ctx = ArmContext(
+        model,
+        cfg.optimizer,
+        lr,
+        cfg.base_wd,
+        cfg.decay,
+        min(cfg.teleport_at, steps // 2),
+        problem.x_train[:32],
+        problem.loss_fn,
+        teleport_batch,
+    )
     start = time.perf_counter()
     opt = build(ctx)
     setup_s = time.perf_counter() - start  # detection for sites="auto" runs here when example_inputs are given
@@ -178,8 +187,11 @@ def add_targets(runs: Sequence[dict[str, Any]]) -> None:
         ref = base.get(r["seed"])
         if ref is None:
             continue
-        targets = {"T1": ("train_loss", ref["train_loss_at_best_val"]), "T2": ("train_loss", ref["final_train_loss"]),
-                   "Vbest": ("val_loss", ref["best_val_loss"])}
+        targets = {
+            "T1": ("train_loss", ref["train_loss_at_best_val"]),
+            "T2": ("train_loss", ref["final_train_loss"]),
+            "Vbest": ("val_loss", ref["best_val_loss"]),
+        }
         for name, (key, value) in targets.items():
             r[f"steps_to_{name}"], r[f"seconds_to_{name}"] = _first(r["curve"], key, value)
     for r in runs:
@@ -191,10 +203,32 @@ def add_targets(runs: Sequence[dict[str, Any]]) -> None:
             r[f"speedup_{name}"] = (theirs / mine if mine else math.inf) if mine is not None and theirs is not None else 0.0
 
 
-SUMMARY_KEYS = ("final_train_loss", "best_val_loss", "test_loss", "test_acc", "test_acc_at_best_val", "steps_to_T1", "seconds_to_T1",
-                "steps_to_T2", "seconds_to_T2", "seconds_to_Vbest", "speedup_T1", "speedup_T2", "speedup_Vbest", "train_seconds",
-                "median_step_seconds", "teleports_accepted", "teleports_declined", "teleports_rolled_back", "teleports_kept", "teleport_seconds",
-                "teleport_cost_iters", "dead_units", "feature_rank")
+SUMMARY_KEYS = (
+    "final_train_loss",
+    "best_val_loss",
+    "test_loss",
+    "test_acc",
+    "test_acc_at_best_val",
+    "steps_to_T1",
+    "seconds_to_T1",
+    "steps_to_T2",
+    "seconds_to_T2",
+    "steps_to_Vbest",
+    "seconds_to_Vbest",
+    "speedup_T1",
+    "speedup_T2",
+    "speedup_Vbest",
+    "train_seconds",
+    "median_step_seconds",
+    "teleports_accepted",
+    "teleports_declined",
+    "teleports_rolled_back",
+    "teleports_kept",
+    "teleport_seconds",
+    "teleport_cost_iters",
+    "dead_units",
+    "feature_rank",
+)
 
 
 def _stats(values: list[Any]) -> dict[str, Any]:
@@ -208,8 +242,15 @@ def _stats(values: list[Any]) -> dict[str, Any]:
         return None if not math.isfinite(v) else v
 
     q = statistics.quantiles(vals, n=4, method="inclusive") if len(vals) > 1 and all(map(math.isfinite, vals)) else [math.nan, 0, math.nan]
-    return {"median": clean(statistics.median(vals)), "min": clean(vals[0]), "max": clean(vals[-1]),
-            "q1": clean(q[0]), "q3": clean(q[2]), "n": len(vals), "reached": sum(1 for v in values if v is not None)}
+    return {
+        "median": clean(statistics.median(vals)),
+        "min": clean(vals[0]),
+        "max": clean(vals[-1]),
+        "q1": clean(q[0]),
+        "q3": clean(q[2]),
+        "n": len(vals),
+        "reached": sum(1 for v in values if v is not None),
+    }
 
 
 def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -246,8 +287,12 @@ def verdicts(summary: dict[str, dict[str, Any]], collapse: bool) -> dict[str, An
         acc_delta = med("teleport_default", "test_acc") - med("baseline", "test_acc")
         val_ratio = med("teleport_default", "best_val_loss") / med("baseline", "best_val_loss")
         div = summary["teleport_default"]["divergences"]
-        out["default_never_worse"] = {"pass": acc_delta >= -ACC_TOLERANCE and val_ratio <= VAL_RATIO and div == 0,
-                                      "test_acc_delta": acc_delta, "best_val_ratio": val_ratio, "divergences": div}
+        out["default_never_worse"] = {
+            "pass": acc_delta >= -ACC_TOLERANCE and val_ratio <= VAL_RATIO and div == 0,
+            "test_acc_delta": acc_delta,
+            "best_val_ratio": val_ratio,
+            "divergences": div,
+        }
     else:
         out["default_never_worse"] = None
     if base is not None:
@@ -274,11 +319,15 @@ def verdicts(summary: dict[str, dict[str, Any]], collapse: bool) -> dict[str, An
         fewer_dead = s["dead_units"]["median"] < w["dead_units"]["median"]
         higher_rank = s["feature_rank"]["median"] > w["feature_rank"]["median"]
         acc_ok = s["test_acc"]["median"] >= w["test_acc"]["median"] - ACC_TOLERANCE
-        out["syre_collapse"] = {"pass": fewer_dead and higher_rank and acc_ok, "fewer_dead_units": fewer_dead,
-                                "higher_feature_rank": higher_rank, "test_acc_ok": acc_ok,
-                                "dead_units": [s["dead_units"]["median"], w["dead_units"]["median"]],
-                                "feature_rank": [s["feature_rank"]["median"], w["feature_rank"]["median"]],
-                                "test_acc": [s["test_acc"]["median"], w["test_acc"]["median"]]}
+        out["syre_collapse"] = {
+            "pass": fewer_dead and higher_rank and acc_ok,
+            "fewer_dead_units": fewer_dead,
+            "higher_feature_rank": higher_rank,
+            "test_acc_ok": acc_ok,
+            "dead_units": [s["dead_units"]["median"], w["dead_units"]["median"]],
+            "feature_rank": [s["feature_rank"]["median"], w["feature_rank"]["median"]],
+            "test_acc": [s["test_acc"]["median"], w["test_acc"]["median"]],
+        }
     else:
         out["syre_collapse"] = None if collapse else "not a collapse configuration"
     return out
