@@ -97,3 +97,19 @@ def test_verdicts_are_computed(quick):
     o = result["verdict"]
     assert o["complete"] and isinstance(o["wins_pass"], bool)
     assert "verdict over 5 configuration(s)" in stdout
+
+
+def test_merge_recomputes_the_table_and_verdict(quick, tmp_path):
+    result, _, out = quick
+    merged = tmp_path / "merged.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.realistic", "--merge", str(out / "r.json"), "--json", str(merged), "--no-plot"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    again = json.loads(merged.read_text())
+    assert [c["config"] for c in again["configs"]] == CONFIGS
+    assert again["verdict"] == result["verdict"]
