@@ -91,15 +91,19 @@ def train_run(
     opt = build(ctx)
     setup_s = time.perf_counter() - start  # detection for sites="auto" runs here when example_inputs are given
     lrs = [g["lr"] for g in opt.param_groups]
-    curve: dict[str, list] = {k: [] for k in ("step", "seconds", "train_loss", "val_loss", "val_acc", "test_loss", "test_acc")}
+    curve: dict[str, list] = {k: [] for k in ("step", "seconds", "train_loss", "val_loss", "val_acc")}
+    best_state: dict[str, Tensor] = {}
 
     def evaluate(step: int, elapsed: float) -> None:
         model.eval()
         tr, _ = _evaluate(model, problem.x_train, problem.y_train, problem.loss_fn)
         va, va_acc = _evaluate(model, problem.x_val, problem.y_val, problem.loss_fn)
-        te, te_acc = _evaluate(model, problem.x_test, problem.y_test, problem.loss_fn)
         model.train()
-        for k, v in zip(curve, (step, elapsed, tr, va, va_acc, te, te_acc)):
+        if math.isfinite(va) and (not curve["val_loss"] or va < min(curve["val_loss"])):
+            # the early-stopping checkpoint: its test figures are measured once at the end
+            best_state.clear()
+            best_state.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+        for k, v in zip(curve, (step, elapsed, tr, va, va_acc)):
             curve[k].append(v)
 
     step_times: list[float] = []
@@ -137,6 +141,11 @@ def train_run(
     model.eval()
     with torch.no_grad():
         dead, rank = dead_and_rank(problem.features(model, problem.x_train[:1024]))
+        units = int(problem.features(model, problem.x_train[:2]).shape[1])
+    test_loss, test_acc = _evaluate(model, problem.x_test, problem.y_test, problem.loss_fn)
+    if best_state:
+        model.load_state_dict(best_state)
+    best_test_loss, best_test_acc = _evaluate(model, problem.x_test, problem.y_test, problem.loss_fn)
     tp = _find_teleport(opt)
     reports = [] if tp is None else list(tp.reports)
     median_step = statistics.median(step_times) if step_times else math.nan
@@ -153,14 +162,14 @@ def train_run(
         "final_train_loss": final_train,
         "best_val_loss": curve["val_loss"][best],
         "best_val_step": curve["step"][best],
-        "test_loss": curve["test_loss"][-1],
-        "test_acc": curve["test_acc"][-1],
-        "test_loss_at_best_val": curve["test_loss"][best],
-        "test_acc_at_best_val": curve["test_acc"][best],
+        "test_loss": test_loss,
+        "test_acc": test_acc,
+        "test_loss_at_best_val": best_test_loss,
+        "test_acc_at_best_val": best_test_acc,
         "train_loss_at_best_val": curve["train_loss"][best],
         "dead_units": dead,
         "feature_rank": rank,
-        "feature_units": int(problem.features(model, problem.x_train[:2]).shape[1]),
+        "feature_units": units,
         "teleports_accepted": sum(1 for r in reports if r.accepted and r.path != "watch"),
         "teleports_declined": sum(1 for r in reports if r.reason.startswith("declined")),
         # post-condition rollbacks and the watch's later rollbacks of accepted teleports (path "watch")
