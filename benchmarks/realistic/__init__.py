@@ -37,7 +37,7 @@ batch_fn=...)``), ``teleport_once`` (``at=[20]``, after warm-up), ``teleport_eve
 Measured per run: full train / validation loss every ``eval_every`` steps (evaluation not timed),
 test loss and accuracy at the end and at the best-validation checkpoint, dead units and feature
 rank of the last hidden representation, teleports accepted / declined / rolled back and their
-seconds and cost in iterations.  Times: ``s`` = set-up (detection) + steps x the run's median
+seconds and cost in iterations.  Times: ``s`` = steps x the run's median
 iteration time + the teleports' measured seconds.  On the shared 2-core machine the raw measured
 seconds of identical runs differed by 0.39-1.54x, so the verdict uses this load-robust time; the
 raw measured speed-ups are kept (``measured_speedup_*``).  A run diverges when its train loss is

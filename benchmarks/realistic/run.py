@@ -193,7 +193,8 @@ def _fmt(v: Any, spec: str) -> str:
 def _cell(stats: dict[str, Any], spec: str) -> str:
     if stats["median"] is None:
         return f"- ({stats.get('reached', 0)}/{stats['n']})" if stats.get("reached") is not None and stats["n"] else "-"
-    return f"{_fmt(stats['median'], spec)} [{_fmt(stats['min'], spec)}-{_fmt(stats['max'], spec)}]"
+    top = "never" if stats["max"] is None else _fmt(stats["max"], spec)
+    return f"{_fmt(stats['median'], spec)} [{_fmt(stats['min'], spec)}-{top}]"
 
 
 COLUMNS = [
@@ -251,8 +252,9 @@ def table(result: dict[str, Any]) -> str:
     lines.append(f"  Syre defaults beat plain decay on collapse configurations: {o['syre_collapse']} ({o['syre_collapse_configs']})")
     lines.append(
         "cells: median [min-max] over seeds; T2 = the baseline's final train loss, T1 = its train loss at its best val loss, "
-        "Vbest = its best val loss (same seed); s = load-robust wall-clock (set-up incl. detection + steps x the run's median "
-        "iteration time + the teleports' measured seconds; evaluation excluded); '- (k/n)': only k of n seeds reached it; "
+        "Vbest = its best val loss (same seed); s = load-robust wall-clock (steps x the run's median "
+        "iteration time + the teleports' measured seconds; evaluation excluded); '- (k/n)': only k of n seeds reached it, "
+        "'never' in a spread: some seed did not; "
         "x to Vbest = per-seed baseline s / arm s to Vbest (0 = never; the verdict uses it); x meas. = the same from the "
         "raw measured seconds (noisy on a shared machine); ms/step: median iteration time; tp cost it = teleport seconds / median iteration seconds; tp acc/dec/rb = teleports accepted/declined/"
         "rolled back (medians); dead / rank: units of the last hidden representation on train inputs."
