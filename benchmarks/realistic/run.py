@@ -123,6 +123,7 @@ def tune(cfg: Config, problem, steps: int, args: argparse.Namespace, cache: dict
     best = min(points, key=lambda lr: scores[lr])
     if len(points) >= 3 and best in (points[0], points[-1]):
         log(f"  note: {cfg.name}'s tuned lr {best:g} is still at the edge of {points}")
+    cache.setdefault("_tuned_here", []).append(key)
     cache[key] = {
         "lr": best,
         "grid": {f"{k:g}": v for k, v in sorted(scores.items())},
@@ -372,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         configs.append(run_config(CONFIGS[name], args, arms, seeds, cache, log))
         if cache_path is not None:  # re-read first: parallel runs of other configurations share the file
             on_disk = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
-            cache_path.write_text(json.dumps({**on_disk, **cache}, indent=1, sort_keys=True) + "\n")
+            mine = {k: cache[k] for k in cache.get("_tuned_here", [])}  # only what this process tuned
+            cache_path.write_text(json.dumps({**on_disk, **mine}, indent=1, sort_keys=True) + "\n")
     result = {
         "benchmark": "realistic",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
