@@ -1,0 +1,82 @@
+"""The arms: one line each, arm name -> a function of the run's :class:`ArmContext` returning the optimizer.
+
+Add an arm by adding a line to :data:`ARMS`, e.g.::
+
+    "teleport_balance": lambda c: Teleport(c.optimizer(), c.model, "auto", objective="balance", **c.teleport_kwargs()),
+
+``c.optimizer()`` is the configuration's tuned baseline optimizer (a fresh one per
+call; ``weight_decay=`` overrides the decay on >= 2-D tensors; 1-D tensors never
+decay, as in timm).  The loop sets each param group's lr from the warm-up/cosine
+schedule before every step, through the returned optimizer's ``param_groups``
+(wrappers share them with the base).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from teleopt.syre import Syre
+from teleopt.teleport import Teleport
+
+__all__ = ["ArmContext", "ARMS", "TELEPORT_ARMS", "DECAY_ARMS"]
+
+
+@dataclass
+class ArmContext:
+    """What an arm may use to build its optimizer."""
+
+    model: nn.Module
+    family: str  # "sgd" or "adamw"
+    lr: float
+    base_wd: float
+    decay: float  # the decay strength at which weight decay and Syre are compared
+    teleport_step: int  # teleport_once's step (after warm-up)
+    example_inputs: Tensor
+    loss_fn: Callable[[Tensor, Tensor], Tensor]
+    batch_fn: Callable[[], tuple[Tensor, Tensor]]
+
+    def optimizer(self, weight_decay: float | None = None) -> Optimizer:
+        """The tuned baseline optimizer (decay on >= 2-D trainable tensors only)."""
+        wd = self.base_wd if weight_decay is None else weight_decay
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        groups: list[dict[str, Any]] = [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": wd},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        if self.family == "sgd":
+            return torch.optim.SGD(groups, lr=self.lr, momentum=0.9)
+        return torch.optim.AdamW(groups, lr=self.lr)
+
+    def teleport_kwargs(self) -> dict[str, Any]:
+        """What every Teleport arm passes besides the optimizer, model and sites."""
+        return {"example_inputs": self.example_inputs, "loss_fn": self.loss_fn, "batch_fn": self.batch_fn}
+
+    def syre(self, **kwargs: Any) -> Syre:
+        """Syre at the comparison decay in place of the optimizer's own decay (decoupled for AdamW, as its decay is)."""
+        return Syre(self.optimizer(weight_decay=0.0), gamma=self.decay, decoupled=self.family == "adamw", exclude_1d=True, **kwargs)
+
+
+ARMS: dict[str, Callable[[ArmContext], Optimizer]] = {
+    "baseline": lambda c: c.optimizer(),
+    # exactly the documented drop-in call: whatever the library's defaults are at run time
+    "teleport_default": lambda c: Teleport(
+        c.optimizer(), c.model, "auto", example_inputs=c.example_inputs, loss_fn=c.loss_fn, batch_fn=c.batch_fn
+    ),
+    "teleport_once": lambda c: Teleport(c.optimizer(), c.model, "auto", at=[c.teleport_step], **c.teleport_kwargs()),
+    "teleport_every200": lambda c: Teleport(c.optimizer(), c.model, "auto", every=200, **c.teleport_kwargs()),
+    # the decay comparison (papers/003): plain decay towards zero vs towards a random static anchor, same strength
+    "weight_decay": lambda c: c.optimizer(weight_decay=c.decay),
+    "syre_default": lambda c: c.syre(),
+    "syre_sigma1": lambda c: c.syre(sigma0=1.0),
+}
+"""Arm name -> optimizer factory.  Order is the default run order (rotated per seed)."""
+
+TELEPORT_ARMS = tuple(a for a in ARMS if a.startswith("teleport"))
+DECAY_ARMS = ("weight_decay", "syre_default", "syre_sigma1")

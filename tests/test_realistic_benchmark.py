@@ -1,0 +1,115 @@
+"""Smoke run of the realistic suite (benchmarks/realistic): every configuration, every arm, 1 seed, minimum steps.
+
+Runs ``python -m benchmarks.realistic --quick`` in a subprocess (the suite is a package
+folder and sets its own torch thread count) and checks the JSON schema, the targets,
+the teleport accounting and that the verdicts are computed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sklearn")
+pytest.importorskip("timm")
+pytest.importorskip("matplotlib")
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ["mlp_sgd", "mlp_adamw", "cnn_adamw", "vit_adamw", "lora_adamw"]
+ARMS = ["baseline", "teleport_default", "teleport_once", "teleport_every200", "weight_decay", "syre_default", "syre_sigma1"]
+STATS = {"median", "min", "max", "q1", "q3", "n"}
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory) -> tuple[dict, str, Path]:
+    out = tmp_path_factory.mktemp("realistic")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.realistic", "--quick", "--json", str(out / "r.json"), "--no-progress", "--threads", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((out / "r.json").read_text()), proc.stdout, out
+
+
+def test_quick_run_covers_every_configuration_and_arm(quick):
+    result, stdout, out = quick
+    assert [c["config"] for c in result["configs"]] == CONFIGS
+    assert {"benchmark", "date", "machine", "settings", "configs", "verdict", "seconds"} <= set(result)
+    for c in result["configs"]:
+        assert c["arms"] == ARMS and list(c["summary"]) == ARMS
+        assert c["lr"] in c["lr_grid"] and c["seeds"] == 1
+        assert len(c["runs"]) == len(ARMS)
+        for s in c["summary"].values():
+            for key in (
+                "final_train_loss",
+                "best_val_loss",
+                "test_loss",
+                "test_acc",
+                "steps_to_T1",
+                "seconds_to_T2",
+                "speedup_Vbest",
+                "teleports_accepted",
+                "teleport_cost_iters",
+                "dead_units",
+                "feature_rank",
+            ):
+                assert STATS <= set(s[key]), key
+            assert s["divergences"] in (0, 1)
+        assert (out / f"realistic_{c['config']}.png").is_file()
+        assert c["config"] in stdout
+
+
+def test_targets_and_teleport_accounting(quick):
+    result, _, _ = quick
+    for c in result["configs"]:
+        runs = {r["arm"]: r for r in c["runs"]}
+        base = runs["baseline"]
+        # the baseline reaches its own targets, T2 no later than its last step
+        assert base["steps_to_T2"] is not None and base["steps_to_T2"] <= base["steps"]
+        assert base["steps_to_T1"] is not None and base["speedup_Vbest"] == pytest.approx(1.0)
+        assert base["sites"] is None and base["teleports_accepted"] == 0
+        # every Teleport arm detected sites; the scheduled ones attempted a teleport
+        for arm in ("teleport_default", "teleport_once", "teleport_every200"):
+            assert runs[arm]["sites"] and runs[arm]["sites"] > 0
+        for arm in ("teleport_once", "teleport_every200"):
+            r = runs[arm]
+            assert r["teleports_accepted"] + r["teleports_declined"] + r["teleports_rolled_back"] >= 1
+            assert r["teleport_seconds"] > 0 and r["teleport_cost_iters"] > 0
+        # every arm of a seed starts from the same initialisation
+        assert runs["weight_decay"]["curve"]["train_loss"][0] == pytest.approx(base["curve"]["train_loss"][0])
+
+
+def test_verdicts_are_computed(quick):
+    result, stdout, _ = quick
+    for c in result["configs"]:
+        v = c["verdict"]
+        assert isinstance(v["default_never_worse"]["pass"], bool)
+        assert isinstance(v["wins"]["pass"], bool)
+        if c["collapse"]:
+            assert isinstance(v["syre_collapse"]["pass"], bool)
+    o = result["verdict"]
+    assert o["complete"] and isinstance(o["wins_pass"], bool)
+    assert "verdict over 5 configuration(s)" in stdout
+
+
+def test_merge_recomputes_the_table_and_verdict(quick, tmp_path):
+    result, _, out = quick
+    merged = tmp_path / "merged.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.realistic", "--merge", str(out / "r.json"), "--json", str(merged), "--no-plot"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    again = json.loads(merged.read_text())
+    assert [c["config"] for c in again["configs"]] == CONFIGS
+    assert again["verdict"] == result["verdict"]
