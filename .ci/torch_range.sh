@@ -10,8 +10,9 @@
 # pyproject.toml is the only edit needed; this script follows it.
 #
 # PyPI serves CUDA builds of older torch for Linux x86_64 (about 2.6-3.7 GB of
-# wheels with the nvidia-* packages); they run on the CPU. Seen on the CI machine:
-# download 1-2 min, install 2.5-8 min, suite 2.5-4 min on an idle machine.
+# wheels with the nvidia-* packages); they run on the CPU. Seen on the CI machine
+# (2 shared cores): download 1-2 min, install 2.5-8 min, suite 4-17 min depending
+# on load; a whole run of this script took 735 s (environment 347 s, suite 380 s).
 #
 # Environment:
 #   TORCH_RANGE_VENV   where to build the venv (default: $TMPDIR/teleopt-torch-floor); removed at the end
