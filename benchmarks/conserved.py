@@ -53,8 +53,14 @@ LINEAR_SITE = Site(get_action("gl_linear"), ("V", None, "U"), name="gl")
 
 def summary(values: torch.Tensor) -> dict[str, float]:
     q = torch.quantile(values, torch.tensor([0.05, 0.5, 0.95], dtype=values.dtype))
-    return {"mean": float(values.mean()), "std": float(values.std()), "se": float(values.std() / math.sqrt(len(values))),
-            "q05": float(q[0]), "median": float(q[1]), "q95": float(q[2])}
+    return {
+        "mean": float(values.mean()),
+        "std": float(values.std()),
+        "se": float(values.std() / math.sqrt(len(values))),
+        "q05": float(q[0]),
+        "median": float(q[1]),
+        "q95": float(q[2]),
+    }
 
 
 def linear_q(m: int, h: int, n: int, samples: int, init: str, generator: torch.Generator) -> tuple[torch.Tensor, float]:
@@ -81,8 +87,19 @@ def xavier_linear(tuples: list[tuple[int, int, int]], samples: int) -> list[dict
         for i, (m, h, n) in enumerate(tuples):
             values, expected = linear_q(m, h, n, samples, init, torch.Generator().manual_seed(1000 * i + len(init)))
             s = summary(values)
-            rows.append({"init": init, "m": m, "h": h, "n": n, "m_minus_h": m - h, "expected": expected, **s,
-                         "z": (s["mean"] - expected) / s["se"], "values": values.tolist()})
+            rows.append(
+                {
+                    "init": init,
+                    "m": m,
+                    "h": h,
+                    "n": n,
+                    "m_minus_h": m - h,
+                    "expected": expected,
+                    **s,
+                    "z": (s["mean"] - expected) / s["se"],
+                    "values": values.tolist(),
+                }
+            )
     return rows
 
 
@@ -90,14 +107,30 @@ def xavier_nonlinear(size: int, samples: int) -> list[dict]:
     rows = []
     g = torch.Generator().manual_seed(7)
     for name in ("identity", "relu", "tanh", "sigmoid"):
-        values = torch.stack([
-            whitened_conserved_quantity(torch.randn(size, size, generator=g, dtype=torch.float64) / math.sqrt(size),
-                                        torch.randn(size, size, generator=g, dtype=torch.float64) / math.sqrt(size), name)
-            for _ in range(samples)])
+        values = torch.stack(
+            [
+                whitened_conserved_quantity(
+                    torch.randn(size, size, generator=g, dtype=torch.float64) / math.sqrt(size),
+                    torch.randn(size, size, generator=g, dtype=torch.float64) / math.sqrt(size),
+                    name,
+                )
+                for _ in range(samples)
+            ]
+        )
         expected = expected_whitened_quantity(size, size, size, name)
         s = summary(values)
-        rows.append({"activation": name, "m": size, "h": size, "n": size, "expected": expected, **s,
-                     "z": (s["mean"] - expected) / s["se"], "values": values.tolist()})
+        rows.append(
+            {
+                "activation": name,
+                "m": size,
+                "h": size,
+                "n": size,
+                "expected": expected,
+                **s,
+                "z": (s["mean"] - expected) / s["se"],
+                "values": values.tolist(),
+            }
+        )
     return rows
 
 
@@ -131,8 +164,14 @@ def drift_run(name: str, lr: float, horizon: float, seed: int = 0) -> dict[str, 
         loss.backward()
         opt.step()
     per_step = [r.step_drift["Q"] for r in monitor.history]
-    return {"activation": name, "lr": lr, "steps": steps, "mean_step_drift": statistics.fmean(per_step),
-            "total_drift": monitor.history[-1].drift["Q"], "final_loss": float(loss.detach())}
+    return {
+        "activation": name,
+        "lr": lr,
+        "steps": steps,
+        "mean_step_drift": statistics.fmean(per_step),
+        "total_drift": monitor.history[-1].drift["Q"],
+        "final_loss": float(loss.detach()),
+    }
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -146,8 +185,13 @@ def drift_vs_lr(lrs: list[float], horizon: float) -> tuple[list[dict], list[dict
     for name in ACTIVATIONS:
         rows = [drift_run(name, lr, horizon) for lr in lrs]
         runs += rows
-        fits.append({"activation": name, "step_slope": slope(lrs, [r["mean_step_drift"] for r in rows]),
-                     "total_slope": slope(lrs, [r["total_drift"] for r in rows])})
+        fits.append(
+            {
+                "activation": name,
+                "step_slope": slope(lrs, [r["mean_step_drift"] for r in rows]),
+                "total_slope": slope(lrs, [r["total_drift"] for r in rows]),
+            }
+        )
     return runs, fits
 
 
@@ -167,8 +211,12 @@ def plot(result: dict, directory: Path) -> None:
     axes[1].legend(fontsize=7)
     for fit in result["fits"]:
         rows = [r for r in result["drift"] if r["activation"] == fit["activation"]]
-        axes[2].loglog([r["lr"] for r in rows], [r["mean_step_drift"] for r in rows], "o-",
-                       label=f"{fit['activation']} (slope {fit['step_slope']:.2f})")
+        axes[2].loglog(
+            [r["lr"] for r in rows],
+            [r["mean_step_drift"] for r in rows],
+            "o-",
+            label=f"{fit['activation']} (slope {fit['step_slope']:.2f})",
+        )
     axes[2].set(title="App. A.4: mean per-step drift of Q under GD", xlabel="learning rate", ylabel="|dQ| / scale per step")
     axes[2].legend(fontsize=7)
     fig.tight_layout()
@@ -192,25 +240,76 @@ def main(argv: list[str] | None = None) -> dict:
         linear = xavier_linear(tuples, samples)
         nonlinear = xavier_nonlinear(size, samples)
         runs, fits = drift_vs_lr(lrs, horizon)
-    settings = {"samples": samples, "tuples": tuples, "nonlinear_size": size, "lrs": lrs, "horizon": horizon,
-                "drift_problem": "1/2 ||Y - U sigma(V)||^2, U 5x50, V 50x10, X = I (eq. A.30)", "dtype": "float64"}
-    result = {**header("conserved quantities (papers/001 Sec. 2.6, App. A.4)", settings),
-              "xavier_linear": linear, "xavier_nonlinear": nonlinear, "drift": runs, "fits": fits}
+    settings = {
+        "samples": samples,
+        "tuples": tuples,
+        "nonlinear_size": size,
+        "lrs": lrs,
+        "horizon": horizon,
+        "drift_problem": "1/2 ||Y - U sigma(V)||^2, U 5x50, V 50x10, X = I (eq. A.30)",
+        "dtype": "float64",
+    }
+    result = {
+        **header("conserved quantities (papers/001 Sec. 2.6, App. A.4)", settings),
+        "xavier_linear": linear,
+        "xavier_nonlinear": nonlinear,
+        "drift": runs,
+        "fits": fits,
+    }
     print(f"eq. 2.16: E[Q] = m - h under Xavier init, {samples} draws per tuple; {result['machine']}, {result['date']}")
-    print_table(linear, [("init", "init", "s"), ("m", "m", "d"), ("h", "h", "d"), ("n", "n", "d"),
-                         ("expected", "E[Q]", ".3f"), ("mean", "mean", ".3f"), ("se", "SE", ".3f"), ("z", "z", "+.2f"),
-                         ("std", "std", ".3f"), ("q05", "5%", ".2f"), ("median", "median", ".2f"), ("q95", "95%", ".2f")])
+    print_table(
+        linear,
+        [
+            ("init", "init", "s"),
+            ("m", "m", "d"),
+            ("h", "h", "d"),
+            ("n", "n", "d"),
+            ("expected", "E[Q]", ".3f"),
+            ("mean", "mean", ".3f"),
+            ("se", "SE", ".3f"),
+            ("z", "z", "+.2f"),
+            ("std", "std", ".3f"),
+            ("q05", "5%", ".2f"),
+            ("median", "median", ".2f"),
+            ("q95", "95%", ".2f"),
+        ],
+    )
     print(f"\nFig. 2.3: Q of eq. 2.17, m = h = n = {size}, {samples} draws")
-    print_table(nonlinear, [("activation", "activation", "s"), ("expected", "E[Q]", ".4f"), ("mean", "mean", ".4f"),
-                            ("se", "SE", ".4f"), ("z", "z", "+.2f"), ("std", "std", ".3f"), ("q05", "5%", ".2f"),
-                            ("median", "median", ".2f"), ("q95", "95%", ".2f")])
+    print_table(
+        nonlinear,
+        [
+            ("activation", "activation", "s"),
+            ("expected", "E[Q]", ".4f"),
+            ("mean", "mean", ".4f"),
+            ("se", "SE", ".4f"),
+            ("z", "z", "+.2f"),
+            ("std", "std", ".3f"),
+            ("q05", "5%", ".2f"),
+            ("median", "median", ".2f"),
+            ("q95", "95%", ".2f"),
+        ],
+    )
     print(f"\nApp. A.4: GD drift of Q over flow time T = {horizon} (T / lr steps), ConservationMonitor")
-    print_table(runs, [("activation", "activation", "s"), ("lr", "lr", "g"), ("steps", "steps", "d"),
-                       ("mean_step_drift", "mean per-step drift", ".3e"), ("total_drift", "drift at T", ".3e"),
-                       ("final_loss", "loss at T", ".4f")])
+    print_table(
+        runs,
+        [
+            ("activation", "activation", "s"),
+            ("lr", "lr", "g"),
+            ("steps", "steps", "d"),
+            ("mean_step_drift", "mean per-step drift", ".3e"),
+            ("total_drift", "drift at T", ".3e"),
+            ("final_loss", "loss at T", ".4f"),
+        ],
+    )
     print()
-    print_table(fits, [("activation", "activation", "s"), ("step_slope", "log-log slope per step (lr^2: 2)", ".3f"),
-                       ("total_slope", "slope at fixed T (lr: 1)", ".3f")])
+    print_table(
+        fits,
+        [
+            ("activation", "activation", "s"),
+            ("step_slope", "log-log slope per step (lr^2: 2)", ".3f"),
+            ("total_slope", "slope at fixed T (lr: 1)", ".3f"),
+        ],
+    )
     finish(result, args, plot)
     return result
 

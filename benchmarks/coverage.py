@@ -80,7 +80,20 @@ def measure(name: str, kwargs: dict[str, Any], size: int, repeats: int) -> dict[
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("model", "params", "sites", "cont.", "discr.", "approx.", "coverage", "exact only", "detect s", "certify s", "dropped", "unchecked s")
+    head = (
+        "model",
+        "params",
+        "sites",
+        "cont.",
+        "discr.",
+        "approx.",
+        "coverage",
+        "exact only",
+        "detect s",
+        "certify s",
+        "dropped",
+        "unchecked s",
+    )
     lines = [head]
     for r in rows:
         lines.append(
@@ -142,7 +155,9 @@ def main() -> None:
     rows = []
     for name, kwargs in zoo:
         rows.append(measure(name, kwargs, size, repeats))
-        print(f"{name}: {rows[-1]['sites']} sites, coverage {100 * rows[-1]['coverage']:.1f}%, {rows[-1]['seconds_median']:.2f} s", flush=True)
+        print(
+            f"{name}: {rows[-1]['sites']} sites, coverage {100 * rows[-1]['coverage']:.1f}%, {rows[-1]['seconds_median']:.2f} s", flush=True
+        )
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
     date = datetime.date.today().isoformat()
     print()

@@ -147,7 +147,11 @@ def run_case(name: str, quick: bool, seed: int, plot_dir: Path | None, progress:
 
         labels = _labels(problem)
         fig = plot_generators(action, plot_dir / f"discovery_{name}_generators.png", labels=labels, title=f"{name}: learned generators")
-        fig2 = plot_curves(comparison, plot_dir / f"discovery_{name}_curves.png", title=f"{name}: loss along curves (ratio {comparison.invariance_ratio:.3g})")
+        fig2 = plot_curves(
+            comparison,
+            plot_dir / f"discovery_{name}_curves.png",
+            title=f"{name}: loss along curves (ratio {comparison.invariance_ratio:.3g})",
+        )
         import matplotlib.pyplot as plt
 
         plt.close(fig)

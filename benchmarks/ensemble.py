@@ -102,8 +102,10 @@ def run(seeds: list[int], epochs: int, eps_grid: list[float], members: int, quie
         model, data = train(seed, epochs)
         with torch.no_grad():
             out = model(data["x_test"])
-        single = {"test_loss": float(F.cross_entropy(out, data["y_test"])),
-                  "test_accuracy": float((out.argmax(1) == data["y_test"]).double().mean())}
+        single = {
+            "test_loss": float(F.cross_entropy(out, data["y_test"])),
+            "test_accuracy": float((out.argmax(1) == data["y_test"]).double().mean()),
+        }
         single.update(vote_accuracy=single["test_accuracy"], test_dev=0.0, train_dev=0.0)
         per_seed.setdefault(("single model", 0.0), []).append(single)
         for eps in eps_grid:
@@ -157,15 +159,35 @@ def main(argv: list[str] | None = None) -> dict:
     epochs = args.epochs or (10 if args.quick else 60)
     eps_grid = args.eps or ([1e-3, 1e-1, 3.0] if args.quick else [1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0, 3.0])
     rows = run(seeds, epochs, eps_grid, args.members, args.quick)
-    settings = {"seeds": seeds, "epochs": epochs, "members": args.members, "eps": eps_grid, "widths": [64, 16, 10, 10],
-                "optimizer": "Adam lr 1e-2 batch 64", "dtype": "float64", "site": "last hidden layer (2.weight, 4.weight)"}
+    settings = {
+        "seeds": seeds,
+        "epochs": epochs,
+        "members": args.members,
+        "eps": eps_grid,
+        "widths": [64, 16, 10, 10],
+        "optimizer": "Adam lr 1e-2 batch 64",
+        "dtype": "float64",
+        "site": "last hidden layer (2.weight, 4.weight)",
+    }
     result = {**header("ensemble (papers/002 App. I, Fig. 10)", settings), "rows": rows}
-    print(f"papers/002 App. I in small: {args.members}-member ensembles on digits, medians over seeds {seeds}, "
-          f"{epochs} epochs of Adam; {result['machine']}, {result['date']}")
-    print_table(rows, [("kind", "kind", "s"), ("eps", "eps", "g"), ("test_loss", "test loss", ".4f"),
-                       ("delta_loss", "d loss", "+.4f"), ("test_accuracy", "test acc", ".3f"),
-                       ("delta_accuracy", "d acc", "+.3f"), ("vote_accuracy", "vote acc", ".3f"),
-                       ("test_dev", "member dev test", ".2e"), ("train_dev", "member dev train", ".2e")])
+    print(
+        f"papers/002 App. I in small: {args.members}-member ensembles on digits, medians over seeds {seeds}, "
+        f"{epochs} epochs of Adam; {result['machine']}, {result['date']}"
+    )
+    print_table(
+        rows,
+        [
+            ("kind", "kind", "s"),
+            ("eps", "eps", "g"),
+            ("test_loss", "test loss", ".4f"),
+            ("delta_loss", "d loss", "+.4f"),
+            ("test_accuracy", "test acc", ".3f"),
+            ("delta_accuracy", "d acc", "+.3f"),
+            ("vote_accuracy", "vote acc", ".3f"),
+            ("test_dev", "member dev test", ".2e"),
+            ("train_dev", "member dev train", ".2e"),
+        ],
+    )
     finish(result, args, plot)
     return result
 

@@ -79,7 +79,10 @@ def initial_weights(problem: Problem, seed: int) -> Tensor:
     """(5, out, in): base, base asym + two other sym parts, base sym + two other asym parts (parts of norms 1, 2, -0.5)."""
     out, d = problem.y.shape[1], problem.x.shape[1]
     g = torch.Generator().manual_seed(seed)
-    draws = [split_weights(torch.randn(out, d, generator=g, dtype=problem.x.dtype), problem.group, output_representation=problem.rho) for _ in range(3)]
+    draws = [
+        split_weights(torch.randn(out, d, generator=g, dtype=problem.x.dtype), problem.group, output_representation=problem.rho)
+        for _ in range(3)
+    ]
     scales = (1.0, 2.0, -0.5)
     sym = [c * s.symmetric / s.symmetric.norm() for c, s in zip(scales, draws)]
     asym = [c * s.asymmetric / s.asymmetric.norm() for c, s in zip(scales, draws)]
@@ -277,14 +280,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--quick", action="store_true", help="lr 1e-3, time 1.5 and 100 records instead of 1e-4, 2.2 and 400")
     parser.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=PROBLEMS)
     parser.add_argument("--lr", type=float, default=None, help="GD step (default 1e-4, quick 1e-3)")
-    parser.add_argument("--time", type=float, default=None, help="gradient-flow time to train for, steps = time / lr (default 2.2, quick 1.5)")
+    parser.add_argument(
+        "--time", type=float, default=None, help="gradient-flow time to train for, steps = time / lr (default 2.2, quick 1.5)"
+    )
     parser.add_argument("--points", type=int, default=25, help="orbit representatives per problem")
     parser.add_argument("--records", type=int, default=None, help="snapshots along the run (default 400, quick 100)")
     parser.add_argument("--fit-upper", type=float, default=1e-4, help="fit where A(t)/A(0) <= this (late: the slowest mode dominates)")
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads (the problems are tiny: 2 OpenMP threads ran 6-10x slower on a loaded 2-core machine)"
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (the problems are tiny: 2 OpenMP threads ran 6-10x slower on a loaded 2-core machine)",
     )
     parser.add_argument("--json", type=str, default=None)
     parser.add_argument("--plot-dir", type=str, default=None)
@@ -305,7 +313,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"config": {k: v for k, v in vars(args).items() if k not in ("json", "plot_dir", "threads")}, "results": results}, f, indent=1)
+            json.dump(
+                {"config": {k: v for k, v in vars(args).items() if k not in ("json", "plot_dir", "threads")}, "results": results},
+                f,
+                indent=1,
+            )
     plot_dir = args.plot_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else None)
     if plot_dir:
         plot(results, plot_dir)

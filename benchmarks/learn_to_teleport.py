@@ -94,14 +94,21 @@ def teleport_cost(policy: TeleportPolicy, size: int, reps: int) -> dict[str, flo
 
     t_train, t_tele = [], []
     for _ in range(reps):
-        a = time.perf_counter(); train_step(); t_train.append(time.perf_counter() - a)
-        a = time.perf_counter(); moved = tele(); t_tele.append(time.perf_counter() - a)
+        a = time.perf_counter()
+        train_step()
+        t_train.append(time.perf_counter() - a)
+        a = time.perf_counter()
+        moved = tele()
+        t_tele.append(time.perf_counter() - a)
     with torch.no_grad():
         before = float(problem.loss(w))
         after = float(problem.loss({"W1": moved[0], "W2": moved[2]}))
-    return {"train_step_ms": 1e3 * statistics.median(t_train), "teleport_ms": 1e3 * statistics.median(t_tele),
-            "teleport_over_step": statistics.median(t_tele) / statistics.median(t_train),
-            "loss_rel_change_float64": abs(after - before) / before}
+    return {
+        "train_step_ms": 1e3 * statistics.median(t_train),
+        "teleport_ms": 1e3 * statistics.median(t_tele),
+        "teleport_over_step": statistics.median(t_tele) / statistics.median(t_train),
+        "loss_rel_change_float64": abs(after - before) / before,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -112,7 +119,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=None, help="steps per trajectory, train and test (default 100, quick 30)")
     parser.add_argument("--unroll", type=int, default=10)
     parser.add_argument("--size", type=int, default=None, help="n = h = m = k of the problems (default 20, quick 10)")
-    parser.add_argument("--transfer-size", type=int, default=None, help="larger test problems for the trained policies (default 40, quick 16)")
+    parser.add_argument(
+        "--transfer-size", type=int, default=None, help="larger test problems for the trained policies (default 40, quick 16)"
+    )
     parser.add_argument("--test", type=int, default=5, help="held-out test problems")
     parser.add_argument("--gd-lr", type=float, default=3e-4)
     parser.add_argument("--lr-update", type=float, default=1e-3, help="meta lr of m1 (the thesis: 1e-4)")
@@ -146,9 +155,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if arm == "gd":
                 secs.append(0.0)
             else:
-                res = meta_train(policy, sampler, trajectories=args.trajectories, steps=args.steps, unroll=args.unroll,
-                                 lr_update=args.lr_update, lr_group=args.lr_group, seed=seed,
-                                 progress=not args.no_progress)
+                res = meta_train(
+                    policy,
+                    sampler,
+                    trajectories=args.trajectories,
+                    steps=args.steps,
+                    unroll=args.unroll,
+                    lr_update=args.lr_update,
+                    lr_group=args.lr_group,
+                    seed=seed,
+                    progress=not args.no_progress,
+                )
                 secs.append(res.seconds)
             curves.append(mean_curve(policy, test, args.steps))
             big_curves.append(mean_curve(policy, big_test, args.steps))
@@ -168,21 +185,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
     cost = teleport_cost(trained_tele, args.size, reps=20 if args.quick else 200)
 
-    print(f"Learning to teleport (Zhao 2026 Sec. 5.5, Fig. 5.12): {s}x{s} problems, {args.test} held-out, "
-          f"{args.seeds} seeds x {args.trajectories} trajectories x {args.steps} steps")
-    print(f"{'arm':<20}{'loss@0':>10}{'median@end':>12}{'min':>10}{'max':>10}{'meta-train s':>14}"
-          f"{'@end ' + str(args.transfer_size) + 'x' + str(args.transfer_size):>16}")
-    for arm, r in arms.items():
-        print(f"{r['label']:<20}{r['test_loss'][0]:>10.2f}{r['test_loss'][-1]:>12.2f}{r['test_loss_min'][-1]:>10.2f}"
-              f"{r['test_loss_max'][-1]:>10.2f}{r['meta_train_seconds']:>14.1f}{r['transfer_test_loss'][-1]:>16.2f}")
+    print(
+        f"Learning to teleport (Zhao 2026 Sec. 5.5, Fig. 5.12): {s}x{s} problems, {args.test} held-out, "
+        f"{args.seeds} seeds x {args.trajectories} trajectories x {args.steps} steps"
+    )
+    print(
+        f"{'arm':<20}{'loss@0':>10}{'median@end':>12}{'min':>10}{'max':>10}{'meta-train s':>14}"
+        f"{'@end ' + str(args.transfer_size) + 'x' + str(args.transfer_size):>16}"
+    )
+    for r in arms.values():
+        print(
+            f"{r['label']:<20}{r['test_loss'][0]:>10.2f}{r['test_loss'][-1]:>12.2f}{r['test_loss_min'][-1]:>10.2f}"
+            f"{r['test_loss_max'][-1]:>10.2f}{r['meta_train_seconds']:>14.1f}{r['transfer_test_loss'][-1]:>16.2f}"
+        )
     order = [arms[a]["test_loss"][-1] for a in ("lstm_update_tele", "lstm_update", "gd")]
     reproduced = order[0] < order[1] < order[2]
     print(f"Fig. 5.12 ordering at step {args.steps} (update,tele < update < GD, medians): {'yes' if reproduced else 'no'}")
-    print(f"policy teleport {cost['teleport_ms']:.3f} ms vs training step {cost['train_step_ms']:.3f} ms "
-          f"(ratio {cost['teleport_over_step']:.2f}); loss change in float64 {cost['loss_rel_change_float64']:.1e}")
+    print(
+        f"policy teleport {cost['teleport_ms']:.3f} ms vs training step {cost['train_step_ms']:.3f} ms "
+        f"(ratio {cost['teleport_over_step']:.2f}); loss change in float64 {cost['loss_rel_change_float64']:.1e}"
+    )
 
-    result = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")}, "arms": arms,
-              "ordering_reproduced": reproduced, "teleport_cost": cost}
+    result = {
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+        "arms": arms,
+        "ordering_reproduced": reproduced,
+        "teleport_cost": cost,
+    }
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
@@ -195,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        for arm, r in arms.items():
+        for r in arms.values():
             steps = range(len(r["test_loss"]))
             (line,) = ax.plot(steps, r["test_loss"], label=r["label"])
             ax.fill_between(steps, r["test_loss_min"], r["test_loss_max"], color=line.get_color(), alpha=0.2)

@@ -66,8 +66,9 @@ def representation_rank(params, x, rtol: float = 1e-4) -> int:
     return int((eigenvalues > rtol * eigenvalues.max()).sum())
 
 
-def train(k: int, optimizer_name: str, method: str, data, steps: int, gamma: float, sigma0: float,
-          exclude_1d: bool = True, seed: int = 0) -> dict:
+def train(
+    k: int, optimizer_name: str, method: str, data, steps: int, gamma: float, sigma0: float, exclude_1d: bool = True, seed: int = 0
+) -> dict:
     x_train, y_train, x_test, y_test = data
     params = collapsed_init(k, seed=1 + seed)
     weight_decay = gamma if method == "weight decay" else 0.0
@@ -132,8 +133,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--gamma", type=float, default=1e-3)
     p.add_argument("--sigma0", type=float, default=0.01)
-    p.add_argument("--one-d", choices=["exclude", "decay"], default="exclude",
-                   help="syre's treatment of biases (1-D tensors): timm's exclusion or decay towards an anchor")
+    p.add_argument(
+        "--one-d",
+        choices=["exclude", "decay"],
+        default="exclude",
+        help="syre's treatment of biases (1-D tensors): timm's exclusion or decay towards an anchor",
+    )
     p.add_argument("--seed", type=int, default=0, help="offset of the initialisation and batch seeds")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -142,18 +147,43 @@ def main(argv: list[str] | None = None) -> dict:
     optimizers = ["sgd"] if args.quick else ["sgd", "adam"]
     data = digits()
     runs = [(name, k, method) for name in optimizers for k in capacities for method in ("plain", "weight decay", "syre")]
-    rows = [train(k, name, method, data, steps, args.gamma, args.sigma0, args.one_d == "exclude", args.seed)
-            for name, k, method in tqdm(runs, desc="syre_collapse", disable=args.quick)]
-    result = {**header("syre_collapse (papers/003 Fig. 1)",
-                       {"steps": steps, "gamma": args.gamma, "sigma0": args.sigma0, "hidden": HIDDEN, "batch": 64,
-                        "one_d": args.one_d, "seed": args.seed}),
-              "rows": rows}
-    print(f"papers/003 Fig. 1 on digits: 64-unit ReLU net from k distinct neurons, {steps} steps, "
-          f"gamma={args.gamma}, sigma0={args.sigma0}; {result['machine']}, {result['date']}")
-    print_table(rows, [("optimizer", "opt", "s"), ("initial_distinct", "k", "d"), ("method", "method", "s"),
-                       ("loss_10pct", "loss@10%", ".4f"), ("loss_50pct", "loss@50%", ".4f"),
-                       ("final_loss", "final loss", ".4f"), ("test_accuracy", "test acc", ".3f"),
-                       ("distinct_neurons", "distinct", "d"), ("rank", "rank", "d")])
+    rows = [
+        train(k, name, method, data, steps, args.gamma, args.sigma0, args.one_d == "exclude", args.seed)
+        for name, k, method in tqdm(runs, desc="syre_collapse", disable=args.quick)
+    ]
+    result = {
+        **header(
+            "syre_collapse (papers/003 Fig. 1)",
+            {
+                "steps": steps,
+                "gamma": args.gamma,
+                "sigma0": args.sigma0,
+                "hidden": HIDDEN,
+                "batch": 64,
+                "one_d": args.one_d,
+                "seed": args.seed,
+            },
+        ),
+        "rows": rows,
+    }
+    print(
+        f"papers/003 Fig. 1 on digits: 64-unit ReLU net from k distinct neurons, {steps} steps, "
+        f"gamma={args.gamma}, sigma0={args.sigma0}; {result['machine']}, {result['date']}"
+    )
+    print_table(
+        rows,
+        [
+            ("optimizer", "opt", "s"),
+            ("initial_distinct", "k", "d"),
+            ("method", "method", "s"),
+            ("loss_10pct", "loss@10%", ".4f"),
+            ("loss_50pct", "loss@50%", ".4f"),
+            ("final_loss", "final loss", ".4f"),
+            ("test_accuracy", "test acc", ".3f"),
+            ("distinct_neurons", "distinct", "d"),
+            ("rank", "rank", "d"),
+        ],
+    )
     finish(result, args, plot)
     return result
 

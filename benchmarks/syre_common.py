@@ -27,8 +27,10 @@ def parser(doc: str) -> argparse.ArgumentParser:
 def machine() -> str:
     """One line naming the machine and library versions (for the result tables)."""
     cpu = platform.processor() or platform.machine()
-    return (f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch thread(s), "
-            f"python {sys.version.split()[0]}, torch {torch.__version__}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch thread(s), "
+        f"python {sys.version.split()[0]}, torch {torch.__version__}"
+    )
 
 
 def header(benchmark: str, settings: dict[str, Any]) -> dict[str, Any]:

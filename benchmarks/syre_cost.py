@@ -94,26 +94,34 @@ def run(model: str, rounds: int, warmup: int, gamma: float) -> dict:
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     order = list(MODES)
     for r in range(rounds):
-        for mode in order[r % len(order):] + order[: r % len(order)]:  # rotate to spread drift
+        for mode in order[r % len(order) :] + order[: r % len(order)]:  # rotate to spread drift
             start = time.perf_counter()
             optimizers[mode].step()
             times[mode].append(time.perf_counter() - start)
     rows = []
+
     def overhead(mode: str, baseline: str) -> float:
         return statistics.median(t / b for t, b in zip(times[mode], times[baseline])) - 1
 
     for mode in MODES:
-        rows.append({
-            "mode": mode,
-            "median_step_ms": 1e3 * statistics.median(times[mode]),
-            "overhead_vs_adamw_wd": overhead(mode, BASELINE),
-            "overhead_vs_adam_l2": overhead(mode, COUPLED_BASELINE),
-            "overhead_vs_no_decay": overhead(mode, NO_DECAY),
-            "kept_mib": kept_bytes(optimizers[mode]) / 2**20,
-            "transient_mib": transient_bytes(optimizers[mode]) / 2**20,
-        })
-    settings = {"model": model, "rounds": rounds, "gamma": gamma, "base": "AdamW(lr=1e-3, foreach=True)",
-                "goal": "decoupled syre overhead <= 10% vs AdamW"}
+        rows.append(
+            {
+                "mode": mode,
+                "median_step_ms": 1e3 * statistics.median(times[mode]),
+                "overhead_vs_adamw_wd": overhead(mode, BASELINE),
+                "overhead_vs_adam_l2": overhead(mode, COUPLED_BASELINE),
+                "overhead_vs_no_decay": overhead(mode, NO_DECAY),
+                "kept_mib": kept_bytes(optimizers[mode]) / 2**20,
+                "transient_mib": transient_bytes(optimizers[mode]) / 2**20,
+            }
+        )
+    settings = {
+        "model": model,
+        "rounds": rounds,
+        "gamma": gamma,
+        "base": "AdamW(lr=1e-3, foreach=True)",
+        "goal": "decoupled syre overhead <= 10% vs AdamW",
+    }
     return {
         **header("syre_cost", settings),
         "parameters": sum(t.numel() for t in template),
@@ -124,16 +132,19 @@ def run(model: str, rounds: int, warmup: int, gamma: float) -> dict:
 
 def print_table(result: dict) -> None:
     settings = result["settings"]
-    print(f"syre cost on {settings['model']} ({result['parameters'] / 1e6:.2f}M parameters, "
-          f"{result['parameter_mib']:.1f} MiB), median of {settings['rounds']} rounds; {result['machine']}, {result['date']}")
-    header = (f"{'mode':<22} {'step ms':>8} {'vs AdamW wd':>12} {'vs Adam L2':>11} {'vs no decay':>12} "
-              f"{'kept MiB':>9} {'transient MiB':>14}")
+    print(
+        f"syre cost on {settings['model']} ({result['parameters'] / 1e6:.2f}M parameters, "
+        f"{result['parameter_mib']:.1f} MiB), median of {settings['rounds']} rounds; {result['machine']}, {result['date']}"
+    )
+    header = f"{'mode':<22} {'step ms':>8} {'vs AdamW wd':>12} {'vs Adam L2':>11} {'vs no decay':>12} {'kept MiB':>9} {'transient MiB':>14}"
     print(header)
     print("-" * len(header))
     for row in result["rows"]:
-        print(f"{row['mode']:<22} {row['median_step_ms']:>8.1f} {100 * row['overhead_vs_adamw_wd']:>+11.1f}% "
-              f"{100 * row['overhead_vs_adam_l2']:>+10.1f}% {100 * row['overhead_vs_no_decay']:>+11.1f}% "
-              f"{row['kept_mib']:>9.1f} {row['transient_mib']:>14.1f}")
+        print(
+            f"{row['mode']:<22} {row['median_step_ms']:>8.1f} {100 * row['overhead_vs_adamw_wd']:>+11.1f}% "
+            f"{100 * row['overhead_vs_adam_l2']:>+10.1f}% {100 * row['overhead_vs_no_decay']:>+11.1f}% "
+            f"{row['kept_mib']:>9.1f} {row['transient_mib']:>14.1f}"
+        )
 
 
 def plot(result: dict, directory: Path) -> None:

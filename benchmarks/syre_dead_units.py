@@ -58,13 +58,15 @@ def train(method: str, problem, steps: int, lr: float, batch: int, gamma: float,
         if (step + 1) % (steps // checkpoints) == 0:
             with torch.no_grad():
                 size = torch.maximum(u.abs(), w.abs())
-                history.append({
-                    "method": method,
-                    "step": step + 1,
-                    "dead_1e-5": int((size < 1e-5).sum()),
-                    "dead_1e-3": int((size < 1e-3).sum()),
-                    "train_loss": float(((x @ (u * w) - y) ** 2).mean()),
-                })
+                history.append(
+                    {
+                        "method": method,
+                        "step": step + 1,
+                        "dead_1e-5": int((size < 1e-5).sum()),
+                        "dead_1e-3": int((size < 1e-3).sum()),
+                        "train_loss": float(((x @ (u * w) - y) ** 2).mean()),
+                    }
+                )
     return history
 
 
@@ -96,15 +98,31 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     steps = args.steps or (2000 if args.quick else 20000)
     problem = data(args.samples)
-    rows = [row for method in METHODS
-            for row in train(method, problem, steps, args.lr, args.batch, args.gamma, args.sigma0, checkpoints=5)]
-    settings = {"d": D, "samples": args.samples, "steps": steps, "lr": args.lr, "batch": args.batch,
-                "gamma": args.gamma, "sigma0": args.sigma0}
+    rows = [row for method in METHODS for row in train(method, problem, steps, args.lr, args.batch, args.gamma, args.sigma0, checkpoints=5)]
+    settings = {
+        "d": D,
+        "samples": args.samples,
+        "steps": steps,
+        "lr": args.lr,
+        "batch": args.batch,
+        "gamma": args.gamma,
+        "sigma0": args.sigma0,
+    }
     result = {**header("syre_dead_units (papers/003 Fig. 3 right)", settings), "rows": rows}
-    print(f"papers/003 Fig. 3 right: dead units of l(u, w) = |(u*w).x - y|^2, d={D}, SGD lr={args.lr}, "
-          f"batch={args.batch}, gamma={args.gamma}, sigma0={args.sigma0}; {result['machine']}, {result['date']}")
-    print_table(rows, [("method", "method", "s"), ("step", "iteration", "d"), ("dead_1e-5", "dead (<1e-5)", "d"),
-                       ("dead_1e-3", "dead (<1e-3)", "d"), ("train_loss", "train loss", ".4f")])
+    print(
+        f"papers/003 Fig. 3 right: dead units of l(u, w) = |(u*w).x - y|^2, d={D}, SGD lr={args.lr}, "
+        f"batch={args.batch}, gamma={args.gamma}, sigma0={args.sigma0}; {result['machine']}, {result['date']}"
+    )
+    print_table(
+        rows,
+        [
+            ("method", "method", "s"),
+            ("step", "iteration", "d"),
+            ("dead_1e-5", "dead (<1e-5)", "d"),
+            ("dead_1e-3", "dead (<1e-3)", "d"),
+            ("train_loss", "train loss", ".4f"),
+        ],
+    )
     finish(result, args, plot)
     return result
 

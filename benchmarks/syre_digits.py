@@ -32,8 +32,13 @@ from teleopt.syre import Syre  # noqa: E402
 def mlp(seed: int) -> torch.nn.Sequential:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(64, 300), torch.nn.ReLU(), torch.nn.Linear(300, 300), torch.nn.ReLU(),
-        torch.nn.Linear(300, 300), torch.nn.ReLU(), torch.nn.Linear(300, 10),
+        torch.nn.Linear(64, 300),
+        torch.nn.ReLU(),
+        torch.nn.Linear(300, 300),
+        torch.nn.ReLU(),
+        torch.nn.Linear(300, 300),
+        torch.nn.ReLU(),
+        torch.nn.Linear(300, 10),
     )
 
 
@@ -47,8 +52,7 @@ def first_layer_ranks(model: torch.nn.Sequential, x: torch.Tensor, alpha: float)
     return ranks[0], ranks[1]
 
 
-def train(method: str, gamma: float, sigma0: float | None, alpha: float, epochs: int, exclude_1d: bool = True,
-          seed: int = 0) -> dict:
+def train(method: str, gamma: float, sigma0: float | None, alpha: float, epochs: int, exclude_1d: bool = True, seed: int = 0) -> dict:
     x_train, y_train, x_test, y_test = digits(alpha=alpha)
     model = mlp(seed=1 + seed)
     base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=gamma if method == "vanilla" else 0.0)
@@ -65,8 +69,16 @@ def train(method: str, gamma: float, sigma0: float | None, alpha: float, epochs:
         train_accuracy = float((model(x_train).argmax(1) == y_train).float().mean())
         test_accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
     pre, post = first_layer_ranks(model, x_train, alpha)
-    return {"alpha": alpha, "gamma": gamma, "method": method, "sigma0": "-" if sigma0 is None else sigma0,
-            "train_accuracy": train_accuracy, "test_accuracy": test_accuracy, "rank_pre": pre, "rank_post": post}
+    return {
+        "alpha": alpha,
+        "gamma": gamma,
+        "method": method,
+        "sigma0": "-" if sigma0 is None else sigma0,
+        "train_accuracy": train_accuracy,
+        "test_accuracy": test_accuracy,
+        "rank_pre": pre,
+        "rank_post": post,
+    }
 
 
 def plot(result: dict, directory: Path) -> None:
@@ -97,8 +109,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--alpha", type=float, nargs="+", default=[1.0])
     p.add_argument("--gammas", type=float, nargs="+", default=None)
     p.add_argument("--sigma0", type=float, nargs="+", default=None)
-    p.add_argument("--one-d", choices=["exclude", "decay"], default="exclude",
-                   help="syre's treatment of biases (1-D tensors): timm's exclusion or decay towards an anchor")
+    p.add_argument(
+        "--one-d",
+        choices=["exclude", "decay"],
+        default="exclude",
+        help="syre's treatment of biases (1-D tensors): timm's exclusion or decay towards an anchor",
+    )
     p.add_argument("--seed", type=int, default=0, help="offset of the initialisation and shuffling seeds")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -107,19 +123,40 @@ def main(argv: list[str] | None = None) -> dict:
     sigma0s = args.sigma0 or ([1.0] if args.quick else [0.01, 0.1, 1.0])
     runs = [(alpha, gamma, "vanilla", None) for alpha in args.alpha for gamma in gammas]
     runs += [(alpha, gamma, "syre", s) for alpha in args.alpha for gamma in gammas if gamma > 0 for s in sigma0s]
-    rows = [train(method, gamma, sigma0, alpha, epochs, args.one_d == "exclude", args.seed)
-            for alpha, gamma, method, sigma0 in tqdm(runs, desc="syre_digits", disable=args.quick)]
+    rows = [
+        train(method, gamma, sigma0, alpha, epochs, args.one_d == "exclude", args.seed)
+        for alpha, gamma, method, sigma0 in tqdm(runs, desc="syre_digits", disable=args.quick)
+    ]
     rows.sort(key=lambda r: (r["alpha"], r["gamma"], r["method"] != "vanilla", str(r["sigma0"])))
-    result = {**header("syre_digits (papers/003 Sec. 6.3, Fig. 5)",
-                       {"epochs": epochs, "lr": 0.05, "momentum": 0.9, "batch": 64, "widths": [64, 300, 300, 300, 10],
-                        "one_d": args.one_d, "seed": args.seed}),
-              "rows": rows}
-    print(f"papers/003 Fig. 5 in small: 4-layer MLP on digits, {epochs} epochs of SGD+momentum; "
-          f"{result['machine']}, {result['date']}")
-    print_table(rows, [("alpha", "alpha", "g"), ("gamma", "gamma", "g"), ("method", "method", "s"),
-                       ("sigma0", "sigma0", ""), ("train_accuracy", "train acc", ".3f"),
-                       ("test_accuracy", "test acc", ".3f"), ("rank_pre", "rank pre-ReLU", "d"),
-                       ("rank_post", "rank post-ReLU", "d")])
+    result = {
+        **header(
+            "syre_digits (papers/003 Sec. 6.3, Fig. 5)",
+            {
+                "epochs": epochs,
+                "lr": 0.05,
+                "momentum": 0.9,
+                "batch": 64,
+                "widths": [64, 300, 300, 300, 10],
+                "one_d": args.one_d,
+                "seed": args.seed,
+            },
+        ),
+        "rows": rows,
+    }
+    print(f"papers/003 Fig. 5 in small: 4-layer MLP on digits, {epochs} epochs of SGD+momentum; {result['machine']}, {result['date']}")
+    print_table(
+        rows,
+        [
+            ("alpha", "alpha", "g"),
+            ("gamma", "gamma", "g"),
+            ("method", "method", "s"),
+            ("sigma0", "sigma0", ""),
+            ("train_accuracy", "train acc", ".3f"),
+            ("test_accuracy", "test acc", ".3f"),
+            ("rank_pre", "rank pre-ReLU", "d"),
+            ("rank_post", "rank post-ReLU", "d"),
+        ],
+    )
     finish(result, args, plot)
     return result
 

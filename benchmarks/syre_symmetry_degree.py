@@ -72,10 +72,9 @@ def run(kind: str, d: int, steps: int, sigma0: float, seed: int, progress: bool)
         components = final @ eigenvectors
         degree = (components.abs() < THRESHOLDS[kind]).sum(1)
         values = objective(final, b)
-    optimum = -float(eigenvalues.max()) ** 2 / 4
+    optimum = -(float(eigenvalues.max()) ** 2) / 4
     return [
-        {"spectrum": kind, "method": method, "gamma": gamma, "degree_of_symmetry": int(deg),
-         "objective": float(value), "optimum": optimum}
+        {"spectrum": kind, "method": method, "gamma": gamma, "degree_of_symmetry": int(deg), "objective": float(value), "optimum": optimum}
         for (method, gamma), deg, value in zip(configs, degree, values)
     ]
 
@@ -88,8 +87,7 @@ def plot(result: dict, directory: Path) -> None:
     for ax, kind in zip(axes, kinds):
         for method, marker in (("plain", "s"), ("weight decay", "o"), ("syre", "^")):
             rows = [r for r in result["rows"] if r["spectrum"] == kind and r["method"] == method]
-            ax.plot([r["objective"] for r in rows], [r["degree_of_symmetry"] for r in rows], marker=marker,
-                    label=method)
+            ax.plot([r["objective"] for r in rows], [r["degree_of_symmetry"] for r in rows], marker=marker, label=method)
         ax.set_xlabel("objective")
         ax.set_ylabel("degree of symmetry")
         ax.set_title(f"{kind} B (c_th = {THRESHOLDS[kind]:g})")
@@ -110,14 +108,27 @@ def main(argv: list[str] | None = None) -> dict:
     d = args.d or (200 if args.quick else 1000)
     steps = args.steps or (2000 if args.quick else 20000)
     rows = [row for kind in THRESHOLDS for row in run(kind, d, steps, args.sigma0, args.seed, not args.quick)]
-    result = {**header("syre_symmetry_degree (papers/003 Fig. 4)",
-                       {"d": d, "steps": steps, "lr": 1e-4, "sigma0": args.sigma0, "seed": args.seed}),
-              "rows": rows}
-    print(f"papers/003 Fig. 4: (w^T w)^2 - w^T B w, d={d}, GD lr=1e-4, {steps} steps, sigma0={args.sigma0}; "
-          f"{result['machine']}, {result['date']}")
-    print_table(rows, [("spectrum", "B", "s"), ("method", "method", "s"), ("gamma", "gamma", "g"),
-                       ("degree_of_symmetry", "degree of symmetry", "d"), ("objective", "objective", ".3f"),
-                       ("optimum", "optimum", ".3f")])
+    result = {
+        **header(
+            "syre_symmetry_degree (papers/003 Fig. 4)", {"d": d, "steps": steps, "lr": 1e-4, "sigma0": args.sigma0, "seed": args.seed}
+        ),
+        "rows": rows,
+    }
+    print(
+        f"papers/003 Fig. 4: (w^T w)^2 - w^T B w, d={d}, GD lr=1e-4, {steps} steps, sigma0={args.sigma0}; "
+        f"{result['machine']}, {result['date']}"
+    )
+    print_table(
+        rows,
+        [
+            ("spectrum", "B", "s"),
+            ("method", "method", "s"),
+            ("gamma", "gamma", "g"),
+            ("degree_of_symmetry", "degree of symmetry", "d"),
+            ("objective", "objective", ".3f"),
+            ("optimum", "optimum", ".3f"),
+        ],
+    )
     finish(result, args, plot)
     return result
 

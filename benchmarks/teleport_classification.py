@@ -70,8 +70,15 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "Adam": (torch.optim.Adam, {"lr": 1e-4}),
 }
 TELEPORT_EPOCH = {"AdaGrad": 2, "SGD+momentum": 0, "RMSprop": 0, "Adam": 0}
-ARMS = ("none", "teleport+transport", "teleport+reset", "teleport+keep", "reset only", "teleport+transport, ascent_lr 0.01",
-        "teleport+transport, stability cap")
+ARMS = (
+    "none",
+    "teleport+transport",
+    "teleport+reset",
+    "teleport+keep",
+    "reset only",
+    "teleport+transport, ascent_lr 0.01",
+    "teleport+transport, stability cap",
+)
 REPORT_EPOCHS = (1, 5, 10, 40)
 TELEPORTS, ASCENT_STEPS, TELEPORT_BATCH, BATCH = 8, 10, 200, 20
 
@@ -87,8 +94,16 @@ def run(opt_name: str, arm: str, seed: int, epochs: int, data) -> dict[str, Any]
         ascent_lr = 0.01 if "ascent_lr 0.01" in arm else 0.05
         safety = SafetyConfig(stability_margin=1.0) if "stability cap" in arm else None
         # no schedule: the benchmark calls teleport() itself, on its own batches, at the epoch boundary
-        teleport = Teleport(current[0], model, hidden_rescaling_sites(model), loss_fn=cross_entropy,
-                            ascent_steps=ASCENT_STEPS, ascent_lr=ascent_lr, state_policy=policy, safety=safety)
+        teleport = Teleport(
+            current[0],
+            model,
+            hidden_rescaling_sites(model),
+            loss_fn=cross_entropy,
+            ascent_steps=ASCENT_STEPS,
+            ascent_lr=ascent_lr,
+            state_policy=policy,
+            safety=safety,
+        )
         current[0] = teleport
     teleport_rows = torch.Generator().manual_seed(10_000 + seed)
 
@@ -107,7 +122,10 @@ def run(opt_name: str, arm: str, seed: int, epochs: int, data) -> dict[str, Any]
     curves = train(model, lambda: current[0], data, epochs, BATCH, seed, before_epoch)
     reports = [] if teleport is None else teleport.reports
     return {
-        "train": curves.train, "test": curves.test, "seconds": curves.seconds, "test_accuracy": curves.test_accuracy,
+        "train": curves.train,
+        "test": curves.test,
+        "seconds": curves.seconds,
+        "test_accuracy": curves.test_accuracy,
         "accepted": sum(r.accepted and r.path != "watch" for r in reports),
         "rollbacks": sum(r.path == "watch" for r in reports),
         "declined": sum((not r.accepted) and r.path != "watch" for r in reports),
@@ -162,8 +180,11 @@ def plot(result: dict[str, Any], directory: Path) -> None:
         ax.set_ylabel("cross-entropy (solid: test, dashed: train)")
         ax.set_title(f"{opt_name} (teleport before epoch {TELEPORT_EPOCH[opt_name]})", fontsize=10)
         ax.legend(fontsize=7)
-    fig.suptitle(f"papers/001 Fig. 5.10 on digits (stand-in for MNIST), mean +- std over {len(result['settings']['seeds'])} seeds; "
-                 f"{result['machine']}, {result['date']}", fontsize=9)
+    fig.suptitle(
+        f"papers/001 Fig. 5.10 on digits (stand-in for MNIST), mean +- std over {len(result['settings']['seeds'])} seeds; "
+        f"{result['machine']}, {result['date']}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(directory / "teleport_classification.png", dpi=110)
     plt.close(fig)
@@ -183,21 +204,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for opt_name, arm, seed in tqdm(plan, desc="teleport_classification", disable=args.quick):
         raw[opt_name][arm].append(run(opt_name, arm, seed, epochs, data))
     rows = [summarise(o, a, raw[o][a], raw[o]["none"], epochs) for o in OPTIMIZERS for a in ARMS]
-    settings = {"dataset": "scikit-learn digits (stand-in for MNIST), 1347 train / 450 test", "widths": [64, 16, 10, 10],
-                "activation": "LeakyReLU(0.1)", "bias": False, "batch": BATCH, "epochs": epochs, "seeds": seeds,
-                "optimizers": {k: v[1] for k, v in OPTIMIZERS.items()}, "teleport_epoch": TELEPORT_EPOCH,
-                "teleports": TELEPORTS, "ascent_steps": ASCENT_STEPS, "teleport_batch": TELEPORT_BATCH,
-                "group": "positive rescaling of both hidden layers (exact)", "objective": "grad_norm"}
+    settings = {
+        "dataset": "scikit-learn digits (stand-in for MNIST), 1347 train / 450 test",
+        "widths": [64, 16, 10, 10],
+        "activation": "LeakyReLU(0.1)",
+        "bias": False,
+        "batch": BATCH,
+        "epochs": epochs,
+        "seeds": seeds,
+        "optimizers": {k: v[1] for k, v in OPTIMIZERS.items()},
+        "teleport_epoch": TELEPORT_EPOCH,
+        "teleports": TELEPORTS,
+        "ascent_steps": ASCENT_STEPS,
+        "teleport_batch": TELEPORT_BATCH,
+        "group": "positive rescaling of both hidden layers (exact)",
+        "objective": "grad_norm",
+    }
     result = {**header("teleport_classification (papers/001 Sec. 5.4.2, Fig. 5.10-5.11)", settings), "rows": rows, "curves": raw}
-    print(f"papers/001 Sec. 5.4.2 on digits (stand-in for MNIST): 64-16-10-10 LeakyReLU MLP, batch {BATCH}, {epochs} epochs, "
-          f"mean over {len(seeds)} seeds; {result['machine']}, {result['date']}")
+    print(
+        f"papers/001 Sec. 5.4.2 on digits (stand-in for MNIST): 64-16-10-10 LeakyReLU MLP, batch {BATCH}, {epochs} epochs, "
+        f"mean over {len(seeds)} seeds; {result['machine']}, {result['date']}"
+    )
     shown = [e for e in REPORT_EPOCHS if e <= epochs]
     columns = [("optimizer", "optimizer", "s"), ("arm", "arm", "s")]
     columns += [(f"train@{e}", f"train@{e}", ".3f") for e in shown] + [(f"test@{e}", f"test@{e}", ".3f") for e in shown]
     columns += [] if epochs in shown else [("test_end", f"test@{epochs}", ".3f")]
-    columns += [("test_end_std", f"+-@{epochs}", ".3f"), ("best_test", "best test", ".3f"), ("accuracy", "test acc", ".3f"),
-                ("epochs_to_target", "ep->base", ".0f"), ("seconds_to_target", "s->base", ".2f"), ("reached", "reached", "s"),
-                ("seconds", "s total", ".2f"), ("accepted", "teleports", ".1f"), ("rollbacks", "rolled back", ".1f")]
+    columns += [
+        ("test_end_std", f"+-@{epochs}", ".3f"),
+        ("best_test", "best test", ".3f"),
+        ("accuracy", "test acc", ".3f"),
+        ("epochs_to_target", "ep->base", ".0f"),
+        ("seconds_to_target", "s->base", ".2f"),
+        ("reached", "reached", "s"),
+        ("seconds", "s total", ".2f"),
+        ("accepted", "teleports", ".1f"),
+        ("rollbacks", "rolled back", ".1f"),
+    ]
     print_table([{k: cell(r.get(k), f) for k, _, f in columns} for r in rows], [(k, t, "s") for k, t, _ in columns])
     finish(result, args, plot)
     return result

@@ -60,7 +60,9 @@ BN_OUTPUT = AxisAction(
 
 def mlp_5678() -> tuple[nn.Module, list[Site], tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 6, bias=False), nn.LeakyReLU(0.1), nn.Linear(6, 7, bias=False), nn.LeakyReLU(0.1), nn.Linear(7, 8, bias=False))
+    model = nn.Sequential(
+        nn.Linear(5, 6, bias=False), nn.LeakyReLU(0.1), nn.Linear(6, 7, bias=False), nn.LeakyReLU(0.1), nn.Linear(7, 8, bias=False)
+    )
     sites = [Site(LEAKY, ("0.weight", None, "2.weight")), Site(LEAKY, ("2.weight", None, "4.weight"))]
     return model, sites, (torch.rand(4, 5), torch.rand(4, 8))
 
@@ -108,11 +110,15 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def measure(name: str, model: nn.Module, sites: Any, batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable, reps: int, general_reps: int) -> dict[str, Any]:
+def measure(
+    name: str, model: nn.Module, sites: Any, batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable, reps: int, general_reps: int
+) -> dict[str, Any]:
     x, y = batch
     example = x[:2] if sites == "auto" else None
     bare = torch.optim.Adam(model.parameters(), lr=1e-4)
-    wrapper = Teleport(torch.optim.Adam(model.parameters(), lr=1e-4), model, sites, example_inputs=example, safety=SafetyConfig(watch_steps=0))
+    wrapper = Teleport(
+        torch.optim.Adam(model.parameters(), lr=1e-4), model, sites, example_inputs=example, safety=SafetyConfig(watch_steps=0)
+    )
     n_params = sum(p.numel() for p in model.parameters())
 
     def backward() -> None:
@@ -144,7 +150,7 @@ def measure(name: str, model: nn.Module, sites: Any, batch: tuple[torch.Tensor, 
     t_bare, t_wrapped, t_iter = (statistics.median(v) for v in (step_bare, step_wrapped, iters))
     overhead = statistics.median(w - b for w, b in zip(step_wrapped, step_bare))
 
-    fast_times, evaluations = [], []
+    fast_times, _evaluations = [], []
     for _ in range(reps):
         backward()
         report = None
@@ -159,8 +165,25 @@ def measure(name: str, model: nn.Module, sites: Any, batch: tuple[torch.Tensor, 
 
     # same objective and number of ascent steps, no trust region (no early stop): fast vs autograd
     steps = 10
-    fast10 = Teleport(torch.optim.Adam(model.parameters(), lr=1e-4), model, wrapper.sites, ascent_steps=steps, trust_region=None, path="fast", safety=SafetyConfig(watch_steps=0, max_predicted_decrease=None))
-    general10 = Teleport(torch.optim.Adam(model.parameters(), lr=1e-4), model, wrapper.sites, ascent_steps=steps, trust_region=None, path="general", loss_fn=loss_fn, safety=SafetyConfig(watch_steps=0, max_predicted_decrease=None, loss_tol=1e-3))
+    fast10 = Teleport(
+        torch.optim.Adam(model.parameters(), lr=1e-4),
+        model,
+        wrapper.sites,
+        ascent_steps=steps,
+        trust_region=None,
+        path="fast",
+        safety=SafetyConfig(watch_steps=0, max_predicted_decrease=None),
+    )
+    general10 = Teleport(
+        torch.optim.Adam(model.parameters(), lr=1e-4),
+        model,
+        wrapper.sites,
+        ascent_steps=steps,
+        trust_region=None,
+        path="general",
+        loss_fn=loss_fn,
+        safety=SafetyConfig(watch_steps=0, max_predicted_decrease=None, loss_tol=1e-3),
+    )
     f10, g10 = [], []
     for _ in range(reps):
         backward()
@@ -206,7 +229,9 @@ def main() -> None:
     rows[-1]["site_source"] = how
 
     head = f"{'model':9} {'params':>9} {'sites':>5} {'step ms':>9} {'wrapped':>9} {'overhead':>9} {'of iter':>8} {'iter ms':>9} {'fast ms':>9} {'fast/iter':>9} {'fast/step':>9} {'10-step fast':>12} {'10-step autograd':>16} {'autograd/fast':>13}"
-    print(f"Teleport cost, {datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
+    print(
+        f"Teleport cost, {datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -218,7 +243,16 @@ def main() -> None:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                    "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                    "torch": torch.__version__,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

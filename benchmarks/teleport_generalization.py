@@ -72,8 +72,15 @@ ARMS: dict[str, tuple[str, str, int] | None] = {
 
 def measure(model: torch.nn.Module, objective: Objective, batch: tuple[torch.Tensor, torch.Tensor], seed: int) -> float:
     """The objective's value at the model's current weights (a teleport with zero ascent steps changes nothing)."""
-    probe = Teleport(torch.optim.SGD(model.parameters(), lr=0.0), model, hidden_rescaling_sites(model), objective=objective,
-                     ascent_steps=0, loss_fn=cross_entropy, seed=seed)
+    probe = Teleport(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        model,
+        hidden_rescaling_sites(model),
+        objective=objective,
+        ascent_steps=0,
+        loss_fn=cross_entropy,
+        seed=seed,
+    )
     report = probe.teleport(batch=batch)
     probe.zero_grad()
     assert report.objective_before is not None and not report.accepted
@@ -95,17 +102,19 @@ def correlation(models: int, data: Digits, epochs: int, quick: bool) -> tuple[li
     for seed in tqdm(range(models), desc="correlation: train and measure", disable=quick):
         model = digits_mlp(seed=1000 + seed)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
-        curves = train(model, lambda: opt, data, epochs, BATCH, seed)
+        curves = train(model, lambda opt=opt: opt, data, epochs, BATCH, seed)
         phi = measure(model, sharpness(quick), batch, seed)
-        rows.append({
-            "seed": 1000 + seed,
-            "train_loss": curves.train[-1],
-            "validation_loss": curves.test[-1],
-            "sharpness": phi,
-            "sharpness_increase": phi - curves.train[-1],
-            "curvature_k1": measure(model, Curvature(curves=1), batch, seed),
-            "curvature_k16": measure(model, Curvature(curves=16), batch, seed),
-        })
+        rows.append(
+            {
+                "seed": 1000 + seed,
+                "train_loss": curves.train[-1],
+                "validation_loss": curves.test[-1],
+                "sharpness": phi,
+                "sharpness_increase": phi - curves.train[-1],
+                "curvature_k1": measure(model, Curvature(curves=1), batch, seed),
+                "curvature_k16": measure(model, Curvature(curves=16), batch, seed),
+            }
+        )
     val = [r["validation_loss"] for r in rows]
     keys = ("sharpness", "sharpness_increase", "curvature_k1", "curvature_k16", "train_loss")
     corr = {key: pearson([r[key] for r in rows], val) for key in keys}
@@ -123,10 +132,19 @@ def teleport_run(arm: str, seed: int, data: Digits, epochs: int, teleport_epoch:
         if epoch != teleport_epoch or spec is None:
             return
         kind, direction, steps = spec
-        objective: Objective = (Sharpness(direction, displacements=DISPLACEMENTS, directions=4) if kind == "sharpness"
-                                else Curvature(direction, curves=16))
-        teleport = Teleport(opt, model, hidden_rescaling_sites(model), objective=objective, ascent_steps=steps,
-                            ascent_lr=ASCENT_LR, loss_fn=cross_entropy, seed=seed)
+        objective: Objective = (
+            Sharpness(direction, displacements=DISPLACEMENTS, directions=4) if kind == "sharpness" else Curvature(direction, curves=16)
+        )
+        teleport = Teleport(
+            opt,
+            model,
+            hidden_rescaling_sites(model),
+            objective=objective,
+            ascent_steps=steps,
+            ascent_lr=ASCENT_LR,
+            loss_fn=cross_entropy,
+            seed=seed,
+        )
         probe = sharpness(quick) if kind == "sharpness" else Curvature(curves=16)
         full = (data.x_train, data.y_train)
         record["objective_before"] = measure(model, probe, full, seed)
@@ -202,42 +220,75 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         row["val_min"], row["val_min_std"] = mean_std([min(r["validation"][teleport_epoch:]) for r in rs])
         # paired with the run without teleport of the same seed (same initialisation and batch order)
         row["val_end_change"], row["val_end_change_std"] = mean_std(
-            [r["validation"][-1] - b["validation"][-1] for r, b in zip(rs, curves["none"])])
+            [r["validation"][-1] - b["validation"][-1] for r, b in zip(rs, curves["none"])]
+        )
         row["train_end"] = mean_std([r["train"][-1] for r in rs])[0]
         row["objective_before"] = mean_std([r["objective_before"] for r in rs])[0] if ARMS[arm] else None
         row["objective_after"] = mean_std([r["objective_after"] for r in rs])[0] if ARMS[arm] else None
         row["accepted"] = sum(r.get("accepted", 0) for r in rs) / len(rs)
         arm_rows.append(row)
 
-    settings = {"dataset": "scikit-learn digits (stand-in for MNIST), 1347 train / 450 validation", "widths": [64, 16, 10, 10],
-                "optimizer": "SGD", "lr": LR, "batch": BATCH, "epochs": epochs, "models": models, "runs": runs,
-                "displacements": list(DISPLACEMENTS), "directions": 10 if quick else 200, "teleport_epoch": teleport_epoch,
-                "teleport_batches": TELEPORT_BATCHES, "teleport_batch_size": TELEPORT_BATCH_SIZE, "ascent_lr": ASCENT_LR,
-                "group": "positive rescaling of both hidden layers (exact)"}
-    result = {**header("teleport_generalization (papers/001 Sec. 5.2-5.3)", settings),
-              "correlation": {"rows": corr_rows, "pearson": corr, "table_5_1_mnist": TABLE_5_1},
-              "rows": arm_rows, "teleport": {"curves": curves}}
+    settings = {
+        "dataset": "scikit-learn digits (stand-in for MNIST), 1347 train / 450 validation",
+        "widths": [64, 16, 10, 10],
+        "optimizer": "SGD",
+        "lr": LR,
+        "batch": BATCH,
+        "epochs": epochs,
+        "models": models,
+        "runs": runs,
+        "displacements": list(DISPLACEMENTS),
+        "directions": 10 if quick else 200,
+        "teleport_epoch": teleport_epoch,
+        "teleport_batches": TELEPORT_BATCHES,
+        "teleport_batch_size": TELEPORT_BATCH_SIZE,
+        "ascent_lr": ASCENT_LR,
+        "group": "positive rescaling of both hidden layers (exact)",
+    }
+    result = {
+        **header("teleport_generalization (papers/001 Sec. 5.2-5.3)", settings),
+        "correlation": {"rows": corr_rows, "pearson": corr, "table_5_1_mnist": TABLE_5_1},
+        "rows": arm_rows,
+        "teleport": {"curves": curves},
+    }
 
-    print(f"papers/001 Sec. 5.2-5.3 on digits (stand-in for MNIST), 64-16-10-10 LeakyReLU MLP, SGD lr {LR}, batch {BATCH}, "
-          f"{epochs} epochs; {result['machine']}, {result['date']}")
+    print(
+        f"papers/001 Sec. 5.2-5.3 on digits (stand-in for MNIST), 64-16-10-10 LeakyReLU MLP, SGD lr {LR}, batch {BATCH}, "
+        f"{epochs} epochs; {result['machine']}, {result['date']}"
+    )
     print(f"\nPearson correlation with validation loss over {models} trained networks:")
-    print_table([
-        {"quantity": "sharpness phi (eq. 5.1)", "r": corr["sharpness"], "paper": TABLE_5_1["sharpness"]},
-        {"quantity": "sharpness increase phi - L(w)", "r": corr["sharpness_increase"], "paper": TABLE_5_1["sharpness"]},
-        {"quantity": "curvature psi, k = 1 (eq. 5.2)", "r": corr["curvature_k1"], "paper": TABLE_5_1["curvature"]},
-        {"quantity": "curvature psi, k = 16", "r": corr["curvature_k16"], "paper": TABLE_5_1["curvature"]},
-        {"quantity": "train loss (reference)", "r": corr["train_loss"], "paper": float("nan")},
-    ], [("quantity", "quantity", "s"), ("r", "Pearson r", ".3f"), ("paper", "Table 5.1 MNIST", ".3f")])
+    print_table(
+        [
+            {"quantity": "sharpness phi (eq. 5.1)", "r": corr["sharpness"], "paper": TABLE_5_1["sharpness"]},
+            {"quantity": "sharpness increase phi - L(w)", "r": corr["sharpness_increase"], "paper": TABLE_5_1["sharpness"]},
+            {"quantity": "curvature psi, k = 1 (eq. 5.2)", "r": corr["curvature_k1"], "paper": TABLE_5_1["curvature"]},
+            {"quantity": "curvature psi, k = 16", "r": corr["curvature_k16"], "paper": TABLE_5_1["curvature"]},
+            {"quantity": "train loss (reference)", "r": corr["train_loss"], "paper": float("nan")},
+        ],
+        [("quantity", "quantity", "s"), ("r", "Pearson r", ".3f"), ("paper", "Table 5.1 MNIST", ".3f")],
+    )
     print(f"\nTeleport at epoch {teleport_epoch} ({TELEPORT_BATCHES} batches of {TELEPORT_BATCH_SIZE}), mean over {runs} seeds:")
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    print_table([{**r, "objective_before": fmt(r["objective_before"], ".4g"), "objective_after": fmt(r["objective_after"], ".4g")}
-                 for r in arm_rows],
-                [("arm", "arm", "s"), ("objective_before", "objective before", "s"), ("objective_after", "after", "s"),
-                 ("val_before", f"val@{teleport_epoch}", ".4f"), ("val_next", f"val@{teleport_epoch + 1}", ".4f"),
-                 ("val_end", f"val@{epochs}", ".4f"), ("val_end_std", "+-", ".4f"),
-                 ("val_end_change", "paired change", "+.4f"), ("val_end_change_std", "+-", ".4f"),
-                 ("val_min", f"min val {teleport_epoch}-{epochs}", ".4f"),
-                 ("train_end", f"train@{epochs}", ".4f"), ("accepted", "teleports", ".1f")])
+    print_table(
+        [
+            {**r, "objective_before": fmt(r["objective_before"], ".4g"), "objective_after": fmt(r["objective_after"], ".4g")}
+            for r in arm_rows
+        ],
+        [
+            ("arm", "arm", "s"),
+            ("objective_before", "objective before", "s"),
+            ("objective_after", "after", "s"),
+            ("val_before", f"val@{teleport_epoch}", ".4f"),
+            ("val_next", f"val@{teleport_epoch + 1}", ".4f"),
+            ("val_end", f"val@{epochs}", ".4f"),
+            ("val_end_std", "+-", ".4f"),
+            ("val_end_change", "paired change", "+.4f"),
+            ("val_end_change_std", "+-", ".4f"),
+            ("val_min", f"min val {teleport_epoch}-{epochs}", ".4f"),
+            ("train_end", f"train@{epochs}", ".4f"),
+            ("accepted", "teleports", ".1f"),
+        ],
+    )
     finish(result, args, plot)
     return result
 

@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import os
 import platform
-import itertools
 import statistics
 import time
 from typing import Any
@@ -65,7 +65,10 @@ DATA_DEPENDENT = get_action("data_dependent_gl", activation="leaky_relu", negati
 
 
 def data_dependent_sites() -> list[Site]:
-    return [Site(DATA_DEPENDENT, ("0.weight", None, "2.weight"), data_input="0"), Site(DATA_DEPENDENT, ("2.weight", None, "4.weight"), data_input="2")]
+    return [
+        Site(DATA_DEPENDENT, ("0.weight", None, "2.weight"), data_input="0"),
+        Site(DATA_DEPENDENT, ("2.weight", None, "4.weight"), data_input="2"),
+    ]
 
 
 def base_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
@@ -74,7 +77,9 @@ def base_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adagrad(model.parameters(), lr=LR["adagrad"])
 
 
-def make(variant: str, opt_name: str, model: nn.Module, X: torch.Tensor, Y: torch.Tensor, schedule: dict[str, Any], **extra: Any) -> torch.optim.Optimizer:
+def make(
+    variant: str, opt_name: str, model: nn.Module, X: torch.Tensor, Y: torch.Tensor, schedule: dict[str, Any], **extra: Any
+) -> torch.optim.Optimizer:
     base = base_optimizer(opt_name, model)
     if variant == "none":
         return base
@@ -181,8 +186,13 @@ def fmt(v: Any, spec: str = ".3g") -> str:
 
 def table(rows: list[dict[str, Any]], title: str) -> str:
     head = f"{'optimizer':9} {'variant':26} {'L@10':>9} {'L@100':>9} {'L@300':>9} {'epochs':>7} {'x epochs':>9} {'seconds':>9} {'x time':>7} {'x time*':>7} {'drift':>9} {'tele ms':>8} {'rollbk':>6}"
-    lines = [title, "x time: measured seconds to the target (epoch durations: median over repeats), teleport included; "
-             "x time*: the same from median epoch durations", head, "-" * len(head)]
+    lines = [
+        title,
+        "x time: measured seconds to the target (epoch durations: median over repeats), teleport included; "
+        "x time*: the same from median epoch durations",
+        head,
+        "-" * len(head),
+    ]
     for r in rows:
         lines.append(
             f"{r['optimizer']:9} {r['variant']:26} {fmt(r['loss10']):>9} {fmt(r['loss100']):>9} {fmt(r['loss300']):>9} "
@@ -216,11 +226,27 @@ def main() -> None:
     reps = 1 if args.quick else args.repeats
     torch.set_num_threads(1)
     seeds = [n * n * 12345 for n in range(2 if args.quick else 5)]
-    variants = ["none", "paper_compat", "exact:grad_norm", "exact:preconditioned_norm", "exact:lookahead", "exact:sharpness", "exact:curvature", "exact-dd:grad_norm"]
+    variants = [
+        "none",
+        "paper_compat",
+        "exact:grad_norm",
+        "exact:preconditioned_norm",
+        "exact:lookahead",
+        "exact:sharpness",
+        "exact:curvature",
+        "exact-dd:grad_norm",
+    ]
     for seed in seeds:  # warm-up, as in the official script, so that timings compare fairly
         run("none", "gd", seed)
         run("exact:grad_norm", "gd", seed)
-    results: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}", "seeds": seeds, "main": [], "sweep": [], "curves": {}}
+    results: dict[str, Any] = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "seeds": seeds,
+        "main": [],
+        "sweep": [],
+        "curves": {},
+    }
     rows = []
     for opt_name in ("gd", "adagrad"):
         per_variant: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
@@ -237,7 +263,10 @@ def main() -> None:
             row = {"optimizer": opt_name, "variant": v, **aggregate(per_variant[v])}
             rows.append(row)
         results["curves"][opt_name] = {
-            v: {"loss": [statistics.median(c[e] for c in curves[v]) for e in range(EPOCHS)], "time": [statistics.median(t[e] for t in times[v]) for e in range(EPOCHS)]}
+            v: {
+                "loss": [statistics.median(c[e] for c in curves[v]) for e in range(EPOCHS)],
+                "time": [statistics.median(t[e] for t in times[v]) for e in range(EPOCHS)],
+            }
             for v in variants
         }
     results["main"] = rows
@@ -248,19 +277,49 @@ def main() -> None:
         settings: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = []
         for r in (math.log(2), math.log(4), math.log(8), math.log(16)):
             for cap in (None, 8.0):
-                settings.append((f"r=log{round(math.exp(r))} cap={cap}", "exact:grad_norm", {"at": [TELEPORT_EPOCH]}, dict(trust_region=r, safety=SafetyConfig(max_predicted_decrease=cap))))
+                settings.append(
+                    (
+                        f"r=log{round(math.exp(r))} cap={cap}",
+                        "exact:grad_norm",
+                        {"at": [TELEPORT_EPOCH]},
+                        dict(trust_region=r, safety=SafetyConfig(max_predicted_decrease=cap)),
+                    )
+                )
         for cap in (1.0, 2.0, 4.0):
-            settings.append((f"r=log4 cap={cap}", "exact:grad_norm", {"at": [TELEPORT_EPOCH]}, dict(safety=SafetyConfig(max_predicted_decrease=cap))))
+            settings.append(
+                (f"r=log4 cap={cap}", "exact:grad_norm", {"at": [TELEPORT_EPOCH]}, dict(safety=SafetyConfig(max_predicted_decrease=cap)))
+            )
         for lr in (0.02, 0.05, 0.1, 0.2, 0.5):
             settings.append((f"ascent_lr={lr} (100 steps)", "exact:grad_norm", {"at": [TELEPORT_EPOCH]}, dict(ascent_lr=lr)))
         for margin in (0.9, 0.5):
-            settings.append((f"r=log4 stability={margin}", "exact:grad_norm", {"at": [TELEPORT_EPOCH]}, dict(safety=SafetyConfig(stability_margin=margin))))
+            settings.append(
+                (
+                    f"r=log4 stability={margin}",
+                    "exact:grad_norm",
+                    {"at": [TELEPORT_EPOCH]},
+                    dict(safety=SafetyConfig(stability_margin=margin)),
+                )
+            )
             for watch in (0, 10):
-                settings.append((f"every 10: grad_norm stability={margin} watch={watch}", "exact:grad_norm", {"every": 10, "warmup": 5}, dict(safety=SafetyConfig(stability_margin=margin, watch_steps=watch))))
+                settings.append(
+                    (
+                        f"every 10: grad_norm stability={margin} watch={watch}",
+                        "exact:grad_norm",
+                        {"every": 10, "warmup": 5},
+                        dict(safety=SafetyConfig(stability_margin=margin, watch_steps=watch)),
+                    )
+                )
         for objective in ("grad_norm", "lookahead"):
             for cap in (None, 2.0, 8.0):
                 for watch in (0, 10):
-                    settings.append((f"every 10: {objective} cap={cap} watch={watch}", f"exact:{objective}", {"every": 10, "warmup": 5}, dict(safety=SafetyConfig(max_predicted_decrease=cap, watch_steps=watch))))
+                    settings.append(
+                        (
+                            f"every 10: {objective} cap={cap} watch={watch}",
+                            f"exact:{objective}",
+                            {"every": 10, "warmup": 5},
+                            dict(safety=SafetyConfig(max_predicted_decrease=cap, watch_steps=watch)),
+                        )
+                    )
         for opt_name in ("gd", "adagrad"):
             bases = {seed: run("none", opt_name, seed, repeats=reps) for seed in seeds}
             for label, variant, schedule, extra in settings:
@@ -268,7 +327,12 @@ def main() -> None:
                 sweep_rows.append({"optimizer": opt_name, "variant": label, **aggregate(per_seed)})
         results["sweep"] = sweep_rows
         print()
-        print(table(sweep_rows, "Defaults study (exact rescaling teleports; trust region r, stability cap, ascent step size, repeated teleports)"))
+        print(
+            table(
+                sweep_rows,
+                "Defaults study (exact rescaling teleports; trust region r, stability cap, ascent step size, repeated teleports)",
+            )
+        )
 
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

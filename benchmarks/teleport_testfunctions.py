@@ -52,7 +52,15 @@ class Point(nn.Module):
 
 
 PROBLEMS: dict[str, dict[str, Any]] = {
-    "rosenbrock": dict(fn=rosenbrock, action="rosenbrock_so2", start=(-1.0, -1.0), lr=1e-3, steps=1000, schedule={"every": 100}, paper_result=(8.8e-8, 0.11)),
+    "rosenbrock": dict(
+        fn=rosenbrock,
+        action="rosenbrock_so2",
+        start=(-1.0, -1.0),
+        lr=1e-3,
+        steps=1000,
+        schedule={"every": 100},
+        paper_result=(8.8e-8, 0.11),
+    ),
     "booth": dict(fn=booth, action="booth_so2", start=(5.0, -5.0), lr=0.08, steps=10, schedule={"at": [4]}, paper_result=(4.9e-3, 3.12)),
 }
 
@@ -92,7 +100,7 @@ def main() -> None:
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args()
     rows = []
-    for name, spec in PROBLEMS.items():
+    for name, _spec in PROBLEMS.items():
         settings = {
             "none": None,
             "teleport (defaults)": {},
@@ -101,7 +109,9 @@ def main() -> None:
         for label, teleport in settings.items():
             res = run(name, teleport)
             rows.append({"function": name, "variant": label, **{k: v for k, v in res.items() if k != "losses"}, "losses": res["losses"]})
-    print(f"Test functions (papers/001 Sec. 4.6.1), {datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}")
+    print(
+        f"Test functions (papers/001 Sec. 4.6.1), {datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}"
+    )
     head = f"{'function':11} {'variant':26} {'loss at last step':>17} {'after update':>12} {'teleports':>9} {'rollbacks':>9} {'max drift':>10} {'papers (tele / GD)':>20}"
     print(head)
     print("-" * len(head))
@@ -115,7 +125,15 @@ def main() -> None:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                    "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # ---- teleopt ------------------------------------------------------------------------
     print(teleopt.find_symmetries(model, data.x_train[:2]).summary())  # (2)
-    optimizer = teleopt.Teleport(optimizer, model, "auto", example_inputs=data.x_train[:2], every=100,
-                                 loss_fn=F.cross_entropy, batch_fn=lambda: next(iter(loader)))  # (3)
+    optimizer = teleopt.Teleport(
+        optimizer, model, "auto", example_inputs=data.x_train[:2], every=100, loss_fn=F.cross_entropy, batch_fn=lambda: next(iter(loader))
+    )  # (3)
 
     # ---- your existing loop, unchanged -----------------------------------------------------
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs * len(loader))

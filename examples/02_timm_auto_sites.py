@@ -74,8 +74,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return x.to(device), y.to(device)
 
     optimizer = teleopt.Teleport(
-        optimizer, model, "auto", example_inputs=example, every=20 if not args.quick else 4,
-        loss_fn=F.cross_entropy, batch_fn=teleport_batch, ascent_steps=10,
+        optimizer,
+        model,
+        "auto",
+        example_inputs=example,
+        every=20 if not args.quick else 4,
+        loss_fn=F.cross_entropy,
+        batch_fn=teleport_batch,
+        ascent_steps=10,
     )
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=epochs * steps_per_epoch)
     scaler = torch.amp.GradScaler(device.type)

@@ -43,6 +43,16 @@ BASES: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 }
 
 
+def batch_sampler(data, generator: torch.Generator):
+    """Teleport batches of 200 training rows drawn with ``generator`` (so a checkpoint can carry its state)."""
+
+    def batch_fn() -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.randint(len(data.x_train), (200,), generator=generator)
+        return data.x_train[rows], data.y_train[rows]
+
+    return batch_fn
+
+
 def build(name: str, data: Digits, batch_fn: Callable[[], Any]) -> tuple[nn.Module, teleopt.Syre, teleopt.Teleport]:
     """Model and ``Syre(Teleport(base))`` for one base optimizer (the same every time it is called)."""
     model = digits_mlp((64, 64), seed=0, bias=True)
@@ -78,9 +88,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in BASES:
         teleport_rows = torch.Generator().manual_seed(1)
 
-        def batch_fn() -> tuple[torch.Tensor, torch.Tensor]:
-            rows = torch.randint(len(data.x_train), (200,), generator=teleport_rows)
-            return data.x_train[rows], data.y_train[rows]
+        batch_fn = batch_sampler(data, teleport_rows)
 
         model, optimizer, teleport = build(name, data, batch_fn)
         order = torch.Generator().manual_seed(2)
@@ -88,8 +96,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         # checkpoint in the middle: model, both wrappers, the base state and the data order
         buffer = io.BytesIO()
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "order": order.get_state(),
-                    "teleport_rows": teleport_rows.get_state()}, buffer)
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "order": order.get_state(),
+                "teleport_rows": teleport_rows.get_state(),
+            },
+            buffer,
+        )
         buffer.seek(0)
         checkpoint = torch.load(buffer, weights_only=True)
 
@@ -99,9 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         resumed_rows = torch.Generator()
         resumed_rows.set_state(checkpoint["teleport_rows"])
 
-        def resumed_batch_fn() -> tuple[torch.Tensor, torch.Tensor]:
-            rows = torch.randint(len(data.x_train), (200,), generator=resumed_rows)
-            return data.x_train[rows], data.y_train[rows]
+        resumed_batch_fn = batch_sampler(data, resumed_rows)
 
         resumed_model, resumed_optimizer, _ = build(name, data, resumed_batch_fn)
         resumed_model.load_state_dict(checkpoint["model"])
@@ -117,11 +130,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for report in teleport.reports:
             decisions.update(report.state_decisions)
         accepted = sum(r.accepted for r in teleport.reports)
-        print(f"{name}: {accepted}/{len(teleport.reports)} teleports accepted, last loss {final_loss:.4f}, "
-              f"test accuracy {accuracy:.3f}, resumed run identical: {identical}")
+        print(
+            f"{name}: {accepted}/{len(teleport.reports)} teleports accepted, last loss {final_loss:.4f}, "
+            f"test accuracy {accuracy:.3f}, resumed run identical: {identical}"
+        )
         print(f"  optimizer-state decisions over all teleports: {dict(decisions)}")
-        results[name] = {"accuracy": accuracy, "identical": identical, "reports": list(teleport.reports),
-                         "decisions": dict(decisions), "penalty": float(optimizer.penalty().detach())}
+        results[name] = {
+            "accuracy": accuracy,
+            "identical": identical,
+            "reports": list(teleport.reports),
+            "decisions": dict(decisions),
+            "penalty": float(optimizer.penalty().detach()),
+        }
     return results
 
 

@@ -37,6 +37,7 @@ import teleopt
 from teleopt.testing import assert_close, assert_gradient_transport, group_elements
 from teleopt.testing.conformance import CHECKS, BaseOptimizer, WrapperConformance
 
+
 # ---------------------------------------------------------------------------- YOURS: the model
 class MyModel(nn.Module):
     """A small model with biases and two LeakyReLU hidden layers (stand-in for yours)."""

@@ -91,8 +91,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return x[rows], y[rows]
 
         optimizer = teleopt.Teleport(
-            torch.optim.SGD(model.parameters(), lr=0.05), model, [site], every=20, loss_fn=loss_fn,
-            batch_fn=teleport_batch, ascent_steps=5, safety=SafetyConfig(loss_tol=LOSS_TOL),
+            torch.optim.SGD(model.parameters(), lr=0.05),
+            model,
+            [site],
+            every=20,
+            loss_fn=loss_fn,
+            batch_fn=teleport_batch,
+            ascent_steps=5,
+            safety=SafetyConfig(loss_tol=LOSS_TOL),
         )
         for _ in range(train_steps):
             optimizer.zero_grad()

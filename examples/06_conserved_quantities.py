@@ -92,12 +92,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     curve = teleopt.orbit_curve(model, site, generator, torch.linspace(0.0, 1.0, 5, dtype=torch.float64))
     with torch.no_grad():
         output_change = float((orbit_outputs(model, curve, x) - model(x)).abs().max())
-    q_along = [float(teleopt.conserved_quantities({**dict(model.named_parameters()), **point}, site)[site.name].norm())
-               for point in curve.points]
-    print(f"along exp(tM) . theta of {site.name}: max output change {output_change:.1e}, "
-          f"||Q|| " + " -> ".join(f"{v:.2f}" for v in q_along))
-    return {"sites": report.sites, "quantities": q, "drifts": drifts, "jumps": jumps,
-            "output_change": output_change, "q_along": q_along}
+    q_along = [
+        float(teleopt.conserved_quantities({**dict(model.named_parameters()), **point}, site)[site.name].norm()) for point in curve.points
+    ]
+    print(f"along exp(tM) . theta of {site.name}: max output change {output_change:.1e}, ||Q|| " + " -> ".join(f"{v:.2f}" for v in q_along))
+    return {"sites": report.sites, "quantities": q, "drifts": drifts, "jumps": jumps, "output_change": output_change, "q_along": q_along}
 
 
 if __name__ == "__main__":

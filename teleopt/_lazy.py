@@ -7,7 +7,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 
-def lazy_attributes(package: str, names: Mapping[str, str], namespace: dict[str, Any]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_attributes(
+    package: str, names: Mapping[str, str], namespace: dict[str, Any]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package``: each of ``names`` is imported from its module when first used.
 
     The known group actions register themselves first, so a lazily imported name

@@ -55,9 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the papers' MLP regression and a digits classifier with and without Teleport and Syre "
         "(no downloads); print a results table and write demo.png and demo.json.",
     )
-    demo.add_argument("--steps", type=_at_least(10, "--steps"), default=None, help="optimizer steps per run (default: 300 regression, 1000 digits)")
+    demo.add_argument(
+        "--steps", type=_at_least(10, "--steps"), default=None, help="optimizer steps per run (default: 300 regression, 1000 digits)"
+    )
     demo.add_argument("--seed", type=_at_least(0, "--seed"), default=0, help="seed of data order, initialisation and teleport batches")
-    demo.add_argument("--out", type=_output_folder, default=Path("teleopt-demo"), help="folder for demo.png and demo.json (default: ./teleopt-demo)")
+    demo.add_argument(
+        "--out", type=_output_folder, default=Path("teleopt-demo"), help="folder for demo.png and demo.json (default: ./teleopt-demo)"
+    )
     demo.add_argument("--quick", action="store_true", help="reduced run (300 steps per run, well under a minute)")
     demo.add_argument("--threads", type=_at_least(1, "--threads"), default=1, help="torch CPU threads (default 1: these models are tiny)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")

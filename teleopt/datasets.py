@@ -161,9 +161,7 @@ def _uninitialised_linear(fan_in: int, fan_out: int, bias: bool) -> nn.Linear:
     return nn.utils.skip_init(nn.Linear, fan_in, fan_out, bias=bias)
 
 
-def digits_mlp(
-    hidden: tuple[int, ...] = (16, 10), seed: int = 0, inputs: int = 64, classes: int = 10, bias: bool = False
-) -> nn.Sequential:
+def digits_mlp(hidden: tuple[int, ...] = (16, 10), seed: int = 0, inputs: int = 64, classes: int = 10, bias: bool = False) -> nn.Sequential:
     """The papers' classifier W_L s(... s(W_1 x)) with LeakyReLU(0.1) (papers/001 Sec. 5.2.3, 5.4.2).
 
     The default widths 64-16-10-10 without biases are the paper's MNIST network

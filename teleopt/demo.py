@@ -240,9 +240,7 @@ def _digits_arms() -> list[_Arm]:
     ]
 
 
-def _train(
-    task: str, arm: _Arm, steps: int, seed: int, data: Digits | None, tick: Callable[[], None]
-) -> RunResult:
+def _train(task: str, arm: _Arm, steps: int, seed: int, data: Digits | None, tick: Callable[[], None]) -> RunResult:
     result = RunResult(task, arm.name, arm.reference, arm.panel)
     generator = torch.Generator().manual_seed(seed + 1)
     if task == "regression":

@@ -316,10 +316,7 @@ class GeneralLinear(_MatrixGroup):
         ratio = sv[..., -1] / sv[..., 0].clamp_min(torch.finfo(torch.float64).tiny)
         limit = self.n * torch.finfo(g.dtype).eps
         if bool((ratio <= limit).any()):
-            raise ValueError(
-                f"GL element is not invertible: smallest/largest singular value {float(ratio.min()):.3e} "
-                f"<= {limit:.1e}"
-            )
+            raise ValueError(f"GL element is not invertible: smallest/largest singular value {float(ratio.min()):.3e} <= {limit:.1e}")
 
 
 class Orthogonal(_MatrixGroup):

@@ -91,6 +91,7 @@ def register_action(action=None, *, name=None, overwrite=False):
     (papers/001 Table 1.1 lists the known ones).
     """
     if action is None:
+
         def decorator(target: T) -> T:
             _add(target, name, overwrite)
             return target
@@ -133,7 +134,9 @@ def list_actions() -> list[dict[str, Any]]:
     return [entry.default.describe() | {"name": entry.name} for entry in sorted(_REGISTRY.values(), key=lambda e: e.name)]
 
 
-def format_table(rows: list[dict[str, Any]] | None = None, columns: tuple[str, ...] = ("name", "group", "exactness", "linear", "reference")) -> str:
+def format_table(
+    rows: list[dict[str, Any]] | None = None, columns: tuple[str, ...] = ("name", "group", "exactness", "linear", "reference")
+) -> str:
     """The registry as a fixed-width text table (``python -m teleopt list``)."""
     rows = list_actions() if rows is None else rows
     cells = [[str(r[c]) for c in columns] for r in rows]

@@ -36,8 +36,8 @@ section 1 wrapper contract).  Units and conventions:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -58,6 +58,7 @@ from teleopt.syre_anchors import (
 from teleopt.wrapper import OptimizerWrapper
 
 __all__ = ["Syre", "fan_in"]
+
 
 class Syre(OptimizerWrapper):
     r"""Weight decay towards a random static anchor: syre (papers/003 eq. 6) and advanced removal (eq. 7).
@@ -451,8 +452,9 @@ class Syre(OptimizerWrapper):
             # allocation cheap, and there it is free again for the next forward pass.
             reuse = device.type == "cpu" and not (decoupled and not has_diagonal)
             scratch = [self._scratch_of(p) for p in ps] if reuse else None
-            new = decay_list([real_view(p) for p in ps], gs, anchors, diagonals if has_diagonal else None,
-                             coefficient, decoupled, foreach, scratch)
+            new = decay_list(
+                [real_view(p) for p in ps], gs, anchors, diagonals if has_diagonal else None, coefficient, decoupled, foreach, scratch
+            )
             install(ps, new)
         return swapped
 
@@ -576,8 +578,9 @@ class Syre(OptimizerWrapper):
                     raise ValueError(f"{where} has dtype {value.dtype}; anchors and D are floating point")
                 if value.shape != real_view(p).shape:
                     what = "anchor" if key == "anchor" else "diagonal D"
-                    raise ValueError(f"Syre: the {what} of parameter {index} has shape {tuple(value.shape)}, "
-                                     f"the parameter {tuple(p.shape)}")
+                    raise ValueError(
+                        f"Syre: the {what} of parameter {index} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}"
+                    )
                 if not bool(torch.isfinite(value).all()) or (key == "diagonal" and not bool((value > 0).all())):
                     raise ValueError(f"{where} has non-finite{' or non-positive' if key == 'diagonal' else ''} entries")
 

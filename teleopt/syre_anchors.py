@@ -145,9 +145,7 @@ def check_options(options: dict[str, Any], where: str) -> None:
 
 def check_scales(options: dict[str, Any], p: Tensor, where: str) -> None:
     """Anchors and decay of ``p`` under ``options`` (syre options) stay finite in its dtype, or ``ValueError``."""
-    problem = _scale_problem(
-        options["gamma"], options["sigma0"], options["diagonal_eps"], options["fan_in"], tuple(p.shape), p.dtype
-    )
+    problem = _scale_problem(options["gamma"], options["sigma0"], options["diagonal_eps"], options["fan_in"], tuple(p.shape), p.dtype)
     if problem:
         raise ValueError(f"{where}: {problem}")
 
@@ -165,8 +163,10 @@ def _scale_problem(
     std = anchor_std(sigma0, shape, group_fan_in)
     largest = torch.finfo(dtype.to_real() if dtype.is_complex else dtype).max
     if std * _DRAW_BOUND > largest:
-        return (f"sigma0 gives anchors of standard deviation {std:.3g}, which overflow {dtype} "
-                f"(largest finite value {largest:.3g}); choose a smaller sigma0")
+        return (
+            f"sigma0 gives anchors of standard deviation {std:.3g}, which overflow {dtype} "
+            f"(largest finite value {largest:.3g}); choose a smaller sigma0"
+        )
     if gamma * (1 + diagonal_eps) * _DRAW_BOUND * max(1.0, 2 * _DRAW_BOUND * std) > largest:
         return f"gamma={gamma:.3g} makes the decay overflow {dtype} (largest finite value {largest:.3g})"
     return None

@@ -282,15 +282,13 @@ class OptimizerWrapper(Optimizer):
         if not isinstance(saved_groups, (list, tuple)) or not all(isinstance(g, dict) for g in saved_groups):
             raise ValueError(f"{where}: 'param_groups' must be a list of dicts")
         if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"{where}: the state_dict has {len(saved_groups)} param group(s), the optimizer {len(self.param_groups)}"
-            )
+            raise ValueError(f"{where}: the state_dict has {len(saved_groups)} param group(s), the optimizer {len(self.param_groups)}")
         base_state: dict[Any, Any] = {}
         per_param: dict[int, dict[str, Any]] = {}
         for idx, entries in saved_state.items():
             if not isinstance(entries, dict):
                 raise ValueError(f"{where}: the state of parameter {idx!r} must be a dict, got {type(entries).__name__}")
-            mine = {k[len(self.prefix):]: v for k, v in entries.items() if isinstance(k, str) and k.startswith(self.prefix)}
+            mine = {k[len(self.prefix) :]: v for k, v in entries.items() if isinstance(k, str) and k.startswith(self.prefix)}
             rest = {k: v for k, v in entries.items() if not (isinstance(k, str) and k.startswith(self.prefix))}
             if mine:
                 if isinstance(idx, bool) or not isinstance(idx, int):

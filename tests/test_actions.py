@@ -142,8 +142,15 @@ def test_every_exact_linear_action_has_transport():
             assert a.has_gradient_transport, name
 
 
-@pytest.mark.parametrize("name", [n for n in TRANSPORT if ACTIONS[n].transport_second_moment(
-    ACTIONS[n].identity(_problem(ACTIONS[n], 0).params), _problem(ACTIONS[n], 0).params) is not None])
+@pytest.mark.parametrize(
+    "name",
+    [
+        n
+        for n in TRANSPORT
+        if ACTIONS[n].transport_second_moment(ACTIONS[n].identity(_problem(ACTIONS[n], 0).params), _problem(ACTIONS[n], 0).params)
+        is not None
+    ],
+)
 @settings(deadline=None, max_examples=10)
 @given(seed=seeds(), data=st.data())
 def test_second_moment_transport_is_square_of_gradient_transport(name, seed, data):

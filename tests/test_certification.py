@@ -425,7 +425,12 @@ def _res2net():
 TIMM = {
     # name: (architecture or builder, timm kwargs, input shape, whether certification drops a site);
     # every model here once had a false exact site the rules now leave out (drops were True)
-    "beit": ("beit_base_patch16_224", {"img_size": 32, "patch_size": 8, "embed_dim": 16, "depth": 1, "num_heads": 2}, (2, 3, 32, 32), False),
+    "beit": (
+        "beit_base_patch16_224",
+        {"img_size": 32, "patch_size": 8, "embed_dim": 16, "depth": 1, "num_heads": 2},
+        (2, 3, 32, 32),
+        False,
+    ),
     "eva02": (
         "eva02_tiny_patch14_224",
         {"img_size": 28, "patch_size": 14, "embed_dim": 16, "depth": 1, "num_heads": 2},

@@ -228,10 +228,9 @@ def test_bad_arguments():
 
 
 def test_a_positively_homogeneous_problem_for_symmetry_wrappers():
-    check_wrapper(lambda opt: GradientScaling(opt, 0.5), make_transparent=Delegating, bases=["adam"],
-                  group_counts=(2,), activation="relu")
+    check_wrapper(lambda opt: GradientScaling(opt, 0.5), make_transparent=Delegating, bases=["adam"], group_counts=(2,), activation="relu")
 
 
 def test_checks_and_bases_are_listed():
-    assert set(CHECKS) == {name[len("check_"):] for name in dir(WrapperConformance) if name.startswith("check_")}
+    assert set(CHECKS) == {name[len("check_") :] for name in dir(WrapperConformance) if name.startswith("check_")}
     assert {"sgd_momentum", "adagrad", "adam", "adamw_foreach"} <= set(available_bases())

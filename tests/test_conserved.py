@@ -107,7 +107,11 @@ def test_parts_sum_to_q_and_every_q_m_is_the_paper_inner_product(seed):
             M = M + M.mT
         zero = torch.zeros_like(M)
         present = [i for i, p in enumerate(params) if p is not None]
-        _, tangent = torch.func.jvp(lambda c: tuple(action.act(action.exp(c, params), params)[i] for i in present), (zero,), (M,))
+        _, tangent = torch.func.jvp(
+            lambda c, action=action, params=params, present=present: tuple(action.act(action.exp(c, params), params)[i] for i in present),
+            (zero,),
+            (M,),
+        )
         # Q is linear in theta for translations (the charge <theta, J M>), quadratic otherwise: the same formula
         q_m = sum((params[i] * t).sum() for i, t in zip(present, tangent))
         assert abs(float((q * M).sum() - q_m)) <= 1e-12 * max(1.0, abs(float(q_m)))
@@ -311,6 +315,7 @@ def test_whitened_quantity_is_conserved_only_for_whitened_input(seed, name):
     X = torch.randn(n, n, generator=g, dtype=torch.float64)
     sigma, activation = ACTIVATIONS[name]
     for inputs, conserved in ((torch.eye(n, dtype=torch.float64), True), (X, False)):
+
         def loss(p, inputs=inputs):
             return 0.5 * ((Y - p["U"] @ sigma(p["V"] @ inputs)) ** 2).sum()
 
@@ -419,7 +424,9 @@ def test_gradient_flow_integrators_have_their_orders():
     exact = start["a"] * torch.exp(torch.tensor(-1.0, dtype=torch.float64))
     for method, order in (("rk4", 4), ("euler", 1)):
         errors = [
-            float((integrate_gradient_flow(lambda p: 0.5 * (p["a"] ** 2).sum(), start, 1.0, steps, method=method).final["a"] - exact).norm())
+            float(
+                (integrate_gradient_flow(lambda p: 0.5 * (p["a"] ** 2).sum(), start, 1.0, steps, method=method).final["a"] - exact).norm()
+            )
             for steps in (10, 20)
         ]
         assert errors[0] / errors[1] == pytest.approx(2**order, rel=0.1)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import torch
-
 from conftest import load_benchmark
+
 
 def test_quick_run_reproduces_eq_2_16_and_the_lr_squared_drift(tmp_path):
     module = load_benchmark("conserved")

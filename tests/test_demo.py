@@ -26,7 +26,7 @@ def test_demo_quick_end_to_end(tmp_path, capsys):
     runs = {(r["task"], r["name"]): r for r in result["runs"]}
     assert result["settings"]["steps"] == {"regression": 300, "digits": 300}
     assert len(runs) == 11
-    for (task, name), r in runs.items():
+    for (_task, name), r in runs.items():
         assert name in printed  # every run is a row of the printed table
         assert len(r["steps"]) == len(r["train_loss"]) == len(r["seconds"]) and r["steps"][-1] == 300
         assert all(b >= a for a, b in zip(r["seconds"], r["seconds"][1:]))

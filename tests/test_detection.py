@@ -454,7 +454,9 @@ def _sensitive(model: nn.Module, site: Site, x: torch.Tensor, reference: torch.T
     return True
 
 
-_BLOCK = st.tuples(st.sampled_from([3, 4, 5]), st.sampled_from(sorted(_ACTS)), st.sampled_from(["none", "none", "layer", "batch"]), st.booleans())
+_BLOCK = st.tuples(
+    st.sampled_from([3, 4, 5]), st.sampled_from(sorted(_ACTS)), st.sampled_from(["none", "none", "layer", "batch"]), st.booleans()
+)
 
 
 @settings(deadline=None, max_examples=8, suppress_health_check=[HealthCheck.too_slow])
@@ -528,7 +530,9 @@ def test_cnn_batchnorm_sites():
     out_scaling = [s for s in report.sites if s.action.name == "positive_rescaling" and "b1.weight" in s.tensor_names]
     assert len(out_scaling) == 1 and set(out_scaling[0].tensor_names) == {"b1.weight", "b1.bias", "dw.weight"}
     # a grouped convolution reads its input channels through its groups
-    grouped = next(s for s in report.sites if "gc.weight" in s.tensor_names and s.action.name == "positive_rescaling" and "b2.weight" in s.tensor_names)
+    grouped = next(
+        s for s in report.sites if "gc.weight" in s.tensor_names and s.action.name == "positive_rescaling" and "b2.weight" in s.tensor_names
+    )
     assert any(m.groups == 4 for m in grouped.action.members)
     # the Linear reading the flattened map acts on blocks of 16 columns per channel
     flat = next(s for s in report.sites if "fc.weight" in s.tensor_names and s.action.name == "positive_rescaling")

@@ -28,7 +28,6 @@ from teleopt.testing import (
     seeds,
 )
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -141,9 +140,7 @@ def test_grouped_transposed_convolution_output_channels():
 
         return ExampleProblem((W2, b2, W3), X, fn)
 
-    action = AxisAction(
-        "grouped_writer", "diagonal", (Member("W2", 1, 1, groups=3), Member("b2", 0), Member("W3", 1, -1)), example=make
-    )
+    action = AxisAction("grouped_writer", "diagonal", (Member("W2", 1, 1, groups=3), Member("b2", 0), Member("W3", 1, -1)), example=make)
     assert check_action(action, seed=6, trials=4)["invariance"] <= 1e-10
 
 
@@ -197,7 +194,9 @@ def test_parts_of_one_tensor_compose_fused_qkv(heads):
         here = _grads(problem, W, b, Wo)
         there = _grads(problem, moved[0], moved[1], Wo)
         transported = action.transport_gradient(g1, (here[0], here[1], here[0], here[1]))
-        assert_close(torch.cat([transported[0].flatten(), transported[1].flatten()]), torch.cat([there[0].flatten(), there[1].flatten()]), 1e-10)
+        assert_close(
+            torch.cat([transported[0].flatten(), transported[1].flatten()]), torch.cat([there[0].flatten(), there[1].flatten()]), 1e-10
+        )
 
 
 def _grads(problem, W, b, Wo):

@@ -59,7 +59,7 @@ SLOW = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _setup(name: str, slow: bool = False):
     kwargs, shape = (SLOW if slow else DEFAULT)[name]
     model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs).double()
@@ -203,7 +203,16 @@ def test_resnet18_streams_batchnorm_and_coverage():
     found = _found(report)
     assert report.coverage == 1.0
     # the layer1 residual stream: stem BN, both blocks' second BN, every reader of the stream
-    stream = {"bn1.weight", "bn1.bias", "layer1.0.bn2.weight", "layer1.1.bn2.weight", "layer1.0.conv1.weight", "layer1.1.conv1.weight", "layer2.0.conv1.weight", "layer2.0.downsample.0.weight"}
+    stream = {
+        "bn1.weight",
+        "bn1.bias",
+        "layer1.0.bn2.weight",
+        "layer1.1.bn2.weight",
+        "layer1.0.conv1.weight",
+        "layer1.1.conv1.weight",
+        "layer2.0.conv1.weight",
+        "layer2.0.downsample.0.weight",
+    }
     assert any(stream <= s for s in found["positive_rescaling"])
     # each BatchNorm's input: conv rows with running statistics, approximate
     assert len(found["batchnorm_scaling"]) == 20
@@ -231,7 +240,9 @@ def test_convnext_layer_scale_and_channel_layer_norm():
     model, x, report, _ = _setup("convnext_atto")
     found = _found(report)
     assert {"stages.0.blocks.0.mlp.fc2.weight", "stages.0.blocks.0.mlp.fc2.bias", "stages.0.blocks.0.gamma"} in found["positive_rescaling"]
-    assert {"stages.0.blocks.0.norm.weight", "stages.0.blocks.0.norm.bias", "stages.0.blocks.0.mlp.fc1.weight"} in found["positive_rescaling"]
+    assert {"stages.0.blocks.0.norm.weight", "stages.0.blocks.0.norm.bias", "stages.0.blocks.0.mlp.fc1.weight"} in found[
+        "positive_rescaling"
+    ]
     # timm LayerNorm2d normalises channels: the stage-0 stream it writes ends in the next
     # downsample's LayerNorm2d, which blocks scaling of its input; permutations pass
     assert not any("stem.1.weight" in s for s in found["positive_rescaling"])

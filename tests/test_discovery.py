@@ -233,7 +233,9 @@ def _typical_output(action: LearnedAction) -> float:
     """Median output norm over the action's held-out samples."""
     theta, leaves = action.examples
     spec = action.spec
-    norms = [action.loss_fn(spec.unflatten(theta[i]), spec.rebuild_data([leaf[i] for leaf in leaves])).norm() for i in range(theta.shape[0])]
+    norms = [
+        action.loss_fn(spec.unflatten(theta[i]), spec.rebuild_data([leaf[i] for leaf in leaves])).norm() for i in range(theta.shape[0])
+    ]
     return float(torch.stack(norms).median())
 
 
@@ -463,7 +465,7 @@ def test_teleport_uses_a_learned_action_loaded_from_file(block_action, tmp_path)
 
     path = tmp_path / "block.pt"
     block_action.save(path)
-    action = teleopt.register_action(LearnedAction.load(path, name="learned_block_for_teleport"))
+    teleopt.register_action(LearnedAction.load(path, name="learned_block_for_teleport"))
     try:
         model = _Wide()
         gen = torch.Generator().manual_seed(7)

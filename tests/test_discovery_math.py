@@ -196,7 +196,13 @@ def test_invariance_term_is_the_derivative_of_the_loss_along_the_orbit():
     eps = 1e-6
     plus, minus = theta @ torch.linalg.matrix_exp(eps * h).T, theta @ torch.linalg.matrix_exp(-eps * h).T
     values = [
-        abs(float(problem.loss_fn(spec.unflatten(a), (leaves[0][i], leaves[1][i])) - problem.loss_fn(spec.unflatten(b), (leaves[0][i], leaves[1][i])))) / (2 * eps)
+        abs(
+            float(
+                problem.loss_fn(spec.unflatten(a), (leaves[0][i], leaves[1][i]))
+                - problem.loss_fn(spec.unflatten(b), (leaves[0][i], leaves[1][i]))
+            )
+        )
+        / (2 * eps)
         for i, (a, b) in enumerate(zip(plus, minus))
     ]
     assert math.isclose(float(terms["invariance"]), sum(values) / len(values), rel_tol=1e-7)
@@ -204,7 +210,9 @@ def test_invariance_term_is_the_derivative_of_the_loss_along_the_orbit():
     norms = loss_gradient_norms(problem.loss_fn, spec.unflatten, spec.rebuild_data)(theta, leaves)
     weighted = discovery_losses(linear_action, loss_jvp, theta, leaves, x, h[None], beta=1.0, gradient_norms=norms)
     xi = theta @ h.T
-    grads = torch.stack([torch.func.grad(lambda t: problem.loss_fn(spec.unflatten(t), (leaves[0][i], leaves[1][i])))(theta[i]) for i in range(32)])
+    grads = torch.stack(
+        [torch.func.grad(lambda t, i=i: problem.loss_fn(spec.unflatten(t), (leaves[0][i], leaves[1][i])))(theta[i]) for i in range(32)]
+    )
     expected = ((grads * xi).sum(-1).abs() / grads.norm(dim=-1)).mean()
     assert math.isclose(float(weighted["invariance"]), float(expected), rel_tol=1e-10)
 

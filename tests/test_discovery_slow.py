@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import load_benchmark
+
 from teleopt import discover
 from teleopt.discovery import problems
 from teleopt.discovery.diagnostics import compare_curves, data_sensitivity, span_residual

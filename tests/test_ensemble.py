@@ -13,10 +13,9 @@ import json
 import math
 
 import pytest
-
-from conftest import load_benchmark
 import torch
 import torch.nn.functional as F
+from conftest import load_benchmark
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn

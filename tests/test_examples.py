@@ -30,8 +30,15 @@ def load(name: str) -> ModuleType:
 
 
 def test_every_example_is_tested():
-    tested = {"01_wrap_training_loop.py", "02_timm_auto_sites.py", "03_torch_optimizer.py", "04_ci_property_tests.py",
-              "05_discover_and_use.py", "06_conserved_quantities.py", "07_learn_to_teleport.py"}
+    tested = {
+        "01_wrap_training_loop.py",
+        "02_timm_auto_sites.py",
+        "03_torch_optimizer.py",
+        "04_ci_property_tests.py",
+        "05_discover_and_use.py",
+        "06_conserved_quantities.py",
+        "07_learn_to_teleport.py",
+    }
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -88,9 +95,23 @@ def _pytest_example_4(tmp_path: Path, *select: str) -> int:
     path = os.pathsep.join(filter(None, [str(EXAMPLES.parent), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(EXAMPLES / "04_ci_property_tests.py"), "-q", "-p", "no:cacheprovider",
-         "--rootdir", str(tmp_path), *select],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(EXAMPLES / "04_ci_property_tests.py"),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(tmp_path),
+            *select,
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout

@@ -97,7 +97,18 @@ def _randn(*shape: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "name, order",
-    [("example_3_1", 2), ("swap", 2), ("reflection_4", 2), ("cyclic_4", 4), ("s3", 6), ("rotations_5", 5), ("dihedral_4", 8), ("klein_3", 4), ("s3_rotated", 6), ("s3_oblique", 6)],
+    [
+        ("example_3_1", 2),
+        ("swap", 2),
+        ("reflection_4", 2),
+        ("cyclic_4", 4),
+        ("s3", 6),
+        ("rotations_5", 5),
+        ("dihedral_4", 8),
+        ("klein_3", 4),
+        ("s3_rotated", 6),
+        ("s3_oblique", 6),
+    ],
 )
 def test_group_tables(name, order):
     """Known orders; the Cayley table, identity and inverses agree with the matrices."""

@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import load_benchmark
-
 
 
 def test_quick_run_reproduces_theorem_3_3(tmp_path):

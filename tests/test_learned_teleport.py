@@ -91,9 +91,7 @@ def test_policy_step_is_g_acting_on_w_plus_f():
 def test_untrained_policy_is_gradient_descent():
     sampler = TwoLayerProblems(n=5, h=4, m=3, k=6)
     problem = sampler(torch.Generator().manual_seed(3))
-    assert rollout(TeleportPolicy("lstm", True, base_lr=1e-3), problem, 5) == rollout(
-        TeleportPolicy("gd", False, base_lr=1e-3), problem, 5
-    )
+    assert rollout(TeleportPolicy("lstm", True, base_lr=1e-3), problem, 5) == rollout(TeleportPolicy("gd", False, base_lr=1e-3), problem, 5)
 
 
 def test_save_load_round_trip_weights_only(tmp_path):
@@ -118,8 +116,12 @@ def test_load_rejects_bad_files(tmp_path):
     with pytest.raises(ValueError, match="not a TeleportPolicy file"):
         TeleportPolicy.load(other)
     policy = TeleportPolicy(hidden_size=8)
-    blob = {"format": "teleopt.learned_teleport.TeleportPolicy", "version": 1, "config": dict(policy.config, hidden_size=4),
-            "state_dict": policy.state_dict()}
+    blob = {
+        "format": "teleopt.learned_teleport.TeleportPolicy",
+        "version": 1,
+        "config": dict(policy.config, hidden_size=4),
+        "state_dict": policy.state_dict(),
+    }
     mismatch = tmp_path / "mismatch.pt"
     torch.save(blob, mismatch)
     with pytest.raises(ValueError, match="weights do not match"):
@@ -140,8 +142,7 @@ def test_short_meta_training_beats_its_untrained_policy():
         return sum(rollout(policy, p, 20)[-1] for p in held_out) / len(held_out)
 
     untrained = final()
-    result = meta_train(policy, sampler, trajectories=6, steps=20, unroll=5, lr_update=3e-3, lr_group=3e-3, seed=0,
-                        progress=False)
+    result = meta_train(policy, sampler, trajectories=6, steps=20, unroll=5, lr_update=3e-3, lr_group=3e-3, seed=0, progress=False)
     trained = final()
     assert len(result.trajectory_losses) == 6 and result.seconds > 0
     # measured: untrained 16.65, trained 11.99 (28% lower held-out loss at step 20); asserted: 10% lower
@@ -196,8 +197,26 @@ def test_benchmark_quick_smoke(tmp_path):
     finally:
         sys.path.remove(BENCHMARKS)
     out = tmp_path / "l2t.json"
-    bench.main(["--quick", "--seeds", "1", "--trajectories", "1", "--steps", "6", "--size", "5", "--transfer-size", "7",
-                "--test", "2", "--no-progress", "--json", str(out)])
+    bench.main(
+        [
+            "--quick",
+            "--seeds",
+            "1",
+            "--trajectories",
+            "1",
+            "--steps",
+            "6",
+            "--size",
+            "5",
+            "--transfer-size",
+            "7",
+            "--test",
+            "2",
+            "--no-progress",
+            "--json",
+            str(out),
+        ]
+    )
     data = json.loads(out.read_text())
     assert set(data["arms"]) == {"gd", "lstm_update", "lstm_lr_tele", "lstm_update_tele"}
     for arm in data["arms"].values():

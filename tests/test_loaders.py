@@ -30,8 +30,9 @@ def action() -> LearnedAction:
     net = ActionNetwork(spec.num_params, spec.data_features, (16, 16), generator=gen)
     params, data = problem.sampler(gen)
     examples = (spec.flatten(params)[None], (data[None],))
-    return LearnedAction(net, torch.randn(1, 2, 2, generator=gen, dtype=torch.float64), spec, "small",
-                         loss_fn=problem.loss_fn, examples=examples)
+    return LearnedAction(
+        net, torch.randn(1, 2, 2, generator=gen, dtype=torch.float64), spec, "small", loss_fn=problem.loss_fn, examples=examples
+    )
 
 
 def damaged(state: dict, path: str, value) -> dict:
@@ -49,27 +50,30 @@ def damaged(state: dict, path: str, value) -> dict:
     return state
 
 
-@pytest.mark.parametrize(("path", "value", "match"), [
-    ("integration_steps", 10**9, "integration_steps=1000000000, outside"),
-    ("integration_steps", 0, "outside"),
-    ("integration_steps", "8", "integration_steps is a str"),
-    ("network/num_params", ..., "KeyError"),
-    ("network/hidden", [10**6, 10**6], "do not match the saved configuration"),
-    ("network/hidden", None, "hidden widths is a NoneType"),
-    ("network", [], "network configuration is a list"),
-    ("spec/param_shapes", ..., "KeyError"),
-    ("spec", "spec", "spec is a str"),
-    ("weights", {"layers.0.weight": "x"}, "floating-point tensors"),
-    ("weights/layers.0.bias", torch.full((16,), float("nan")), "non-finite"),
-    ("generators", [[1.0]], "generators is a list"),
-    ("generators", torch.zeros(2, 2, dtype=torch.float64), "generators have shape"),
-    ("examples", {"theta": 1}, "examples. theta is a int"),
-    ("examples", {"theta": torch.zeros(1, 4)}, "KeyError"),
-    ("examples/data", 3, "examples' data is a int"),
-    ("history", {"terms": []}, "KeyError"),
-    ("config", 5, "config is a int"),
-    ("name", 7, "name is a int"),
-])
+@pytest.mark.parametrize(
+    ("path", "value", "match"),
+    [
+        ("integration_steps", 10**9, "integration_steps=1000000000, outside"),
+        ("integration_steps", 0, "outside"),
+        ("integration_steps", "8", "integration_steps is a str"),
+        ("network/num_params", ..., "KeyError"),
+        ("network/hidden", [10**6, 10**6], "do not match the saved configuration"),
+        ("network/hidden", None, "hidden widths is a NoneType"),
+        ("network", [], "network configuration is a list"),
+        ("spec/param_shapes", ..., "KeyError"),
+        ("spec", "spec", "spec is a str"),
+        ("weights", {"layers.0.weight": "x"}, "floating-point tensors"),
+        ("weights/layers.0.bias", torch.full((16,), float("nan")), "non-finite"),
+        ("generators", [[1.0]], "generators is a list"),
+        ("generators", torch.zeros(2, 2, dtype=torch.float64), "generators have shape"),
+        ("examples", {"theta": 1}, "examples. theta is a int"),
+        ("examples", {"theta": torch.zeros(1, 4)}, "KeyError"),
+        ("examples/data", 3, "examples' data is a int"),
+        ("history", {"terms": []}, "KeyError"),
+        ("config", 5, "config is a int"),
+        ("name", 7, "name is a int"),
+    ],
+)
 def test_a_damaged_learned_action_state_raises_value_error(action, path, value, match):
     with pytest.raises(ValueError, match=match):
         LearnedAction.from_state(damaged(action.state(), path, value))
@@ -124,22 +128,25 @@ def test_a_report_round_trips(report):
     assert SymmetryReport.from_dict(report).to_dict() == report
 
 
-@pytest.mark.parametrize(("path", "value", "match"), [
-    ("sites", ..., "needs 'sites'"),
-    ("sites", {}, "needs 'sites'"),
-    ("sites/0", {"members": []}, "site 0 is malformed"),
-    ("sites/0/action", {"registered": "no_such_action"}, "site 0 is malformed"),
-    ("sites/0/members", None, "site 0 is malformed"),
-    ("skipped", [{"kind": "op"}], "skipped entry 0"),
-    ("skipped", "none", "'skipped' has type str"),
-    ("frozen", {"w": 3}, "'frozen' must map"),
-    ("coverage", 1.5, r"coverage=1.5 is outside \[0.0, 1.0\]"),
-    ("coverage_exact", float("nan"), "coverage_exact=nan"),
-    ("parameters", -1, "negative"),
-    ("parameters", 2.5, "'parameters' has type float"),
-    ("seconds", "1s", "'seconds' has type str"),
-    ("model", None, "'model' has type NoneType"),
-])
+@pytest.mark.parametrize(
+    ("path", "value", "match"),
+    [
+        ("sites", ..., "needs 'sites'"),
+        ("sites", {}, "needs 'sites'"),
+        ("sites/0", {"members": []}, "site 0 is malformed"),
+        ("sites/0/action", {"registered": "no_such_action"}, "site 0 is malformed"),
+        ("sites/0/members", None, "site 0 is malformed"),
+        ("skipped", [{"kind": "op"}], "skipped entry 0"),
+        ("skipped", "none", "'skipped' has type str"),
+        ("frozen", {"w": 3}, "'frozen' must map"),
+        ("coverage", 1.5, r"coverage=1.5 is outside \[0.0, 1.0\]"),
+        ("coverage_exact", float("nan"), "coverage_exact=nan"),
+        ("parameters", -1, "negative"),
+        ("parameters", 2.5, "'parameters' has type float"),
+        ("seconds", "1s", "'seconds' has type str"),
+        ("model", None, "'model' has type NoneType"),
+    ],
+)
 def test_a_malformed_report_raises_value_error(report, path, value, match):
     data = {**report, "sites": [dict(s) for s in report["sites"]]}
     keys = path.split("/")

@@ -25,7 +25,7 @@ def test_the_first_command_is_the_demo_and_ci_runs_the_test_command():
     assert commands[1] == 'pip install -e ".[dev]" && python -m pytest'
     assert commands[1] in (ROOT / ".ci" / "run").read_text()
     extras = (ROOT / "pyproject.toml").read_text()
-    assert re.search(r'demo = \[[^\]]*scikit-learn[^\]]*matplotlib', extras), "the demo extra must bring what the demo imports"
+    assert re.search(r"demo = \[[^\]]*scikit-learn[^\]]*matplotlib", extras), "the demo extra must bring what the demo imports"
 
 
 SNIPPETS = re.findall(r"```python\n(.*?)```", README, re.S)
@@ -50,8 +50,18 @@ def test_python_snippets_run(index, tmp_path, monkeypatch):
         torch.set_num_threads(threads)
 
 
-API_MODULES = ["teleopt", "teleopt.teleport", "teleopt.testing", "teleopt.testing.conformance", "teleopt.detection",
-               "teleopt.discovery", "teleopt.datasets", "teleopt.demo", "teleopt.analysis", "teleopt.learned_teleport"]
+API_MODULES = [
+    "teleopt",
+    "teleopt.teleport",
+    "teleopt.testing",
+    "teleopt.testing.conformance",
+    "teleopt.detection",
+    "teleopt.discovery",
+    "teleopt.datasets",
+    "teleopt.demo",
+    "teleopt.analysis",
+    "teleopt.learned_teleport",
+]
 
 
 @pytest.mark.parametrize("module", API_MODULES)

@@ -15,10 +15,24 @@ from teleopt.testing import check_action
 
 # one entry per action family of papers/001 Table 1.1, attention, LoRA, Ch. 4 and papers/002
 EXPECTED = {
-    "gl_linear", "positive_rescaling", "sign_flip", "radial_orthogonal", "batchnorm_scaling",
-    "softmax_translation", "hidden_permutation", "rbf_permutation", "attention_qk_gl", "attention_vo_gl",
-    "attention_head_permutation", "lora_gl", "data_dependent_gl", "data_dependent_gl_lstsq", "nonlinear_gl",
-    "rosenbrock_so2", "booth_so2", "quadratic_orthogonal",
+    "gl_linear",
+    "positive_rescaling",
+    "sign_flip",
+    "radial_orthogonal",
+    "batchnorm_scaling",
+    "softmax_translation",
+    "hidden_permutation",
+    "rbf_permutation",
+    "attention_qk_gl",
+    "attention_vo_gl",
+    "attention_head_permutation",
+    "lora_gl",
+    "data_dependent_gl",
+    "data_dependent_gl_lstsq",
+    "nonlinear_gl",
+    "rosenbrock_so2",
+    "booth_so2",
+    "quadratic_orthogonal",
 }
 
 

@@ -207,8 +207,13 @@ def test_foreach_and_for_loop_give_the_same_bits(decoupled, diagonal_eps):
     runs = []
     for foreach in (True, False):
         ps = params_from(init)
-        syre = Syre(torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=foreach), gamma=0.3, sigma0=1.0,
-                    decoupled=decoupled, diagonal_eps=diagonal_eps)
+        syre = Syre(
+            torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=foreach),
+            gamma=0.3,
+            sigma0=1.0,
+            decoupled=decoupled,
+            diagonal_eps=diagonal_eps,
+        )
         train(syre, ps, loss, 5)
         runs.append(ps)
     assert all(torch.equal(p, q) for p, q in zip(*runs))
@@ -241,8 +246,13 @@ def test_gamma_zero_is_bitwise_the_base(decoupled, store_anchors, diagonal_eps):
     init, loss = problem(7, dtype=torch.float32)
     bare_ps, syre_ps = params_from(init), params_from(init)
     bare = torch.optim.AdamW(bare_ps, lr=0.01, weight_decay=0.05)
-    syre = Syre(torch.optim.AdamW(syre_ps, lr=0.01, weight_decay=0.05), gamma=0.0, decoupled=decoupled,
-                diagonal_eps=diagonal_eps, store_anchors=store_anchors)
+    syre = Syre(
+        torch.optim.AdamW(syre_ps, lr=0.01, weight_decay=0.05),
+        gamma=0.0,
+        decoupled=decoupled,
+        diagonal_eps=diagonal_eps,
+        store_anchors=store_anchors,
+    )
     train(bare, bare_ps, loss, 6)
     train(syre, syre_ps, loss, 6)
     assert all(torch.equal(p, q) for p, q in zip(bare_ps, syre_ps))
@@ -349,8 +359,7 @@ def test_loaded_anchors_win_over_the_seed():
     state = torch.load(buffer, weights_only=True)
     # Different seed and regenerated anchors: the checkpoint's anchors (and D) must still be used.
     other_ps = params_from([p.detach() for p in ps])
-    other = Syre(torch.optim.Adam(other_ps, lr=0.01), gamma=0.5, sigma0=2.0, diagonal_eps=0.2, seed=2,
-                 store_anchors=False)
+    other = Syre(torch.optim.Adam(other_ps, lr=0.01), gamma=0.5, sigma0=2.0, diagonal_eps=0.2, seed=2, store_anchors=False)
     other.load_state_dict(state)
     train(syre, ps, loss, 3)
     train(other, other_ps, loss, 3)
@@ -464,8 +473,7 @@ def test_bad_parameters_and_groups():
     with pytest.raises(TypeError, match="wraps a torch.optim.Optimizer"):
         Syre([torch.nn.Parameter(torch.randn(2, 2))], gamma=0.1)
     with pytest.raises(ValueError, match=r"parameter 1 \(param group 0, shape \(2, 2\)\): sigma0 .* overflow"):
-        Syre(torch.optim.SGD([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 2))], lr=0.1),
-             gamma=0.1, sigma0=1e39)
+        Syre(torch.optim.SGD([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 2))], lr=0.1), gamma=0.1, sigma0=1e39)
     with pytest.raises(ValueError, match="fan_in must be a positive int"):
         Syre(torch.optim.SGD([Syre.param_group([torch.nn.Parameter(torch.randn(3))], fan_in=0)], lr=0.1), gamma=0.1)
     with pytest.raises(ValueError, match="gamma must be >= 0"):
@@ -522,4 +530,3 @@ def test_sparse_gradients_need_decoupled_mode():
     embedding(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(TypeError, match="sparse gradient"):
         syre.step()
-

@@ -23,9 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create
 
 def mlp(dtype=torch.float32, seed: int = 0):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Tanh(), torch.nn.Linear(8, 2)
-    ).to(dtype)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).to(dtype)
 
 
 def data(dtype=torch.float32):
@@ -135,12 +133,15 @@ def test_decoupled_syre_around_adahessian_is_its_step_minus_lr_gamma_times_w_min
 # -- scales that do not fit the dtype -------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("dtype", "kwargs"), [
-    (torch.float32, {"gamma": 0.1, "sigma0": 1e40}),
-    (torch.float16, {"gamma": 0.1, "sigma0": 1e5}),
-    (torch.float32, {"gamma": 1e38}),
-    (torch.bfloat16, {"gamma": 1e39}),
-])
+@pytest.mark.parametrize(
+    ("dtype", "kwargs"),
+    [
+        (torch.float32, {"gamma": 0.1, "sigma0": 1e40}),
+        (torch.float16, {"gamma": 0.1, "sigma0": 1e5}),
+        (torch.float32, {"gamma": 1e38}),
+        (torch.bfloat16, {"gamma": 1e39}),
+    ],
+)
 def test_anchors_or_decay_that_overflow_the_dtype_are_refused(dtype, kwargs):
     p = torch.nn.Parameter(torch.randn(3, 3).to(dtype))
     with pytest.raises(ValueError, match="overflow"):
@@ -175,18 +176,21 @@ def trained():
     return syre
 
 
-@pytest.mark.parametrize(("mutate", "match"), [
-    (lambda sd: sd["param_groups"][0].update({Syre.prefix + "gamma": "big"}), "gamma must be a finite real number"),
-    (lambda sd: sd["param_groups"][0].update({Syre.prefix + "gamma": -1.0}), "gamma must be >= 0"),
-    (lambda sd: sd["param_groups"][0].update({Syre.prefix + "sigma0": 1e40}), "overflow"),
-    (lambda sd: sd["param_groups"][0].update({Syre.prefix + "gama": 0.1}), "unknown syre keys"),
-    (lambda sd: sd["param_groups"][0].update({Syre.prefix + "fan_in": 0}), "fan_in must be a positive int"),
-    (lambda sd: sd["state"][0].update({Syre.prefix + "anchor": torch.full((4, 3), float("nan"))}), "non-finite"),
-    (lambda sd: sd["state"][0].update({Syre.prefix + "diagonal": torch.zeros(4, 3)}), "non-positive"),
-    (lambda sd: sd["state"][0].update({Syre.prefix + "anchor": torch.zeros(4, 3, dtype=torch.int64)}), "dtype"),
-    (lambda sd: sd["state"][0].update({Syre.prefix + "anchor": [0.0]}), "unexpected entry"),
-    (lambda sd: sd["state"][0].update({Syre.prefix + "anchor": torch.zeros(3)}), r"has shape \(3,\)"),
-])
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda sd: sd["param_groups"][0].update({Syre.prefix + "gamma": "big"}), "gamma must be a finite real number"),
+        (lambda sd: sd["param_groups"][0].update({Syre.prefix + "gamma": -1.0}), "gamma must be >= 0"),
+        (lambda sd: sd["param_groups"][0].update({Syre.prefix + "sigma0": 1e40}), "overflow"),
+        (lambda sd: sd["param_groups"][0].update({Syre.prefix + "gama": 0.1}), "unknown syre keys"),
+        (lambda sd: sd["param_groups"][0].update({Syre.prefix + "fan_in": 0}), "fan_in must be a positive int"),
+        (lambda sd: sd["state"][0].update({Syre.prefix + "anchor": torch.full((4, 3), float("nan"))}), "non-finite"),
+        (lambda sd: sd["state"][0].update({Syre.prefix + "diagonal": torch.zeros(4, 3)}), "non-positive"),
+        (lambda sd: sd["state"][0].update({Syre.prefix + "anchor": torch.zeros(4, 3, dtype=torch.int64)}), "dtype"),
+        (lambda sd: sd["state"][0].update({Syre.prefix + "anchor": [0.0]}), "unexpected entry"),
+        (lambda sd: sd["state"][0].update({Syre.prefix + "anchor": torch.zeros(3)}), r"has shape \(3,\)"),
+    ],
+)
 def test_malformed_syre_state_raises_value_error_and_changes_nothing(mutate, match):
     syre = trained()
     sd = syre.state_dict()

@@ -234,8 +234,7 @@ _DRAW_ANCHORS = textwrap.dedent(
 def test_anchors_are_identical_across_processes(tmp_path):
     paths = [tmp_path / "a.pt", tmp_path / "b.pt"]
     runs = [
-        subprocess.Popen([sys.executable, "-c", _DRAW_ANCHORS, str(path), str(global_seed), str(threads)],
-                         stderr=subprocess.PIPE)
+        subprocess.Popen([sys.executable, "-c", _DRAW_ANCHORS, str(path), str(global_seed), str(threads)], stderr=subprocess.PIPE)
         for path, global_seed, threads in zip(paths, (1, 2), (1, 2))
     ]
     for run in runs:

@@ -34,8 +34,12 @@ class Holder(torch.nn.Module):
 def relu_problem(seed: int = 11):
     """A ReLU regression with biases: positive rescaling of the 6 hidden units is an exact symmetry."""
     g = torch.Generator().manual_seed(seed)
-    init = [torch.randn(6, 4, generator=g) * 0.5, torch.randn(6, generator=g) * 0.1,
-            torch.randn(2, 6, generator=g) * 0.4, torch.randn(2, generator=g) * 0.1]
+    init = [
+        torch.randn(6, 4, generator=g) * 0.5,
+        torch.randn(6, generator=g) * 0.1,
+        torch.randn(2, 6, generator=g) * 0.4,
+        torch.randn(2, generator=g) * 0.1,
+    ]
     x, y = torch.randn(32, 4, generator=g), torch.randn(32, 2, generator=g)
 
     def loss(ws):

@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import load_benchmark
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")

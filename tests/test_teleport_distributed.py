@@ -25,7 +25,9 @@ DD = get_action("data_dependent_gl", activation="leaky_relu", negative_slope=0.1
 
 def _mlp() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 6, bias=False), nn.LeakyReLU(0.1), nn.Linear(6, 7, bias=False), nn.LeakyReLU(0.1), nn.Linear(7, 3, bias=False))
+    return nn.Sequential(
+        nn.Linear(5, 6, bias=False), nn.LeakyReLU(0.1), nn.Linear(6, 7, bias=False), nn.LeakyReLU(0.1), nn.Linear(7, 3, bias=False)
+    )
 
 
 def _mse(out, y):

@@ -39,7 +39,9 @@ def paper_mlp(seed=12345, dtype=torch.float32):
     torch.manual_seed(seed)
     W = [torch.rand(6, 5), torch.rand(7, 6), torch.rand(8, 7)]
     X, Y = torch.rand(5, 4), torch.rand(8, 4)
-    model = nn.Sequential(nn.Linear(5, 6, bias=False), nn.LeakyReLU(0.1), nn.Linear(6, 7, bias=False), nn.LeakyReLU(0.1), nn.Linear(7, 8, bias=False))
+    model = nn.Sequential(
+        nn.Linear(5, 6, bias=False), nn.LeakyReLU(0.1), nn.Linear(6, 7, bias=False), nn.LeakyReLU(0.1), nn.Linear(7, 8, bias=False)
+    )
     with torch.no_grad():
         for layer, w in zip(model[::2], W):
             layer.weight.copy_(w)
@@ -80,7 +82,14 @@ def test_general_path_leaves_batchnorm_statistics_alone():
     model = nn.Sequential(nn.BatchNorm1d(5), nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3)).double().train()
     relu = get_action("positive_rescaling", activation="relu")
     x, y = torch.randn(16, 5, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, [Site(relu, ("1.weight", "1.bias", "3.weight"))], objective="lookahead", loss_fn=mse, ascent_steps=5)
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        [Site(relu, ("1.weight", "1.bias", "3.weight"))],
+        objective="lookahead",
+        loss_fn=mse,
+        ascent_steps=5,
+    )
     grads_at(model, x, y, mse)
     buffers = copy.deepcopy(dict(model.named_buffers()))
     report = opt.teleport(batch=(x, y))
@@ -215,7 +224,9 @@ def test_paper_compat_is_not_loss_preserving_and_exact_is():
     """The official first-order teleport changes the loss; the exact eq. 4.13 teleport does not."""
     model, X, Y = paper_mlp(seed=12345)
     exact = copy.deepcopy(model)
-    compat = Teleport(torch.optim.SGD(model.parameters(), lr=1e-4), model, dd_sites(), loss_fn=sse, paper_compat=True, ascent_steps=8, ascent_lr=1e-7)
+    compat = Teleport(
+        torch.optim.SGD(model.parameters(), lr=1e-4), model, dd_sites(), loss_fn=sse, paper_compat=True, ascent_steps=8, ascent_lr=1e-7
+    )
     for _ in range(5):
         grads_at(model, X, Y, sse)
         compat.step()

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import load_benchmark
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -35,8 +34,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_classification_arms_at_epoch_zero(data):
     bench = load("teleport_classification")
-    runs = {arm: bench.run("RMSprop", arm, seed=0, epochs=1, data=data)
-            for arm in ("none", "reset only", "teleport+transport", "teleport+reset", "teleport+keep")}
+    runs = {
+        arm: bench.run("RMSprop", arm, seed=0, epochs=1, data=data)
+        for arm in ("none", "reset only", "teleport+transport", "teleport+reset", "teleport+keep")
+    }
     # a fresh optimizer at epoch 0 is the optimizer it replaces: the reset-only arm is the baseline, bit for bit
     assert runs["reset only"]["train"] == runs["none"]["train"] and runs["reset only"]["accepted"] == 0
     # the state is still empty at an epoch-0 teleport, so the three policies take the same path

@@ -19,9 +19,9 @@ LEAKY = get_action("positive_rescaling", activation="leaky_relu", negative_slope
 
 def mlp(dtype=torch.float64, bias=True, seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(5, 6, bias=bias), nn.LeakyReLU(0.1), nn.Linear(6, 7, bias=bias), nn.LeakyReLU(0.1), nn.Linear(7, 3)
-    ).to(dtype)
+    return nn.Sequential(nn.Linear(5, 6, bias=bias), nn.LeakyReLU(0.1), nn.Linear(6, 7, bias=bias), nn.LeakyReLU(0.1), nn.Linear(7, 3)).to(
+        dtype
+    )
 
 
 def sites(bias=True):
@@ -182,7 +182,9 @@ def _paper_mlp(seed):
     torch.manual_seed(seed)
     W = [torch.rand(6, 5), torch.rand(7, 6), torch.rand(8, 7)]
     X, Y = torch.rand(5, 4), torch.rand(8, 4)
-    model = nn.Sequential(nn.Linear(5, 6, bias=False), nn.LeakyReLU(0.1), nn.Linear(6, 7, bias=False), nn.LeakyReLU(0.1), nn.Linear(7, 8, bias=False))
+    model = nn.Sequential(
+        nn.Linear(5, 6, bias=False), nn.LeakyReLU(0.1), nn.Linear(6, 7, bias=False), nn.LeakyReLU(0.1), nn.Linear(7, 8, bias=False)
+    )
     with torch.no_grad():
         for layer, w in zip(model[::2], W):
             layer.weight.copy_(w)

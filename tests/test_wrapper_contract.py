@@ -67,12 +67,16 @@ def test_step_needs_closure_reads_the_signature():
     assert Syre(Delegating(torch.optim.LBFGS(p)), gamma=0.0).base_needs_closure
 
 
-@pytest.mark.parametrize("wrap", [
-    lambda opt, model: Syre(opt, gamma=0.0, exclude_1d=True),
-    lambda opt, model: Delegating(opt),
-    lambda opt, model: Syre(Delegating(opt), gamma=0.0, exclude_1d=True),
-    lambda opt, model: Teleport(opt, model, []),
-], ids=["syre", "delegating", "syre_of_delegating", "teleport_not_due"])
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda opt, model: Syre(opt, gamma=0.0, exclude_1d=True),
+        lambda opt, model: Delegating(opt),
+        lambda opt, model: Syre(Delegating(opt), gamma=0.0, exclude_1d=True),
+        lambda opt, model: Teleport(opt, model, []),
+    ],
+    ids=["syre", "delegating", "syre_of_delegating", "teleport_not_due"],
+)
 def test_an_lbfgs_base_gets_the_closure_and_is_followed_bitwise(wrap):
     bare_model, x, y = problem()
     wrapped_model, _, _ = problem()
@@ -113,8 +117,9 @@ def test_teleport_with_lbfgs_teleports_exactly_and_restarts_its_curvature_histor
 
 def test_coupled_syre_with_lbfgs_reaches_a_stationary_point_of_the_regularised_loss():
     model, x, y = problem()
-    syre = Syre(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=20, line_search_fn="strong_wolfe"),
-                gamma=0.05, sigma0=0.5, exclude_1d=True)
+    syre = Syre(
+        torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=20, line_search_fn="strong_wolfe"), gamma=0.05, sigma0=0.5, exclude_1d=True
+    )
 
     def objective():
         return ((model(x) - y) ** 2).mean() + syre.penalty().float()
@@ -133,8 +138,7 @@ def test_coupled_syre_with_lbfgs_reaches_a_stationary_point_of_the_regularised_l
 def test_decoupled_syre_with_lbfgs_decays_once_then_lets_lbfgs_step():
     model, x, y = problem()
     reference, _, _ = problem()
-    syre = Syre(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5), gamma=0.2, sigma0=0.5, decoupled=True,
-                exclude_1d=True)
+    syre = Syre(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5), gamma=0.2, sigma0=0.5, decoupled=True, exclude_1d=True)
     bare = torch.optim.LBFGS(reference.parameters(), lr=0.5, max_iter=5)
     for _ in range(2):
         with torch.no_grad():
@@ -226,16 +230,19 @@ def test_a_checkpoint_of_the_bare_base_loads_and_keeps_the_wrapper_settings(kind
     wrapper.step()
 
 
-@pytest.mark.parametrize(("mutate", "match"), [
-    (lambda sd: sd.update(state=[]), "'state' must be a dict"),
-    (lambda sd: sd.update(param_groups={}), "'param_groups' must be a list of dicts"),
-    (lambda sd: sd["param_groups"].append(dict(sd["param_groups"][0])), "2 param group"),
-    (lambda sd: sd["state"].update({0: "x"}), "must be a dict"),
-    (lambda sd: sd["state"].update({"a": {"teleopt_delegating_x": torch.zeros(1)}}), "keyed by parameter index"),
-    (lambda sd: sd["state"].update({7: {"teleopt_delegating_x": torch.zeros(1)}}), "parameter 7"),
-    (lambda sd: sd.update(teleopt_delegating=[1]), "must be a dict"),
-    (lambda sd: sd["param_groups"][0].update(teleopt_delegating_strength=[1.0]), "plain scalars"),
-])
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda sd: sd.update(state=[]), "'state' must be a dict"),
+        (lambda sd: sd.update(param_groups={}), "'param_groups' must be a list of dicts"),
+        (lambda sd: sd["param_groups"].append(dict(sd["param_groups"][0])), "2 param group"),
+        (lambda sd: sd["state"].update({0: "x"}), "must be a dict"),
+        (lambda sd: sd["state"].update({"a": {"teleopt_delegating_x": torch.zeros(1)}}), "keyed by parameter index"),
+        (lambda sd: sd["state"].update({7: {"teleopt_delegating_x": torch.zeros(1)}}), "parameter 7"),
+        (lambda sd: sd.update(teleopt_delegating=[1]), "must be a dict"),
+        (lambda sd: sd["param_groups"][0].update(teleopt_delegating_strength=[1.0]), "plain scalars"),
+    ],
+)
 def test_malformed_state_dicts_raise_value_error_and_change_nothing(mutate, match):
     model, x, y = problem()
     wrapper = Delegating(torch.optim.Adam(model.parameters(), lr=1e-2))

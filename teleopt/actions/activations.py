@@ -45,8 +45,7 @@ class Activation:
         lo, hi = self.range
         if bool(((y <= lo) | (y >= hi)).any()):
             raise ValueError(
-                f"{what} leaves the range ({lo}, {hi}) of {self.name}, so sigma^-1 is undefined there: "
-                "use a smaller group element"
+                f"{what} leaves the range ({lo}, {hi}) of {self.name}, so sigma^-1 is undefined there: use a smaller group element"
             )
 
 

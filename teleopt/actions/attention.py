@@ -63,8 +63,13 @@ def _attention_example(
     hd = num_heads * d_head
     s = 1 / math.sqrt(d_model)
     params = (
-        randn(hd, d_model, scale=s), randn(hd), randn(hd, d_model, scale=s), randn(hd),
-        randn(hd, d_model, scale=s), randn(hd), randn(d_model, hd, scale=s),
+        randn(hd, d_model, scale=s),
+        randn(hd),
+        randn(hd, d_model, scale=s),
+        randn(hd),
+        randn(hd, d_model, scale=s),
+        randn(hd),
+        randn(d_model, hd, scale=s),
     )
     x = randn(2, 5, d_model)
     full = dict(zip(_ALL, params))

@@ -126,15 +126,13 @@ class Member:
             part = t.shape[self.axis]
         elif self.stop > t.shape[self.axis]:
             raise ValueError(
-                f"member {self.name!r}: slice [{self.start}, {self.stop}) exceeds axis {self.axis} "
-                f"of length {t.shape[self.axis]}"
+                f"member {self.name!r}: slice [{self.start}, {self.stop}) exceeds axis {self.axis} of length {t.shape[self.axis]}"
             )
         else:
             part = self.stop - self.start
         if part % (self.outer * self.inner):
             raise ValueError(
-                f"member {self.name!r}: a part of length {part} is not divisible into outer={self.outer} "
-                f"x n x inner={self.inner}"
+                f"member {self.name!r}: a part of length {part} is not divisible into outer={self.outer} x n x inner={self.inner}"
             )
         return part // (self.outer * self.inner)
 
@@ -303,8 +301,7 @@ class AxisAction(GroupAction):
                 length, first = n, m.name
             elif n != length:
                 raise ValueError(
-                    f"{self.name}: member {m.name!r} has axis length {n} but {first!r} has {length}: "
-                    "they cannot share one group"
+                    f"{self.name}: member {m.name!r} has axis length {n} but {first!r} has {length}: they cannot share one group"
                 )
         assert length is not None
         return length

@@ -126,15 +126,11 @@ class GroupAction(ABC):
     def check_params(self, params: Sequence[Tensor | None]) -> Params:
         """Validate the parameter tuple and return it as a tuple."""
         if isinstance(params, Tensor) or not isinstance(params, Sequence):
-            raise TypeError(
-                f"{self.name}: params must be a tuple of tensors ({', '.join(self.member_names)}), "
-                f"got {type(params).__name__}"
-            )
+            raise TypeError(f"{self.name}: params must be a tuple of tensors ({', '.join(self.member_names)}), got {type(params).__name__}")
         params = tuple(params)
         if len(params) != len(self.member_names):
             raise ValueError(
-                f"{self.name}: expected {len(self.member_names)} parameter tensors "
-                f"({', '.join(self.member_names)}), got {len(params)}"
+                f"{self.name}: expected {len(self.member_names)} parameter tensors ({', '.join(self.member_names)}), got {len(params)}"
             )
         for name, p in zip(self.member_names, params):
             if p is None:
@@ -155,8 +151,7 @@ class GroupAction(ABC):
     def _check_data(self, data: Any) -> None:
         if self.needs_data and data is None:
             raise ValueError(
-                f"{self.name} is a data-dependent action: it is a symmetry only on a given batch, "
-                "so act() needs data=<the batch>"
+                f"{self.name} is a data-dependent action: it is a symmetry only on a given batch, so act() needs data=<the batch>"
             )
 
     # -- the group --------------------------------------------------------------
@@ -185,9 +180,7 @@ class GroupAction(ABC):
         """The inverse element, computed exactly."""
         return self.group_type.inverse(g)
 
-    def random_element(
-        self, params: Params, generator: torch.Generator | None = None, scale: float = 1.0
-    ) -> Tensor:
+    def random_element(self, params: Params, generator: torch.Generator | None = None, scale: float = 1.0) -> Tensor:
         """A random element drawn from ``generator`` (exp of coordinates of size ``scale``)."""
         ref = self._reference_tensor(self.check_params(params))
         return self.group(params).random(generator=generator, scale=scale, dtype=ref.dtype, device=ref.device)

@@ -49,7 +49,9 @@ class BatchNormScaling(AxisAction):
             example=self._example_problem,
         )
 
-    def _example_problem(self, generator: torch.Generator | None, dtype: torch.dtype, h: int = 4, n: int = 5, k: int = 16) -> ExampleProblem:
+    def _example_problem(
+        self, generator: torch.Generator | None, dtype: torch.dtype, h: int = 4, n: int = 5, k: int = 16
+    ) -> ExampleProblem:
         def randn(*shape: int) -> Tensor:
             return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
 

@@ -88,8 +88,7 @@ class _TwoLayerDataDependent(GroupAction):
         W1 = required(params[0], "W1")
         if data.ndim != 2 or data.shape[1] != W1.shape[1]:
             raise ValueError(
-                f"{self.name}: data must have shape (batch, {W1.shape[1]}) to feed W1 {tuple(W1.shape)}, "
-                f"got {tuple(data.shape)}"
+                f"{self.name}: data must have shape (batch, {W1.shape[1]}) to feed W1 {tuple(W1.shape)}, got {tuple(data.shape)}"
             )
         return data.to(W1.dtype)
 

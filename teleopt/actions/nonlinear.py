@@ -76,9 +76,7 @@ class NonlinearGL(GroupAction):
             raise TypeError(f"{self.name}: data must be one input vector (a tensor)")
         x = data.reshape(-1) if data.ndim == 2 and data.shape[0] == 1 else data
         if x.ndim != 1:
-            raise ValueError(
-                f"{self.name}: the action is exact for a single sample only; got a batch of shape {tuple(data.shape)}"
-            )
+            raise ValueError(f"{self.name}: the action is exact for a single sample only; got a batch of shape {tuple(data.shape)}")
         V = required(params[1], "V")
         if x.shape[0] != V.shape[1]:
             raise ValueError(f"{self.name}: input has {x.shape[0]} features but V expects {V.shape[1]}")

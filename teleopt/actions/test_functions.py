@@ -120,7 +120,9 @@ class Rosenbrock(ConjugatedRotation):
     """SO(2) symmetry of the Rosenbrock function by the change of variables of papers/001 eq. 4.6."""
 
     def __init__(self) -> None:
-        super().__init__("rosenbrock_so2", 2, _rosenbrock_h, _rosenbrock_h_inv, rosenbrock, _random_start(2), "papers/001 Prop. 4.4.1, eq. 4.6-4.8")
+        super().__init__(
+            "rosenbrock_so2", 2, _rosenbrock_h, _rosenbrock_h_inv, rosenbrock, _random_start(2), "papers/001 Prop. 4.4.1, eq. 4.6-4.8"
+        )
 
 
 _BOOTH_M = torch.tensor([[1.0, 2.0], [2.0, 1.0]], dtype=torch.float64)
@@ -139,7 +141,9 @@ class Booth(ConjugatedRotation):
     """SO(2) symmetry of the Booth function by the affine change of variables of papers/001 eq. 4.9."""
 
     def __init__(self) -> None:
-        super().__init__("booth_so2", 2, _booth_h, _booth_h_inv, booth, _random_start(2, 5.0), "papers/001 Prop. 4.4.1, eq. 4.9-4.11", M=_BOOTH_M)
+        super().__init__(
+            "booth_so2", 2, _booth_h, _booth_h_inv, booth, _random_start(2, 5.0), "papers/001 Prop. 4.4.1, eq. 4.9-4.11", M=_BOOTH_M
+        )
 
 
 def _sqrtm_pd(A: Tensor) -> Tensor:
@@ -180,4 +184,14 @@ class QuadraticOrthogonal(ConjugatedRotation):
         S = _sqrtm_pd(A)
         self.A = A
 
-        super().__init__("quadratic_orthogonal", A.shape[0], partial(_linear_h, S), partial(_linear_h_inv, S), partial(_quadratic, A), _random_start(A.shape[0]), "papers/001 eq. 4.33", M=S, linear=True)
+        super().__init__(
+            "quadratic_orthogonal",
+            A.shape[0],
+            partial(_linear_h, S),
+            partial(_linear_h_inv, S),
+            partial(_quadratic, A),
+            _random_start(A.shape[0]),
+            "papers/001 eq. 4.33",
+            M=S,
+            linear=True,
+        )

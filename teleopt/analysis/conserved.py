@@ -41,7 +41,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -60,7 +60,7 @@ __all__ = [
     "whitened_conserved_quantity",
 ]
 
-ParamSource = Union[nn.Module, Mapping[str, Tensor]]
+ParamSource = nn.Module | Mapping[str, Tensor]
 Missing = Literal["warn", "raise", "ignore"]
 _MISSING = ("warn", "raise", "ignore")
 
@@ -201,9 +201,7 @@ def _check_sites(sites: Sequence[Site] | Site) -> tuple[Site, ...]:
     return sites
 
 
-def conserved_quantities(
-    source: ParamSource, sites: Sequence[Site] | Site, *, missing: Missing = "warn"
-) -> ConservedQuantities:
+def conserved_quantities(source: ParamSource, sites: Sequence[Site] | Site, *, missing: Missing = "warn") -> ConservedQuantities:
     """Q_M = <theta, M . theta> for every conserved generator of each site (papers/001 Prop. 2.5.1).
 
     Parameters
@@ -270,9 +268,7 @@ def angular_momentum(source: ParamSource, velocity: ParamSource, site: Site) -> 
         raise TypeError(f"site must be a Site, got {type(site).__name__}")
     action = site.action
     if action.group_type.kind not in ("orthogonal", "general") or not action.continuous:
-        raise ValueError(
-            f"site {site.name!r}: the angular-momentum relation needs a matrix group (O(h) or GL_h), got {action.group_name}"
-        )
+        raise ValueError(f"site {site.name!r}: the angular-momentum relation needs a matrix group (O(h) or GL_h), got {action.group_name}")
     if not action.linear:
         raise ValueError(f"site {site.name!r}: {action.name} acts non-linearly (papers/001 Theorem 2.5.6 needs a linear action)")
     params = action.check_params(site_params(source, site))
@@ -385,9 +381,7 @@ def whitened_conserved_quantity(
     return terms if parts else terms[0] + terms[1]
 
 
-def expected_whitened_quantity(
-    m: int, h: int, n: int, activation: str | Callable[[Tensor], Tensor], *, nodes: int = 64
-) -> float:
+def expected_whitened_quantity(m: int, h: int, n: int, activation: str | Callable[[Tensor], Tensor], *, nodes: int = 64) -> float:
     """E[Q] of eq. 2.17 under the initialisation of papers/001 eq. 2.15 (U_ij ~ N(0, 1/h), V_ij ~ N(0, 1/n)).
 
     E[1/2 Tr U^T U] = m / 2 and E[F(V_aj)] by ``nodes``-point Gauss-Hermite

@@ -43,9 +43,9 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from teleopt.analysis.orbits import _as_inputs, _as_sites, sample_orbit
+from teleopt.functional import FunctionalModel
 from teleopt.groups import GeneralLinear, Orthogonal
 from teleopt.site import Site, lookup_tensor
-from teleopt.functional import FunctionalModel
 
 __all__ = ["ParameterEnsemble", "GroupEnsemble", "BaselineEnsemble", "BASELINES", "COMBINE"]
 

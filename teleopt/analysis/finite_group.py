@@ -127,13 +127,17 @@ class FiniteLinearGroup:
         to_identity = _relative_distance(eye.expand_as(elements), elements)
         identity = int(to_identity.argmin())
         if float(to_identity[identity]) > tol:
-            raise ValueError(f"elements do not contain the identity (nearest element at relative distance {float(to_identity[identity]):.2e})")
+            raise ValueError(
+                f"elements do not contain the identity (nearest element at relative distance {float(to_identity[identity]):.2e})"
+            )
 
         if n > 1:
             self_excluded, nearest_other = _nearest_other(elements)
             if float(self_excluded.min()) <= tol:
                 i = int(self_excluded.argmin())
-                raise ValueError(f"elements[{i}] and elements[{int(nearest_other[i])}] are the same matrix (duplicate, relative distance {float(self_excluded[i]):.2e})")
+                raise ValueError(
+                    f"elements[{i}] and elements[{int(nearest_other[i])}] are the same matrix (duplicate, relative distance {float(self_excluded[i]):.2e})"
+                )
 
         table = torch.empty(n, n, dtype=torch.long, device=elements.device)
         block = max(1, 2**20 // max(1, n * d * d))

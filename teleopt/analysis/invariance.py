@@ -90,7 +90,9 @@ def _check_weight(w: Tensor, group: FiniteLinearGroup, rho: Tensor | None) -> Te
     if w.ndim not in (1, 2) or w.shape[-1] != group.dim:
         raise ValueError(f"weight must have shape (out, {group.dim}) or ({group.dim},) in nn.Linear convention, got {tuple(w.shape)}")
     if rho is not None and (w.ndim != 2 or w.shape[0] != rho.shape[1]):
-        raise ValueError(f"with an output representation of size {rho.shape[1]}, weight must have shape ({rho.shape[1]}, {group.dim}), got {tuple(w.shape)}")
+        raise ValueError(
+            f"with an output representation of size {rho.shape[1]}, weight must have shape ({rho.shape[1]}, {group.dim}), got {tuple(w.shape)}"
+        )
     return w
 
 

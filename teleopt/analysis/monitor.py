@@ -116,12 +116,11 @@ class ConservationMonitor:
         by_name = {s.name: s for s in sites}
         self.sites = [by_name[n] for n in probe.values]
         self.orthogonal_sites = [
-            by_name[n] for n in probe.unavailable if by_name[n].action.group_type.kind == "orthogonal" and by_name[n].action.linear
-            and by_name[n].action.exactness == "exact"
+            by_name[n]
+            for n in probe.unavailable
+            if by_name[n].action.group_type.kind == "orthogonal" and by_name[n].action.linear and by_name[n].action.exactness == "exact"
         ]
-        self.unavailable = {
-            n: why for n, why in probe.unavailable.items() if n not in {s.name for s in self.orthogonal_sites}
-        }
+        self.unavailable = {n: why for n, why in probe.unavailable.items() if n not in {s.name for s in self.orthogonal_sites}}
         clash = set(quantities) & set(by_name)
         if clash:
             raise ValueError(f"extra quantity names clash with site names: {', '.join(sorted(clash))}")
@@ -156,11 +155,14 @@ class ConservationMonitor:
 
     def _orthogonal_params(self) -> dict[str, dict[str, Tensor]]:
         return {
-            s.name: {m: t.clone() for m, t in zip(s.members, site_params(self.model, s)) if m is not None}
-            for s in self.orthogonal_sites
+            s.name: {m: t.clone() for m, t in zip(s.members, site_params(self.model, s)) if m is not None} for s in self.orthogonal_sites
         }
 
-    def _drifts(self, now: tuple[ConservedQuantities, dict[str, tuple[Tensor, float]]], ref: tuple[ConservedQuantities, dict[str, tuple[Tensor, float]]]) -> dict[str, float]:
+    def _drifts(
+        self,
+        now: tuple[ConservedQuantities, dict[str, tuple[Tensor, float]]],
+        ref: tuple[ConservedQuantities, dict[str, tuple[Tensor, float]]],
+    ) -> dict[str, float]:
         out = now[0].drift(ref[0])
         for name, (value, _) in now[1].items():
             base, scale = ref[1][name]

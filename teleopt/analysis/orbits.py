@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from teleopt.site import Site, as_sites, lookup_tensor
 from teleopt.functional import FunctionalModel
+from teleopt.site import Site, as_sites, lookup_tensor
 
 __all__ = ["OrbitSample", "OrbitCurve", "orbit_point", "sample_orbit", "orbit_curve", "orbit_outputs"]
 
@@ -257,8 +257,7 @@ def sample_orbit(
     point = _start(model, sites, at)
     actor = _Actor(model, sites, inputs)
     elements = tuple(
-        tuple(site.action.random_element(_params(site, point), generator=generator, scale=scale) for site in sites)
-        for _ in range(count)
+        tuple(site.action.random_element(_params(site, point), generator=generator, scale=scale) for site in sites) for _ in range(count)
     )
     points = tuple(actor.act(gs, point) for gs in elements)
     return OrbitSample(sites, elements, points)
@@ -293,9 +292,7 @@ def _checked_coords(site: Site, coords: Any, params: tuple[Tensor | None, ...]) 
     if not isinstance(coords, Tensor):
         raise TypeError(f"site {site.name!r}: generator coordinates must be a torch.Tensor, got {type(coords).__name__}")
     if tuple(coords.shape) != tuple(shape):
-        raise ValueError(
-            f"site {site.name!r}: generator coordinates must have shape {tuple(shape)}, got {tuple(coords.shape)}"
-        )
+        raise ValueError(f"site {site.name!r}: generator coordinates must have shape {tuple(shape)}, got {tuple(coords.shape)}")
     if not coords.is_floating_point():
         raise TypeError(f"site {site.name!r}: generator coordinates must be floating point, got {coords.dtype}")
     if not bool(torch.isfinite(coords).all()):

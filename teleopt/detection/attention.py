@@ -213,9 +213,13 @@ class _Finder:
                 return proj, list(reversed(chain))
             op, describe = self.op(cur)
             if op not in _PLUMBING and op is not None:
-                raise _NoMatch(f"{what} passes through {describe} ({module_path(cur) or cur.name}) between its projection and the attention")
+                raise _NoMatch(
+                    f"{what} passes through {describe} ({module_path(cur) or cur.name}) between its projection and the attention"
+                )
             if op is None or (op in ("mul", "div") and not self.is_scalar_op(cur)) or (op == "dropout" and self.dropout_p(cur)):
-                raise _NoMatch(f"{what} passes through {describe} ({module_path(cur) or cur.name}) between its projection and the attention")
+                raise _NoMatch(
+                    f"{what} passes through {describe} ({module_path(cur) or cur.name}) between its projection and the attention"
+                )
             chain.append(cur)
             parent = cur.args[0]
             if not isinstance(parent, fx.Node):
@@ -535,7 +539,9 @@ class _Finder:
         members += q_bias
         members.append((pk.weight, _rows(k0, H * d, pk.out_features, -1)))
         info = {"heads": H, "head_dim": d, "module": where, "key_bias": "left out: softmax ignores it"}
-        return DirectSite("attention_qk_gl", "general", members, H if H > 1 else None, 1, "papers/001 Ex. 1.2.11-1.2.12", where, info, "exact", self._gi)
+        return DirectSite(
+            "attention_qk_gl", "general", members, H if H > 1 else None, 1, "papers/001 Ex. 1.2.11-1.2.12", where, info, "exact", self._gi
+        )
 
     def vo_site(self, v_arg: Argument, out: fx.Node, where: str) -> DirectSite | str:
         try:
@@ -558,7 +564,12 @@ class _Finder:
                 if proj is not None and nxt.args[0] is cur:
                     break
                 op, describe = self.op(nxt)
-                if op not in _PLUMBING or op in ("getitem_tuple", "split") or (op in ("mul", "div") and not self.is_scalar_op(nxt)) or (op == "dropout" and self.dropout_p(nxt)):
+                if (
+                    op not in _PLUMBING
+                    or op in ("getitem_tuple", "split")
+                    or (op in ("mul", "div") and not self.is_scalar_op(nxt))
+                    or (op == "dropout" and self.dropout_p(nxt))
+                ):
                     raise _NoMatch(f"the attention output passes through {describe} ({module_path(nxt) or nxt.name}) before its projection")
                 layout = self.step(nxt, cur, layout, "the attention output")
                 chain.append(nxt)
@@ -574,7 +585,9 @@ class _Finder:
         members += v_bias
         members.append((proj.weight, {"axis": 1, "power": -1}))
         info = {"heads": H, "head_dim": dv, "module": where}
-        return DirectSite("attention_vo_gl", "general", members, H if H > 1 else None, 1, "papers/001 Ex. 1.2.12", where, info, "exact", self._gi)
+        return DirectSite(
+            "attention_vo_gl", "general", members, H if H > 1 else None, 1, "papers/001 Ex. 1.2.12", where, info, "exact", self._gi
+        )
 
 
 def _reads_dtype_only(user: fx.Node, node: fx.Node) -> bool:

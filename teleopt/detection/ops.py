@@ -146,8 +146,23 @@ _FUNCTIONS: dict[str, tuple] = {
     "select": (torch.select,),
     "identity_like": (torch.clone, torch.detach),
     "constant_like": (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like),
-    "compare": (operator.gt, operator.lt, operator.ge, operator.le, torch.gt, torch.lt, torch.ge, torch.le, torch.eq, torch.ne,
-                torch.greater, torch.less, torch.greater_equal, torch.less_equal, torch.not_equal),
+    "compare": (
+        operator.gt,
+        operator.lt,
+        operator.ge,
+        operator.le,
+        torch.gt,
+        torch.lt,
+        torch.ge,
+        torch.le,
+        torch.eq,
+        torch.ne,
+        torch.greater,
+        torch.less,
+        torch.greater_equal,
+        torch.less_equal,
+        torch.not_equal,
+    ),
     "where": (torch.where,),
     "masked_fill": (torch.masked_fill,),
     "topk": (torch.topk,),
@@ -231,8 +246,25 @@ _METHODS: dict[str, tuple[str, ...]] = {
     "narrow": ("narrow",),
     "select": ("select",),
     "identity_like": ("contiguous", "clone", "detach", "to", "float", "double", "half", "bfloat16", "type_as", "requires_grad_"),
-    "compare": ("gt", "lt", "ge", "le", "eq", "ne", "greater", "less", "greater_equal", "less_equal", "not_equal",
-                "__gt__", "__lt__", "__ge__", "__le__", "__eq__", "__ne__"),
+    "compare": (
+        "gt",
+        "lt",
+        "ge",
+        "le",
+        "eq",
+        "ne",
+        "greater",
+        "less",
+        "greater_equal",
+        "less_equal",
+        "not_equal",
+        "__gt__",
+        "__lt__",
+        "__ge__",
+        "__le__",
+        "__eq__",
+        "__ne__",
+    ),
     "where": ("where",),
     "masked_fill": ("masked_fill", "masked_fill_"),
     "topk": ("topk",),
@@ -367,8 +399,10 @@ def identify_node(node: fx.Node, traced: TracedGraph) -> tuple[str | None, str]:
         return None, node.op
     fn = node.target
     op = function_op(fn)
-    if op == "metadata" and fn in (operator.eq, operator.ne) and any(
-        isinstance(a, fx.Node) and isinstance(traced.values.get(a.name), TensorMeta) for a in node.args
+    if (
+        op == "metadata"
+        and fn in (operator.eq, operator.ne)
+        and any(isinstance(a, fx.Node) and isinstance(traced.values.get(a.name), TensorMeta) for a in node.args)
     ):
         op = "compare"  # ``h == t`` on a tensor is a mask, not a shape check
     if op == "getitem":

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch.fx as fx
 from torch import nn
@@ -54,7 +54,7 @@ DP = ("diagonal", "permutation")
 #: A tensor in the analysis: ("t", graph, node, path) for traced values, ("o", id) for occurrences.
 Ref = tuple
 #: An axis: (tensor, axis index), or a raw list of atoms (virtual axes such as grouped-conv channels).
-AxisHandle = Union[tuple, list]
+AxisHandle = tuple | list
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ class Relations:
         self._n_views += 1
         ref: Ref = ("o", self._n_views)
         axes = []
-        for size, t_axis, expanded in zip(view.shape, view.axis_map, view.expanded):
+        for size, t_axis, _expanded in zip(view.shape, view.axis_map, view.expanded):
             if t_axis is None:
                 axes.append([self.new_atom(size)])
             else:
@@ -250,7 +250,7 @@ class Relations:
                     for other in nodes[1:]:
                         space.unify([nodes[0]], [other], 1.0)
             # a grouped virtual axis and a plain axis of the same tensor cannot be tied entry by entry
-            for axis, variants in axes_seen.items():
+            for variants in axes_seen.values():
                 if len(variants) > 1:
                     for key in variants:
                         for kind in KINDS:

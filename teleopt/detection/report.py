@@ -158,8 +158,10 @@ class SymmetryReport:
                 raise ValueError(f"symmetry report: site {number} is malformed ({type(e).__name__}: {e})") from e
         skipped = []
         for number, entry in enumerate(_typed(data, "skipped", list, [])):
-            if not isinstance(entry, dict) or set(entry) != {"kind", "where", "reason"} or not all(
-                isinstance(v, str) for v in entry.values()
+            if (
+                not isinstance(entry, dict)
+                or set(entry) != {"kind", "where", "reason"}
+                or not all(isinstance(v, str) for v in entry.values())
             ):
                 raise ValueError(f"symmetry report: skipped entry {number} must be a dict of strings kind, where, reason")
             skipped.append(SkippedEntry(**entry))

@@ -180,7 +180,7 @@ def _effective_pieces(rel: Relations, kind: str) -> tuple[dict[int, list[_Piece]
     direct = _direct_pieces(rel, kind)
     structural: set[int] = set()
     absorbs: dict[int, list[tuple[int, float, int, int, int, int, int, float]]] = {}
-    for m_atoms, factors, kinds, where in rel.krons:
+    for m_atoms, factors, kinds, _where in rel.krons:
         if kind not in kinds:
             continue
         leaves = space.leaves(rel.nodes(kind, m_atoms))
@@ -287,9 +287,7 @@ def _members(pieces: list[_Piece], kind: str, order: dict[str, int], shared: set
     return members
 
 
-def class_sites(
-    rel: Relations, order: dict[str, int], kinds: Iterable[str] = KINDS
-) -> tuple[list[Site], list[tuple[str, str, str]]]:
+def class_sites(rel: Relations, order: dict[str, int], kinds: Iterable[str] = KINDS) -> tuple[list[Site], list[tuple[str, str, str]]]:
     """One site per free class holding a parameter, for each group kind."""
     sites: list[Site] = []
     skipped: list[tuple[str, str, str]] = []
@@ -357,7 +355,7 @@ def direct_sites(rel: Relations, n_graphs: int) -> tuple[list[Site], list[tuple[
         key = (ds.action, tuple((n, tuple(sorted(kw.items()))) for n, kw in ds.members))
         seen.setdefault(key, []).append(ds)
     sites, skipped = [], []
-    for key, found in seen.items():
+    for found in seen.values():
         ds = found[0]
         if len({d.graph for d in found}) < n_graphs:
             skipped.append(("attention", ds.where, f"{ds.action} holds in one mode only"))
@@ -482,7 +480,11 @@ def blocked_reasons(rel: Relations, param: str, kinds: Iterable[str] = ("diagona
             if occ.axis in reasons:
                 break
     if not reasons:
-        return "not used by the traced forward" if not any(o.param == param for o in rel.occurrences.values()) else "no continuous group acts on it"
+        return (
+            "not used by the traced forward"
+            if not any(o.param == param for o in rel.occurrences.values())
+            else "no continuous group acts on it"
+        )
     return "; ".join(f"axis {a}: {r}" for a, r in sorted(reasons.items()))
 
 
@@ -492,4 +494,3 @@ def module_order(model: nn.Module) -> dict[str, int]:
     for i, (name, _) in enumerate(list(model.named_parameters()) + list(model.named_buffers())):
         order.setdefault(name, i)
     return order
-

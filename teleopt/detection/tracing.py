@@ -93,11 +93,7 @@ class _Tracer(fx.Tracer):
         self.failed_in: str | None = None
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return (
-            module_qualified_name in self.opaque
-            or type(m) in self.leaf_types
-            or super().is_leaf_module(m, module_qualified_name)
-        )
+        return module_qualified_name in self.opaque or type(m) in self.leaf_types or super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
         try:
@@ -125,8 +121,7 @@ def _concrete_args(model: nn.Module, n_inputs: int, kwargs: dict[str, Any] | Non
     positional = [p for p in params if p.kind != p.KEYWORD_ONLY]
     if n_inputs > len(positional) and not any(p.kind == p.VAR_POSITIONAL for p in all_params):
         raise DetectionError(
-            f"{type(model).__name__}.forward takes {len(positional)} positional inputs, "
-            f"but {n_inputs} example inputs were given"
+            f"{type(model).__name__}.forward takes {len(positional)} positional inputs, but {n_inputs} example inputs were given"
         )
     names = {p.name for p in params}
     unknown = [k for k in kwargs if k not in names]
@@ -147,9 +142,7 @@ def _concrete_args(model: nn.Module, n_inputs: int, kwargs: dict[str, Any] | Non
                 concrete[p.name] = kwargs[p.name]
             continue
         if p.default is inspect.Parameter.empty:
-            raise DetectionError(
-                f"{type(model).__name__}.forward needs the input {p.name!r}, which the example inputs do not supply"
-            )
+            raise DetectionError(f"{type(model).__name__}.forward needs the input {p.name!r}, which the example inputs do not supply")
         concrete[p.name] = p.default
     return concrete
 
@@ -185,9 +178,7 @@ def _trace_once(
         except Exception as e:  # fx raises many types (TraceError, TypeError, RuntimeError, ...)
             where = tracer.failed_in
             if not where:
-                raise DetectionError(
-                    f"could not trace {type(model).__name__}.forward with torch.fx: {type(e).__name__}: {e}"
-                ) from None
+                raise DetectionError(f"could not trace {type(model).__name__}.forward with torch.fx: {type(e).__name__}: {e}") from None
             opaque.add(where)
             failures.append(f"{where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     raise DetectionError(f"could not trace {type(model).__name__}: more than {_MAX_OPAQUE} untraceable submodules")

@@ -17,16 +17,16 @@ Needs the ``testing`` extra (``teleopt.testing``); ``find_symmetries`` itself do
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import copy
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from teleopt.site import Site
 from teleopt.numerics import assert_close, default_rtol, relative_error
+from teleopt.site import Site
 
 __all__ = [
     "model_outputs",

@@ -95,8 +95,11 @@ class LearnedAction(GroupAction):
             raise TypeError(f"network must be an ActionNetwork, got {type(network).__name__}")
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
-        if (isinstance(integration_steps, bool) or not isinstance(integration_steps, int)
-                or not 1 <= integration_steps <= MAX_INTEGRATION_STEPS):
+        if (
+            isinstance(integration_steps, bool)
+            or not isinstance(integration_steps, int)
+            or not 1 <= integration_steps <= MAX_INTEGRATION_STEPS
+        ):
             raise ValueError(f"integration_steps must be an int in [1, {MAX_INTEGRATION_STEPS}], got {integration_steps!r}")
         self._group = LearnedLieGroup(generators)
         if network.num_params != spec.num_params or network.data_features != spec.data_features:
@@ -229,7 +232,9 @@ class LearnedAction(GroupAction):
         torch.save(self.state(), path)
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], loss_fn: Callable[[Params, Any], Tensor] | None = None, name: str | None = None) -> LearnedAction:
+    def from_state(
+        cls, state: dict[str, Any], loss_fn: Callable[[Params, Any], Tensor] | None = None, name: str | None = None
+    ) -> LearnedAction:
         """Rebuild an action from :meth:`state`.
 
         ``ValueError`` for other formats or versions, missing or mistyped entries,
@@ -253,9 +258,7 @@ class LearnedAction(GroupAction):
             raise ValueError(f"damaged learned-action file: {type(e).__name__}: {e}") from e
 
     @classmethod
-    def _from_checked_state(
-        cls, state: dict[str, Any], loss_fn: Callable[[Params, Any], Tensor] | None, name: str | None
-    ) -> LearnedAction:
+    def _from_checked_state(cls, state: dict[str, Any], loss_fn: Callable[[Params, Any], Tensor] | None, name: str | None) -> LearnedAction:
         def entry(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
             if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
                 raise ValueError(f"the learned-action file's {what} is a {type(value).__name__} (a damaged or hand-made file)")
@@ -277,8 +280,7 @@ class LearnedAction(GroupAction):
         hidden = tuple(entry(w, int, "hidden width") for w in entry(net_cfg["hidden"], (list, tuple), "hidden widths"))
         if (num_params, data_features) != (p, d):
             raise ValueError(
-                f"the network acts on {num_params} parameters and reads {data_features} data entries, "
-                f"but the shapes give {p} and {d}"
+                f"the network acts on {num_params} parameters and reads {data_features} data entries, but the shapes give {p} and {d}"
             )
         widths = (p * p + p + d, *hidden, p)
         expected = {}
@@ -292,7 +294,11 @@ class LearnedAction(GroupAction):
                 f"{found.get(diff[0])}, the configuration needs {expected.get(diff[0])}"
             )
         network = ActionNetwork(
-            num_params, data_features, hidden, str(net_cfg["activation"]), dtype=weights["layers.0.weight"].dtype,
+            num_params,
+            data_features,
+            hidden,
+            str(net_cfg["activation"]),
+            dtype=weights["layers.0.weight"].dtype,
             linear_base=bool(net_cfg.get("linear_base", True)),
         )
         network.load_state_dict(weights)

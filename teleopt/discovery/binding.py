@@ -190,5 +190,9 @@ def bind(
                     "for a wider layer pass slices={member: (axis, start, stop)} (papers/000 Cor. 4.2)"
                 )
         bound = action
-    info = {"learned_action": action.name, "reference": "papers/000 Prop. 4.1, Cor. 4.2-4.3", "slices": {k: list(v) for k, v in slices.items()}}
+    info = {
+        "learned_action": action.name,
+        "reference": "papers/000 Prop. 4.1, Cor. 4.2-4.3",
+        "slices": {k: list(v) for k, v in slices.items()},
+    }
     return Site(bound, names, name or f"{action.name}@{names[0]}", data_input, info)

@@ -83,9 +83,7 @@ class ActionNetwork(nn.Module):
         self.hidden, self.activation = hidden, activation
         self.linear_base = bool(linear_base)
         widths = (num_params * num_params + num_params + data_features, *hidden, num_params)
-        self.layers = nn.ModuleList(
-            nn.utils.skip_init(nn.Linear, a, b, dtype=dtype) for a, b in zip(widths[:-1], widths[1:])
-        )
+        self.layers = nn.ModuleList(nn.utils.skip_init(nn.Linear, a, b, dtype=dtype) for a, b in zip(widths[:-1], widths[1:]))
         with torch.no_grad():
             for i, layer in enumerate(self.layers):
                 bound = 1.0 / math.sqrt(layer.in_features)  # torch's default nn.Linear range

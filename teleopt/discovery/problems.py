@@ -132,11 +132,13 @@ def _mlp_problem(problem: str, widths: tuple[int, ...], k: int, activation: str,
     names = tuple(f"W{i + 1}" for i in range(len(shapes)))
     n, m = widths[0], widths[-1]
     if target == "output":
+
         def fn(params: tuple[Tensor, ...], data: Tensor) -> Tensor:
             return _mlp(params, data, act)
 
         sampler = GaussianSampler(shapes, [(k, n)], data_is_tensor=True)
     else:
+
         def fn(params: tuple[Tensor, ...], data: tuple[Tensor, Tensor]) -> Tensor:
             X, Y = data
             return ((_mlp(params, X, act) - Y) ** 2).sum()

@@ -77,9 +77,7 @@ class CoordinateLSTM(nn.Module):
         if hidden_size < 1 or num_layers < 1:
             raise ValueError(f"hidden_size and num_layers must be >= 1, got {hidden_size}, {num_layers}")
         self.hidden_size = hidden_size
-        self.cells = nn.ModuleList(
-            nn.LSTMCell(input_size if i == 0 else hidden_size, hidden_size) for i in range(num_layers)
-        )
+        self.cells = nn.ModuleList(nn.LSTMCell(input_size if i == 0 else hidden_size, hidden_size) for i in range(num_layers))
         self.head = nn.Linear(hidden_size, 1)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)

@@ -50,12 +50,7 @@ def member_tensors(site: Site, tensors: Mapping[str, Tensor]) -> tuple[Tensor | 
 def fast_path_eligible(site: Site) -> bool:
     """Whether ``site`` can take the fast path: exact, data-independent, continuous, constant Jacobian."""
     action = site.action
-    return (
-        action.exactness == "exact"
-        and not action.needs_data
-        and action.continuous
-        and bool(action.has_gradient_transport)
-    )
+    return action.exactness == "exact" and not action.needs_data and action.continuous and bool(action.has_gradient_transport)
 
 
 def _components(sites: Sequence[Site], names: set[str]) -> list[tuple[list[int], list[str]]]:
@@ -314,7 +309,9 @@ class FastEvaluator:
         params = {n: p.detach() for n, p in ctx.trainable.items()}
         params.update({n: t for n, t in self.site_params(elements).items() if n in params})
         states = ctx.states(grads)
-        moved = ctx.policy.move(ctx.optimizer, self.sites, elements, {n: s for n, s in states.items() if n in self.like}, self.like, ctx.groups)
+        moved = ctx.policy.move(
+            ctx.optimizer, self.sites, elements, {n: s for n, s in states.items() if n in self.like}, self.like, ctx.groups
+        )
         P = {}
         for name, g in grads.items():
             state = moved.values.get(name, states.get(name, {}))

@@ -35,6 +35,7 @@ from teleopt.teleport.state_policy import StatePolicy
 
 __all__ = ["GeneralEvaluator"]
 
+
 class GeneralEvaluator:
     """Teleport quantities at g . w computed through the model on a batch (see module docs).
 
@@ -60,13 +61,14 @@ class GeneralEvaluator:
         self.fmodel = FunctionalModel(ctx.module, loss_fn)
         self.names = {n for site in self.sites for n in site.tensor_names}
         self.like = {n: ctx.tensors[n] for n in self.names}
-        self.base = {n: t.detach().requires_grad_(n in ctx.trainable) for n, t in ctx.tensors.items() if n in ctx.trainable or n in self.names}
+        self.base = {
+            n: t.detach().requires_grad_(n in ctx.trainable) for n, t in ctx.tensors.items() if n in ctx.trainable or n in self.names
+        }
 
     def elements(self, coords: Sequence[Tensor]) -> list[Tensor]:
         """exp of each site's coordinates."""
         return [
-            site.action.exp(xi, tuple(None if n is None else self.like[n] for n in site.members))
-            for site, xi in zip(self.sites, coords)
+            site.action.exp(xi, tuple(None if n is None else self.like[n] for n in site.members)) for site, xi in zip(self.sites, coords)
         ]
 
     def params(self, elements: Sequence[Tensor]) -> dict[str, Tensor]:
@@ -129,7 +131,9 @@ class GeneralEvaluator:
     def _updates(self, params: Mapping[str, Tensor], grads: Mapping[str, Tensor], elements: Sequence[Tensor]) -> dict[str, Tensor]:
         ctx = self.ctx
         states = ctx.states(ctx.trainable)
-        moved = ctx.policy.move(ctx.optimizer, self.sites, elements, {n: s for n, s in states.items() if n in self.names}, self.like, ctx.groups)
+        moved = ctx.policy.move(
+            ctx.optimizer, self.sites, elements, {n: s for n, s in states.items() if n in self.names}, self.like, ctx.groups
+        )
         out = {}
         for name, g in grads.items():
             state = moved.values.get(name, states.get(name, {}))
@@ -143,7 +147,9 @@ class GeneralEvaluator:
             params = self.params(elements)
             grads = self.grads(params, create_graph=False)
         states = ctx.states(ctx.trainable)
-        moved = ctx.policy.move(ctx.optimizer, self.sites, elements, {n: s for n, s in states.items() if n in self.names}, self.like, ctx.groups)
+        moved = ctx.policy.move(
+            ctx.optimizer, self.sites, elements, {n: s for n, s in states.items() if n in self.names}, self.like, ctx.groups
+        )
         P = {}
         for name, g in grads.items():
             state = moved.values.get(name, states.get(name, {}))
@@ -155,7 +161,9 @@ class GeneralEvaluator:
         params = self.params(elements)
         grads = self.grads(params)
         updates = self._updates(params, grads, elements)
-        return sum(((g.to(torch.float64) * updates[n].to(torch.float64)).sum() for n, g in grads.items()), torch.zeros((), dtype=torch.float64))
+        return sum(
+            ((g.to(torch.float64) * updates[n].to(torch.float64)).sum() for n, g in grads.items()), torch.zeros((), dtype=torch.float64)
+        )
 
     def lookahead_loss(self, elements: Sequence[Tensor]) -> Tensor:
         """L(g . w - u): the batch loss after the base optimizer's next step from g . w."""

@@ -269,9 +269,7 @@ class Curvature(Objective):
         return torch.stack(vs), torch.stack(accs)
 
 
-OBJECTIVES: dict[str, type[Objective]] = {
-    cls.name: cls for cls in (GradientNorm, PreconditionedNorm, Lookahead, Sharpness, Curvature)
-}
+OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (GradientNorm, PreconditionedNorm, Lookahead, Sharpness, Curvature)}
 
 
 def get_objective(spec: str | Objective) -> Objective:

@@ -189,7 +189,13 @@ def preconditioned_sharpness(
         v = [x / norm.to(x.dtype) for x in v]
         u = [r * x for r, x in zip(roots, v)]
         with torch.enable_grad():
-            hv = torch.autograd.grad([grads[i] for i in live], [leaves[names[i]] for i in live], grad_outputs=[u[i] for i in live], retain_graph=True, allow_unused=True)
+            hv = torch.autograd.grad(
+                [grads[i] for i in live],
+                [leaves[names[i]] for i in live],
+                grad_outputs=[u[i] for i in live],
+                retain_graph=True,
+                allow_unused=True,
+            )
         w = [torch.zeros_like(x) for x in v]
         for i, h in zip(live, hv):
             if h is not None:

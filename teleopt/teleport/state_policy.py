@@ -156,7 +156,12 @@ class StatePolicy:
             for key, value in st.items():
                 role = state_role(optimizer, key)
                 roles[name][key] = role
-                if role == "unknown" and key not in self._warned and self.resolve(key, role, optimizer) == "keep" and key not in self.policy:
+                if (
+                    role == "unknown"
+                    and key not in self._warned
+                    and self.resolve(key, role, optimizer) == "keep"
+                    and key not in self.policy
+                ):
                     self._warned.add(key)
                     warnings.warn(
                         f"Teleport: optimizer state entry {key!r} of {type(optimizer).__name__} has no known role; it is "

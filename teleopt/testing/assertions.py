@@ -73,7 +73,9 @@ def _assert_params_close(actual: Params, expected: Params, rtol: float, what: st
         try:
             assert_close(worst[0], worst[1], 0.0 if err > rtol else rtol, f"{what} [{worst[2]}]")
         except AssertionError as detail:
-            raise AssertionError(f"{what}: relative error {err:.3e} > rtol {rtol:.1e} (scale {scale:.3e}); worst member: {detail}") from None
+            raise AssertionError(
+                f"{what}: relative error {err:.3e} > rtol {rtol:.1e} (scale {scale:.3e}); worst member: {detail}"
+            ) from None
     return err
 
 
@@ -131,9 +133,7 @@ def assert_gradient_transport(
     moved = tuple(None if p is None else p.detach() for p in action.act(g, params, data))
     grad_there = _gradients(loss_fn, moved, data)
     transported = action.transport_gradient(g, grad_here)
-    return _assert_params_close(
-        transported, grad_there, _rtol(rtol, params), f"{action.name}: gradient transport", action.member_names
-    )
+    return _assert_params_close(transported, grad_there, _rtol(rtol, params), f"{action.name}: gradient transport", action.member_names)
 
 
 def check_action(

@@ -57,6 +57,7 @@ BASE_OPTIMIZERS: dict[str, BaseOptimizer] = {
     )
 }
 
+
 def available_bases() -> list[str]:
     """Names in ``BASE_OPTIMIZERS`` whose requirements are installed."""
     return [name for name, base in BASE_OPTIMIZERS.items() if base.available()]

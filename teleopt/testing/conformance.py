@@ -99,9 +99,7 @@ def _assert_same(actual: Any, expected: Any, what: str) -> None:
         if not isinstance(actual, Tensor):
             raise AssertionError(f"{what}: expected a tensor, got {type(actual).__name__}")
         if actual.dtype != expected.dtype or actual.shape != expected.shape:
-            raise AssertionError(
-                f"{what}: {actual.dtype} {tuple(actual.shape)} != expected {expected.dtype} {tuple(expected.shape)}"
-            )
+            raise AssertionError(f"{what}: {actual.dtype} {tuple(actual.shape)} != expected {expected.dtype} {tuple(expected.shape)}")
         if not torch.equal(actual.detach().cpu(), expected.detach().cpu()):
             diff = (actual.detach().cpu().double() - expected.detach().cpu().double()).abs().max()
             raise AssertionError(f"{what}: tensors differ (max abs difference {float(diff):.3e})")
@@ -399,8 +397,16 @@ class WrapperConformance:
         wrapper.register_load_state_dict_post_hook(counter("load_post"))
         self._train(wrapper, params, 0, self.steps)
         wrapper.load_state_dict(wrapper.state_dict())
-        expected = {"pre": self.steps, "post": self.steps, "base_pre": self.steps, "base_post": self.steps,
-                    "sd_pre": 1, "sd_post": 1, "load_pre": 1, "load_post": 1}
+        expected = {
+            "pre": self.steps,
+            "post": self.steps,
+            "base_pre": self.steps,
+            "base_post": self.steps,
+            "sd_pre": 1,
+            "sd_post": 1,
+            "load_pre": 1,
+            "load_post": 1,
+        }
         assert counts == expected, f"hook calls {counts} != expected {expected}"
 
     def check_scheduler(self) -> None:
@@ -554,5 +560,6 @@ def check_wrapper(
     """Run the whole suite: every check x base (default: :func:`available_bases`) x group count."""
     for base in available_bases() if bases is None else bases:
         for n_groups in group_counts:
-            WrapperConformance(make_wrapper, make_transparent=make_transparent, base=base, n_groups=n_groups,
-                               activation=activation).run_all(checks)
+            WrapperConformance(
+                make_wrapper, make_transparent=make_transparent, base=base, n_groups=n_groups, activation=activation
+            ).run_all(checks)

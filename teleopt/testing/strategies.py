@@ -97,9 +97,7 @@ def permutations(n: int) -> st.SearchStrategy[Tensor]:
 
 def sign_patterns(n: int, dtype: torch.dtype = torch.float64) -> st.SearchStrategy[Tensor]:
     """Vectors of +-1 of length n."""
-    return st.lists(st.booleans(), min_size=n, max_size=n).map(
-        lambda bits: torch.tensor([-1.0 if b else 1.0 for b in bits], dtype=dtype)
-    )
+    return st.lists(st.booleans(), min_size=n, max_size=n).map(lambda bits: torch.tensor([-1.0 if b else 1.0 for b in bits], dtype=dtype))
 
 
 def group_elements(

@@ -165,19 +165,45 @@ def _mha_sites(ctx: RuleContext, m: nn.MultiheadAttention, heads_permutable: boo
     info = {"heads": H, "head_dim": d, "module": where}
     blocks = H if H > 1 else None
     rel.direct_sites.append(
-        DirectSite("attention_qk_gl", "general", q_rows + k_rows, blocks, 1, "papers/001 Ex. 1.2.11-1.2.12", where, dict(info), "exact", ctx.gi)
+        DirectSite(
+            "attention_qk_gl", "general", q_rows + k_rows, blocks, 1, "papers/001 Ex. 1.2.11-1.2.12", where, dict(info), "exact", ctx.gi
+        )
     )
     rel.direct_sites.append(
-        DirectSite("attention_vo_gl", "general", v_rows + [(w_o, dict(axis=1, power=-1))], blocks, 1, "papers/001 Ex. 1.2.12", where, dict(info), "exact", ctx.gi)
+        DirectSite(
+            "attention_vo_gl",
+            "general",
+            v_rows + [(w_o, dict(axis=1, power=-1))],
+            blocks,
+            1,
+            "papers/001 Ex. 1.2.12",
+            where,
+            dict(info),
+            "exact",
+            ctx.gi,
+        )
     )
     if H > 1 and not heads_permutable:
         rel.skipped.append(("attention", where, "head permutations skipped: the per-head attention weights are returned and used"))
     elif H > 1 and not m.dropout:
         rel.direct_sites.append(
-            DirectSite("attention_head_permutation", "permutation", perm_rows + [(w_o, dict(axis=1))], None, d, "papers/001 Ex. 1.2.12", where, dict(info), "exact", ctx.gi)
+            DirectSite(
+                "attention_head_permutation",
+                "permutation",
+                perm_rows + [(w_o, dict(axis=1))],
+                None,
+                d,
+                "papers/001 Ex. 1.2.12",
+                where,
+                dict(info),
+                "exact",
+                ctx.gi,
+            )
         )
     elif H > 1:
-        rel.skipped.append(("attention", where, f"head permutations skipped: attention dropout (p={m.dropout}) draws masks per head in training"))
+        rel.skipped.append(
+            ("attention", where, f"head permutations skipped: attention dropout (p={m.dropout}) draws masks per head in training")
+        )
 
 
 RULES: dict[str, OpRule] = {

@@ -159,7 +159,9 @@ def _normalise_target(target: Any) -> Any:
     if isinstance(packet, torch._ops.OpOverloadPacket):
         return packet
     if not callable(target):
-        raise TypeError(f"target must be a function, a torch op, a Tensor method name or an nn.Module subclass, got {type(target).__name__}")
+        raise TypeError(
+            f"target must be a function, a torch op, a Tensor method name or an nn.Module subclass, got {type(target).__name__}"
+        )
     return target
 
 
