@@ -28,11 +28,22 @@ axis analysis (``teleopt.detection.rules``), which also follows the head split.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch.fx as fx
 
+from teleopt.detection.attention_layout import (
+    BiasPiece,
+    Digits,
+    Layout,
+    NoMatch,
+    Projection,
+    as_node,
+    merge,
+    reads_dtype_only,
+    row_range,
+    split_digits,
+)
 from teleopt.detection.fx_args import Argument, arg, float_arg, int_arg, tensor_arg
 from teleopt.detection.ops import identify_node
 from teleopt.detection.relations import DirectSite, Relations
@@ -42,65 +53,8 @@ from teleopt.detection.views import index_items, perm_of, reshape_groups
 
 __all__ = ["find_attention_sites"]
 
-Digits = list[tuple[int, int]]  # (size, stride) in the projection's output index, row-major
 #: (q, k, v, output, inner nodes, key feature axis) of one attention core
 Core = tuple[Argument, Argument, Argument, fx.Node, list[fx.Node], int]
-
-
-class _NoMatch(Exception):
-    pass
-
-
-@dataclass
-class _Layout:
-    axes: list[Digits | None]  # None: an axis that is not a feature axis (batch, tokens)
-    offset: int = 0
-
-
-@dataclass(frozen=True)
-class _BiasPiece:
-    """Rows [start, stop) of a projection's bias: a parameter (``name``), a zero built in forward, or fixed."""
-
-    start: int
-    stop: int
-    kind: str  # "parameter" | "zero" | "fixed"
-    name: str | None = None
-
-
-@dataclass(frozen=True)
-class _Projection:
-    node: fx.Node
-    weight: str
-    bias: str | None
-    in_features: int
-    out_features: int
-    #: the bias as pieces of rows: one parameter piece for a plain bias; timm BEiT/EVA/SwinV2 pass
-    #: ``torch.cat((q_bias, k_bias, v_bias))`` (k_bias a zero buffer or ``zeros_like``)
-    bias_pieces: tuple[_BiasPiece, ...] = ()
-
-    def bias_members(self, start: int, length: int, power: int, what: str, fixed_ok: bool = False) -> list[tuple[str, dict]]:
-        """Members moving the bias of rows [start, start+length) like those rows (fail closed on a fixed piece).
-
-        A zero piece built in forward stays zero under any linear map; a fixed nonzero
-        piece (a buffer, a constant) cannot move, so the site is dropped unless
-        ``fixed_ok`` (the key bias, which softmax ignores).
-        """
-        stop = start + length
-        hit = [p for p in self.bias_pieces if p.start < stop and start < p.stop]
-        members: list[tuple[str, dict]] = []
-        for p in hit:
-            if p.kind == "zero":
-                continue
-            if p.kind == "fixed":
-                if fixed_ok:
-                    continue
-                raise _NoMatch(f"the bias of rows {start}..{stop} of {self.weight} is a fixed tensor that cannot move with them")
-            if not (p.start <= start and stop <= p.stop):
-                raise _NoMatch(f"the bias of rows {start}..{stop} of {self.weight} is split across several parameters")
-            assert p.name is not None
-            members.append((p.name, _rows(start - p.start, length, p.stop - p.start, power)))
-        return members
-
 
 _PLUMBING = {"reshape", "permute", "identity_like", "identity", "getitem_tuple", "getitem_view", "split", "dropout", "mul", "div"}
 
@@ -114,7 +68,7 @@ class _Finder:
     def shape(self, node: fx.Node) -> tuple[int, ...]:
         v = self.values.get(node.name)
         if not isinstance(v, TensorMeta):
-            raise _NoMatch(f"{node.name} is not a tensor")
+            raise NoMatch(f"{node.name} is not a tensor")
         return v.shape
 
     def op(self, node: fx.Node) -> tuple[str | None, str]:
@@ -122,10 +76,10 @@ class _Finder:
 
     def users(self, node: fx.Node) -> list[fx.Node]:
         """Users that read the values of ``node`` (not only its shape, dtype or device)."""
-        return [u for u in node.users if self.op(u)[0] not in ("metadata", "constant", "constant_like") and not _reads_dtype_only(u, node)]
+        return [u for u in node.users if self.op(u)[0] not in ("metadata", "constant", "constant_like") and not reads_dtype_only(u, node)]
 
     # -- projections ------------------------------------------------------------------
-    def projection(self, node: fx.Node) -> _Projection | None:
+    def projection(self, node: fx.Node) -> Projection | None:
         op, _ = self.op(node)
         if op == "add":
             return self.projection_plus_bias(node)
@@ -137,28 +91,28 @@ class _Finder:
             w, b = names.get(id(m.weight)), (names.get(id(m.bias)) if m.bias is not None else None)
             if w is None or (m.bias is not None and b is None):
                 return None
-            own: tuple[_BiasPiece, ...] = (_BiasPiece(0, m.out_features, "parameter", b),) if b is not None else ()
-            return _Projection(node, w, b, m.in_features, m.out_features, own)
+            own: tuple[BiasPiece, ...] = (BiasPiece(0, m.out_features, "parameter", b),) if b is not None else ()
+            return Projection(node, w, b, m.in_features, m.out_features, own)
         w_arg, b_arg = arg(node, 1, "weight"), arg(node, 2, "bias")
         w_view = self.rel.views.get(("t", self._gi, w_arg.name, ())) if isinstance(w_arg, fx.Node) else None
         if w_view is None or w_view.kind != "parameter" or w_view.axis_map != (0, 1):
             return None
         b_name = None
-        pieces: tuple[_BiasPiece, ...] = ()
+        pieces: tuple[BiasPiece, ...] = ()
         if b_arg is not None:
             b_view = self.rel.views.get(("t", self._gi, b_arg.name, ())) if isinstance(b_arg, fx.Node) else None
             if b_view is not None and b_view.kind == "parameter" and b_view.axis_map == (0,):
                 b_name = b_view.name
-                pieces = (_BiasPiece(0, w_view.shape[0], "parameter", b_name),)
+                pieces = (BiasPiece(0, w_view.shape[0], "parameter", b_name),)
             else:
                 found = self.concatenated_bias(b_arg, node, w_view.shape[0])
                 if found is None:
                     return None
                 pieces = found
                 b_name = next((p.name for p in pieces if p.kind == "parameter"), None)
-        return _Projection(node, w_view.name, b_name, w_view.shape[1], w_view.shape[0], pieces)
+        return Projection(node, w_view.name, b_name, w_view.shape[1], w_view.shape[0], pieces)
 
-    def projection_plus_bias(self, node: fx.Node) -> _Projection | None:
+    def projection_plus_bias(self, node: fx.Node) -> Projection | None:
         """``qkv = self.qkv(x); qkv += torch.cat((q_bias, k_bias, v_bias))`` (timm ``qkv_bias_separate``), else ``None``."""
         base, b_arg = node.args[0], (node.args[1] if len(node.args) > 1 else None)
         if len(node.args) != 2 or node.kwargs or not isinstance(base, fx.Node) or self.op(base)[0] != "linear":
@@ -170,9 +124,9 @@ class _Finder:
         if pieces is None:
             return None
         name = next((p.name for p in pieces if p.kind == "parameter"), None)
-        return _Projection(node, inner.weight, name, inner.in_features, inner.out_features, pieces)
+        return Projection(node, inner.weight, name, inner.in_features, inner.out_features, pieces)
 
-    def concatenated_bias(self, b_arg: Argument, linear: fx.Node, rows: int) -> tuple[_BiasPiece, ...] | None:
+    def concatenated_bias(self, b_arg: Argument, linear: fx.Node, rows: int) -> tuple[BiasPiece, ...] | None:
         """The pieces of a bias ``torch.cat((q_bias, k_bias, v_bias))`` read by this projection only, else ``None``."""
         if not isinstance(b_arg, fx.Node) or self.op(b_arg)[0] != "cat" or self.users(b_arg) != [linear]:
             return None
@@ -190,11 +144,11 @@ class _Finder:
             n = value.shape[0]
             view = self.rel.views.get(("t", self._gi, t.name, ()))
             if view is not None and view.axis_map == (0,) and view.kind == "parameter":
-                pieces.append(_BiasPiece(offset, offset + n, "parameter", view.name))
+                pieces.append(BiasPiece(offset, offset + n, "parameter", view.name))
             elif view is None and is_zeros(t):
-                pieces.append(_BiasPiece(offset, offset + n, "zero"))
+                pieces.append(BiasPiece(offset, offset + n, "zero"))
             else:
-                pieces.append(_BiasPiece(offset, offset + n, "fixed"))
+                pieces.append(BiasPiece(offset, offset + n, "fixed"))
             offset += n
         return tuple(pieces) if offset == rows else None
 
@@ -203,7 +157,7 @@ class _Finder:
         others = [a for a in node.args[1:]]
         return len(node.args) == 2 and not isinstance(node.args[1], fx.Node) and isinstance(others[0], (int, float))
 
-    def back_to_projection(self, node: fx.Node, what: str) -> tuple[_Projection, list[fx.Node]]:
+    def back_to_projection(self, node: fx.Node, what: str) -> tuple[Projection, list[fx.Node]]:
         """Walk from ``node`` back to the linear projection producing it; returns the chain in forward order."""
         chain: list[fx.Node] = []
         cur = node
@@ -213,17 +167,13 @@ class _Finder:
                 return proj, list(reversed(chain))
             op, describe = self.op(cur)
             if op not in _PLUMBING and op is not None:
-                raise _NoMatch(
-                    f"{what} passes through {describe} ({module_path(cur) or cur.name}) between its projection and the attention"
-                )
+                raise NoMatch(f"{what} passes through {describe} ({module_path(cur) or cur.name}) between its projection and the attention")
             if op is None or (op in ("mul", "div") and not self.is_scalar_op(cur)) or (op == "dropout" and self.dropout_p(cur)):
-                raise _NoMatch(
-                    f"{what} passes through {describe} ({module_path(cur) or cur.name}) between its projection and the attention"
-                )
+                raise NoMatch(f"{what} passes through {describe} ({module_path(cur) or cur.name}) between its projection and the attention")
             chain.append(cur)
             parent = cur.args[0]
             if not isinstance(parent, fx.Node):
-                raise _NoMatch(f"{what} does not come from a linear projection")
+                raise NoMatch(f"{what} does not come from a linear projection")
             cur = parent
 
     def dropout_p(self, node: fx.Node) -> float:
@@ -233,16 +183,16 @@ class _Finder:
         return float(float_arg(node, 1, "p", 0.5))
 
     # -- digit propagation ----------------------------------------------------------------
-    def propagate(self, proj: _Projection, chain: list[fx.Node], what: str) -> _Layout:
+    def propagate(self, proj: Projection, chain: list[fx.Node], what: str) -> Layout:
         shape = self.shape(proj.node)
-        layout = _Layout([None] * (len(shape) - 1) + [[(shape[-1], 1)]])
+        layout = Layout([None] * (len(shape) - 1) + [[(shape[-1], 1)]])
         prev = proj.node
         for node in chain:
             layout = self.step(node, prev, layout, what)
             prev = node
         return layout
 
-    def step(self, node: fx.Node, prev: fx.Node, layout: _Layout, what: str) -> _Layout:
+    def step(self, node: fx.Node, prev: fx.Node, layout: Layout, what: str) -> Layout:
         op, describe = self.op(node)
         if op in ("identity_like", "identity", "dropout", "mul", "div"):
             return layout
@@ -252,18 +202,18 @@ class _Finder:
         if op == "permute":
             perm = perm_of(node, len(layout.axes))
             if perm is None:
-                raise _NoMatch(f"cannot follow {describe} on {what}")
-            return _Layout([layout.axes[i] for i in perm], layout.offset)
+                raise NoMatch(f"cannot follow {describe} on {what}")
+            return Layout([layout.axes[i] for i in perm], layout.offset)
         if op == "reshape":
-            return _Layout(self.reshape(layout, in_shape, self.shape(node), what), layout.offset)  # type: ignore[arg-type]
+            return Layout(self.reshape(layout, in_shape, self.shape(node), what), layout.offset)  # type: ignore[arg-type]
         if op == "getitem_tuple":
-            parent, index = _as_node(node.args[0], what), node.args[1]
+            parent, index = as_node(node.args[0], what), node.args[1]
             if not isinstance(index, int):
-                raise _NoMatch(f"cannot follow {describe} on {what}")
+                raise NoMatch(f"cannot follow {describe} on {what}")
             src_shape = self.shape(tensor_arg(parent, 0, "input"))
             pieces = self.values[parent.name]
             if not isinstance(pieces, (tuple, list)) or not -len(pieces) <= index < len(pieces):
-                raise _NoMatch(f"cannot follow {describe} on {what}")
+                raise NoMatch(f"cannot follow {describe} on {what}")
             index %= len(pieces)  # parts[-1]
             name = str(parent.target) if parent.op == "call_method" else getattr(parent.target, "__name__", "")
             if name == "unbind":
@@ -276,7 +226,7 @@ class _Finder:
         if op == "getitem_view":
             items = index_items(node.args[1], len(layout.axes))
             if items is None:
-                raise _NoMatch(f"advanced indexing on {what}")
+                raise NoMatch(f"advanced indexing on {what}")
             axes: list[Digits | None] = []
             offset = layout.offset
             k = 0
@@ -287,26 +237,26 @@ class _Finder:
                 ax = layout.axes[k]
                 size = in_shape[k]  # type: ignore[index]
                 if isinstance(item, int):
-                    out = self.pick(_Layout([ax], offset), 0, item % size, what)
+                    out = self.pick(Layout([ax], offset), 0, item % size, what)
                     offset = out.offset
                 else:
                     start, stop, step = item.indices(size)
                     if step != 1:
-                        raise _NoMatch(f"strided slicing on {what}")
+                        raise NoMatch(f"strided slicing on {what}")
                     if (start, stop) == (0, size):
                         axes.append(ax)
                     else:
-                        out = self.narrow(_Layout([ax], offset), 0, start, stop - start, what)
+                        out = self.narrow(Layout([ax], offset), 0, start, stop - start, what)
                         axes.append(out.axes[0])
                         offset = out.offset
                 k += 1
-            return _Layout(axes, offset)
-        raise _NoMatch(f"cannot follow {describe} on {what}")
+            return Layout(axes, offset)
+        raise NoMatch(f"cannot follow {describe} on {what}")
 
-    def reshape(self, layout: _Layout, src: tuple[int, ...], dst: tuple[int, ...], what: str) -> list[Digits | None]:
+    def reshape(self, layout: Layout, src: tuple[int, ...], dst: tuple[int, ...], what: str) -> list[Digits | None]:
         groups = reshape_groups(src, dst)
         if groups is None:
-            raise _NoMatch(f"inconsistent reshape of {what}")
+            raise NoMatch(f"inconsistent reshape of {what}")
         axes: list[Digits | None] = [[] if n == 1 else None for n in dst]
         for g_src, g_dst in groups:
             parts = [layout.axes[i] for i in g_src]
@@ -315,46 +265,46 @@ class _Finder:
                     axes[j] = None
                 continue
             if any(p is None for p in parts):
-                raise _NoMatch(f"a reshape mixes the feature axis of {what} with batch or token axes")
+                raise NoMatch(f"a reshape mixes the feature axis of {what} with batch or token axes")
             digits = [d for p in parts for d in p if d[0] > 1]  # type: ignore[union-attr]
-            for j, dig in zip(g_dst, _split_digits(digits, [dst[j] for j in g_dst], what)):
+            for j, dig in zip(g_dst, split_digits(digits, [dst[j] for j in g_dst], what)):
                 axes[j] = dig
         for i, n in enumerate(src):
             if n == 1 and layout.axes[i]:
-                raise _NoMatch(f"cannot follow a reshape of {what}")
+                raise NoMatch(f"cannot follow a reshape of {what}")
         return axes
 
-    def pick(self, layout: _Layout, dim: int, index: int, what: str) -> _Layout:
+    def pick(self, layout: Layout, dim: int, index: int, what: str) -> Layout:
         ax = layout.axes[dim]
         if ax is None:
-            raise _NoMatch(f"{what} indexes a batch or token axis")
+            raise NoMatch(f"{what} indexes a batch or token axis")
         offset = layout.offset
         rest = index
         for size, stride in reversed(ax):
             offset += (rest % size) * stride
             rest //= size
-        return _Layout(layout.axes[:dim] + layout.axes[dim + 1 :], offset)
+        return Layout(layout.axes[:dim] + layout.axes[dim + 1 :], offset)
 
-    def narrow(self, layout: _Layout, dim: int, start: int, length: int, what: str) -> _Layout:
+    def narrow(self, layout: Layout, dim: int, start: int, length: int, what: str) -> Layout:
         ax = layout.axes[dim]
         if ax is None:
             return layout
         digits = [d for d in ax if d[0] > 1]
         if len(digits) != 1:
-            raise _NoMatch(f"{what} slices a composite feature axis")
+            raise NoMatch(f"{what} slices a composite feature axis")
         size, stride = digits[0]
         axes = list(layout.axes)
         axes[dim] = [(length, stride)]
-        return _Layout(axes, layout.offset + start * stride)
+        return Layout(axes, layout.offset + start * stride)
 
     # -- the head structure at the attention core ------------------------------------------
-    def heads(self, layout: _Layout, feature_axis: int, what: str) -> tuple[int, int, int, int | None]:
+    def heads(self, layout: Layout, feature_axis: int, what: str) -> tuple[int, int, int, int | None]:
         """(start row, heads H, head dim d, head axis) from the layout of q, k or v at the core."""
         n = len(layout.axes)
         feature_axis %= n
         feat = [d for d in (layout.axes[feature_axis] or []) if d[0] > 1]
         if len(feat) != 1 or feat[0][1] != 1:
-            raise _NoMatch(f"the head dimension of {what} is not a contiguous block of projection rows")
+            raise NoMatch(f"the head dimension of {what} is not a contiguous block of projection rows")
         d = feat[0][0]
         head_axis, H = None, 1
         for i, ax in enumerate(layout.axes):
@@ -364,7 +314,7 @@ class _Finder:
             if not digits:
                 continue
             if head_axis is not None or len(digits) != 1 or digits[0][1] != d:
-                raise _NoMatch(f"the heads of {what} are not contiguous blocks of projection rows")
+                raise NoMatch(f"the heads of {what} are not contiguous blocks of projection rows")
             head_axis, H = i - n, digits[0][0]
         return layout.offset, H, d, head_axis
 
@@ -440,7 +390,7 @@ class _Finder:
                     skipped.append(("attention", where, result))
         return sites, skipped
 
-    def _chain(self, node: fx.Node, what: str) -> tuple[_Projection, list[fx.Node], _Layout]:
+    def _chain(self, node: fx.Node, what: str) -> tuple[Projection, list[fx.Node], Layout]:
         proj, chain = self.back_to_projection(node, what)
         return proj, chain, self.propagate(proj, chain, what)
 
@@ -448,20 +398,20 @@ class _Finder:
         for n in nodes:
             for u in self.users(n):
                 if u not in allowed:
-                    raise _NoMatch(f"{what}: {n.name} is also used by {u.name} ({module_path(u) or u.op}) outside the attention")
+                    raise NoMatch(f"{what}: {n.name} is also used by {u.name} ({module_path(u) or u.op}) outside the attention")
 
     @staticmethod
-    def _rows(layout: _Layout) -> set[int]:
+    def _rows(layout: Layout) -> set[int]:
         rows = {layout.offset}
         for ax in layout.axes:
             for size, stride in ax or ():
                 rows = {r + i * stride for r in rows for i in range(size)}
         return rows
 
-    def _flow_check(self, proj: _Projection, rows: set[int], terminals: set[fx.Node], inner: set[fx.Node], what: str) -> None:
+    def _flow_check(self, proj: Projection, rows: set[int], terminals: set[fx.Node], inner: set[fx.Node], what: str) -> None:
         """The transformed projection rows reach the attention only through ``terminals`` (nowhere else)."""
         shape = self.shape(proj.node)
-        stack = [(proj.node, _Layout([None] * (len(shape) - 1) + [[(shape[-1], 1)]]))]
+        stack = [(proj.node, Layout([None] * (len(shape) - 1) + [[(shape[-1], 1)]]))]
         while stack:
             node, layout = stack.pop()
             if node in terminals:
@@ -477,11 +427,11 @@ class _Finder:
                     and not (op == "dropout" and self.dropout_p(u))
                 )
                 if not follow:
-                    raise _NoMatch(f"the {what} rows of {proj.weight} also flow into {describe} ({module_path(u) or u.name})")
+                    raise NoMatch(f"the {what} rows of {proj.weight} also flow into {describe} ({module_path(u) or u.name})")
                 try:
                     nxt = self.step(u, node, layout, what)
-                except _NoMatch:
-                    raise _NoMatch(f"cannot follow the {what} rows of {proj.weight} through {describe}") from None
+                except NoMatch:
+                    raise NoMatch(f"cannot follow the {what} rows of {proj.weight} through {describe}") from None
                 if self._rows(nxt) & rows:
                     stack.append((u, nxt))
 
@@ -502,21 +452,21 @@ class _Finder:
 
     def qk_site(self, q_arg: Argument, k_arg: Argument, inner: list[fx.Node], k_feature: int, where: str) -> DirectSite | str:
         try:
-            q, k = _as_node(q_arg, "q"), _as_node(k_arg, "k")
+            q, k = as_node(q_arg, "q"), as_node(k_arg, "k")
             pq, cq, lq = self._chain(q, "q")
             pk, ck, lk = self._chain(k, "k")
             q0, H, d, hq = self.heads(lq, -1, "q")
             k0, Hk, dk, hk = self.heads(lk, k_feature, "k")
             if (H, d) != (Hk, dk):
-                raise _NoMatch(f"q has {H} heads of size {d} but k has {Hk} of size {dk}")
+                raise NoMatch(f"q has {H} heads of size {d} but k has {Hk} of size {dk}")
             if H > 1 and (hq != hk if k_feature == -1 else hq != hk):
-                raise _NoMatch("q and k heads are not aligned")
+                raise NoMatch("q and k heads are not aligned")
             plumbing = set(cq) | set(ck) | {pq.node, pk.node}
             targets: dict[fx.Node, set[int]] = {pq.node: set(), pk.node: set()}
             targets[pq.node] |= set(range(q0, q0 + H * d))
             targets[pk.node] |= set(range(k0, k0 + H * d))
             if pq.node is pk.node and q0 < k0 + H * d and k0 < q0 + H * d:
-                raise _NoMatch("q and k use overlapping rows of one projection")
+                raise NoMatch("q and k use overlapping rows of one projection")
             for proj in {pq, pk}:
                 self._flow_check(proj, targets[proj.node], {q, k}, set(inner), "q/k")
             for n in inner:
@@ -529,15 +479,15 @@ class _Finder:
                     continue
                 for other in extra:
                     if isinstance(other, fx.Node) and self._depends_on(other, plumbing):
-                        raise _NoMatch("a tensor added to the attention scores depends on q or k")
+                        raise NoMatch("a tensor added to the attention scores depends on q or k")
             self._check_private(inner[:-1], set(inner), "scores")
             q_bias = pq.bias_members(q0, H * d, 1, "q")
             pk.bias_members(k0, H * d, -1, "k", fixed_ok=True)  # left out (see below), but it must be a known bias
-        except _NoMatch as e:
+        except NoMatch as e:
             return f"no (GL)^h site on (Q, K): {e}"
-        members: list[tuple[str | None, dict[str, Any]]] = [(pq.weight, _rows(q0, H * d, pq.out_features, 1))]
+        members: list[tuple[str | None, dict[str, Any]]] = [(pq.weight, row_range(q0, H * d, pq.out_features, 1))]
         members += q_bias
-        members.append((pk.weight, _rows(k0, H * d, pk.out_features, -1)))
+        members.append((pk.weight, row_range(k0, H * d, pk.out_features, -1)))
         info = {"heads": H, "head_dim": d, "module": where, "key_bias": "left out: softmax ignores it"}
         return DirectSite(
             "attention_qk_gl", "general", members, H if H > 1 else None, 1, "papers/001 Ex. 1.2.11-1.2.12", where, info, "exact", self._gi
@@ -545,11 +495,11 @@ class _Finder:
 
     def vo_site(self, v_arg: Argument, out: fx.Node, where: str) -> DirectSite | str:
         try:
-            v = _as_node(v_arg, "v")
+            v = as_node(v_arg, "v")
             pv, cv, lv = self._chain(v, "v")
             v0, H, dv, hv = self.heads(lv, -1, "v")
             # forward from the core output to the output projection
-            layout = _Layout([None] * len(self.shape(out)))
+            layout = Layout([None] * len(self.shape(out)))
             layout.axes[-1] = [(dv, 1)]
             if H > 1:
                 layout.axes[hv] = [(H, dv)]  # type: ignore[index]
@@ -558,7 +508,7 @@ class _Finder:
             while True:
                 users = self.users(cur)
                 if len(users) != 1:
-                    raise _NoMatch("the attention output is used more than once")
+                    raise NoMatch("the attention output is used more than once")
                 nxt = users[0]
                 proj = self.projection(nxt)
                 if proj is not None and nxt.args[0] is cur:
@@ -570,80 +520,24 @@ class _Finder:
                     or (op in ("mul", "div") and not self.is_scalar_op(nxt))
                     or (op == "dropout" and self.dropout_p(nxt))
                 ):
-                    raise _NoMatch(f"the attention output passes through {describe} ({module_path(nxt) or nxt.name}) before its projection")
+                    raise NoMatch(f"the attention output passes through {describe} ({module_path(nxt) or nxt.name}) before its projection")
                 layout = self.step(nxt, cur, layout, "the attention output")
                 chain.append(nxt)
                 cur = nxt
-            feat = _merge([x for x in (layout.axes[-1] or []) if x[0] > 1])
+            feat = merge([x for x in (layout.axes[-1] or []) if x[0] > 1])
             if any(ax for ax in layout.axes[:-1]) or feat != [(H * dv, 1)] or layout.offset or proj.in_features != H * dv:
-                raise _NoMatch("the output projection does not read the heads as contiguous column blocks")
+                raise NoMatch("the output projection does not read the heads as contiguous column blocks")
             self._flow_check(pv, set(range(v0, v0 + H * dv)), {v}, {out}, "v")
             v_bias = pv.bias_members(v0, H * dv, 1, "v")
-        except _NoMatch as e:
+        except NoMatch as e:
             return f"no (GL)^h site on (V, O): {e}"
-        members: list[tuple[str | None, dict[str, Any]]] = [(pv.weight, _rows(v0, H * dv, pv.out_features, 1))]
+        members: list[tuple[str | None, dict[str, Any]]] = [(pv.weight, row_range(v0, H * dv, pv.out_features, 1))]
         members += v_bias
         members.append((proj.weight, {"axis": 1, "power": -1}))
         info = {"heads": H, "head_dim": dv, "module": where}
         return DirectSite(
             "attention_vo_gl", "general", members, H if H > 1 else None, 1, "papers/001 Ex. 1.2.12", where, info, "exact", self._gi
         )
-
-
-def _reads_dtype_only(user: fx.Node, node: fx.Node) -> bool:
-    """``x.type_as(node)`` reads only the dtype of ``node`` (EVA-02's rotary embedding casts q to v's dtype)."""
-    return user.op == "call_method" and user.target == "type_as" and user.args[0] is not node and node not in user.kwargs.values()
-
-
-def _as_node(value: Argument, what: str) -> fx.Node:
-    if not isinstance(value, fx.Node):
-        raise _NoMatch(f"{what} is not a traced tensor")
-    return value
-
-
-def _rows(start: int, length: int, total: int, power: int) -> dict:
-    if start == 0 and length == total:
-        return {"axis": 0, "power": power}
-    return {"axis": 0, "power": power, "start": start, "stop": start + length}
-
-
-def _merge(digits: Digits) -> Digits:
-    out: Digits = []
-    for size, stride in digits:
-        if out and out[-1][1] == size * stride:
-            s0, _ = out.pop()
-            out.append((s0 * size, stride))
-        else:
-            out.append((size, stride))
-    return out
-
-
-def _split_digits(digits: Digits, sizes: list[int], what: str) -> list[Digits]:
-    digits = list(digits)
-    out = []
-    for s in sizes:
-        cur: Digits = []
-        prod = 1
-        while prod < s:
-            if not digits:
-                raise _NoMatch(f"cannot follow a reshape of {what}")
-            size, stride = digits.pop(0)
-            need = s // prod
-            if size <= need:
-                if need % size:
-                    raise _NoMatch(f"cannot follow a reshape of {what}")
-                cur.append((size, stride))
-                prod *= size
-            else:
-                if size % need:
-                    raise _NoMatch(f"cannot follow a reshape of {what}")
-                cur.append((need, stride * (size // need)))
-                digits.insert(0, (size // need, stride))
-                prod *= need
-        out.append(cur)
-    if digits:
-        raise _NoMatch(f"cannot follow a reshape of {what}")
-    return out
 
 
 def find_attention_sites(traced: TracedGraph, gi: int, rel: Relations) -> tuple[list[DirectSite], list[tuple[str, str, str]]]:
