@@ -17,6 +17,7 @@ change, and then lets the base optimizer step from the teleported point.  See
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,7 @@ from teleopt.teleport.config import (
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.distributed import check_not_fsdp, unwrap
 from teleopt.teleport.engine import EngineConfig, TeleportEngine, TeleportRequest
+from teleopt.teleport.lookahead import LookaheadView
 from teleopt.teleport.objectives import Objective, get_objective
 from teleopt.teleport.paper_compat import PaperCompatEngine, check_paper_compat_sites
 from teleopt.teleport.report import TeleportReport
@@ -79,6 +81,10 @@ def _check_seed(value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"seed must be an int >= 0, got {value!r}")
     return value
+
+
+def _has_sparse_grad(p: Tensor) -> bool:
+    return p.grad is not None and p.grad.is_sparse
 
 
 def restart_curvature_history(optimizer: Optimizer) -> None:
@@ -182,15 +188,17 @@ class Teleport(OptimizerWrapper):
         self._seed = _check_seed(seed)
         self._generator = torch.Generator().manual_seed(self._seed)
         self._record = TeleportRecord()
+        self._lookahead = LookaheadView.of(self.innermost)
         self._engine = self._make_engine(bool(paper_compat))
         self._hooks: OrderedDict[int, TeleportHook] = OrderedDict()
         self.reports: list[TeleportReport] = []
+        self._sparse_warned: set[str] = set()
 
     def _make_engine(self, paper_compat: bool) -> TeleportEngine:
         """The engine every teleport runs on: the papers' first-order one with ``paper_compat``."""
         config = EngineConfig(
             module=self._module,
-            optimizer=self._base,
+            optimizer=self._lookahead.inner if self._lookahead.is_lookahead else self._base,
             objective=self._objective,
             search=self._search,
             safety=self._safety,
@@ -350,11 +358,43 @@ class Teleport(OptimizerWrapper):
         return [s for s in self._sites if all(n not in params or id(params[n]) in enabled for n in s.tensor_names)]
 
     def _teleport_now(self, request: TeleportRequest) -> tuple[TeleportReport, Any]:
-        report, loss = self._engine.run(self._active_sites(request.batch), request)
+        if any(p.grad is not None and p.grad.requires_grad for p in self._param_list()):
+            report = TeleportReport(step=self._record.step, path="none", objective=self._objective.name)
+            report.reason = (
+                "declined: the gradients carry an autograd graph (backward(create_graph=True), as Adahessian needs); "
+                "moving the parameters in place would invalidate the graph the base optimizer differentiates next"
+            )
+            self._call_hooks(report)
+            return report, request.loss
+        report, loss = self._engine.run(self._movable(self._active_sites(request.batch)), request)
         if report.accepted:
             restart_curvature_history(self.innermost)
+            self._lookahead.follow(report, self._module)
         self._call_hooks(report)
         return report, loss
+
+    def _movable(self, sites: list[Site]) -> list[Site]:
+        """The sites a teleport may move now: none with a member whose gradient is sparse.
+
+        A sparse COO gradient (``nn.Embedding(sparse=True)``) has no dense layout to
+        transport along a site's axes, and densifying it would change what the base
+        optimizer receives (``SparseAdam`` refuses dense gradients); such a site sits
+        out until its gradient is dense again, with a warning once per site.
+        """
+        params = dict(self._module.named_parameters())
+        kept = []
+        for site in sites:
+            sparse = [n for n in site.tensor_names if n in params and _has_sparse_grad(params[n])]
+            if not sparse:
+                kept.append(site)
+            elif site.name not in self._sparse_warned:
+                self._sparse_warned.add(site.name)
+                warnings.warn(
+                    f"Teleport: site {site.name!r} sits out teleports while {sparse[0]!r} has a sparse gradient "
+                    "(sparse gradients cannot be transported along the site's axes)",
+                    stacklevel=4,
+                )
+        return kept
 
     def _call_hooks(self, report: TeleportReport) -> None:
         self.reports.append(report)
@@ -370,6 +410,7 @@ class Teleport(OptimizerWrapper):
         watch = record.watch
         assert watch is not None
         watch.snapshot.restore()
+        self._lookahead.undo(self._module)
         for p in self._param_list():
             p.grad = None
         record.watch = None

@@ -49,6 +49,9 @@ _ROLES: dict[str, StateRole] = {
     "weight_norm": "derived",
     "adam_norm": "derived",
     "trust_ratio": "derived",
+    # timm Lookahead's slow weights live in the inner optimizer's state; they transform
+    # like the parameters and are moved by teleopt.teleport.lookahead, not per state entry
+    "lookahead_slow_buff": "derived",
 }
 
 

@@ -30,6 +30,9 @@ transported sum makes AdaGrad's next update the same vector as before the
 teleport); fallback when no exact rule: reset first moments, keep second moments (a kept second moment has the right
 magnitude, a reset one makes an adaptive optimizer's next step a sign step);
 RMSprop's momentum buffer, which holds updates rather than covectors, is reset.
+A moment whose shape differs from its parameter's (NovoGrad's 0-d per-tensor
+``exp_avg_sq``, a factored second moment) has no elementwise rule: the fallback
+applies to it and the report counts the decision.
 Policies are given per state key (``{"sum": "keep"}``) or per role
 (``{"second_moment": "keep"}``) or as one string for all.
 """
@@ -151,6 +154,7 @@ class StatePolicy:
         """
         roles: dict[str, dict[str, StateRole]] = {}
         by_role: dict[str, dict[str, Tensor]] = {"first_moment": {}, "second_moment": {}}
+        shaped_otherwise: dict[str, set[str]] = {}
         for name, st in states.items():
             roles[name] = {}
             for key, value in st.items():
@@ -169,9 +173,12 @@ class StatePolicy:
                         stacklevel=3,
                     )
                 if role in by_role and isinstance(value, Tensor) and self.resolve(key, role, optimizer) == "transport":
-                    by_role[role][f"{name}\x00{key}"] = value
+                    if name not in like or value.shape == like[name].shape:
+                        by_role[role][f"{name}\x00{key}"] = value
+                    else:  # a per-tensor norm (NovoGrad's 0-d exp_avg_sq) or a factored moment: no elementwise rule
+                        shaped_otherwise.setdefault(key, set()).add(name)
         moved: dict[str, dict[str, Tensor]] = {}
-        no_rule: dict[str, set[str]] = {}
+        no_rule: dict[str, set[str]] = {key: set(names) for key, names in shaped_otherwise.items()}
         kinds: tuple[tuple[str, TensorKind], ...] = (("first_moment", "covector"), ("second_moment", "second_moment"))
         for moment, kind in kinds:
             # transport() works on tensor names; one state key at a time
@@ -180,7 +187,7 @@ class StatePolicy:
                 values = {k.split("\x00", 1)[0]: v for k, v in by_role[moment].items() if k.endswith("\x00" + key)}
                 out, missing = transport(sites, elements, values, like, kind)
                 moved[key] = out
-                no_rule[key] = missing
+                no_rule[key] = no_rule.get(key, set()) | missing
         result = MovedState()
         for name, st in states.items():
             vals: dict[str, Any] = {}
