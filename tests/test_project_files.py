@@ -25,3 +25,11 @@ def test_version_is_written_once_in_the_package():
     assert 'dynamic = ["version"]' in (ROOT / "pyproject.toml").read_text()
     spelled = [p for p in (ROOT / "teleopt").rglob("*.py") if teleopt.__version__ in p.read_text()]
     assert spelled == [ROOT / "teleopt" / "_version.py"]
+
+
+def test_changelog_keeps_a_changelog_with_an_unreleased_section():
+    text = (ROOT / "CHANGELOG.md").read_text()
+    assert text.startswith("# Changelog") and "keepachangelog.com" in text
+    assert "## [Unreleased]" in text
+    sections = re.findall(r"^### (\w+)$", text, re.M)
+    assert sections and set(sections) <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}
