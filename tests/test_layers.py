@@ -27,7 +27,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("teleopt.registry",),
     ("teleopt.site", "teleopt.functional", "teleopt.wrapper", "teleopt.syre_anchors"),
     ("teleopt.detection", "teleopt.datasets"),
-    ("teleopt.teleport", "teleopt.syre", "teleopt.discovery", "teleopt.analysis", "teleopt.learned_teleport"),
+    ("teleopt.teleport", "teleopt.syre", "teleopt.discovery", "teleopt.analysis"),
+    ("teleopt.learned_teleport",),  # plugs a trained policy into Teleport's search
     ("teleopt.testing", "teleopt.demo"),
     ("teleopt.cli",),
     ("teleopt.__main__",),

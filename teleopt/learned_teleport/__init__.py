@@ -6,6 +6,8 @@
 * :func:`meta_train`: Algorithm 3 over a user-supplied sampler of problems.
 * :class:`TwoLayerProblems`: the thesis' problem distribution.
 * :class:`LearnedTeleportOptimizer`: run a policy in place on a model.
+* :class:`PolicySearch`: a trained policy as ``Teleport``'s search
+  (``Teleport(opt, model, sites, search=SearchConfig(strategy=PolicySearch(policy)))``).
 """
 
 from teleopt.learned_teleport.meta_training import (
@@ -21,12 +23,14 @@ from teleopt.learned_teleport.policy import (
     preprocess_gradient,
 )
 from teleopt.learned_teleport.problems import MetaProblem, TwoLayerProblems
+from teleopt.learned_teleport.search import PolicySearch
 
 __all__ = [
     "CoordinateLSTM",
     "LearnedTeleportOptimizer",
     "MetaProblem",
     "MetaTrainResult",
+    "PolicySearch",
     "TeleportPolicy",
     "TwoLayerProblems",
     "evaluate",

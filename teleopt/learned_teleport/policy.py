@@ -108,6 +108,10 @@ def _site_params(site: Site, tensors: Mapping[str, Tensor]) -> tuple[Tensor | No
     return tuple(out)
 
 
+def _detached(site: Site, tensors: Mapping[str, Tensor]) -> tuple[Tensor | None, ...]:
+    return tuple(None if p is None else p.detach() for p in _site_params(site, tensors))
+
+
 def _check_site(site: Site) -> None:
     action = site.action
     if action.exactness != "exact" or not action.continuous or not action.has_gradient_transport:
@@ -194,33 +198,50 @@ class TeleportPolicy(nn.Module):
         ``tensors`` and ``grads`` map qualified tensor names (``site.members``) to the
         current values and loss gradients.  ``state`` is the recurrent state from
         :meth:`new_state` (updated in place; ``None``: a throw-away one).  The element is
-        ``action.exp(xi)`` with xi the network's output, in the parameters' dtype, so it
-        is exactly in the group; no loss evaluation and no ascent.  Without teleport
+        ``action.exp(xi)`` with xi from :meth:`coordinates`, in the parameters' dtype, so
+        it is exactly in the group; no loss evaluation and no ascent.  Without teleport
         (``teleport=False``) every element is the identity.  Differentiable in the
         policy's weights (used by :func:`meta_train`).
+        """
+        sites = as_sites(sites)
+        coords = self.coordinates(sites, tensors, grads, state)
+        return [site.action.exp(xi, _detached(site, tensors)) for site, xi in zip(sites, coords)]
+
+    def coordinates(
+        self,
+        sites: Sequence[Site],
+        tensors: Mapping[str, Tensor],
+        grads: Mapping[str, Tensor],
+        state: dict[str, Any] | None = None,
+    ) -> list[Tensor]:
+        """For each site, the Lie algebra coordinates xi of the element (zeros without teleport).
+
+        The group network reads the gradient of ||grad L(exp(xi) . w)||^2 at xi = 0
+        (coordinate-wise, so one policy serves any layer width) and outputs xi; this is
+        what :class:`PolicySearch` hands to :class:`~teleopt.teleport.Teleport`.
         """
         sites = as_sites(sites)
         state = self.new_state() if state is None else state
         out = []
         for site in sites:
             _check_site(site)
-            params = tuple(None if p is None else p.detach() for p in _site_params(site, tensors))
+            params = _detached(site, tensors)
+            ref = next(p for p in params if p is not None)
+            shape = site.action.coord_shape(params)
+            if self.group_net is None:
+                out.append(torch.zeros(shape, dtype=ref.dtype, device=ref.device))
+                continue
             grad = tuple(
                 None if m is None else (torch.zeros_like(p) if m not in grads or grads[m] is None else grads[m].detach())
                 for m, p in zip(site.members, params)
             )
-            if self.group_net is None:
-                out.append(site.action.identity(params))
-                continue
-            ref = next(p for p in params if p is not None)
             with torch.enable_grad():
-                xi0 = torch.zeros(site.action.coord_shape(params), dtype=ref.dtype, device=ref.device, requires_grad=True)
+                xi0 = torch.zeros(shape, dtype=ref.dtype, device=ref.device, requires_grad=True)
                 moved = site.action.transport_gradient(site.action.exp(xi0, params), grad)
                 obj = sum((t**2).sum() for t in moved if t is not None)
                 (feat,) = torch.autograd.grad(obj, xi0)
             raw, state["group"][site.name] = self.group_net(preprocess_gradient(feat), state["group"].get(site.name))
-            xi = (self.config["teleport_scale"] * raw).reshape(xi0.shape).to(ref.dtype)
-            out.append(site.action.exp(xi, params))
+            out.append((self.config["teleport_scale"] * raw).reshape(shape).to(ref.dtype))
         return out
 
     # -- m1: the update ----------------------------------------------------------------

@@ -1,0 +1,47 @@
+"""A trained :class:`~teleopt.learned_teleport.TeleportPolicy` as :class:`~teleopt.teleport.Teleport`'s search.
+
+Zhao 2026, *Symmetry in Neural Networks*, Sec. 5.5: once meta-trained, the group
+network chooses each teleport's element from the gradient at the current point
+(one forward per site, no loss evaluation, no ascent).  Plugged in as
+``SearchConfig(strategy=PolicySearch(policy))``, it goes through Teleport's
+caps, its invariance check and its state transport like any other search: the
+element is exp of the coordinates the policy outputs, so the teleport is exact
+whatever the policy learned.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from teleopt.learned_teleport.policy import TeleportPolicy
+from teleopt.teleport.search import SearchProblem, SearchResult
+
+__all__ = ["PolicySearch"]
+
+
+class PolicySearch:
+    """Choose teleport coordinates with a trained policy; its recurrent state carries across teleports.
+
+    The coordinates are projected onto each site's trust region (``trust_region=``
+    of ``Teleport``), as the default ascent's are.
+    """
+
+    def __init__(self, policy: TeleportPolicy) -> None:
+        if not isinstance(policy, TeleportPolicy):
+            raise TypeError(f"PolicySearch needs a TeleportPolicy, got {type(policy).__name__}")
+        self.policy = policy
+        self.state = policy.new_state()
+
+    @torch.no_grad()
+    def search(self, problem: SearchProblem) -> SearchResult:
+        ctx = problem.evaluator.ctx
+        grads = {n: t.grad for n, t in ctx.trainable.items() if t.grad is not None}
+        coords = self.policy.coordinates(problem.sites, ctx.tensors, grads, self.state)
+        self.policy.detach_state(self.state)
+        out = []
+        for xi, start, group, radius in zip(coords, problem.start, problem.groups, problem.trust_regions):
+            xi = xi.detach().to(dtype=start.dtype, device=start.device).reshape(start.shape).clone()
+            if radius is not None:
+                group.project_coordinates(xi, radius)
+            out.append(xi)
+        return SearchResult(out)
