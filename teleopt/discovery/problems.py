@@ -131,18 +131,21 @@ def _mlp_problem(problem: str, widths: tuple[int, ...], k: int, activation: str,
     shapes = tuple((b, a) for a, b in zip(widths[:-1], widths[1:]))
     names = tuple(f"W{i + 1}" for i in range(len(shapes)))
     n, m = widths[0], widths[-1]
+    fn: Callable[[tuple[Tensor, ...], Any], Tensor]
     if target == "output":
 
-        def fn(params: tuple[Tensor, ...], data: Tensor) -> Tensor:
+        def output_fn(params: tuple[Tensor, ...], data: Tensor) -> Tensor:
             return _mlp(params, data, act)
 
+        fn = output_fn
         sampler = GaussianSampler(shapes, [(k, n)], data_is_tensor=True)
     else:
 
-        def fn(params: tuple[Tensor, ...], data: tuple[Tensor, Tensor]) -> Tensor:
+        def loss_fn(params: tuple[Tensor, ...], data: tuple[Tensor, Tensor]) -> Tensor:
             X, Y = data
             return ((_mlp(params, X, act) - Y) ** 2).sum()
 
+        fn = loss_fn
         sampler = GaussianSampler(shapes, [(k, n), (k, m)])
     return DiscoveryProblem(problem, ProblemLoss(fn, {"problem": problem, "config": config}), shapes, names, sampler)
 
