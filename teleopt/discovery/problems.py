@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from teleopt.actions.activations import get_activation
+from teleopt.actions.base import Params, required
 
 __all__ = [
     "DiscoveryProblem",
@@ -86,8 +87,9 @@ class ProblemLoss:
         self.fn = fn
         self.spec = spec
 
-    def __call__(self, params: tuple[Tensor, ...], data: Any) -> Tensor:
-        return self.fn(params, data)
+    def __call__(self, params: Params, data: Any) -> Tensor:
+        # every member of a discovery problem is required: a None is an error, not an absent bias
+        return self.fn(tuple(required(p, f"parameter {i}") for i, p in enumerate(params)), data)
 
     def __repr__(self) -> str:
         return f"ProblemLoss({self.spec['problem']}, {self.spec['config']})"
