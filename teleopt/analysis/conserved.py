@@ -46,7 +46,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from teleopt.actions.base import GroupAction, Params
+from teleopt.actions.base import GroupAction, Params, required
 from teleopt.site import Site, as_sites
 
 __all__ = [
@@ -73,7 +73,7 @@ def site_params(source: ParamSource, site: Site) -> Params:
         missing = [m for m in site.tensor_names if m not in source]
         if missing:
             raise KeyError(f"site {site.name!r}: the parameters have no tensor named {', '.join(map(repr, missing))}")
-        out = []
+        out: list[Tensor | None] = []
         for m in site.members:
             if m is None:
                 out.append(None)
@@ -119,20 +119,26 @@ def conserved_quantity_kind(action: GroupAction) -> tuple[str | None, str]:
 
 def _orbit_vjp(action: GroupAction, params: Params, cotangents: Sequence[Params]) -> list[Tensor]:
     """J^T v for each v in ``cotangents``, J the Jacobian of c -> exp(c) . params at c = 0."""
-    present = [i for i, p in enumerate(params) if p is not None]
-    ref = params[present[0]]
-    coords = torch.zeros(action.coord_shape(params), dtype=ref.dtype, device=ref.device)
+    present = [(i, p) for i, p in enumerate(params) if p is not None]
+    ref = present[0][1]
+    shape = action.coord_shape(params)
+    if shape is None:
+        raise ValueError(f"{action.name} is a discrete group: it has no Lie algebra coordinates")
+    coords = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
 
     def orbit(c: Tensor) -> tuple[Tensor, ...]:
         moved = action.act(action.exp(c, params), params)
-        return tuple(moved[i] for i in present)
+        return tuple(required(moved[i], action.member_names[i]) for i, _ in present)
 
     with torch.enable_grad():
-        _, vjp_fn = torch.func.vjp(orbit, coords)
+        vjp_fn = torch.func.vjp(orbit, coords)[1]
         out = []
         for v in cotangents:
-            cot = tuple(torch.zeros_like(params[i]) if v[i] is None else v[i].to(params[i].dtype) for i in present)
-            out.append(vjp_fn(cot)[0].detach())
+            cot = []
+            for i, p in present:
+                vi = v[i]
+                cot.append(torch.zeros_like(p) if vi is None else vi.to(p.dtype))
+            out.append(vjp_fn(tuple(cot))[0].detach())
     return out
 
 
@@ -276,7 +282,7 @@ def angular_momentum(source: ParamSource, velocity: ParamSource, site: Site) -> 
     for role, p, v in zip(action.member_names, params, vel):
         if (p is None) != (v is None):
             raise ValueError(f"site {site.name!r}: velocity and parameters disagree on member {role!r}")
-        if p is not None and p.shape != v.shape:
+        if p is not None and v is not None and p.shape != v.shape:
             raise ValueError(f"site {site.name!r}: velocity of {role!r} has shape {tuple(v.shape)}, expected {tuple(p.shape)}")
     (k,) = _orbit_vjp(action, params, [vel])
     return k.mT - k
