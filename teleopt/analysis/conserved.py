@@ -150,29 +150,30 @@ def _symmetrize(q: Tensor) -> Tensor:
 class ConservedQuantities(Mapping[str, Tensor]):
     """Per site, the tensor Q with Q_M = <Q, M> for every conserved generator M (papers/001 Prop. 2.5.1).
 
-    A read-only mapping ``site name -> Q``.  ``parts[site][member]`` is each
-    member's contribution (they sum to Q; e.g. V V^T and -U^T U), whose combined
-    size is the scale drift is measured against.  ``unavailable`` names every
-    site without a conserved quantity and why.
+    A read-only mapping ``site name -> Q``, backed by the dict ``quantities``.
+    ``parts[site][member]`` is each member's contribution (they sum to Q; e.g.
+    V V^T and -U^T U), whose combined size is the scale drift is measured
+    against.  ``unavailable`` names every site without a conserved quantity and
+    why.
     """
 
-    values: dict[str, Tensor] = field(default_factory=dict)
+    quantities: dict[str, Tensor] = field(default_factory=dict)
     parts: dict[str, dict[str, Tensor]] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> Tensor:
         try:
-            return self.values[name]
+            return self.quantities[name]
         except KeyError:
             if name in self.unavailable:
                 raise KeyError(f"site {name!r} has no conserved quantity: {self.unavailable[name]}") from None
             raise
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.values)
+        return iter(self.quantities)
 
     def __len__(self) -> int:
-        return len(self.values)
+        return len(self.quantities)
 
     def scale(self, name: str) -> float:
         """Sum of the Frobenius norms of the members' contributions (the normaliser of papers/001 eq. A.29)."""
@@ -181,10 +182,10 @@ class ConservedQuantities(Mapping[str, Tensor]):
     def drift(self, reference: ConservedQuantities) -> dict[str, float]:
         """Per site, ||Q - Q_ref|| / scale_ref: the relative change since ``reference``."""
         out = {}
-        for name, q in self.values.items():
-            if name not in reference.values:
+        for name, q in self.quantities.items():
+            if name not in reference.quantities:
                 raise KeyError(f"site {name!r} is not in the reference")
-            ref = reference.values[name]
+            ref = reference.quantities[name]
             if ref.shape != q.shape:
                 raise ValueError(f"site {name!r}: shape {tuple(q.shape)} differs from the reference's {tuple(ref.shape)}")
             scale = reference.scale(name)
@@ -193,7 +194,7 @@ class ConservedQuantities(Mapping[str, Tensor]):
         return out
 
     def __repr__(self) -> str:
-        shapes = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in self.values.items())
+        shapes = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in self.quantities.items())
         missing = f"; unavailable: {', '.join(self.unavailable)}" if self.unavailable else ""
         return f"ConservedQuantities({shapes}{missing})"
 
@@ -245,7 +246,7 @@ def conserved_quantities(source: ParamSource, sites: Sequence[Site] | Site, *, m
         if kind == "symmetric":
             contributions = [_symmetrize(c) for c in contributions]
         result.parts[site.name] = {role: c for (_, role), c in zip(roles, contributions)}
-        result.values[site.name] = torch.stack(contributions).sum(0)
+        result.quantities[site.name] = torch.stack(contributions).sum(0)
     if result.unavailable and missing != "ignore":
         lines = "; ".join(f"{name}: {why}" for name, why in result.unavailable.items())
         if missing == "raise":

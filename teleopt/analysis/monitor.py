@@ -115,7 +115,7 @@ class ConservationMonitor:
         self.quantities = quantities
         probe = conserved_quantities(model, sites, missing="ignore")
         by_name = {s.name: s for s in sites}
-        self.sites = [by_name[n] for n in probe.values]
+        self.sites = [by_name[n] for n in probe]
         self.orthogonal_sites = [
             by_name[n]
             for n in probe.unavailable
