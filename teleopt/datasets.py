@@ -96,15 +96,16 @@ def mlp_regression(seed: int = 0, dtype: torch.dtype = torch.float32) -> MLPRegr
     weights = [torch.rand(6, 5, generator=generator), torch.rand(7, 6, generator=generator), torch.rand(8, 7, generator=generator)]
     x = torch.rand(5, 4, generator=generator)
     y = torch.rand(8, 4, generator=generator)
+    linears = [_uninitialised_linear(5, 6, False), _uninitialised_linear(6, 7, False), _uninitialised_linear(7, 8, False)]
     model = nn.Sequential(
-        _uninitialised_linear(5, 6, False),
+        linears[0],
         nn.LeakyReLU(NEGATIVE_SLOPE),
-        _uninitialised_linear(6, 7, False),
+        linears[1],
         nn.LeakyReLU(NEGATIVE_SLOPE),
-        _uninitialised_linear(7, 8, False),
-    ).to(dtype)
+        linears[2],
+    ).to(dtype)  # Module.to converts in place, so `linears` are the model's layers
     with torch.no_grad():
-        for layer, w in zip(model[::2], weights):
+        for layer, w in zip(linears, weights):
             layer.weight.copy_(w)
     return MLPRegression(model, x.T.contiguous().to(dtype), y.T.contiguous().to(dtype))
 

@@ -166,13 +166,13 @@ class _Arm:
 
     name: str
     reference: str | None
-    build: Callable[[nn.Module, Callable[[], tuple[Tensor, Tensor]]], tuple[Optimizer, Teleport | None]]
+    build: Callable[[nn.Sequential, Callable[[], tuple[Tensor, Tensor]]], tuple[Optimizer, Teleport | None]]
     panel: str = "teleport"
 
 
 def _regression_arms() -> list[_Arm]:
     def make(base: Callable[[nn.Module], Optimizer], teleport: bool):
-        def build(model: nn.Module, batch_fn: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Optimizer, Teleport | None]:
+        def build(model: nn.Sequential, batch_fn: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Optimizer, Teleport | None]:
             opt = base(model)
             if not teleport:
                 return opt, None
@@ -205,7 +205,7 @@ def _digits_arms() -> list[_Arm]:
     def sgd(model: nn.Module, lr: float, weight_decay: float = 0.0) -> Optimizer:
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=weight_decay)
 
-    def teleport(opt: Optimizer, model: nn.Module, batch_fn: Callable[[], tuple[Tensor, Tensor]]) -> Teleport:
+    def teleport(opt: Optimizer, model: nn.Sequential, batch_fn: Callable[[], tuple[Tensor, Tensor]]) -> Teleport:
         # one teleport before the first update (papers/001 Sec. 5.4.2), checked on a 200-sample batch
         return Teleport(opt, model, hidden_rescaling_sites(model), at=[0], loss_fn=cross_entropy, batch_fn=batch_fn)
 
@@ -213,14 +213,14 @@ def _digits_arms() -> list[_Arm]:
         return lambda model, batch_fn: (sgd(model, lr, weight_decay), None)
 
     def teleported(lr: float):
-        def build(model: nn.Module, batch_fn: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Optimizer, Teleport | None]:
+        def build(model: nn.Sequential, batch_fn: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Optimizer, Teleport | None]:
             t = teleport(sgd(model, lr), model, batch_fn)
             return t, t
 
         return build
 
     def syre(with_teleport: bool):
-        def build(model: nn.Module, batch_fn: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Optimizer, Teleport | None]:
+        def build(model: nn.Sequential, batch_fn: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Optimizer, Teleport | None]:
             inner: Optimizer = sgd(model, 1e-2)
             t = teleport(inner, model, batch_fn) if with_teleport else None
             # biases have no fan-in for the anchor scale: leave them out, as timm does for weight decay
@@ -245,7 +245,7 @@ def _train(task: str, arm: _Arm, steps: int, seed: int, data: Digits | None, tic
     generator = torch.Generator().manual_seed(seed + 1)
     if task == "regression":
         problem = mlp_regression(seed)
-        model: nn.Module = problem.model
+        model: nn.Sequential = problem.model
         full = (problem.inputs, problem.targets)
 
         def batch() -> tuple[Tensor, Tensor]:

@@ -36,7 +36,7 @@ section 1 wrapper contract).  Units and conventions:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -58,6 +58,13 @@ from teleopt.syre_anchors import (
 from teleopt.wrapper import OptimizerWrapper
 
 __all__ = ["Syre", "fan_in"]
+
+
+def _coupled_grad(index: int, p: Tensor) -> Tensor:
+    """``p.grad`` for the coupled decay (``Syre._acting`` gives coupled groups only members with a gradient)."""
+    if p.grad is None:
+        raise RuntimeError(f"Syre: parameter {index} has no gradient for the coupled decay")
+    return p.grad
 
 
 class Syre(OptimizerWrapper):
@@ -384,7 +391,7 @@ class Syre(OptimizerWrapper):
 
     def _decay_group(
         self, group: dict[str, Any], members: list[tuple[int, Tensor]], deferred: list[tuple[Tensor, Tensor]]
-    ) -> list[tuple[Tensor, Tensor]]:
+    ) -> list[tuple[Tensor, Tensor | None]]:
         """Decay one group's parameters; returns (parameter, original gradient) pairs swapped in coupled mode.
 
         Complex parameters decay in their real view.  Gradients with a graph
@@ -401,10 +408,10 @@ class Syre(OptimizerWrapper):
         else:
             # maximize=True negates the gradient inside the base; the decay must still pull towards the anchor.
             coefficient = -gamma if group.get("maximize", False) else gamma
-        swapped: list[tuple[Tensor, Tensor]] = []
+        swapped: list[tuple[Tensor, Tensor | None]] = []
         if not decoupled:
             for index, p in members:
-                if p.grad.is_sparse:
+                if _coupled_grad(index, p).is_sparse:
                     raise TypeError(f"Syre: parameter {index} has a sparse gradient; coupled decay needs dense gradients")
 
         def install(ps: list[Tensor], new_grads: list[Tensor]) -> None:
@@ -422,7 +429,7 @@ class Syre(OptimizerWrapper):
                     deferred.append((p, scaled.detach()))
                 else:
                     with torch.enable_grad():
-                        install([p], [real_view(p.grad) + scaled])
+                        install([p], [real_view(_coupled_grad(index, p)) + scaled])
             return swapped
         if not self.store_anchors:
             # Regenerate tensor by tensor: never more than one anchor in memory.
@@ -487,7 +494,7 @@ class Syre(OptimizerWrapper):
         in_closure = self.base_needs_closure
         loss = self._closure_before_step(closure)
         self._check_acting(with_grad=not in_closure)
-        swapped: list[tuple[Tensor, Tensor]] = []
+        swapped: list[tuple[Tensor, Tensor | None]] = []
         deferred: list[tuple[Tensor, Tensor]] = []
 
         def restore() -> None:
@@ -509,6 +516,7 @@ class Syre(OptimizerWrapper):
 
         def decayed_closure() -> Any:
             restore()  # the closure may accumulate into .grad: give it the data gradients
+            assert closure is not None  # _closure_before_step raised if a closure-evaluating base got none
             value = closure()
             with torch.no_grad():
                 for group, members in self._acting():
@@ -549,7 +557,7 @@ class Syre(OptimizerWrapper):
 
     def _check_loaded(
         self,
-        saved_groups: list[dict[str, Any]],
+        saved_groups: Sequence[dict[str, Any]],
         current: list[dict[str, Any]],
         per_param: dict[int, dict[str, Any]],
         top: dict[str, Any],

@@ -214,6 +214,7 @@ def decay_list(
             torch._foreach_copy_(diffs, params)
             torch._foreach_sub_(diffs, anchors)
         if decoupled:
+            assert diagonals is not None  # decoupled without diagonals returned above
             torch._foreach_addcmul_(params, diffs, diagonals, value=-coefficient)
             return []
         if diagonals is not None:
@@ -229,6 +230,7 @@ def decay_list(
             continue
         diff = p - a if scratch is None else torch.sub(p, a, out=scratch[i])
         if decoupled:
+            assert d is not None  # decoupled without a diagonal continued above
             p.addcmul_(diff, d, value=-coefficient)
             continue
         if d is not None:

@@ -65,6 +65,18 @@ def test_registry_has_conserving_and_orthogonal_actions():
     assert {"radial_orthogonal", "quadratic_orthogonal"} <= set(ORTHOGONAL_LINEAR)
 
 
+def test_result_is_a_full_read_only_mapping():
+    """keys(), values() and items() agree with [] (a field named ``values`` used to shadow Mapping.values)."""
+    g = torch.Generator().manual_seed(0)
+    W1, b1, W2 = (torch.randn(s, generator=g, dtype=torch.float64) for s in ((3, 2), (3,), (2, 3)))
+    site, flat = as_site(get_action("gl_linear"), (W1, b1, W2))
+    result = conserved_quantities(flat, site)
+    assert list(result.keys()) == [site.name]
+    (q,) = result.values()
+    assert q is result[site.name]
+    assert dict(result.items()) == {site.name: q}
+
+
 # ----------------------------------------------------------------------------- closed forms
 @SETTINGS
 @given(seed=tst.seeds(), h=st.integers(1, 5), n=st.integers(1, 4), m=st.integers(1, 4), bias=st.booleans())

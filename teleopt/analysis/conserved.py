@@ -46,7 +46,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from teleopt.actions.base import GroupAction, Params
+from teleopt.actions.base import GroupAction, Params, required
 from teleopt.site import Site, as_sites
 
 __all__ = [
@@ -73,7 +73,7 @@ def site_params(source: ParamSource, site: Site) -> Params:
         missing = [m for m in site.tensor_names if m not in source]
         if missing:
             raise KeyError(f"site {site.name!r}: the parameters have no tensor named {', '.join(map(repr, missing))}")
-        out = []
+        out: list[Tensor | None] = []
         for m in site.members:
             if m is None:
                 out.append(None)
@@ -119,20 +119,26 @@ def conserved_quantity_kind(action: GroupAction) -> tuple[str | None, str]:
 
 def _orbit_vjp(action: GroupAction, params: Params, cotangents: Sequence[Params]) -> list[Tensor]:
     """J^T v for each v in ``cotangents``, J the Jacobian of c -> exp(c) . params at c = 0."""
-    present = [i for i, p in enumerate(params) if p is not None]
-    ref = params[present[0]]
-    coords = torch.zeros(action.coord_shape(params), dtype=ref.dtype, device=ref.device)
+    present = [(i, p) for i, p in enumerate(params) if p is not None]
+    ref = present[0][1]
+    shape = action.coord_shape(params)
+    if shape is None:
+        raise ValueError(f"{action.name} is a discrete group: it has no Lie algebra coordinates")
+    coords = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
 
     def orbit(c: Tensor) -> tuple[Tensor, ...]:
         moved = action.act(action.exp(c, params), params)
-        return tuple(moved[i] for i in present)
+        return tuple(required(moved[i], action.member_names[i]) for i, _ in present)
 
     with torch.enable_grad():
-        _, vjp_fn = torch.func.vjp(orbit, coords)
+        vjp_fn = torch.func.vjp(orbit, coords)[1]
         out = []
         for v in cotangents:
-            cot = tuple(torch.zeros_like(params[i]) if v[i] is None else v[i].to(params[i].dtype) for i in present)
-            out.append(vjp_fn(cot)[0].detach())
+            cot = []
+            for i, p in present:
+                vi = v[i]
+                cot.append(torch.zeros_like(p) if vi is None else vi.to(p.dtype))
+            out.append(vjp_fn(tuple(cot))[0].detach())
     return out
 
 
@@ -144,29 +150,30 @@ def _symmetrize(q: Tensor) -> Tensor:
 class ConservedQuantities(Mapping[str, Tensor]):
     """Per site, the tensor Q with Q_M = <Q, M> for every conserved generator M (papers/001 Prop. 2.5.1).
 
-    A read-only mapping ``site name -> Q``.  ``parts[site][member]`` is each
-    member's contribution (they sum to Q; e.g. V V^T and -U^T U), whose combined
-    size is the scale drift is measured against.  ``unavailable`` names every
-    site without a conserved quantity and why.
+    A read-only mapping ``site name -> Q``, backed by the dict ``quantities``.
+    ``parts[site][member]`` is each member's contribution (they sum to Q; e.g.
+    V V^T and -U^T U), whose combined size is the scale drift is measured
+    against.  ``unavailable`` names every site without a conserved quantity and
+    why.
     """
 
-    values: dict[str, Tensor] = field(default_factory=dict)
+    quantities: dict[str, Tensor] = field(default_factory=dict)
     parts: dict[str, dict[str, Tensor]] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> Tensor:
         try:
-            return self.values[name]
+            return self.quantities[name]
         except KeyError:
             if name in self.unavailable:
                 raise KeyError(f"site {name!r} has no conserved quantity: {self.unavailable[name]}") from None
             raise
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.values)
+        return iter(self.quantities)
 
     def __len__(self) -> int:
-        return len(self.values)
+        return len(self.quantities)
 
     def scale(self, name: str) -> float:
         """Sum of the Frobenius norms of the members' contributions (the normaliser of papers/001 eq. A.29)."""
@@ -175,10 +182,10 @@ class ConservedQuantities(Mapping[str, Tensor]):
     def drift(self, reference: ConservedQuantities) -> dict[str, float]:
         """Per site, ||Q - Q_ref|| / scale_ref: the relative change since ``reference``."""
         out = {}
-        for name, q in self.values.items():
-            if name not in reference.values:
+        for name, q in self.quantities.items():
+            if name not in reference.quantities:
                 raise KeyError(f"site {name!r} is not in the reference")
-            ref = reference.values[name]
+            ref = reference.quantities[name]
             if ref.shape != q.shape:
                 raise ValueError(f"site {name!r}: shape {tuple(q.shape)} differs from the reference's {tuple(ref.shape)}")
             scale = reference.scale(name)
@@ -187,7 +194,7 @@ class ConservedQuantities(Mapping[str, Tensor]):
         return out
 
     def __repr__(self) -> str:
-        shapes = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in self.values.items())
+        shapes = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in self.quantities.items())
         missing = f"; unavailable: {', '.join(self.unavailable)}" if self.unavailable else ""
         return f"ConservedQuantities({shapes}{missing})"
 
@@ -239,7 +246,7 @@ def conserved_quantities(source: ParamSource, sites: Sequence[Site] | Site, *, m
         if kind == "symmetric":
             contributions = [_symmetrize(c) for c in contributions]
         result.parts[site.name] = {role: c for (_, role), c in zip(roles, contributions)}
-        result.values[site.name] = torch.stack(contributions).sum(0)
+        result.quantities[site.name] = torch.stack(contributions).sum(0)
     if result.unavailable and missing != "ignore":
         lines = "; ".join(f"{name}: {why}" for name, why in result.unavailable.items())
         if missing == "raise":
@@ -276,7 +283,7 @@ def angular_momentum(source: ParamSource, velocity: ParamSource, site: Site) -> 
     for role, p, v in zip(action.member_names, params, vel):
         if (p is None) != (v is None):
             raise ValueError(f"site {site.name!r}: velocity and parameters disagree on member {role!r}")
-        if p is not None and p.shape != v.shape:
+        if p is not None and v is not None and p.shape != v.shape:
             raise ValueError(f"site {site.name!r}: velocity of {role!r} has shape {tuple(v.shape)}, expected {tuple(p.shape)}")
     (k,) = _orbit_vjp(action, params, [vel])
     return k.mT - k

@@ -57,7 +57,7 @@ BASELINES: tuple[str, ...] = ("g_inverse", "random", "shuffle", "perm_interp")
 """The random-transformation baselines of papers/002 App. I (see :class:`BaselineEnsemble`)."""
 
 # roles (writer weight, writer bias, reader weight) of two-layer GL actions, by member names
-_TWO_LAYER_ROLES = {("W1", "b1", "W2"): (0, 1, 2), ("U", "V", "b"): (1, 2, 0)}
+_TWO_LAYER_ROLES: dict[tuple[str, ...], tuple[int, int, int]] = {("W1", "b1", "W2"): (0, 1, 2), ("U", "V", "b"): (1, 2, 0)}
 
 
 class ParameterEnsemble(nn.Module):
@@ -327,6 +327,7 @@ class BaselineEnsemble(ParameterEnsemble):
                 d = torch.randn(h, generator=generator, dtype=torch.float64).to(W1.dtype)
                 A, W2_new = g, W2 * torch.exp(eps * d)
             elif kind == "shuffle":
+                assert Z is not None  # built above when kind == "shuffle"
                 pi = _pi(g, Z, activation)
                 order = torch.randperm(h * h, generator=generator)
                 A, W2_new = g, W2 @ pi.reshape(-1)[order.to(pi.device)].reshape(h, h)
@@ -336,6 +337,7 @@ class BaselineEnsemble(ParameterEnsemble):
                 W2_new = torch.linalg.solve(A.mT, W2.mT).mT
             point = {w1: A @ W1, w2: W2_new}
             if b1 is not None:
+                assert B1 is not None  # _two_layer looks B1 up exactly when b1 is named
                 point[b1] = A @ B1
             points.append(point)
         super().__init__(model, points, combine)

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from teleopt.actions.base import required
 from teleopt.analysis.conserved import (
     ConservedQuantities,
     angular_momentum,
@@ -114,7 +115,7 @@ class ConservationMonitor:
         self.quantities = quantities
         probe = conserved_quantities(model, sites, missing="ignore")
         by_name = {s.name: s for s in sites}
-        self.sites = [by_name[n] for n in probe.values]
+        self.sites = [by_name[n] for n in probe]
         self.orthogonal_sites = [
             by_name[n]
             for n in probe.unavailable
@@ -155,7 +156,8 @@ class ConservationMonitor:
 
     def _orthogonal_params(self) -> dict[str, dict[str, Tensor]]:
         return {
-            s.name: {m: t.clone() for m, t in zip(s.members, site_params(self.model, s)) if m is not None} for s in self.orthogonal_sites
+            s.name: {m: required(t, m).clone() for m, t in zip(s.members, site_params(self.model, s)) if m is not None}
+            for s in self.orthogonal_sites
         }
 
     def _drifts(
@@ -214,11 +216,14 @@ class ConservationMonitor:
         """
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        handles = [optimizer.register_step_post_hook(lambda opt, args, kwargs: self.update())]
+        handles = [optimizer.register_step_post_hook(self._on_step)]
         register = getattr(optimizer, "register_teleport_hook", None)
         if register is not None:
             handles.append(register(self._on_teleport))
         return _Handles(handles)
+
+    def _on_step(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.update()
 
     def _on_teleport(self, wrapper: Any, report: Any) -> None:
         if report.accepted or report.reason.startswith("rolled back"):

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from teleopt.actions.base import required
 from teleopt.functional import FunctionalModel
 from teleopt.site import Site, as_sites, lookup_tensor
 
@@ -168,11 +169,12 @@ class _Actor:
             vals = _params(site, cur)
             data = None
             if self.fmodel is not None and site.data_input is not None:
+                assert self.inputs is not None  # __init__ sets fmodel only when inputs were given
                 data = self.fmodel.module_input(cur, (self.inputs, None), site.data_input)
             new = site.action.act(g, vals, data)
             for name, value in zip(site.members, new):
                 if name is not None:
-                    cur[name] = value
+                    cur[name] = required(value, name)
         return cur
 
 

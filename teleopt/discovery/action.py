@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.func import functional_call
 
 from teleopt._version import __version__
-from teleopt.actions.base import ExampleProblem, GroupAction, Params
+from teleopt.actions.base import ExampleProblem, GroupAction, Params, required
 from teleopt.discovery.flow import rk4
 from teleopt.discovery.group import LearnedLieGroup
 from teleopt.discovery.losses import infinitesimal_action
@@ -175,17 +175,17 @@ class LearnedAction(GroupAction):
         the learned ones, and for elements without a real logarithm.
         """
         self._check_data(data)
-        params = self.check_params(params)
-        group = self.group(params)
-        ref = params[0]
-        if not all(p.is_floating_point() for p in params):
+        members = tuple(required(p, name) for name, p in zip(self.member_names, self.check_params(params)))  # none optional
+        group = self.group(members)
+        ref = members[0]
+        if not all(p.is_floating_point() for p in members):
             raise TypeError(f"{self.name}: parameters must be floating point")
         group.validate(g.detach())
         algebra = group.log(g).to(dtype=ref.dtype, device=ref.device)
-        theta = torch.cat([p.reshape(-1).to(ref.dtype) for p in params])
+        theta = torch.cat([p.reshape(-1).to(ref.dtype) for p in members])
         x = self.features(data, ref.dtype, ref.device)
         moved = self.flow(algebra, theta, x)
-        return tuple(m.to(p.dtype) for m, p in zip(self.spec.unflatten(moved), params))
+        return tuple(m.to(p.dtype) for m, p in zip(self.spec.unflatten(moved), members))
 
     def example(self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> ExampleProblem:
         """A held-out sample (theta, X) from training and the learned ``loss_fn`` (for ``teleopt.testing``)."""
@@ -283,7 +283,7 @@ class LearnedAction(GroupAction):
                 f"the network acts on {num_params} parameters and reads {data_features} data entries, but the shapes give {p} and {d}"
             )
         widths = (p * p + p + d, *hidden, p)
-        expected = {}
+        expected: dict[str, tuple[int, ...]] = {}
         for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
             expected[f"layers.{i}.weight"], expected[f"layers.{i}.bias"] = (b, a), (b,)
         found = {k: tuple(v.shape) for k, v in weights.items()}

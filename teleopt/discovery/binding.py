@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from teleopt.actions.base import ExampleProblem, GroupAction, Params
+from teleopt.actions.base import ExampleProblem, GroupAction, Params, required
 from teleopt.discovery.action import LearnedAction
 from teleopt.discovery.group import LearnedLieGroup
 from teleopt.functional import module_input
@@ -82,35 +82,42 @@ class SubnetworkAction(GroupAction):
         self.member_names = action.member_names
         self.optional_members = frozenset()
 
+    def _checked(self, params: Params) -> tuple[Tensor, ...]:
+        """The members (all required) as tensors, checked against the bound full shapes."""
+        full = tuple(required(p, name) for name, p in zip(self.member_names, self.check_params(params)))
+        for name, shape, p in zip(self.member_names, self.full_shapes, full):
+            if tuple(p.shape) != shape:
+                raise ValueError(f"{self.name}: member {name!r} has shape {tuple(p.shape)}, the site was bound to shape {shape}")
+        return full
+
+    def _slice(self, full: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        return tuple(p if sl is None else p.narrow(sl[0], sl[1], sl[2] - sl[1]) for p, sl in zip(full, self.slices))
+
     def _narrow(self, params: Params) -> tuple[Tensor, ...]:
-        params = self.check_params(params)
-        for name, shape, p in zip(self.member_names, self.full_shapes, params):
-            if tuple(p.shape) != shape:  # type: ignore[union-attr]
-                raise ValueError(f"{self.name}: member {name!r} has shape {tuple(p.shape)}, the site was bound to shape {shape}")  # type: ignore[union-attr]
-        return tuple(p if sl is None else p.narrow(sl[0], sl[1], sl[2] - sl[1]) for p, sl in zip(params, self.slices))  # type: ignore[union-attr]
+        return self._slice(self._checked(params))
 
     def group(self, params: Params) -> LearnedLieGroup:
         return self.action.group(self._narrow(params))
 
     def act(self, g: Tensor, params: Params, data: Any = None) -> Params:
         """The learned action on the slices; everything outside them is returned unchanged."""
-        narrow = self._narrow(params)
-        moved = self.action.act(g, narrow, data)
-        out = []
-        for p, new, sl in zip(params, moved, self.slices):
+        full = self._checked(params)
+        moved = self.action.act(g, self._slice(full), data)
+        out: list[Tensor | None] = []
+        for name, p, new, sl in zip(self.member_names, full, moved, self.slices):
             if sl is None:
                 out.append(new)
                 continue
             axis, start, stop = sl
-            size = p.shape[axis]  # type: ignore[union-attr]
-            out.append(torch.cat([p.narrow(axis, 0, start), new, p.narrow(axis, stop, size - stop)], dim=axis))  # type: ignore[union-attr]
+            size = p.shape[axis]
+            out.append(torch.cat([p.narrow(axis, 0, start), required(new, name), p.narrow(axis, stop, size - stop)], dim=axis))
         return tuple(out)
 
     def example(self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> ExampleProblem:
         """The learned action's example embedded in random larger tensors; ``fn`` reads the slices."""
         inner = self.action.example(generator, dtype)
-        params = []
-        for shape, sl, small in zip(self.full_shapes, self.slices, inner.params):
+        params: list[Tensor | None] = []
+        for name, shape, sl, small in zip(self.member_names, self.full_shapes, self.slices, inner.params):
             if sl is None:
                 params.append(small)
                 continue
@@ -118,7 +125,7 @@ class SubnetworkAction(GroupAction):
             axis, start, stop = sl
             index = [slice(None)] * len(shape)
             index[axis] = slice(start, stop)
-            big[tuple(index)] = small
+            big[tuple(index)] = required(small, name)
             params.append(big)
         return ExampleProblem(tuple(params), inner.data, lambda p, d: inner.fn(self._narrow(p), d), inner.functional)
 

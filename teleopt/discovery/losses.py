@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -71,6 +71,18 @@ __all__ = [
 ActionFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 BRACKET_ROWS = 128  # the bracket term (nested jvps over all ordered pairs) uses at most this many (pair, sample) rows
 TERMS = ("invariance", "identity", "associativity", "norm", "orthogonality", "sparsity", "linearity")
+
+
+def _jvp(fn: Callable[[Tensor], Tensor], primal: Tensor, tangent: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.func.jvp`` of a function of one tensor: (output, jvp_out)."""
+    # torch annotates jvp's result as a pair or, for has_aux=True, a triple; without has_aux it is the pair
+    return cast(tuple[Tensor, Tensor], jvp(fn, (primal,), (tangent,)))
+
+
+def _vjp(fn: Callable[[Tensor], Tensor], primal: Tensor) -> tuple[Tensor, Callable[[Tensor], tuple[Tensor]]]:
+    """``torch.func.vjp`` of a function of one tensor: (output, pullback); pullback(v) is a 1-tuple."""
+    # as for jvp: torch's annotation includes the has_aux triple
+    return cast(tuple[Tensor, Callable[[Tensor], tuple[Tensor]]], vjp(fn, primal))
 
 
 @dataclass(frozen=True)
@@ -138,7 +150,7 @@ def infinitesimal_action(action_fn: ActionFn, theta: Tensor, x: Tensor, h: Tenso
     p = theta.shape[-1]
     zeros = theta.new_zeros(*theta.shape[:-1], p * p)
     tangent = h.reshape(*h.shape[:-2], p * p).to(theta.dtype).expand_as(zeros)
-    return jvp(lambda g: action_fn(g, theta, x), (zeros,), (tangent,))
+    return _jvp(lambda g: action_fn(g, theta, x), zeros, tangent)
 
 
 def loss_derivative(loss_fn: Callable[[Any, Any], Tensor], unflatten: Callable[[Tensor], Any], rebuild: Callable[[Any], Any]):
@@ -151,7 +163,7 @@ def loss_derivative(loss_fn: Callable[[Any, Any], Tensor], unflatten: Callable[[
     """
 
     def single(theta: Tensor, leaves: tuple[Tensor, ...], v: Tensor) -> Tensor:
-        return jvp(lambda t: loss_fn(unflatten(t), rebuild(leaves)), (theta,), (v,))[1]
+        return _jvp(lambda t: loss_fn(unflatten(t), rebuild(leaves)), theta, v)[1]
 
     return vmap(vmap(single), in_dims=(0, None, 0))
 
@@ -164,7 +176,7 @@ def loss_gradient_norms(loss_fn: Callable[[Any, Any], Tensor], unflatten: Callab
     """
 
     def single(theta: Tensor, leaves: tuple[Tensor, ...]) -> Tensor:
-        out, pullback = vjp(lambda t: loss_fn(unflatten(t), rebuild(leaves)).reshape(-1), theta)
+        out, pullback = _vjp(lambda t: loss_fn(unflatten(t), rebuild(leaves)).reshape(-1), theta)
         rows = vmap(pullback)(torch.eye(out.numel(), dtype=out.dtype, device=out.device))[0]
         return rows.norm(dim=-1)
 
@@ -204,7 +216,7 @@ def discovery_losses(
     identity = (a_identity[0] - theta).norm(dim=-1).mean()
 
     zeros = theta.new_zeros(n, batch, p * p)
-    _, d_theta_a = jvp(lambda t: action_fn(zeros, t, xs), (thetas,), (xi,))
+    _, d_theta_a = _jvp(lambda t: action_fn(zeros, t, xs), thetas, xi)
     first_order = (d_theta_a - xi).norm(dim=-1).mean(dim=-1).sum()
     bracket = theta.new_zeros(())
     if second_order and n > 1:
@@ -216,7 +228,7 @@ def discovery_losses(
         th2 = theta[:sub].expand(2 * pairs, sub, p).contiguous()
         x2 = x[:sub].expand(2 * pairs, sub, x.shape[-1])
         h_b = generators[b_idx][:, None]
-        _, along = jvp(lambda t: infinitesimal_action(action_fn, t, x2, h_b)[1], (th2,), (xi[a_idx, :sub],))
+        _, along = _jvp(lambda t: infinitesimal_action(action_fn, t, x2, h_b)[1], th2, xi[a_idx, :sub])
         commutators = generators[i] @ generators[j] - generators[j] @ generators[i]
         _, xi_bracket = infinitesimal_action(action_fn, th2[:pairs], x2[:pairs], commutators[:, None])
         residual = along[:pairs] - along[pairs:] + xi_bracket

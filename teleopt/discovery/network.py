@@ -20,7 +20,8 @@ element is the zero vector.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,7 @@ from torch import Tensor, nn
 
 __all__ = ["ActionNetwork", "NETWORK_ACTIVATIONS"]
 
-NETWORK_ACTIVATIONS = {"silu": F.silu, "tanh": torch.tanh, "gelu": F.gelu, "softplus": F.softplus}
+NETWORK_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"silu": F.silu, "tanh": torch.tanh, "gelu": F.gelu, "softplus": F.softplus}
 
 
 class ActionNetwork(nn.Module):
@@ -85,12 +86,18 @@ class ActionNetwork(nn.Module):
         widths = (num_params * num_params + num_params + data_features, *hidden, num_params)
         self.layers = nn.ModuleList(nn.utils.skip_init(nn.Linear, a, b, dtype=dtype) for a, b in zip(widths[:-1], widths[1:]))
         with torch.no_grad():
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self.linears):
                 bound = 1.0 / math.sqrt(layer.in_features)  # torch's default nn.Linear range
                 scale = init_scale if i == len(self.layers) - 1 else 1.0
                 for tensor in (layer.weight, layer.bias):
                     draw = torch.rand(tensor.shape, generator=generator, dtype=torch.float64)
                     tensor.copy_((2 * draw - 1) * bound * scale)
+
+    @property
+    def linears(self) -> Sequence[nn.Linear]:
+        """``layers`` as the linear layers they are."""
+        # nn.ModuleList is not generic in torch's annotations: its items are typed Module
+        return cast("Sequence[nn.Linear]", self.layers)
 
     def config(self) -> dict:
         """Plain-data constructor arguments (for saving)."""
@@ -109,9 +116,10 @@ class ActionNetwork(nn.Module):
         act = NETWORK_ACTIVATIONS[self.activation]
         # matmul + add rather than nn.Linear.__call__: under torch.func.jvp, F.linear is
         # decomposed in Python (about 4x slower for these small layers)
-        for layer in self.layers[:-1]:
+        linears = self.linears
+        for layer in linears[:-1]:
             z = act(z @ layer.weight.T + layer.bias)
-        last = self.layers[-1]
+        last = linears[-1]
         correction = z @ last.weight.T + last.bias
         if not self.linear_base:
             return theta + correction

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from teleopt.actions.activations import get_activation
+from teleopt.actions.base import Params, required
 
 __all__ = [
     "DiscoveryProblem",
@@ -86,8 +87,9 @@ class ProblemLoss:
         self.fn = fn
         self.spec = spec
 
-    def __call__(self, params: tuple[Tensor, ...], data: Any) -> Tensor:
-        return self.fn(params, data)
+    def __call__(self, params: Params, data: Any) -> Tensor:
+        # every member of a discovery problem is required: a None is an error, not an absent bias
+        return self.fn(tuple(required(p, f"parameter {i}") for i, p in enumerate(params)), data)
 
     def __repr__(self) -> str:
         return f"ProblemLoss({self.spec['problem']}, {self.spec['config']})"
@@ -131,18 +133,21 @@ def _mlp_problem(problem: str, widths: tuple[int, ...], k: int, activation: str,
     shapes = tuple((b, a) for a, b in zip(widths[:-1], widths[1:]))
     names = tuple(f"W{i + 1}" for i in range(len(shapes)))
     n, m = widths[0], widths[-1]
+    fn: Callable[[tuple[Tensor, ...], Any], Tensor]
     if target == "output":
 
-        def fn(params: tuple[Tensor, ...], data: Tensor) -> Tensor:
+        def output_fn(params: tuple[Tensor, ...], data: Tensor) -> Tensor:
             return _mlp(params, data, act)
 
+        fn = output_fn
         sampler = GaussianSampler(shapes, [(k, n)], data_is_tensor=True)
     else:
 
-        def fn(params: tuple[Tensor, ...], data: tuple[Tensor, Tensor]) -> Tensor:
+        def loss_fn(params: tuple[Tensor, ...], data: tuple[Tensor, Tensor]) -> Tensor:
             X, Y = data
             return ((_mlp(params, X, act) - Y) ** 2).sum()
 
+        fn = loss_fn
         sampler = GaussianSampler(shapes, [(k, n), (k, m)])
     return DiscoveryProblem(problem, ProblemLoss(fn, {"problem": problem, "config": config}), shapes, names, sampler)
 

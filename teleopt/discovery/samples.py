@@ -69,12 +69,14 @@ class SampleSpec:
             raise TypeError(f"{what} must be a tuple of tensors ({', '.join(self.member_names)}), got {type(params).__name__}")
         if len(params) != len(self.param_shapes):
             raise ValueError(f"{what}: expected {len(self.param_shapes)} tensors ({', '.join(self.member_names)}), got {len(params)}")
+        checked: list[Tensor] = []
         for name, shape, p in zip(self.member_names, self.param_shapes, params):
             if not isinstance(p, Tensor):
                 raise TypeError(f"{what}: member {name!r} must be a tensor, got {type(p).__name__}")
             if tuple(p.shape) != shape:
                 raise ValueError(f"{what}: member {name!r} has shape {tuple(p.shape)}, but the learned action acts on shape {shape}")
-        return tuple(params)
+            checked.append(p)
+        return tuple(checked)
 
     def flatten(self, params: Sequence[Tensor]) -> Tensor:
         """theta = concatenation of the flattened members (shapes checked)."""
@@ -168,7 +170,7 @@ def draw(
     returns a wrong shape or a non-finite value.
     """
     if hasattr(sampler, "sample_batch"):
-        params, data = sampler.sample_batch(generator, batch_size)  # type: ignore[attr-defined]
+        params, data = sampler.sample_batch(generator, batch_size)
         if any(t.shape[0] != batch_size for t in (*params, *data)):
             raise ValueError(f"sampler.sample_batch must return tensors with a first axis of length {batch_size}")
         spec.check_params([p[0] for p in params], "sampler params")

@@ -42,6 +42,12 @@ def _positive_float(value: Any, what: str) -> float:
     return float(value)
 
 
+def _objective(run: LearnedAction) -> float:
+    """A run's training objective: the mean total loss over its last 50 steps."""
+    assert run.history is not None  # discover always records the history
+    return float(run.history["values"][-50:, -1].mean())
+
+
 def discover(
     loss_fn: Callable[[Params, Any], Tensor] | DiscoveryProblem,
     param_shapes: Sequence[Sequence[int]] | None = None,
@@ -142,7 +148,9 @@ def discover(
             raise TypeError("discover(problem, ...) takes its param_shapes and sampler from the problem; do not pass them")
         if member_names is None:
             member_names = loss_fn.member_names
-        loss_fn, param_shapes, sampler = loss_fn.loss_fn, loss_fn.param_shapes, loss_fn.sampler
+        # no new local names here: restarts re-call discover(**locals())
+        param_shapes, sampler = loss_fn.param_shapes, loss_fn.sampler
+        loss_fn = loss_fn.loss_fn
     if param_shapes is None or sampler is None:
         raise TypeError("discover(loss_fn, param_shapes, sampler): param_shapes and sampler are required with a loss function")
     restarts = _positive_int(restarts, "restarts")
@@ -150,7 +158,7 @@ def discover(
         arguments = dict(locals())
         arguments.pop("restarts")
         runs = [discover(**(arguments | {"seed": seed + i})) for i in range(restarts)]
-        objectives = [float(run.history["values"][-50:, -1].mean()) for run in runs]
+        objectives = [_objective(run) for run in runs]
         best = runs[min(range(restarts), key=objectives.__getitem__)]
         best.config["restarts"] = {"seeds": [seed + i for i in range(restarts)], "objectives": objectives}
         return best
@@ -184,7 +192,8 @@ def discover(
     p = spec.num_params
     network = ActionNetwork(p, spec.data_features, hidden, activation, generator=gen, dtype=dtype, linear_base=linear_base)
     generators = torch.nn.Parameter(torch.randn(num_generators, p, p, generator=gen, dtype=torch.float64).to(dtype) * (beta / p))
-    optimizer = torch.optim.Adam([{"params": list(network.parameters())}, {"params": [generators], "lr": generator_lr}], lr=lr)
+    groups: list[dict[str, Any]] = [{"params": list(network.parameters())}, {"params": [generators], "lr": generator_lr}]
+    optimizer = torch.optim.Adam(groups, lr=lr)
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=lr_decay_every, gamma=lr_decay)
 
     loss_jvp = loss_derivative(loss_fn, spec.unflatten, spec.rebuild_data)

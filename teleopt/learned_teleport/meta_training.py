@@ -12,8 +12,9 @@ initial loss, so that random problems of different scales weigh alike.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -84,24 +85,26 @@ def meta_train(
         raise ValueError(f"trajectories, steps and unroll must be >= 1, got {trajectories}, {steps}, {unroll}")
     if not callable(sampler):
         raise TypeError("sampler must be callable: sampler(generator) -> MetaProblem")
-    groups = []
-    if policy.update_net is not None:
-        groups.append({"params": list(policy.update_net.parameters()), "lr": lr_update})
-    if policy.group_net is not None:
-        groups.append({"params": list(policy.group_net.parameters()), "lr": lr_group})
+    groups: list[dict[str, Any]] = []
+    params: list[Tensor] = []
+    for net, lr in ((policy.update_net, lr_update), (policy.group_net, lr_group)):
+        if net is not None:
+            net_params = list(net.parameters())
+            groups.append({"params": net_params, "lr": lr})
+            params.extend(net_params)
     if not groups:
         raise ValueError("this policy has nothing to learn (update='gd', teleport=False)")
     opt = torch.optim.Adam(groups)
-    params = [p for g in groups for p in g["params"]]
     gen = torch.Generator().manual_seed(seed)
     result = MetaTrainResult()
     start = time.perf_counter()
-    bar = range(trajectories)
+    iterations: Iterable[int] = range(trajectories)
+    bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(bar, desc="meta-training", unit="traj")
-    for _ in bar:
+        iterations = bar = tqdm(iterations, desc="meta-training", unit="traj")
+    for _ in iterations:
         problem = _check_problem(sampler(gen))
         w = {n: p.detach().clone() for n, p in problem.params.items()}
         state = policy.new_state()
@@ -126,7 +129,7 @@ def meta_train(
                 w = {n: p.detach() for n, p in w.items()}
                 policy.detach_state(state)
         result.trajectory_losses.append(total / steps)
-        if progress:
+        if bar is not None:
             bar.set_postfix(loss=f"{total / steps:.3g}")
     result.seconds = time.perf_counter() - start
     return result

@@ -46,6 +46,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from teleopt.actions.base import required
 from teleopt.site import Site, as_sites, lookup_tensor
 
 __all__ = ["CoordinateLSTM", "LearnedTeleportOptimizer", "TeleportPolicy", "preprocess_gradient"]
@@ -97,7 +98,7 @@ class CoordinateLSTM(nn.Module):
 
 
 def _site_params(site: Site, tensors: Mapping[str, Tensor]) -> tuple[Tensor | None, ...]:
-    out = []
+    out: list[Tensor | None] = []
     for m in site.members:
         if m is None:
             out.append(None)
@@ -160,7 +161,7 @@ class TeleportPolicy(nn.Module):
         for name, v in (("update_scale", update_scale), ("teleport_scale", teleport_scale)):
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be finite and > 0, got {v}")
-        self.config = {
+        self.config: dict[str, Any] = {
             "update": update,
             "teleport": bool(teleport),
             "base_lr": float(base_lr),
@@ -228,17 +229,19 @@ class TeleportPolicy(nn.Module):
             params = _detached(site, tensors)
             ref = next(p for p in params if p is not None)
             shape = site.action.coord_shape(params)
+            assert shape is not None  # _check_site: a continuous action has Lie algebra coordinates
             if self.group_net is None:
                 out.append(torch.zeros(shape, dtype=ref.dtype, device=ref.device))
                 continue
             grad = tuple(
-                None if m is None else (torch.zeros_like(p) if m not in grads or grads[m] is None else grads[m].detach())
+                None if m is None or p is None else (torch.zeros_like(p) if m not in grads or grads[m] is None else grads[m].detach())
                 for m, p in zip(site.members, params)
             )
             with torch.enable_grad():
                 xi0 = torch.zeros(shape, dtype=ref.dtype, device=ref.device, requires_grad=True)
                 moved = site.action.transport_gradient(site.action.exp(xi0, params), grad)
-                obj = sum((t**2).sum() for t in moved if t is not None)
+                squares = [(t**2).sum() for t in moved if t is not None]
+                obj = sum(squares[1:], squares[0])
                 (feat,) = torch.autograd.grad(obj, xi0)
             raw, state["group"][site.name] = self.group_net(preprocess_gradient(feat), state["group"].get(site.name))
             out.append((self.config["teleport_scale"] * raw).reshape(shape).to(ref.dtype))
@@ -254,6 +257,7 @@ class TeleportPolicy(nn.Module):
         if mode == "gd" or not names:
             return {n: -lr * grads[n].detach() for n in names}
         flat = torch.cat([grads[n].detach().reshape(-1) for n in names])
+        assert self.update_net is not None  # built for every mode but "gd"
         raw, state["update"]["all"] = self.update_net(preprocess_gradient(flat), state["update"].get("all"))
         out: dict[str, Tensor] = {}
         if mode == "lr":
@@ -289,7 +293,7 @@ class TeleportPolicy(nn.Module):
             moved = site.action.act(g, _site_params(site, new))
             for m, v in zip(site.members, moved):
                 if m is not None:
-                    new[m] = v
+                    new[m] = required(v, m)
         return new
 
     # -- weights-only persistence --------------------------------------------------------

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from teleopt.actions.axis import AxisAction
 from teleopt.actions.feedforward import GLLinear, PositiveRescaling
 from teleopt.site import Site
 
@@ -66,6 +67,7 @@ class TwoLayerProblems:
         self.activation = activation
         self.init_scale = float(init_scale)
         self.dtype = dtype
+        action: AxisAction
         if activation == "leaky_relu":
             action = PositiveRescaling("leaky_relu", negative_slope=self.negative_slope)
         else:

@@ -110,7 +110,7 @@ def _gradients(loss_fn: Callable[[Params, Any], Tensor], params: Params, data: A
     leaves = tuple(None if p is None else p.detach().clone().requires_grad_(True) for p in params)
     present = [p for p in leaves if p is not None]
     grads = iter(torch.autograd.grad(loss_fn(leaves, data), present, allow_unused=True))
-    out = []
+    out: list[Tensor | None] = []
     for p in leaves:
         if p is None:
             out.append(None)

@@ -56,7 +56,7 @@ import pickle
 import unittest
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -150,7 +150,7 @@ class _Regression:
         return [torch.nn.Parameter(t.clone()) for t in self.init]
 
     @staticmethod
-    def groups(params: list[Tensor], n_groups: int) -> list[dict[str, Any]]:
+    def groups(params: Sequence[Tensor], n_groups: int) -> list[dict[str, Any]]:
         if n_groups == 1:
             return [{"params": list(params)}]
         return [{"params": list(params[:2])}, {"params": list(params[2:])}]
@@ -255,13 +255,13 @@ class WrapperConformance:
                 continue
 
     # -- helpers ------------------------------------------------------------------------
-    def _bare(self, params: list[Tensor]) -> Optimizer:
+    def _bare(self, params: Sequence[Tensor]) -> Optimizer:
         base = self.base.make(_Regression.groups(params, self.n_groups), self.base.lr)
         if self.n_groups == 2:
             base.param_groups[1]["lr"] = 0.5 * self.base.lr
         return base
 
-    def _wrapped(self, params: list[Tensor], factory: WrapperFactory | None = None) -> tuple[Optimizer, Optimizer]:
+    def _wrapped(self, params: Sequence[Tensor], factory: WrapperFactory | None = None) -> tuple[Optimizer, Optimizer]:
         base = self._bare(params)
         wrapper = (factory or self.make_wrapper)(base)
         return base, wrapper
@@ -279,7 +279,7 @@ class WrapperConformance:
         assert isinstance(wrapper, Optimizer), f"{type(wrapper).__name__} is not a torch.optim.Optimizer"
         for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "defaults"):
             assert name in vars(wrapper), f"Optimizer.__init__ did not run: {name} missing"
-        base.teleopt_conformance_probe = True
+        base.teleopt_conformance_probe = True  # type: ignore[attr-defined]  # a probe no optimizer defines
         assert not hasattr(wrapper, "teleopt_conformance_probe"), (
             "unknown attributes are forwarded to the base (a fused base's _step_supports_amp_scaling would leak)"
         )
@@ -312,7 +312,7 @@ class WrapperConformance:
         assert wrapper.state is base.state, "wrapper.state is not the base's state"
         assert len(base.state) > 0, "the base has no state after training"
         try:
-            wrapper.state = {}
+            wrapper.state = {}  # type: ignore[assignment]  # a plain dict on purpose: it must not replace the state
         except (AttributeError, TypeError):
             pass
         assert wrapper.state is base.state and len(base.state) > 0, "assigning wrapper.state replaced the base's state"
@@ -332,7 +332,8 @@ class WrapperConformance:
             loss.backward()
             return loss
 
-        result = wrapper.step(closure)
+        # torch annotates closures as returning float; they return the loss tensor
+        result = wrapper.step(cast("Callable[[], float]", closure))
         assert calls == [True], f"closure calls (grad enabled each time): {calls}, expected [True]"
         assert isinstance(result, Tensor) and torch.isfinite(result), f"step(closure) returned {result!r}"
         assert wrapper.step() is None, "step() without a closure should return None"
@@ -452,12 +453,14 @@ class WrapperConformance:
         before_state = copy.deepcopy(wrapper.state_dict())
         wrapper.zero_grad()
         scaler.scale(self.problem.loss(params, 2)).backward()
-        params[0].grad[0, 0] = float("inf")
+        grad = params[0].grad
+        assert grad is not None, "backward() left parameter 0 without a gradient"
+        grad[0, 0] = float("inf")
         scaler.step(wrapper)
         scaler.update()
         assert scaler.get_scale() == 2.0**7, "GradScaler did not register the inf gradient"
-        for i, (a, e) in enumerate(zip(params, before_params)):
-            _assert_same(a.detach(), e, f"parameter {i} after a step with inf gradients")
+        for i, (p, before) in enumerate(zip(params, before_params)):
+            _assert_same(p.detach(), before, f"parameter {i} after a step with inf gradients")
         _assert_same(wrapper.state_dict(), before_state, "state_dict after a step with inf gradients")
 
     def _check_copy(self, duplicate: Callable[[Optimizer], Optimizer], how: str) -> None:
