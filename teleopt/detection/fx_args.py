@@ -65,7 +65,7 @@ def ints(value: Argument, what: str = "value") -> list[int]:
     items = [value] if isinstance(value, int) else list(value) if isinstance(value, (list, tuple)) else None
     if items is None or not all(isinstance(v, int) for v in items):
         raise TypeError(f"{what} must be an int or a sequence of ints, got {value!r}")
-    return items  # type: ignore[return-value]  # checked element by element above
+    return items
 
 
 def dims_arg(node: fx.Node, i: int, name: str) -> list[int] | None:

@@ -20,11 +20,12 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
+from teleopt.actions.base import required
 from teleopt.numerics import assert_close, default_rtol, relative_error
 from teleopt.site import Site
 
@@ -79,7 +80,7 @@ def model_outputs(
 def _unique(site: Site, model: nn.Module, g: Tensor) -> dict[str, Tensor]:
     """Transformed value of every distinct tensor of the site."""
     new = site.act(model, g)
-    return {name: v for name, v in zip(site.members, new) if name is not None}
+    return {name: required(v, name) for name, v in zip(site.members, new) if name is not None}
 
 
 def assert_site_invariant(
@@ -149,7 +150,7 @@ def assert_site_minimal(
         with torch.no_grad():
             for name, value in new.items():
                 if name != left_out:
-                    live[name].copy_(value)
+                    required(live[name], name).copy_(value)
         after = model_outputs(model, inputs, modes, output)
     err = relative_error(after, before)
     if not err > min_change:
@@ -170,8 +171,8 @@ def assert_site_gradient_transport(
     """Assert grad L at g.w equals ``site.action.transport_gradient(g, grad L at w)`` (papers/001 eq. 4.19)."""
     if not site.action.has_gradient_transport:
         raise ValueError(f"{site.name}: {site.action.name} has no closed-form gradient transport")
-    live = dict(zip(site.members, site.tensors(model)))
-    names = [n for n in dict.fromkeys(site.members) if n is not None]
+    live = {n: required(t, n) for n, t in zip(site.members, site.tensors(model)) if n is not None}
+    names = list(dict.fromkeys(live))
 
     trained = [n for n in names if live[n].requires_grad]
 
@@ -188,7 +189,7 @@ def assert_site_gradient_transport(
         there = grads()
     expected = torch.cat([there[n].reshape(-1) for n in names])
     by_name = dict(zip(site.members, transported))
-    actual = torch.cat([by_name[n].reshape(-1) for n in names])
+    actual = torch.cat([required(by_name[n], n).reshape(-1) for n in names])
     tol = default_rtol(expected.dtype) if rtol is None else rtol
     return assert_close(actual, expected, tol, f"{site.name}: gradient transport")
 
@@ -217,7 +218,7 @@ def assert_batchnorm_site_exact(
     n = site.action.group(site.tensors(moved)).dim
     site.apply_(moved, torch.full((n,), float(c), dtype=next(iter(moved.parameters())).dtype))
     for path in site.info["batchnorm"]:
-        bn = moved.get_submodule(path)
+        bn = cast(nn.modules.batchnorm._NormBase, moved.get_submodule(path))  # the site's info names BatchNorms
         bn.eps = bn.eps * c**2
     tol = default_rtol(reference.dtype) if rtol is None else rtol
     return assert_close(model_outputs(moved, inputs), reference, tol, f"{site.name} with eps * c^2")

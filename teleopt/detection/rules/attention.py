@@ -97,7 +97,7 @@ def _mha(ctx: RuleContext) -> None:
     if m._qkv_same_embed_dim:
         w_in = ctx.param(m, "in_proj_weight", "in_proj")
         for t in (query, key, value):
-            ctx.unify(ALL, (t, -1), (w_in, 1), -1.0)  # type: ignore[arg-type]  # the packed weight exists
+            ctx.unify(ALL, (t, -1), (w_in, 1), -1.0)
     else:
         for t, attr in ((query, "q_proj_weight"), (key, "k_proj_weight"), (value, "v_proj_weight")):
             ctx.unify(ALL, (t, -1), (ctx.param(m, attr, "in_proj"), 1), -1.0)
