@@ -68,6 +68,8 @@ def find_symmetries(
         submodules that cannot be traced are kept opaque and frozen.  If the root's
         own ``forward`` cannot be traced (transformers models), each submodule it
         calls once is analysed on its own with the arguments it was called with.
+        peft LoRA adapters are found by their module structure
+        (:func:`teleopt.integrations.peft.lora_sites`) and certified with the rest.
         ``DistributedDataParallel``/``DataParallel`` and ``torch.compile`` wrappers
         are unwrapped; site names are relative to the unwrapped module.
     example_inputs:
