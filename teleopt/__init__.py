@@ -34,6 +34,7 @@ _LAZY = {
     "find_symmetries": "teleopt.detection",
     "SymmetryReport": "teleopt.detection",
     "register_op_rule": "teleopt.detection",
+    "lora_sites": "teleopt.integrations.peft",
     "discover": "teleopt.discovery",
     "LearnedAction": "teleopt.discovery",
     "conserved_quantities": "teleopt.analysis.conserved",
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
     from teleopt.analysis.orbits import orbit_curve, sample_orbit
     from teleopt.detection import SymmetryReport, find_symmetries, register_op_rule
     from teleopt.discovery import LearnedAction, discover
+    from teleopt.integrations.peft import lora_sites
     from teleopt.learned_teleport import TeleportPolicy, meta_train
     from teleopt.registry import get_action, list_actions, register_action, unregister_action
     from teleopt.site import Site

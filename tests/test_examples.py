@@ -38,6 +38,8 @@ def test_every_example_is_tested():
         "05_discover_and_use.py",
         "06_conserved_quantities.py",
         "07_learn_to_teleport.py",
+        "08_hf_trainer.py",
+        "09_lightning.py",
     }
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
@@ -175,3 +177,39 @@ def test_07_learn_to_teleport(capsys):
     assert result["teleport_drift"] <= 1e-10  # exact in float64 (measured ~1e-16)
     assert result["losses"][-1] < result["losses"][0]
     assert "held-out loss" in capsys.readouterr().out
+
+
+def test_08_hf_trainer(capsys):
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    result = load("08_hf_trainer.py").main(["--quick"])
+    teleport, trainer = result["teleport"], result["trainer"]
+    # accelerate wrapped the Teleport the Trainer was given; its step still ran every step
+    assert type(trainer.optimizer).__name__ == "AcceleratedOptimizer" and trainer.optimizer.optimizer is teleport
+    assert teleport.record.step == 8
+    # every 3 steps: at step 0 B = 0 (peft's init) has no balancing element; then two balance teleports
+    assert [(r.step, r.accepted) for r in teleport.reports] == [(0, False), (3, True), (6, True)]
+    for r in teleport.reports[1:]:
+        assert r.loss_drift is not None and r.loss_drift <= 1e-5  # checked on the dict probe batch, train mode
+        assert {s.action.name for s in r.sites} == {"lora_gl"} and len(r.sites) == 14
+        assert r.state_decisions["transport"] == 28  # exp_avg of every A and B, by the covector rule
+    # the Trainer's scheduler drove the base optimizer's learning rate through both wrappers
+    assert teleport.base.param_groups[0]["lr"] == pytest.approx(trainer.lr_scheduler.get_last_lr()[0])
+    assert result["syre"].penalty() > 0
+    assert all(r["train_loss"] == r["train_loss"] for r in result["results"].values())  # finite, not NaN
+    assert "AcceleratedOptimizer around Teleport(AdamW)" in capsys.readouterr().out
+
+
+def test_09_lightning(capsys):
+    pytest.importorskip("lightning")
+    result = load("09_lightning.py").main(["--quick"])
+    first, resumed = result["first"], result["model"]
+    # Lightning called Syre(Teleport(AdamW)).step every batch; the checkpoint restored the teleport counters
+    assert result["steps_before"] == first.teleport.record.step > 0
+    assert resumed.teleport.record.step == 2 * result["steps_before"]
+    assert [r.step for r in resumed.teleport.reports] and min(r.step for r in resumed.teleport.reports) >= result["steps_before"]
+    accepted = [r for r in result["reports"] if r.accepted]
+    assert accepted and all(r.loss_drift is not None and r.loss_drift <= 1e-5 for r in accepted)
+    assert resumed.syre.penalty() > 0
+    assert result["accuracy"] > 0.5
+    assert "resumed at step" in capsys.readouterr().out

@@ -19,13 +19,16 @@ PACKAGE = Path(__file__).resolve().parents[1] / "teleopt"
 
 #: Bottom to top.  Within one layer, each prefix is a family of its own: siblings
 #: (e.g. teleport and syre) may not import each other.  Detection sits below the
-#: algorithms because ``Teleport(..., "auto")`` finds its sites with it.
+#: algorithms because ``Teleport(..., "auto")`` finds its sites with it, and the
+#: integrations (other libraries' modules recognised by structure) below detection,
+#: which adds their sites.
 LAYERS: list[tuple[str, ...]] = [
     ("teleopt._lazy", "teleopt._version", "teleopt.numerics"),
     ("teleopt.groups",),
     ("teleopt.actions",),
     ("teleopt.registry",),
     ("teleopt.site", "teleopt.functional", "teleopt.wrapper", "teleopt.syre_anchors"),
+    ("teleopt.integrations",),
     ("teleopt.detection", "teleopt.datasets"),
     ("teleopt.teleport", "teleopt.syre", "teleopt.discovery", "teleopt.analysis"),
     ("teleopt.learned_teleport",),  # plugs a trained policy into Teleport's search

@@ -40,6 +40,11 @@ SNIPPETS = re.findall(r"```python\n(.*?)```", README, re.S)
     [pytest.param(i, marks=pytest.mark.slow) if "check_wrapper(" in snippet else i for i, snippet in enumerate(SNIPPETS)],
 )
 def test_python_snippets_run(index, tmp_path, monkeypatch):
+    # a snippet whose first line is "# requires: a, b" is skipped when a or b is not installed
+    required = re.match(r"# requires: ([\w, ]+)\n", SNIPPETS[index])
+    for module in required.group(1).split(",") if required else ():
+        pytest.importorskip(module.strip())
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # transformers snippets build models from configs, never download
     monkeypatch.chdir(tmp_path)  # snippets may write files (checkpoints)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -59,6 +64,7 @@ API_MODULES = [
     "teleopt.testing",
     "teleopt.testing.conformance",
     "teleopt.detection",
+    "teleopt.integrations",
     "teleopt.discovery",
     "teleopt.datasets",
     "teleopt.demo",

@@ -1,7 +1,12 @@
 """GL_r symmetry of a low-rank adaptation W + U V: papers/001 Ex. 1.2.13.
 
 g . (U, V) = (U g^{-1}, g V) for g in GL_r; U is (out, r), V is (r, in) as in
-``y = x (W + U V)^T``.
+``y = x (W + U V)^T``.  In LoRA (Hu et al., ICLR 2022) and peft's naming U is
+``lora_B`` and V is ``lora_A``: B -> B g^{-1}, A -> g A.
+``teleopt.integrations.peft.lora_sites`` binds this action to every peft adapter;
+``AxisAction.balancing_coordinates`` gives the element with A A^T = B^T B after it
+(the balanced point, papers/001 Ex. 2.5.3), which ``teleopt.teleport.Balance``
+teleports to.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ def _example(generator: torch.Generator | None, dtype: torch.dtype, out: int = 6
 
 
 class LoRAGL(AxisAction):
-    """GL_r on the LoRA factors (U, V): papers/001 Ex. 1.2.13."""
+    """GL_r on the LoRA factors (U, V) = (lora_B, lora_A): papers/001 Ex. 1.2.13; Hu et al., ICLR 2022."""
 
     def __init__(self) -> None:
         super().__init__(

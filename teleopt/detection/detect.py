@@ -27,6 +27,7 @@ from teleopt.detection.report import SkippedEntry, SymmetryReport
 from teleopt.detection.rules import run_rules
 from teleopt.detection.sites import blocked_reasons, class_sites, direct_sites, module_order, settle, softmax_translation_sites
 from teleopt.detection.tracing import DetectionError, trace_model
+from teleopt.integrations.peft import LoRASites, lora_sites
 from teleopt.site import Site
 
 __all__ = ["find_symmetries", "unwrap_model"]
@@ -67,6 +68,8 @@ def find_symmetries(
         submodules that cannot be traced are kept opaque and frozen.  If the root's
         own ``forward`` cannot be traced (transformers models), each submodule it
         calls once is analysed on its own with the arguments it was called with.
+        peft LoRA adapters are found by their module structure
+        (:func:`teleopt.integrations.peft.lora_sites`) and certified with the rest.
         ``DistributedDataParallel``/``DataParallel`` and ``torch.compile`` wrappers
         are unwrapped; site names are relative to the unwrapped module.
     example_inputs:
@@ -136,8 +139,9 @@ def find_symmetries(
     if loss not in _LOSSES:
         raise ValueError(f"loss must be one of {_LOSSES}, got {loss!r}")
     flags = [(m, m.training) for m in model.modules()]
+    lora = lora_sites(model, include_frozen=include_frozen)  # peft layers are not traceable: found by structure
     try:
-        return _find(model, inputs, kwargs, loss, include_discrete, include_approximate, include_frozen, certify, certify_seed)
+        return _find(model, inputs, kwargs, loss, include_discrete, include_approximate, include_frozen, certify, certify_seed, lora)
     finally:
         for m, flag in flags:
             m.training = flag
@@ -153,15 +157,19 @@ def _find(
     include_frozen: bool,
     certify: bool,
     certify_seed: int,
+    lora: LoRASites | None = None,
 ) -> SymmetryReport:
     start = time.perf_counter()
     model.eval()
+    lora = LoRASites() if lora is None else lora
     try:
         graphs, opaque = trace_model(model, inputs, kwargs, custom_module_types())
     except DetectionError as e:
         if not str(e).startswith("could not trace") or not any(True for _ in model.children()) or isinstance(model, _Call):
             raise
         report = _find_children(model, inputs, kwargs, loss, include_discrete, include_approximate, include_frozen, str(e))
+        report.sites = _name(_dedupe(report.sites + lora.sites), module_order(model))
+        report.skipped += [SkippedEntry("site", where, f"LoRA adapter {reason}") for where, reason in lora.skipped]
         return _certified(model, report, inputs, kwargs, certify, certify_seed, ("eval", "train"), start)
     rel = Relations(ModelTensors.of(model, include_frozen))
     run_rules(model, rel, graphs)
@@ -175,7 +183,7 @@ def _find(
     kinds = KINDS if include_discrete else ("general", "diagonal")
     generic, notes = class_sites(rel, order, kinds)
     attention, notes2 = direct_sites(rel, len(graphs))
-    sites = attention + generic
+    sites = attention + generic + lora.sites
     if loss == "cross_entropy":
         translation, notes3 = softmax_translation_sites(graphs, rel)
         sites += translation
@@ -201,7 +209,8 @@ def _find(
         for entry in certification:
             if entry.status == "dropped":
                 skipped.append(SkippedEntry("site", entry.site, f"failed certification: relative output error {entry.error:.2e}"))
-    for kind, where, reason in [*rel.skipped, *notes, *notes2]:
+    lora_notes = [("site", where, f"LoRA adapter {reason}") for where, reason in lora.skipped]
+    for kind, where, reason in [*rel.skipped, *notes, *notes2, *lora_notes]:
         entry = SkippedEntry(kind, where, reason)
         if entry not in skipped:
             skipped.append(entry)
@@ -468,6 +477,8 @@ def _name(sites: list[Site], order: dict[str, int]) -> list[Site]:
     used: dict[str, int] = {}
     for s in sites:
         anchor = s.info.get("module") or _anchor(s)
+        if isinstance(s.info.get("adapter"), str):  # one LoRA layer holds a pair per adapter
+            anchor = f"{anchor}[{s.info['adapter']}]"
         base = f"{s.action.name}@{anchor}"
         used[base] = used.get(base, 0) + 1
         s.name = base if used[base] == 1 else f"{base}#{used[base]}"

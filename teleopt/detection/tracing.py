@@ -129,7 +129,8 @@ def _concrete_args(model: nn.Module, n_inputs: int, kwargs: dict[str, Any] | Non
         raise DetectionError(f"{type(model).__name__}.forward has no parameter {unknown[0]!r} (example_kwargs)")
     if unknown:
         raise DetectionError(
-            f"{type(model).__name__}.forward takes **kwargs: torch.fx cannot trace the keyword argument {unknown[0]!r} through it"
+            f"could not trace {type(model).__name__}.forward: it takes **kwargs, and torch.fx cannot trace the keyword "
+            f"argument {unknown[0]!r} through it"
         )
     concrete = {}
     for i, p in enumerate(params):

@@ -11,7 +11,9 @@ step.  The concepts live in one module each:
 * :mod:`~teleopt.teleport.engine`: one teleport in four phases (plan, search,
   apply, verify); :mod:`~teleopt.teleport.evaluator`: the protocol objectives
   evaluate g . w through; :mod:`~teleopt.teleport.search`: the pluggable search
-  (``SearchStrategy``, default ``GradientAscent``); :mod:`~teleopt.teleport.sites`:
+  (``SearchStrategy``, default ``GradientAscent``; :mod:`~teleopt.teleport.balance`:
+  ``Balance``, the closed-form balanced point of GL and scaling sites, e.g. LoRA
+  pairs); :mod:`~teleopt.teleport.sites`:
   binding sites to the model and optimizer;
 * :mod:`~teleopt.teleport.schedule`: when to teleport (Algorithm 1's set K);
 * :mod:`~teleopt.teleport.objectives`: gradient norm, preconditioned norm,
@@ -32,6 +34,7 @@ step.  The concepts live in one module each:
   teleport, for comparisons.
 """
 
+from teleopt.teleport.balance import Balance
 from teleopt.teleport.evaluator import Evaluator
 from teleopt.teleport.objectives import (
     Curvature,
@@ -66,6 +69,7 @@ __all__ = [
     "SearchProblem",
     "SearchResult",
     "GradientAscent",
+    "Balance",
     "Evaluator",
     "Objective",
     "GradientNorm",

@@ -93,6 +93,8 @@ def broadcast_batch(batch: tuple[tuple[Any, ...], Any], src: int = 0) -> tuple[t
             return buf
         if isinstance(x, (tuple, list)):
             return type(x)(bcast(v) for v in x)
+        if isinstance(x, dict):  # keyword inputs (KeywordInputs) and dict targets, in the same key order on every rank
+            return type(x)((k, bcast(v)) for k, v in x.items())
         return x
 
     inputs, target = batch

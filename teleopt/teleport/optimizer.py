@@ -133,14 +133,18 @@ class Teleport(OptimizerWrapper):
         or its ``policy`` argument); shortcut ``state_fallback``.
     loss_fn:
         ``loss_fn(model(*inputs), target)``, needed by the general path and by
-        loss checks on explicit batches.
+        loss checks on explicit batches; ``None`` when the output is the loss or
+        carries it as ``.loss`` (transformers models given ``labels``).
     batch_fn:
         ``batch_fn() -> (inputs, target)`` supplying teleport batches for scheduled
-        teleports (general path, loss checks and the stability cap).
+        teleports (general path, loss checks and the stability cap); ``inputs`` a
+        tensor, a tuple, or a mapping of keyword inputs (``model(**inputs)``).
+        Every evaluation on it draws the same dropout masks.
     heldout_batch:
         A batch on which invariance is also checked.
     example_inputs:
-        Inputs for ``sites="auto"`` detection.
+        Inputs for ``sites="auto"`` detection: a tensor, a tuple of positional inputs or a
+        mapping of keyword inputs (``input_ids``, ... of a transformers model).
     paper_compat:
         Reproduce the papers' first-order, non-invariant teleport
         (:mod:`~teleopt.teleport.paper_compat`); for comparisons only.

@@ -9,11 +9,12 @@ the member.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, nn
 
+from teleopt.functional import split_inputs
 from teleopt.site import Site, lookup_tensor
 
 __all__ = ["check_model_matches_optimizer", "validate_sites", "detect_sites"]
@@ -117,8 +118,11 @@ def detect_sites(module: nn.Module, param_groups: Sequence[dict[str, Any]], exam
         from teleopt.detection import find_symmetries
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise ImportError("sites='auto' needs teleopt.detection (find_symmetries); pass a list of sites instead") from exc
-    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    found = find_symmetries(module, inputs)
+    if isinstance(example_inputs, Mapping):  # keyword inputs (transformers models): example_kwargs
+        args, kwargs = (), dict(example_inputs)
+    else:
+        args, kwargs = split_inputs(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
+    found = find_symmetries(module, args or None, example_kwargs=kwargs or None)
     # exact sites only: an approximate site (BatchNorm input scaling, exact up to eps) would fail the
     # invariance post-condition; pass such sites explicitly with a loss tolerance
     return validate_sites(
