@@ -11,8 +11,9 @@ three ways, each with one helper here:
   generator, a teleported site member) is computed whole, identically on every
   rank, and each rank keeps its shard of it (:func:`shard_like`, :func:`write_`);
   :func:`full` gathers a sharded tensor (a collective: every rank must call it);
-* sums over all entries (squared gradient norms) add the local shards and
-  all-reduce over the mesh dimensions that shard the tensor (:func:`square_sum`).
+* sums over all entries (squared gradient norms, inner products) add the local
+  shards and all-reduce over the mesh dimensions that shard the tensor
+  (:func:`total_sum`, :func:`square_sum`).
 
 Every function is the identity (or plain arithmetic) on ordinary tensors, so
 callers need no branch for the unsharded case.
@@ -26,7 +27,7 @@ from typing import Any, TypeGuard
 import torch
 from torch import Tensor, nn
 
-__all__ = ["is_sharded", "local", "full", "shard_like", "from_local_like", "write_", "square_sum", "sharded_module", "reshard"]
+__all__ = ["is_sharded", "local", "full", "shard_like", "from_local_like", "write_", "total_sum", "square_sum", "sharded_module", "reshard"]
 
 try:  # torch built without distributed support has no DTensor
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -90,37 +91,40 @@ def write_(dst: Tensor, value: Tensor) -> None:
 
 
 @torch.no_grad()
-def square_sum(tensors: Iterable[Tensor]) -> float:
-    """Sum of squares of all entries of ``tensors`` in float64 (``DTensor``s: over the whole tensor).
+def total_sum(parts: Iterable[tuple[Tensor, Tensor]]) -> float:
+    """Sum of ``(partial, tensor)`` pairs: ``partial`` a scalar computed on ``local(tensor)``.
 
-    Sharded tensors add their local shards and all-reduce over the mesh dimensions
-    that shard them (every rank must call this with the same tensors, in the same
-    order); replicated dimensions are counted once.
+    The partial sums of ``DTensor``s are all-reduced over the mesh dimensions that
+    shard them (one all-reduce per mesh and layout, not per tensor; every rank must
+    call this with the same tensors in the same order); replicated dimensions are
+    counted once, and ordinary tensors add their value as it is.
     """
     total = 0.0
     pending: dict[tuple[int, tuple[int, ...]], tuple[Any, tuple[int, ...], Tensor]] = {}
-    for t in tensors:
+    for partial, t in parts:
+        value = partial.detach().to(torch.float64)
         if not is_sharded(t):
-            total += float(t.detach().to(torch.float64).square().sum())
+            total += float(value)
             continue
-        placements = t.placements
-        if any(p.is_partial() for p in placements):
-            raise ValueError("square_sum: a DTensor with Partial placements is not a whole tensor; redistribute it first")
-        dims = tuple(i for i, p in enumerate(placements) if p.is_shard())
-        part = local(t).to(torch.float64).square().sum()
+        if any(p.is_partial() for p in t.placements):
+            raise ValueError("a DTensor with Partial placements is not a whole tensor; redistribute it first")
+        dims = tuple(i for i, p in enumerate(t.placements) if p.is_shard())
         key = (id(t.device_mesh), dims)
-        if key in pending:
-            mesh, _, acc = pending[key]
-            pending[key] = (mesh, dims, acc + part)
-        else:
-            pending[key] = (t.device_mesh, dims, part)
-    import torch.distributed as dist
+        mesh, _, acc = pending.get(key, (t.device_mesh, dims, torch.zeros((), dtype=torch.float64, device=value.device)))
+        pending[key] = (mesh, dims, acc + value)
+    if pending:
+        import torch.distributed as dist
 
-    for mesh, dims, acc in pending.values():
-        for dim in dims:
-            dist.all_reduce(acc, group=mesh.get_group(dim))
-        total += float(acc)
+        for mesh, dims, acc in pending.values():
+            for dim in dims:
+                dist.all_reduce(acc, group=mesh.get_group(dim))
+            total += float(acc)
     return total
+
+
+def square_sum(tensors: Iterable[Tensor]) -> float:
+    """Sum of squares of all entries of ``tensors`` in float64 (of the whole tensor for ``DTensor``s: :func:`total_sum`)."""
+    return total_sum((local(t).detach().to(torch.float64).square().sum(), t) for t in tensors)
 
 
 def sharded_module(module: nn.Module) -> bool:

@@ -12,7 +12,6 @@ compares.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +21,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from teleopt import Syre
+from teleopt import Site, Syre, get_action
+from teleopt.sharding import reshard
+from teleopt.teleport import Teleport
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without distributed")
 
@@ -30,8 +31,8 @@ WORLD = 2
 STEPS = 4
 
 
-def _mlp() -> nn.Sequential:
-    torch.manual_seed(0)
+def _mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(6, 8), nn.LeakyReLU(0.1), nn.Linear(8, 5), nn.LeakyReLU(0.1), nn.Linear(5, 3))
 
 
@@ -83,7 +84,7 @@ def _syre_train(model: nn.Module, opt: Syre, batch: Callable[[int], tuple[torch.
         opt.step()
 
 
-def _syre_worker(rank: int) -> dict[str, Any]:
+def _syre_worker(rank: int, _: str) -> dict[str, Any]:
     same = _shard(_mlp())  # the same data on every rank: the averaged gradient is exactly rank 0's
     _syre_train(same, _syre(same), lambda step: _batch(0, step))
     model = _shard(_mlp())
@@ -100,9 +101,9 @@ def _syre_worker(rank: int) -> dict[str, Any]:
     }
 
 
-def test_syre_on_fsdp2_matches_an_unsharded_run():
+def test_syre_on_fsdp2_matches_an_unsharded_run(tmp_path):
     """Measured: bitwise with the same data on both ranks; 3.0e-8 max abs with per-rank data (params move 0.056)."""
-    out = _spawn("syre")
+    out = _spawn("syre", str(tmp_path))
     same = _mlp()
     _syre_train(same, _syre(same), lambda step: _batch(0, step))
     assert all(torch.equal(a, p.detach()) for rank_out in out for a, p in zip(rank_out["same_data"], same.parameters()))
@@ -122,16 +123,121 @@ def test_syre_on_fsdp2_matches_an_unsharded_run():
     assert [o["local_anchor_shapes"][5] for o in out] == [(2,), (1,)]
 
 
+# ---------------------------------------------------------------------------- teleport
+
+LEAKY = get_action("positive_rescaling", activation="leaky_relu", negative_slope=0.1)
+SITES = [Site(LEAKY, ("0.weight", "0.bias", "2.weight")), Site(LEAKY, ("2.weight", "2.bias", "4.weight"))]
+PROBE = torch.linspace(-2, 2, 5 * 6).reshape(5, 6)
+
+
+def _teleport(model: nn.Module, **kwargs: Any) -> Teleport:
+    base = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    return Teleport(base, model, SITES, loss_fn=_mse, ascent_steps=10, **kwargs)
+
+
+def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Whole parameters, gradients and AdamW state (gathered from the shards: a collective)."""
+    params = list(model.parameters())
+    return {
+        "params": [_full(p) for p in params],
+        "grads": [_full(p.grad) for p in params],
+        "state": [{k: _full(v) for k, v in sorted(opt.state[p].items())} for p in params],
+    }
+
+
+@torch.no_grad()
+def _probe(model: nn.Module) -> torch.Tensor:
+    out = model(PROBE)
+    reshard(model)  # FSDP2 keeps the root unsharded after a forward pass without backward
+    return out
+
+
+def _teleport_worker(rank: int, _: str) -> dict[str, Any]:
+    model = _shard(_mlp())
+    batches = iter(range(100))
+    opt = _teleport(model, every=2, batch_fn=lambda: _batch(rank, 50 + next(batches)))
+    for step in range(STEPS):  # scheduled teleports at steps 0 and 2, loss checked on the rank's batch
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        _mse(model(x), y).backward()
+        opt.step()
+    x, y = _batch(rank, 10)
+    opt.zero_grad()
+    _mse(model(x), y).backward()
+    before, out_before = _snapshot(model, opt), _probe(model)
+    report = opt.teleport(batch=(x, y))
+    after, out_after = _snapshot(model, opt), _probe(model)
+    refused = {}
+    for what, kwargs in {"auto": {"sites": "auto"}, "general": {"sites": SITES, "path": "general"}}.items():
+        try:
+            Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, **kwargs)
+            refused[what] = "no error"
+        except ValueError as error:
+            refused[what] = str(error)
+    return {
+        "refused": refused,
+        "scheduled": [(r.step, r.accepted, r.reason) for r in opt.reports[:-1]],
+        "accepted": report.accepted,
+        "reason": report.reason,
+        "elements": report.elements,
+        "before": before,
+        "after": after,
+        "out_before": out_before,
+        "out_after": out_after,
+        "batch": (x, y),
+    }
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_teleport_on_fsdp2_moves_every_shard_consistently(tmp_path):
+    out = _spawn("teleport", str(tmp_path))
+    for rank_out in out:
+        # what needs the functional (unsharded) model is refused clearly
+        assert all("FSDP2" in why and "fast path only" in why for why in rank_out["refused"].values()), rank_out["refused"]
+        assert [accepted for _, accepted, _ in rank_out["scheduled"]] == [True, True], rank_out["scheduled"]
+        assert rank_out["accepted"], rank_out["reason"]
+        # the sharded model computes the same function after the teleport
+        assert _rel(rank_out["out_after"], rank_out["out_before"]) <= 1e-5
+        assert max(_rel(a, b) for a, b in zip(rank_out["after"]["params"], rank_out["before"]["params"])) > 1e-2  # it moved
+    # both ranks applied the same group elements, bitwise
+    assert out[0]["elements"].keys() == out[1]["elements"].keys()
+    assert all(torch.equal(out[0]["elements"][k], out[1]["elements"][k]) for k in out[0]["elements"])
+    # a single-process teleport of the same whole model, gradients and state, on rank 0's batch
+    before = out[0]["before"]
+    model = _mlp()
+    opt = _teleport(model)
+    with torch.no_grad():
+        for p, value, grad, state in zip(model.parameters(), before["params"], before["grads"], before["state"]):
+            p.copy_(value)
+            p.grad = grad.clone()
+            opt.state[p] = {k: v.clone() for k, v in state.items()}
+    report = opt.teleport(batch=out[0]["batch"])
+    assert report.accepted, report.reason
+    after = out[0]["after"]
+    errors = {
+        "params": max(float((a - p.detach()).abs().max()) for a, p in zip(after["params"], model.parameters())),
+        "grads": max(float((a - p.grad).abs().max()) for a, p in zip(after["grads"], model.parameters())),
+        "state": max(float((v - opt.state[p][k]).abs().max()) for s, p in zip(after["state"], model.parameters()) for k, v in s.items()),
+    }
+    assert max(errors.values()) <= 1e-6, errors
+
+
 # ---------------------------------------------------------------------------- spawning
 
-SCENARIOS: dict[str, Callable[[int], dict[str, Any]]] = {"syre": _syre_worker}
+SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
+    "syre": _syre_worker,
+    "teleport": _teleport_worker,
+}
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str, scenario: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
-        result = SCENARIOS[scenario](rank)
+        result = SCENARIOS[scenario](rank, out_dir)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         # gloo aborts a rank that tears down while its peer is still inside a collective: meet first
         dist.barrier()
@@ -143,8 +249,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, scenario: str) 
     os._exit(0)
 
 
-def _spawn(scenario: str) -> list[dict[str, Any]]:
-    """Run ``SCENARIOS[scenario](rank)`` on 2 gloo ranks; their results, by rank."""
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(WORLD, os.path.join(tmp, "init"), tmp, scenario), nprocs=WORLD, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{rank}.pt"), weights_only=False) for rank in range(WORLD)]
+def _spawn(scenario: str, out_dir: str) -> list[dict[str, Any]]:
+    """Run ``SCENARIOS[scenario](rank, out_dir)`` on 2 gloo ranks (rendezvous file in ``out_dir``); results by rank."""
+    mp.spawn(_worker, args=(WORLD, os.path.join(out_dir, "init"), out_dir, scenario), nprocs=WORLD, join=True)
+    return [torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False) for rank in range(WORLD)]
