@@ -21,13 +21,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "teleopt"
 #: (e.g. teleport and syre) may not import each other.  Detection sits below the
 #: algorithms because ``Teleport(..., "auto")`` finds its sites with it.
 LAYERS: list[tuple[str, ...]] = [
-    ("teleopt._lazy", "teleopt._version", "teleopt.numerics"),
+    ("teleopt._lazy", "teleopt._version", "teleopt.numerics", "teleopt.sharding"),
     ("teleopt.groups",),
     ("teleopt.actions",),
     ("teleopt.registry",),
     ("teleopt.site", "teleopt.functional", "teleopt.wrapper", "teleopt.syre_anchors"),
     ("teleopt.detection", "teleopt.datasets"),
-    ("teleopt.teleport", "teleopt.syre", "teleopt.discovery", "teleopt.analysis", "teleopt.learned_teleport"),
+    ("teleopt.teleport", "teleopt.syre", "teleopt.discovery", "teleopt.analysis", "teleopt.learned_teleport", "teleopt.checkpoint"),
     ("teleopt.testing", "teleopt.demo"),
     ("teleopt.cli",),
     ("teleopt.__main__",),
