@@ -69,11 +69,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------- syre
 
 
-def _syre(model: nn.Module) -> Syre:
+def _syre(model: nn.Module, store_anchors: bool = True) -> Syre:
     """Two groups: eq. 7 coupled decay on the first layer, decoupled decay elsewhere; biases included."""
     params = list(model.parameters())
     base = torch.optim.AdamW([{"params": params[:2]}, Syre.param_group(params[2:], decoupled=True)], lr=1e-2, weight_decay=0.0)
-    return Syre(base, gamma=0.5, sigma0=1.0, diagonal_eps=0.3, exclude_1d=False, seed=3)
+    return Syre(base, gamma=0.5, sigma0=1.0, diagonal_eps=0.3, exclude_1d=False, seed=3, store_anchors=store_anchors)
 
 
 def _syre_train(model: nn.Module, opt: Syre, batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -90,9 +90,12 @@ def _syre_worker(rank: int, _: str) -> dict[str, Any]:
     model = _shard(_mlp())
     opt = _syre(model)
     _syre_train(model, opt, lambda step: _batch(rank, step))
+    regenerated = _shard(_mlp())  # anchors drawn again in every step, never stored
+    _syre_train(regenerated, _syre(regenerated, store_anchors=False), lambda step: _batch(rank, step))
     params = list(model.parameters())
     return {
         "same_data": [_full(p) for p in same.parameters()],
+        "regenerated": [_full(p) for p in regenerated.parameters()],
         "params": [_full(p) for p in params],
         "anchors": [_full(opt.anchor(p)) for p in params],
         "diagonals": [_full(opt.diagonal(p)) for p in params[:2]],
@@ -107,6 +110,8 @@ def test_syre_on_fsdp2_matches_an_unsharded_run(tmp_path):
     same = _mlp()
     _syre_train(same, _syre(same), lambda step: _batch(0, step))
     assert all(torch.equal(a, p.detach()) for rank_out in out for a, p in zip(rank_out["same_data"], same.parameters()))
+    # regenerating the anchors in every step takes bitwise the steps of stored anchors
+    assert all(torch.equal(a, b) for rank_out in out for a, b in zip(rank_out["regenerated"], rank_out["params"]))
     model = _mlp()
     opt = _syre(model)
     _syre_train(model, opt, _global_batch)
