@@ -179,7 +179,16 @@ def _teleport_worker(rank: int, _: str) -> dict[str, Any]:
             refused[what] = "no error"
         except ValueError as error:
             refused[what] = str(error)
+    from teleopt.teleport.distributed import check_identical
+
+    try:  # the guard the engine runs on the elements notices ranks that disagree
+        check_identical([torch.ones(3), torch.full((2,), float(rank))], "test tensors")
+        mismatch = "not caught"
+    except RuntimeError as error:
+        mismatch = str(error)
+    check_identical([torch.ones(3), torch.zeros(2)], "test tensors")  # and passes identical ones
     return {
+        "mismatch": mismatch,
         "refused": refused,
         "scheduled": [(r.step, r.accepted, r.reason) for r in opt.reports[:-1]],
         "accepted": report.accepted,
@@ -202,6 +211,7 @@ def test_teleport_on_fsdp2_moves_every_shard_consistently(tmp_path):
     for rank_out in out:
         # what needs the functional (unsharded) model is refused clearly
         assert all("FSDP2" in why and "fast path only" in why for why in rank_out["refused"].values()), rank_out["refused"]
+        assert "differ across ranks" in rank_out["mismatch"]
         assert [accepted for _, accepted, _ in rank_out["scheduled"]] == [True, True], rank_out["scheduled"]
         assert rank_out["accepted"], rank_out["reason"]
         # the sharded model computes the same function after the teleport

@@ -137,14 +137,15 @@ def any_rank(flag: bool, device: torch.device | str | None = None) -> bool:
 def check_identical(tensors: Sequence[Tensor], what: str) -> None:
     """Raise ``RuntimeError`` unless ``tensors`` are bitwise identical on every rank (no-op when not distributed).
 
-    Two all-reduces of the values (MAX and MIN over ranks agree exactly iff every
-    rank holds the same numbers); meant for small tensors such as group elements.
+    One all-reduce (MAX) of the values and their negatives: the largest and the
+    smallest value over ranks agree exactly iff every rank holds the same numbers.
+    Meant for small tensors such as group elements.
     """
     if not is_distributed() or not tensors:
         return
     flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
-    high, low = flat.clone(), flat.clone()
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    both = torch.cat([flat, -flat])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    high, low = both[: flat.numel()], -both[flat.numel() :]
     if not bool(((high == low) | (high.isnan() & low.isnan())).all()):
         raise RuntimeError(f"Teleport: the {what} differ across ranks; every rank must apply the same teleport")
