@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from teleopt.sharding import from_local_like, full, is_sharded, local, shard_like
 from teleopt.syre_anchors import (
     OPTION_NAMES,
     anchor_std,
@@ -104,7 +105,10 @@ class Syre(OptimizerWrapper):
     (:func:`fan_in`; Sec. 5.4's relative units), in float32 (float64 for float64
     parameters), then moved to the parameter's device and dtype: every process, rank
     and device gets the same anchors.  ``D`` is drawn the same way from a second
-    stream.  With ``store_anchors=True`` they are kept (created at first use, so the
+    stream.  Sharded parameters (FSDP2 ``fully_shard``: ``DTensor``) get the shards
+    of the same whole-tensor draw (laid out like the parameter, so the anchor does
+    not depend on the world size) and decay on their local shards; :meth:`penalty`
+    then all-reduces, so every rank must call it.  With ``store_anchors=True`` they are kept (created at first use, so the
     model may still be moved to its device after the optimizer is made) and saved in
     ``state_dict``; with ``store_anchors=False`` they are regenerated tensor by tensor
     in every step (no persistent memory, but a CPU normal draw per parameter per step:
@@ -232,6 +236,8 @@ class Syre(OptimizerWrapper):
             where = f"Syre: parameter {start + offset} (param group {number}, shape {tuple(p.shape)})"
             if not (p.is_floating_point() or p.is_complex()):
                 raise TypeError(f"{where} has dtype {p.dtype}; syre needs floating-point parameters")
+            if p.is_complex() and is_sharded(p):
+                raise TypeError(f"{where} is a complex sharded (DTensor) parameter; syre shards real parameters only")
             if not self._excluded(options, p):
                 check_scales(options, p, where)
 
@@ -360,7 +366,10 @@ class Syre(OptimizerWrapper):
             diff = real_view(p) - self._anchor_of(index, group, p)
             diagonal = self._diagonal_of(index, group, p)
             squares = diff * diff if diagonal is None else diff * diff * diagonal
-            total = total + (0.5 * gamma) * squares.sum().to(device="cpu", dtype=torch.float64)
+            # a sharded parameter's sum is partial on each rank: full_tensor() all-reduces it (differentiably)
+            summed = squares.sum()
+            summed = summed.full_tensor() if is_sharded(summed) else summed
+            total = total + (0.5 * gamma) * summed.to(device="cpu", dtype=torch.float64)
         return total
 
     # -- step -------------------------------------------------------------------------
@@ -382,7 +391,7 @@ class Syre(OptimizerWrapper):
 
     def _scratch_of(self, p: Tensor) -> Tensor:
         """A reused buffer shaped like ``p``'s real view for ``w - theta_0`` (CPU, stored-anchor mode; never saved)."""
-        target = real_view(p)
+        target = real_view(local(p))
         buffer = self._scratch.get(p)
         if buffer is None or buffer.shape != target.shape or buffer.dtype != target.dtype or buffer.device != target.device:
             buffer = torch.empty_like(target, memory_format=torch.contiguous_format)
@@ -417,7 +426,9 @@ class Syre(OptimizerWrapper):
         def install(ps: list[Tensor], new_grads: list[Tensor]) -> None:
             for p, g in zip(ps, new_grads):
                 swapped.append((p, p.grad))
-                p.grad = torch.view_as_complex(g) if p.is_complex() else g
+                g = torch.view_as_complex(g) if p.is_complex() else g
+                # the kernel works on local shards: a sharded gradient gets its layout back
+                p.grad = g if is_sharded(g) or p.grad is None else from_local_like(g, p.grad)
 
         if any(p.grad is not None and p.grad.requires_grad for _, p in members):
             for index, p in members:
@@ -436,9 +447,9 @@ class Syre(OptimizerWrapper):
             for index, p in members:
                 anchor = self._anchor_of(index, group, p)
                 diagonal = self._diagonal_of(index, group, p)
-                grads = [] if p.grad is None else [real_view(p.grad)]
-                diagonals = None if diagonal is None else [diagonal]
-                new = decay_list([real_view(p)], grads, [anchor], diagonals, coefficient, decoupled, foreach=False)
+                grads = [] if p.grad is None else [real_view(local(p.grad))]
+                diagonals = None if diagonal is None else [local(diagonal)]
+                new = decay_list([real_view(local(p))], grads, [local(anchor)], diagonals, coefficient, decoupled, foreach=False)
                 install([p], new)
             return swapped
         buckets: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]] = {}
@@ -448,11 +459,12 @@ class Syre(OptimizerWrapper):
             diagonal = self._diagonal_of(index, group, p)
             ps, gs, anchors, diagonals = buckets.setdefault((p.device, p.dtype), ([], [], [], []))
             ps.append(p)
+            # sharded (FSDP2) parameters decay on their local shards: the decay is elementwise
             if p.grad is not None:
-                gs.append(real_view(p.grad))
-            anchors.append(anchor)
+                gs.append(real_view(local(p.grad)))
+            anchors.append(local(anchor))
             if diagonal is not None:
-                diagonals.append(diagonal)
+                diagonals.append(local(diagonal))
         for (device, _), (ps, gs, anchors, diagonals) in buckets.items():
             foreach = use_foreach(group, ps)
             # Reused buffers on the CPU only: accelerators' caching allocators make the transient
@@ -460,7 +472,14 @@ class Syre(OptimizerWrapper):
             reuse = device.type == "cpu" and not (decoupled and not has_diagonal)
             scratch = [self._scratch_of(p) for p in ps] if reuse else None
             new = decay_list(
-                [real_view(p) for p in ps], gs, anchors, diagonals if has_diagonal else None, coefficient, decoupled, foreach, scratch
+                [real_view(local(p)) for p in ps],
+                gs,
+                anchors,
+                diagonals if has_diagonal else None,
+                coefficient,
+                decoupled,
+                foreach,
+                scratch,
             )
             install(ps, new)
         return swapped
@@ -589,7 +608,8 @@ class Syre(OptimizerWrapper):
                     raise ValueError(
                         f"Syre: the {what} of parameter {index} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}"
                     )
-                if not bool(torch.isfinite(value).all()) or (key == "diagonal" and not bool((value > 0).all())):
+                shard = local(value)  # a sharded entry is checked shard by shard, each rank its own
+                if not bool(torch.isfinite(shard).all()) or (key == "diagonal" and not bool((shard > 0).all())):
                     raise ValueError(f"{where} has non-finite{' or non-positive' if key == 'diagonal' else ''} entries")
 
     def _load_wrapper_state(self, per_param: dict[int, dict[str, Any]], top: dict[str, Any]) -> None:
@@ -600,6 +620,12 @@ class Syre(OptimizerWrapper):
             p = params[index]
             for key, value in entries.items():
                 what = "anchor" if key == "anchor" else "diagonal D"
+                # a checkpoint made with another layout (unsharded, or sharded over another world size)
+                # holds the same whole tensor: lay it out like the parameter
+                if is_sharded(value) and (not is_sharded(p) or value.placements != p.placements or value.device_mesh != p.device_mesh):
+                    value = full(value)
+                if is_sharded(p) and not is_sharded(value):
+                    value = shard_like(value, real_view(p))
                 (anchors if key == "anchor" else diagonals)[p] = self._check_match(index, p, value, what)
         self._anchors = anchors
         self._diagonals = diagonals

@@ -4,7 +4,8 @@ An anchor ``theta_0`` is a parameter-shaped Gaussian draw with standard deviatio
 ``sigma0 / sqrt(fan_in)`` (papers/003 Sec. 5.4: ``sigma0`` relative to the
 initialisation scale); eq. 7's diagonal ``D`` is ``Uniform(1 - eps, 1 + eps)``.
 Both come from a CPU ``torch.Generator`` seeded by ``(seed, parameter index,
-stream)``, so every process, rank and device draws the same numbers.  Complex
+stream)``, so every process, rank and device draws the same numbers; a sharded
+(FSDP2) parameter keeps its shards of the same whole-tensor draw.  Complex
 parameters are handled in their real view (``torch.view_as_real``): their anchors
 and ``D`` have the real view's shape and dtype.  :func:`decay_list` is the decay's
 functional kernel on one device/dtype bucket (like torch.optim's ``_single_tensor_*``
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from teleopt.sharding import shard_like
 
 __all__ = [
     "OPTION_NAMES",
@@ -93,19 +96,25 @@ def _draw_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def draw_anchor(seed: int, index: int, p: Tensor, std: float) -> Tensor:
-    """The anchor of parameter ``index`` (in ``p``'s real view, device and dtype)."""
+    """The anchor of parameter ``index`` (in ``p``'s real view, device and dtype).
+
+    The whole tensor is drawn, then laid out like ``p``: a sharded (FSDP2
+    ``DTensor``) parameter gets the shards of the same anchor an unsharded one
+    would get, whatever the world size (:func:`~teleopt.sharding.shard_like`; the
+    draw costs one transient full-size CPU tensor per parameter).
+    """
     target = real_view(p)
     generator = _generator(seed, index, _ANCHOR_STREAM)
     noise = torch.randn(target.shape, generator=generator, dtype=_draw_dtype(target.dtype))
-    return noise.mul_(std).to(device=target.device, dtype=target.dtype)
+    return shard_like(noise.mul_(std).to(device=target.device, dtype=target.dtype), target)
 
 
 def draw_diagonal(seed: int, index: int, p: Tensor, eps: float) -> Tensor:
-    """eq. 7's diagonal ``D ~ Uniform(1 - eps, 1 + eps)`` of parameter ``index`` (in ``p``'s real view)."""
+    """eq. 7's diagonal ``D ~ Uniform(1 - eps, 1 + eps)`` of parameter ``index`` (in ``p``'s real view; sharded like ``p``)."""
     target = real_view(p)
     generator = _generator(seed, index, _DIAGONAL_STREAM)
     uniform = torch.rand(target.shape, generator=generator, dtype=_draw_dtype(target.dtype))
-    return uniform.mul_(2 * eps).add_(1 - eps).to(device=target.device, dtype=target.dtype)
+    return shard_like(uniform.mul_(2 * eps).add_(1 - eps).to(device=target.device, dtype=target.dtype), target)
 
 
 def _is_real_number(value: Any) -> bool:

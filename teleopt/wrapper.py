@@ -285,15 +285,25 @@ class OptimizerWrapper(Optimizer):
             raise ValueError(f"{where}: the state_dict has {len(saved_groups)} param group(s), the optimizer {len(self.param_groups)}")
         base_state: dict[Any, Any] = {}
         per_param: dict[int, dict[str, Any]] = {}
+        # torch's rule: the saved groups' "params" name the parameters in order, whatever their keys
+        # (indices from state_dict(); fully qualified names from torch.distributed.checkpoint's
+        # get_optimizer_state_dict)
+        position: dict[Any, int] = {}
+        for number, key in enumerate(k for group in saved_groups for k in group.get("params", [])):
+            if isinstance(key, (int, str)):
+                position.setdefault(key, number)
         for idx, entries in saved_state.items():
             if not isinstance(entries, dict):
                 raise ValueError(f"{where}: the state of parameter {idx!r} must be a dict, got {type(entries).__name__}")
             mine = {k[len(self.prefix) :]: v for k, v in entries.items() if isinstance(k, str) and k.startswith(self.prefix)}
             rest = {k: v for k, v in entries.items() if not (isinstance(k, str) and k.startswith(self.prefix))}
             if mine:
-                if isinstance(idx, bool) or not isinstance(idx, int):
-                    raise ValueError(f"{where}: wrapper state is keyed by parameter index (int), got {idx!r}")
-                per_param[idx] = mine
+                index = position.get(idx, idx) if isinstance(idx, (int, str)) and not isinstance(idx, bool) else idx
+                if isinstance(index, bool) or not isinstance(index, int):
+                    raise ValueError(
+                        f"{where}: wrapper state is keyed by parameter index (int) or by a name in the param groups' 'params', got {idx!r}"
+                    )
+                per_param[index] = mine
             if rest:
                 base_state[idx] = rest
         top = state_dict.get(self._top_key, {})

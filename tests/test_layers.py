@@ -23,14 +23,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "teleopt"
 #: integrations (other libraries' modules recognised by structure) below detection,
 #: which adds their sites.
 LAYERS: list[tuple[str, ...]] = [
-    ("teleopt._lazy", "teleopt._version", "teleopt.numerics"),
+    ("teleopt._lazy", "teleopt._version", "teleopt.numerics", "teleopt.sharding"),
     ("teleopt.groups",),
     ("teleopt.actions",),
     ("teleopt.registry",),
     ("teleopt.site", "teleopt.functional", "teleopt.wrapper", "teleopt.syre_anchors"),
     ("teleopt.integrations",),
     ("teleopt.detection", "teleopt.datasets"),
-    ("teleopt.teleport", "teleopt.syre", "teleopt.discovery", "teleopt.analysis"),
+    ("teleopt.teleport", "teleopt.syre", "teleopt.discovery", "teleopt.analysis", "teleopt.checkpoint"),
     ("teleopt.learned_teleport",),  # plugs a trained policy into Teleport's search
     ("teleopt.testing", "teleopt.demo"),
     ("teleopt.cli",),

@@ -70,6 +70,7 @@ API_MODULES = [
     "teleopt.demo",
     "teleopt.analysis",
     "teleopt.learned_teleport",
+    "teleopt.checkpoint",
 ]
 
 

@@ -1,9 +1,9 @@
-"""Teleport under torch.distributed: DDP ranks end every teleport bitwise identical; FSDP is refused clearly.
+"""Teleport under torch.distributed: DDP ranks end every teleport bitwise identical; FSDP1 is refused clearly.
 
 Two CPU processes on the gloo backend (torch.multiprocessing spawn), each with its
 own data, so the per-rank teleport batches differ: scheduled fast-path teleports
 inside ``step()`` and a general-path teleport of data-dependent sites on the
-rank's own batch.
+rank's own batch.  FSDP2 (``fully_shard``) is supported: tests/test_fsdp2.py.
 """
 
 from __future__ import annotations
@@ -53,12 +53,11 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         opt.zero_grad()
         _mse(model(x), y).backward()
         report = general.teleport(batch=(x, y))
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import FullyShardedDataParallel
 
-        sharded = _mlp()
-        fully_shard(sharded)
+        fsdp1 = FullyShardedDataParallel(_mlp(), device_id=torch.device("cpu"))  # flat parameters, no site names
         try:
-            Teleport(torch.optim.SGD(sharded.parameters(), lr=0.1), sharded, [])
+            Teleport(torch.optim.SGD(fsdp1.parameters(), lr=0.1), fsdp1, [])
             fsdp = "no error"
         except TypeError as error:
             fsdp = str(error)
@@ -83,11 +82,11 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     os._exit(0)
 
 
-def test_ddp_ranks_end_teleports_bitwise_identical_and_fsdp_is_refused():
+def test_ddp_ranks_end_teleports_bitwise_identical_and_fsdp1_is_refused():
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_ddp_worker, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, join=True)
         first, fsdp = open(os.path.join(tmp, "result.txt")).read().split("\n", 1)
     same, accepted, general = first.split()
     assert same == "1", "parameters or gradients differ across ranks after teleports"
     assert int(accepted) == 3 and general == "1"
-    assert "does not support FSDP" in fsdp, f"FSDP was not refused clearly: {fsdp!r}"
+    assert "does not support FSDP1" in fsdp and "fully_shard" in fsdp, f"FSDP1 was not refused clearly: {fsdp!r}"

@@ -257,3 +257,24 @@ def test_malformed_state_dicts_raise_value_error_and_change_nothing(mutate, matc
     after = wrapper.state_dict()
     assert after["param_groups"] == before["param_groups"]
     assert all(torch.equal(after["state"][0][k], before["state"][0][k]) for k in before["state"][0])
+
+
+def test_state_keyed_by_parameter_names_loads_like_torch():
+    """torch.distributed.checkpoint's get_optimizer_state_dict keys the state by parameter names, listed in
+    each group's "params"; torch's own load_state_dict maps them by position, and so do the wrappers."""
+    model, x, y = problem()
+    wrapper = Syre(torch.optim.Adam(model.parameters(), lr=1e-2), gamma=0.3, exclude_1d=False, seed=5)
+    closure_of(wrapper, model, x, y)()
+    wrapper.step()
+    sd = wrapper.state_dict()
+    names = [n for n, _ in model.named_parameters()]
+    by_name = {
+        **sd,
+        "state": {names[i]: entries for i, entries in sd["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]],
+    }
+    fresh = Syre(torch.optim.Adam(model.parameters(), lr=1e-2), gamma=0.3, exclude_1d=False, seed=6)  # other anchors
+    fresh.load_state_dict(by_name)
+    for p in model.parameters():
+        assert torch.equal(fresh.anchor(p), wrapper.anchor(p))
+        assert torch.equal(fresh.state[p]["exp_avg"], wrapper.state[p]["exp_avg"])

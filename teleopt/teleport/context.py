@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from teleopt.functional import Batch, FunctionalModel
+from teleopt.sharding import is_sharded, local, total_sum
 from teleopt.teleport.distributed import all_reduce_mean_
 from teleopt.teleport.optimizer_model import OptimizerModel
 from teleopt.teleport.state_policy import StatePolicy
@@ -84,18 +85,27 @@ class TeleportContext:
 
     @torch.no_grad()
     def constant_terms(self, exclude: set[str], with_decrease: bool) -> tuple[float, float]:
-        """Sum of ||grad||^2 and of <grad, update> over trainable parameters not in ``exclude``."""
+        """Sum of ||grad||^2 and of <grad, update> over trainable parameters not in ``exclude``.
+
+        Sharded (FSDP2) parameters contribute from their local shards (the modelled
+        updates are elementwise), summed over ranks (:func:`~teleopt.sharding.total_sum`).
+        """
         sq = 0.0
-        dec = 0.0
+        squares: list[tuple[Tensor, Tensor]] = []
+        products: list[tuple[Tensor, Tensor]] = []
         for name, p in self.trainable.items():
             if name in exclude or p.grad is None:
                 continue
             g = p.grad
-            sq += float(torch.linalg.vector_norm(g)) ** 2
+            if is_sharded(g):
+                squares.append((local(g).to(torch.float64).square().sum(), g))
+            else:
+                sq += float(torch.linalg.vector_norm(g)) ** 2
             if with_decrease:
-                u = self.model.update(self.groups[name], p, g, self.state(name))
-                dec += float((g.to(torch.float64) * u.to(torch.float64)).sum())
-        return sq, dec
+                state = {k: local(v) if isinstance(v, Tensor) else v for k, v in self.state(name).items()}
+                u = self.model.update(self.groups[name], local(p), local(g), state)
+                products.append(((local(g).to(torch.float64) * u.to(torch.float64)).sum(), g))
+        return sq + total_sum(squares), total_sum(products)
 
     def gradients_from_batch(self, fmodel: FunctionalModel, batch: Batch) -> None:
         """Set ``.grad`` of every trainable parameter to the gradient of the loss on ``batch`` at the live point."""

@@ -15,9 +15,17 @@ rank-consistent by
   would;
 * taking the accept/rollback decision jointly (any rank rejects: all roll back).
 
-FSDP shards parameters across ranks, so a site's tensors are not whole on any
-rank and the group actions cannot be applied; :func:`check_not_fsdp` raises a
-clear error instead of teleporting a shard.
+FSDP2 (``fully_shard``) shards every parameter across ranks (``DTensor``), so no
+rank holds the whole tensors a group action transforms.  A teleport of a sharded
+model gathers the site members, their gradients and optimizer state whole on
+every rank (``DTensor.full_tensor()``; transiently the full size of the site
+members, :class:`~teleopt.teleport.fast_path.FastEvaluator`), searches and moves
+them identically on every rank (the inputs are identical after the all-gather and
+the coordinates are broadcast; :func:`check_identical` verifies the elements),
+and each rank writes its own shard of the moved tensors back in place.  The
+invariance check runs the sharded model's forward pass, on every rank.  FSDP1's
+``FullyShardedDataParallel`` flattens parameters into one buffer, so site
+members have no names: :func:`check_supported_sharding` refuses it.
 """
 
 from __future__ import annotations
@@ -29,7 +37,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["is_distributed", "unwrap", "check_not_fsdp", "broadcast_", "broadcast_batch", "all_reduce_mean_", "any_rank"]
+__all__ = [
+    "is_distributed",
+    "unwrap",
+    "check_supported_sharding",
+    "broadcast_",
+    "broadcast_batch",
+    "all_reduce_mean_",
+    "any_rank",
+    "check_identical",
+]
 
 
 def is_distributed() -> bool:
@@ -44,27 +61,21 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def check_not_fsdp(model: nn.Module) -> None:
-    """Raise ``TypeError`` if ``model`` uses FSDP (sharded parameters cannot be teleported)."""
-    kinds: list[type] = []
+def check_supported_sharding(model: nn.Module) -> None:
+    """Raise ``TypeError`` if ``model`` uses FSDP1 (``FullyShardedDataParallel``: flat parameters have no site names).
+
+    FSDP2 (``fully_shard``, ``DTensor`` parameters) and DDP are supported.
+    """
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
-
-        kinds.append(FullyShardedDataParallel)
     except ImportError:  # pragma: no cover - builds without distributed
-        pass
-    try:
-        from torch.distributed.fsdp import FSDPModule
-
-        kinds.append(FSDPModule)
-    except ImportError:  # pragma: no cover - older torch
-        pass
+        return
     for m in model.modules():
-        if kinds and isinstance(m, tuple(kinds)):
+        if isinstance(m, FullyShardedDataParallel):
             raise TypeError(
-                "Teleport does not support FSDP: FSDP shards each parameter across ranks, so no rank holds the "
-                "whole tensors a group action transforms. Use DistributedDataParallel, or teleport a full "
-                "(unsharded) copy and load it back."
+                "Teleport does not support FSDP1 (FullyShardedDataParallel): it flattens the parameters into one "
+                "buffer per unit, so a site's tensors have no names. Use FSDP2 (torch.distributed.fsdp.fully_shard) "
+                "or DistributedDataParallel."
             )
 
 
@@ -122,3 +133,21 @@ def any_rank(flag: bool, device: torch.device | str | None = None) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)
+
+
+@torch.no_grad()
+def check_identical(tensors: Sequence[Tensor], what: str) -> None:
+    """Raise ``RuntimeError`` unless ``tensors`` are bitwise identical on every rank (no-op when not distributed).
+
+    One all-reduce (MAX) of the values and their negatives: the largest and the
+    smallest value over ranks agree exactly iff every rank holds the same numbers.
+    Meant for small tensors such as group elements.
+    """
+    if not is_distributed() or not tensors:
+        return
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
+    both = torch.cat([flat, -flat])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    high, low = both[: flat.numel()], -both[flat.numel() :]
+    if not bool(((high == low) | (high.isnan() & low.isnan())).all()):
+        raise RuntimeError(f"Teleport: the {what} differ across ranks; every rank must apply the same teleport")

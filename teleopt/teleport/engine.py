@@ -31,11 +31,12 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from teleopt.functional import Batch, FunctionalModel, LossFn
+from teleopt.sharding import local, reshard, square_sum
 from teleopt.site import Site
 from teleopt.teleport.ascent import shrink_to_feasible
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.coordinates import zero_coordinates
-from teleopt.teleport.distributed import any_rank, broadcast_, broadcast_batch
+from teleopt.teleport.distributed import any_rank, broadcast_, broadcast_batch, check_identical
 from teleopt.teleport.evaluator import Evaluator
 from teleopt.teleport.fast_path import FastEvaluator, fast_path_eligible, member_tensors
 from teleopt.teleport.general_path import GeneralEvaluator
@@ -63,6 +64,8 @@ class EngineConfig:
 
     ``trust_key`` is the param-group key of the trust-region radius; ``generator``
     draws the objectives' random directions, ``seed`` seeds the stability cap's.
+    ``sharded``: the module's parameters are FSDP2 ``DTensor``s (fast path only; see
+    :mod:`~teleopt.teleport.distributed`).
     """
 
     module: nn.Module
@@ -75,6 +78,7 @@ class EngineConfig:
     generator: torch.Generator
     seed: int
     trust_key: str
+    sharded: bool = False
 
 
 @dataclass
@@ -161,6 +165,11 @@ class TeleportEngine:
         return f"sites {[s.name for s in sites if not fast_path_eligible(s)]}"
 
     def _check_path(self, sites: Sequence[Site], path: str, batch: Batch | None) -> None:
+        if self.config.sharded and path != "fast":
+            raise ValueError(
+                f"Teleport on an FSDP2 (fully_shard) model takes the fast path only (exact linear sites, objectives "
+                f"without a batch); this teleport needs the general path ({self.batch_need(sites)})"
+            )
         if path == "fast" and not self.fast_ok(sites):
             bad = [s.name for s in sites if not fast_path_eligible(s)]
             why = f"sites {bad} are not exact linear sites" if bad else f"objective {self.config.objective.name!r} needs a batch"
@@ -187,11 +196,11 @@ class TeleportEngine:
         # the loss the post-condition compares: on the teleport batch when there is one, else the closure's
         fmodel = None if batch is None else FunctionalModel(cfg.module, cfg.loss_fn)
         if fmodel is not None and batch is not None:
-            report.loss_before = float(fmodel.loss({}, batch))
+            report.loss_before = self.live_loss(batch)
         elif request.loss is not None:
             report.loss_before = float(request.loss)
         if request.heldout is not None:
-            report.heldout_before = float(FunctionalModel(cfg.module, cfg.loss_fn).loss({}, request.heldout))
+            report.heldout_before = self.live_loss(request.heldout)
         plan = Plan(sites, path, replace(request, batch=batch), report, ctx, fmodel)
         return self.plan_evaluator(plan)
 
@@ -202,6 +211,9 @@ class TeleportEngine:
             plan.evaluator = GeneralEvaluator(plan.sites, ctx, batch, cfg.loss_fn)
             return plan
         if not ctx.grads({n for s in plan.sites for n in s.tensor_names}):
+            if cfg.sharded:  # gradients from a batch would need the functional (unsharded) model
+                plan.report.reason = "declined: no gradients (call backward first: FSDP2 models teleport from .grad)"
+                return plan.report
             if plan.fmodel is None or batch is None:
                 plan.report.reason = "declined: no gradients (call backward first, or pass a closure or batch)"
                 return plan.report
@@ -238,8 +250,8 @@ class TeleportEngine:
 
     def _start(self, plan: Plan) -> _Start:
         evaluator, sites, ctx = plan.need_evaluator(), plan.sites, plan.ctx
-        device = next(ctx.tensors[n] for n in sites[0].tensor_names).device
-        like = {n: ctx.tensors[n] for s in sites for n in s.tensor_names}
+        like = evaluator.like  # the whole site members (gathered on every rank when sharded)
+        device = next(like[n] for n in sites[0].tensor_names).device
         groups = [s.action.group(member_tensors(s, like)) for s in sites]
         coords0 = [zero_coordinates(s, g, device) for s, g in zip(sites, groups)]
         prepared = self.config.objective.prepare(evaluator, self.config.generator)
@@ -314,6 +326,9 @@ class TeleportEngine:
                 report.grad_norm_after = math.sqrt(float(evaluator.grad_norm_sq(elements).detach()))
                 report.site_gains = evaluator.site_gains(elements, start.n0)
         report.elements = {s.name: e.to(torch.float64) for s, e in zip(plan.sites, elements)}
+        if self.config.sharded:
+            # every rank moves the whole site members and keeps its shard: they must apply the same elements
+            check_identical(elements, "teleport elements")
         return elements
 
     # ------------------------------------------------------------------ apply
@@ -348,12 +363,12 @@ class TeleportEngine:
         reasons = []
         # one vectorised pass, no temporaries: NaN and inf propagate through a sum (an overflowing sum of
         # finite entries would only cause a needless rollback)
-        if not all(bool(torch.isfinite(t.detach().sum())) for t in moved if t.numel()):
+        if not all(bool(torch.isfinite(local(t).detach().sum())) for t in moved if local(t).numel()):
             reasons.append("non-finite parameters or gradients")
         loss = self._loss_after(plan)
         reasons += self._drift(plan, ctx.tensors[next(iter(names))].dtype)
         self._grad_norm_after(plan)
-        device = next(iter(moved)).device
+        device = local(next(iter(moved))).device
         if any_rank(bool(reasons), device=device if device.type != "cpu" else None):
             snapshot.restore()
             plan.report.accepted = False
@@ -368,7 +383,7 @@ class TeleportEngine:
         request, fmodel, report = plan.request, plan.fmodel, plan.report
         loss, loss_after = request.loss, None
         if fmodel is not None and request.batch is not None:
-            loss_after = float(FunctionalModel(self.config.module, self.config.loss_fn).loss({}, request.batch))
+            loss_after = self.live_loss(request.batch)
         moves = plan.need_evaluator().moves_gradients
         if not moves and request.closure is not None:
             loss = self.rerun_closure(request.closure)
@@ -385,7 +400,22 @@ class TeleportEngine:
     def rerun_closure(self, closure: Callable[[], Any]) -> Any:
         """Run the closure again at g . w with the module's buffers restored afterwards."""
         with _buffers_restored(self.config.module):
-            return OptimizerWrapper._run_closure(closure)
+            loss = OptimizerWrapper._run_closure(closure)
+        if self.config.sharded:
+            reshard(self.config.module)
+        return loss
+
+    def live_loss(self, batch: Batch) -> float:
+        """The loss of the live model on ``batch`` (buffers copied).
+
+        A sharded (FSDP2) model runs its own forward pass, collectively on every rank,
+        and is resharded afterwards (FSDP2 leaves the root unsharded after a pass
+        without backward, and in-place changes of the shards would not reach it).
+        """
+        value = float(FunctionalModel(self.config.module, self.config.loss_fn).loss({}, batch))
+        if self.config.sharded:
+            reshard(self.config.module)
+        return value
 
     def _drift(self, plan: Plan, dtype: torch.dtype) -> list[str]:
         """Why the loss or held-out loss changed too much (empty: invariance held)."""
@@ -397,7 +427,7 @@ class TeleportEngine:
             if not drift <= tol:
                 reasons.append(f"loss changed by {drift:.2e} (relative) > tolerance {tol:.1e}")
         if heldout is not None:
-            report.heldout_after = float(FunctionalModel(self.config.module, self.config.loss_fn).loss({}, heldout))
+            report.heldout_after = self.live_loss(heldout)
             htol = safety.heldout_tol
             if htol is None and all(s.action.exactness == "exact" and not s.action.needs_data for s in plan.sites):
                 htol = tol
@@ -412,11 +442,7 @@ class TeleportEngine:
             return
         grads = [p.grad for p in plan.ctx.trainable.values() if p.grad is not None]
         if grads:
-            total = sum(
-                (g.to(torch.float64).square().sum() for g in grads),
-                torch.zeros((), dtype=torch.float64),
-            )
-            plan.report.grad_norm_after = float(torch.sqrt(total))
+            plan.report.grad_norm_after = math.sqrt(square_sum(grads))
 
     def accept(self, plan: Plan, snapshot: Snapshot) -> None:
         """Count the teleport as accepted and put it under watch (``SafetyConfig.watch_steps``)."""

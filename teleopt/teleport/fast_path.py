@@ -34,6 +34,7 @@ from torch import Tensor
 from teleopt.actions.axis import AxisAction, Member
 from teleopt.actions.base import GroupAction
 from teleopt.groups import Group
+from teleopt.sharding import full, write_
 from teleopt.site import Site
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.state_policy import StatePolicy
@@ -222,6 +223,15 @@ class FastEvaluator:
     with_decrease:
         Whether :meth:`first_order_decrease` will be needed (precomputes the
         constant part over parameters no site touches).
+
+    Sharded (FSDP2 ``DTensor``) site members, their gradients and optimizer state
+    are gathered whole on every rank here (``full_tensor()``, a collective: every
+    rank builds the evaluator), so the search and the transport run on identical
+    whole tensors everywhere; :meth:`apply` writes each rank's shard of the moved
+    tensors back in place.  The extra memory is the whole size of the site members,
+    their gradients and their optimizer state, for the duration of the teleport.
+    Parameters outside the sites stay sharded (their constant terms are summed over
+    ranks).  Unsharded tensors are used as they are, without copies.
     """
 
     path = "fast"
@@ -230,13 +240,15 @@ class FastEvaluator:
     def __init__(self, sites: Sequence[Site], ctx: TeleportContext, with_decrease: bool = False) -> None:
         self.sites = list(sites)
         self.ctx = ctx
-        names = {n for site in self.sites for n in site.tensor_names}
-        self.like = {n: ctx.tensors[n] for n in names}
-        self.grads = ctx.grads(names)
+        names = sorted({n for site in self.sites for n in site.tensor_names})  # the same gather order on every rank
+        self.live = {n: ctx.tensors[n] for n in names}
+        self.like = {n: full(t) for n, t in self.live.items()}
+        self.grads = {n: full(g) for n, g in ctx.grads(names).items()}
+        self.states = {n: {k: full(v) if isinstance(v, Tensor) else v for k, v in st.items()} for n, st in ctx.states(names).items()}
         self.norm_model = GradientNormModel(self.sites, self.grads, self.like)
         self.groups = self.norm_model.groups
         self._own_exp = [type(site.action).exp is not GroupAction.exp for site in self.sites]
-        self.other_sq, self.other_decrease = ctx.constant_terms(names, with_decrease)
+        self.other_sq, self.other_decrease = ctx.constant_terms(set(names), with_decrease)
 
     def _plain_sgd_lrs(self) -> dict[str, float] | None:
         """Learning rate per site tensor if every site parameter is updated by plain SGD, else None."""
@@ -274,22 +286,22 @@ class FastEvaluator:
 
     @torch.no_grad()
     def apply(self, elements: Sequence[Tensor]) -> Counter[str]:
-        """Move the site members, their ``.grad`` and optimizer state to g . w in place (closed form)."""
-        ctx, sites = self.ctx, self.sites
-        names = {n for s in sites for n in s.tensor_names}
-        like = {n: ctx.tensors[n] for n in names}
-        grads = ctx.grads(names)
-        states = ctx.states(names)
-        moved_grads, _ = transport(sites, elements, grads, like, "covector")
-        moved_state = ctx.policy.move(ctx.optimizer, sites, elements, states, like, ctx.groups)
+        """Move the site members, their ``.grad`` and optimizer state to g . w in place (closed form).
+
+        The moved tensors are computed whole and written into the live ones (a
+        sharded live tensor takes its own shard).
+        """
+        ctx, sites, like = self.ctx, self.sites, self.like
+        moved_grads, _ = transport(sites, elements, self.grads, like, "covector")
+        moved_state = ctx.policy.move(ctx.optimizer, sites, elements, self.states, like, ctx.groups)
         new_params, _ = transport(sites, elements, like, like, "params")
-        for n, t in like.items():
-            t.copy_(new_params[n])
+        for n, t in self.live.items():
+            write_(t, new_params[n])
         for n, g in moved_grads.items():
             grad = ctx.trainable[n].grad
             assert grad is not None  # ctx.grads returned only parameters that have one
-            grad.copy_(g)
-        StatePolicy.write(states, moved_state)
+            write_(grad, g)
+        StatePolicy.write(ctx.states(self.live), moved_state)
         return Counter(d for dec in moved_state.decisions.values() for d in dec.values())
 
     def transported_grads(self, elements: Sequence[Tensor]) -> dict[str, Tensor]:
@@ -331,7 +343,7 @@ class FastEvaluator:
             return self.norm_model.value(elements, lrs) + self.other_decrease
         grads = self.transported_grads(elements)
         params = self.site_params(elements)
-        states = ctx.states(grads)
+        states = {n: self.states[n] for n in grads if n in self.states}
         moved = ctx.policy.move(ctx.optimizer, self.sites, elements, states, self.like, ctx.groups)
         total = torch.zeros((), dtype=torch.float64) + self.other_decrease
         for name, g in grads.items():

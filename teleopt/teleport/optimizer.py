@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from teleopt.functional import Batch, LossFn, as_batch
+from teleopt.sharding import reshard, sharded_module
 from teleopt.site import Site
 from teleopt.teleport.config import (
     Shortcuts,
@@ -37,8 +38,9 @@ from teleopt.teleport.config import (
     resolve_state_policy,
 )
 from teleopt.teleport.context import TeleportContext
-from teleopt.teleport.distributed import check_not_fsdp, unwrap
+from teleopt.teleport.distributed import check_supported_sharding, unwrap
 from teleopt.teleport.engine import EngineConfig, TeleportEngine, TeleportRequest
+from teleopt.teleport.fast_path import fast_path_eligible
 from teleopt.teleport.lookahead import LookaheadView
 from teleopt.teleport.objectives import Objective, get_objective
 from teleopt.teleport.paper_compat import PaperCompatEngine, check_paper_compat_sites
@@ -66,7 +68,7 @@ TeleportHook = Callable[["Teleport", TeleportReport], None]
 def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"Teleport needs the model (an nn.Module) whose parameters the optimizer updates, got {type(model).__name__}")
-    check_not_fsdp(model)
+    check_supported_sharding(model)
 
 
 def _check_safety(safety: Any) -> SafetyConfig:
@@ -188,7 +190,10 @@ class Teleport(OptimizerWrapper):
         self._safety = _check_safety(safety)
         if self._objective.needs_optimizer_model:
             TeleportContext.build(self._module, optimizer, self._policy).model.require(f"objective {self._objective.name!r}")
+        self._sharded = sharded_module(self._module)
         self._sites = self._initial_sites(sites, example_inputs, bool(paper_compat))
+        if self._sharded:
+            self._check_sharded(bool(paper_compat))
         self._seed = _check_seed(seed)
         self._generator = torch.Generator().manual_seed(self._seed)
         self._record = TeleportRecord()
@@ -211,6 +216,7 @@ class Teleport(OptimizerWrapper):
             generator=self._generator,
             seed=self._seed,
             trust_key=self.prefix + "trust_region",
+            sharded=self._sharded,
         )
         return (PaperCompatEngine if paper_compat else TeleportEngine)(config, self._record)
 
@@ -226,11 +232,32 @@ class Teleport(OptimizerWrapper):
         self._heldout = None if heldout_batch is None else as_batch(heldout_batch)
         self._example_inputs = example_inputs
 
+    def _check_sharded(self, paper_compat: bool) -> None:
+        """What an FSDP2 (``fully_shard``) model supports: explicit fast-path sites and objectives without a batch."""
+        why = None
+        if self._sites is None:
+            why = "sites='auto' (detection traces the model): detect on the unsharded model and pass the sites"
+        elif paper_compat:
+            why = "paper_compat (its engine evaluates the model functionally)"
+        elif self._objective.needs_batch:
+            why = f"objective {self._objective.name!r} (it evaluates the model functionally on a batch)"
+        elif self._search.path == "general" or not all(fast_path_eligible(s) for s in self._sites):
+            why = "the general path (data-dependent, approximate or learned sites evaluate the model functionally)"
+        elif self._safety.stability_margin is not None:
+            why = "SafetyConfig(stability_margin=...) (the sharpness cap evaluates the model functionally)"
+        if why is not None:
+            raise ValueError(
+                f"Teleport on an FSDP2 (fully_shard) model supports the fast path only (explicit exact linear sites, "
+                f"objectives without a batch); not {why}"
+            )
+
     def _initial_sites(self, sites: str | Sequence[Site], example_inputs: Any, paper_compat: bool) -> list[Site] | None:
         found: list[Site] | None = None
         if isinstance(sites, str):
             if sites != "auto":
                 raise ValueError(f"sites must be 'auto' or a list of Site, got {sites!r}")
+            if self._sharded:
+                return None  # refused by _check_sharded
             if example_inputs is not None:
                 found = detect_sites(self._module, self.param_groups, example_inputs)
         else:
@@ -370,6 +397,10 @@ class Teleport(OptimizerWrapper):
             )
             self._call_hooks(report)
             return report, request.loss
+        if self._sharded:
+            # FSDP2 leaves the root unsharded after a forward pass without backward; the teleport
+            # reads and writes the shards the optimizer holds
+            reshard(self._module)
         report, loss = self._engine.run(self._movable(self._active_sites(request.batch)), request)
         if report.accepted:
             restart_curvature_history(self.innermost)

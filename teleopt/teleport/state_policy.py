@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 from torch.optim import Adagrad, Optimizer
 
+from teleopt.sharding import write_
 from teleopt.site import Site
 from teleopt.teleport.optimizer_model import StateRole, state_role
 from teleopt.teleport.transport import TensorKind, transport
@@ -244,6 +245,6 @@ class StatePolicy:
                 old = st[key]
                 if isinstance(old, Tensor) and isinstance(value, Tensor):
                     if value is not old:
-                        old.copy_(value.detach())
+                        write_(old, value.detach())  # a sharded (FSDP2) entry takes its shard of the whole value
                 else:
                     st[key] = value

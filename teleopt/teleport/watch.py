@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from teleopt.sharding import is_sharded, local, square_sum
 from teleopt.site import lookup_tensor
 from teleopt.teleport.distributed import any_rank
 from teleopt.teleport.safety import Snapshot
@@ -44,8 +45,11 @@ class Watch:
     def alarm(self, grads: list[Tensor], loss: Any, factor: float) -> str | None:
         """Why this rank's gradients ``grads`` or ``loss`` call for a rollback (``None``: all well)."""
         if grads:
-            norms = torch.stack([n.to(torch.float64).cpu() for n in torch._foreach_norm(grads)])
-            sq = float(norms.square().sum())
+            if any(is_sharded(g) for g in grads):  # FSDP2: the norm of the whole gradients, summed over ranks
+                sq = square_sum(grads)
+            else:
+                norms = torch.stack([n.to(torch.float64).cpu() for n in torch._foreach_norm(grads)])
+                sq = float(norms.square().sum())
             if not math.isfinite(sq):
                 return "non-finite gradient"
             if self.grad_ref > 0 and sq > factor * self.grad_ref:
@@ -61,7 +65,7 @@ class Watch:
     def triggered(self, grads: list[Tensor], loss: Any, factor: float) -> bool:
         """Whether any rank's :meth:`alarm` went off (then ``why`` says why)."""
         why = self.alarm(grads, loss, factor)
-        device = grads[0].device if grads else None
+        device = local(grads[0]).device if grads else None
         fired = any_rank(
             why is not None,
             device=device if device is not None and device.type != "cpu" else None,

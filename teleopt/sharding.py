@@ -1,0 +1,150 @@
+"""Sharded tensors (FSDP2's ``DTensor`` parameters) for the wrappers: local shards, full copies, reductions.
+
+``torch.distributed.fsdp.fully_shard`` (FSDP2) replaces every parameter by a
+``DTensor``: the global shape, a device mesh and placements (``Shard(0)`` by
+default), of which each rank holds its local shard.  The wrappers meet them in
+three ways, each with one helper here:
+
+* elementwise work (syre's decay, optimizer-state writes) runs on the local
+  shards (:func:`local`), with no communication;
+* a value defined for the *full* tensor (a syre anchor drawn from a seeded
+  generator, a teleported site member) is computed whole, identically on every
+  rank, and each rank keeps its shard of it (:func:`shard_like`, :func:`write_`);
+  :func:`full` gathers a sharded tensor (a collective: every rank must call it);
+* sums over all entries (squared gradient norms, inner products) add the local
+  shards and all-reduce over the mesh dimensions that shard the tensor
+  (:func:`total_sum`, :func:`square_sum`).
+
+Every function is the identity (or plain arithmetic) on ordinary tensors, so
+callers need no branch for the unsharded case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, TypeGuard
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["is_sharded", "local", "full", "shard_like", "from_local_like", "write_", "total_sum", "square_sum", "sharded_module", "reshard"]
+
+try:  # torch built without distributed support has no DTensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+    distribute_tensor = None  # type: ignore[assignment]
+
+
+def is_sharded(t: Any) -> TypeGuard[DTensor]:
+    """Whether ``t`` is a ``DTensor`` (an FSDP2 parameter, its gradient or optimizer state)."""
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """This rank's shard of a ``DTensor`` (a view: in-place changes reach it), else ``t`` itself."""
+    if is_sharded(t):
+        with torch.no_grad():  # outside autograd to_local returns the local tensor itself, not a copy
+            return t.to_local()
+    return t
+
+
+def full(t: Tensor) -> Tensor:
+    """The whole tensor as an ordinary tensor (all-gathers a ``DTensor``: a collective), else ``t`` itself."""
+    if is_sharded(t):
+        with torch.no_grad():
+            return t.full_tensor()
+    return t
+
+
+def shard_like(value: Tensor, like: Tensor) -> Tensor:
+    """``value`` (a whole tensor of ``like``'s global shape, identical on every rank) laid out like ``like``.
+
+    For a ``DTensor`` ``like`` each rank keeps its own shard of ``value`` (no
+    communication: every rank holds the whole value); otherwise ``value`` itself.
+    """
+    if is_sharded(like):
+        if tuple(value.shape) != tuple(like.shape):
+            raise ValueError(f"cannot shard a tensor of shape {tuple(value.shape)} like one of shape {tuple(like.shape)}")
+        return distribute_tensor(value.detach(), like.device_mesh, like.placements, src_data_rank=None)
+    return value
+
+
+def from_local_like(value: Tensor, like: Tensor) -> Tensor:
+    """A local shard ``value`` (shaped like ``like``'s local shard) as a tensor laid out like ``like``.
+
+    For a ``DTensor`` ``like``: a ``DTensor`` with its mesh, placements, global shape
+    and stride, sharing ``value``'s storage; otherwise ``value`` itself.
+    """
+    if is_sharded(like):
+        return DTensor.from_local(value, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+    return value
+
+
+@torch.no_grad()
+def write_(dst: Tensor, value: Tensor) -> None:
+    """Copy the whole tensor ``value`` into ``dst`` in place; a sharded ``dst`` takes only its shard."""
+    if is_sharded(dst):
+        local(dst).copy_(local(shard_like(full(value), dst)))
+    else:
+        dst.copy_(value)
+
+
+@torch.no_grad()
+def total_sum(parts: Iterable[tuple[Tensor, Tensor]]) -> float:
+    """Sum of ``(partial, tensor)`` pairs: ``partial`` a scalar computed on ``local(tensor)``.
+
+    The partial sums of ``DTensor``s are all-reduced over the mesh dimensions that
+    shard them (one all-reduce per mesh and layout, not per tensor; every rank must
+    call this with the same tensors in the same order); replicated dimensions are
+    counted once, and ordinary tensors add their value as it is.
+    """
+    total = 0.0
+    pending: dict[tuple[int, tuple[int, ...]], tuple[Any, tuple[int, ...], Tensor]] = {}
+    for partial, t in parts:
+        value = partial.detach().to(torch.float64)
+        if not is_sharded(t):
+            total += float(value)
+            continue
+        if any(p.is_partial() for p in t.placements):
+            raise ValueError("a DTensor with Partial placements is not a whole tensor; redistribute it first")
+        dims = tuple(i for i, p in enumerate(t.placements) if p.is_shard())
+        key = (id(t.device_mesh), dims)
+        mesh, _, acc = pending.get(key, (t.device_mesh, dims, torch.zeros((), dtype=torch.float64, device=value.device)))
+        pending[key] = (mesh, dims, acc + value)
+    if pending:
+        import torch.distributed as dist
+
+        for mesh, dims, acc in pending.values():
+            for dim in dims:
+                dist.all_reduce(acc, group=mesh.get_group(dim))
+            total += float(acc)
+    return total
+
+
+def square_sum(tensors: Iterable[Tensor]) -> float:
+    """Sum of squares of all entries of ``tensors`` in float64 (of the whole tensor for ``DTensor``s: :func:`total_sum`)."""
+    return total_sum((local(t).detach().to(torch.float64).square().sum(), t) for t in tensors)
+
+
+def sharded_module(module: nn.Module) -> bool:
+    """Whether ``module`` has ``DTensor`` parameters (``fully_shard``, FSDP2)."""
+    return any(is_sharded(p) for p in module.parameters())
+
+
+def reshard(module: nn.Module) -> None:
+    """Reshard every FSDP2 submodule of ``module`` (no-op elsewhere).
+
+    FSDP2 keeps the root module's parameters unsharded after a forward pass
+    without backward (``torch.no_grad`` evaluation).  While they are, the
+    registered parameters are the unsharded tensors, and in-place changes of the
+    sharded ones (an optimizer step, a teleport) would not reach the next forward
+    pass.  The wrappers reshard after every pass they make.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()

@@ -1,0 +1,356 @@
+"""Syre and Teleport on FSDP2 (``fully_shard``) models: 2 gloo ranks against a single-process run.
+
+Every test spawns two CPU processes on the gloo backend (file:// rendezvous in a
+temporary directory, never a fixed port), each with its own data, shards a tiny
+MLP with ``fully_shard`` (uneven shards: 5 and 3 rows over 2 ranks), and writes
+the gathered full tensors to a file; the test process then repeats the run
+without sharding on the concatenated batches (FSDP2 averages the gradients of
+the ranks, so a mean loss over the concatenation is the same objective) and
+compares.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from teleopt import Site, Syre, get_action
+from teleopt.sharding import reshard
+from teleopt.teleport import Teleport
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without distributed")
+
+WORLD = 2
+STEPS = 4
+
+
+def _mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.LeakyReLU(0.1), nn.Linear(8, 5), nn.LeakyReLU(0.1), nn.Linear(5, 3))
+
+
+def _shard(model: nn.Sequential) -> nn.Sequential:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + rank)  # different data on every rank
+    return torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
+
+
+def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [_batch(rank, step) for rank in range(WORLD)]
+    return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).mean()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from teleopt.sharding import full
+
+    return full(t).detach().clone()
+
+
+# ---------------------------------------------------------------------------- syre
+
+
+def _syre(model: nn.Module, store_anchors: bool = True) -> Syre:
+    """Two groups: eq. 7 coupled decay on the first layer, decoupled decay elsewhere; biases included."""
+    params = list(model.parameters())
+    base = torch.optim.AdamW([{"params": params[:2]}, Syre.param_group(params[2:], decoupled=True)], lr=1e-2, weight_decay=0.0)
+    return Syre(base, gamma=0.5, sigma0=1.0, diagonal_eps=0.3, exclude_1d=False, seed=3, store_anchors=store_anchors)
+
+
+def _syre_train(model: nn.Module, opt: Syre, batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        _mse(model(x), y).backward()
+        opt.step()
+
+
+def _syre_worker(rank: int, _: str) -> dict[str, Any]:
+    same = _shard(_mlp())  # the same data on every rank: the averaged gradient is exactly rank 0's
+    _syre_train(same, _syre(same), lambda step: _batch(0, step))
+    model = _shard(_mlp())
+    opt = _syre(model)
+    _syre_train(model, opt, lambda step: _batch(rank, step))
+    regenerated = _shard(_mlp())  # anchors drawn again in every step, never stored
+    _syre_train(regenerated, _syre(regenerated, store_anchors=False), lambda step: _batch(rank, step))
+    params = list(model.parameters())
+    return {
+        "same_data": [_full(p) for p in same.parameters()],
+        "regenerated": [_full(p) for p in regenerated.parameters()],
+        "params": [_full(p) for p in params],
+        "anchors": [_full(opt.anchor(p)) for p in params],
+        "diagonals": [_full(opt.diagonal(p)) for p in params[:2]],
+        "local_anchor_shapes": [tuple(opt.anchor(p).to_local().shape) for p in params],
+        "penalty": float(opt.penalty().detach()),
+    }
+
+
+def test_syre_on_fsdp2_matches_an_unsharded_run(tmp_path):
+    """Measured: bitwise with the same data on both ranks; 3.0e-8 max abs with per-rank data (params move 0.056)."""
+    out = _spawn("syre", str(tmp_path))
+    same = _mlp()
+    _syre_train(same, _syre(same), lambda step: _batch(0, step))
+    assert all(torch.equal(a, p.detach()) for rank_out in out for a, p in zip(rank_out["same_data"], same.parameters()))
+    # regenerating the anchors in every step takes bitwise the steps of stored anchors
+    assert all(torch.equal(a, b) for rank_out in out for a, b in zip(rank_out["regenerated"], rank_out["params"]))
+    model = _mlp()
+    opt = _syre(model)
+    _syre_train(model, opt, _global_batch)
+    params = list(model.parameters())
+    for rank_out in out:
+        # anchors and D are the whole-tensor draws, sharded: bitwise the unsharded ones
+        assert all(torch.equal(a, opt.anchor(p)) for a, p in zip(rank_out["anchors"], params))
+        assert all(torch.equal(d, opt.diagonal(p)) for d, p in zip(rank_out["diagonals"], params[:2]))
+        errors = [float((a - p.detach()).abs().max()) for a, p in zip(rank_out["params"], params)]
+        assert max(errors) <= 1e-6, errors
+        assert rank_out["penalty"] == pytest.approx(float(opt.penalty().detach()), rel=1e-6)
+    # each rank holds only its own shard of an anchor, uneven ones too (5 rows over 2 ranks: 3 + 2)
+    assert [o["local_anchor_shapes"][2] for o in out] == [(3, 8), (2, 8)]
+    assert [o["local_anchor_shapes"][5] for o in out] == [(2,), (1,)]
+
+
+# ---------------------------------------------------------------------------- teleport
+
+LEAKY = get_action("positive_rescaling", activation="leaky_relu", negative_slope=0.1)
+SITES = [Site(LEAKY, ("0.weight", "0.bias", "2.weight")), Site(LEAKY, ("2.weight", "2.bias", "4.weight"))]
+PROBE = torch.linspace(-2, 2, 5 * 6).reshape(5, 6)
+
+
+def _teleport(model: nn.Module, **kwargs: Any) -> Teleport:
+    base = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    return Teleport(base, model, SITES, loss_fn=_mse, ascent_steps=10, **kwargs)
+
+
+def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Whole parameters, gradients and AdamW state (gathered from the shards: a collective)."""
+    params = list(model.parameters())
+    return {
+        "params": [_full(p) for p in params],
+        "grads": [_full(p.grad) for p in params],
+        "state": [{k: _full(v) for k, v in sorted(opt.state[p].items())} for p in params],
+    }
+
+
+@torch.no_grad()
+def _probe(model: nn.Module) -> torch.Tensor:
+    out = model(PROBE)
+    reshard(model)  # FSDP2 keeps the root unsharded after a forward pass without backward
+    return out
+
+
+def _teleport_worker(rank: int, _: str) -> dict[str, Any]:
+    model = _shard(_mlp())
+    batches = iter(range(100))
+    opt = _teleport(model, every=2, batch_fn=lambda: _batch(rank, 50 + next(batches)))
+    for step in range(STEPS):  # scheduled teleports at steps 0 and 2, loss checked on the rank's batch
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        _mse(model(x), y).backward()
+        opt.step()
+    x, y = _batch(rank, 10)
+    opt.zero_grad()
+    _mse(model(x), y).backward()
+    before, out_before = _snapshot(model, opt), _probe(model)
+    report = opt.teleport(batch=(x, y))
+    after, out_after = _snapshot(model, opt), _probe(model)
+    refused = {}
+    for what, kwargs in {"auto": {"sites": "auto"}, "general": {"sites": SITES, "path": "general"}}.items():
+        try:
+            Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, **kwargs)
+            refused[what] = "no error"
+        except ValueError as error:
+            refused[what] = str(error)
+    from teleopt.teleport.distributed import check_identical
+
+    try:  # the guard the engine runs on the elements notices ranks that disagree
+        check_identical([torch.ones(3), torch.full((2,), float(rank))], "test tensors")
+        mismatch = "not caught"
+    except RuntimeError as error:
+        mismatch = str(error)
+    check_identical([torch.ones(3), torch.zeros(2)], "test tensors")  # and passes identical ones
+    return {
+        "mismatch": mismatch,
+        "refused": refused,
+        "scheduled": [(r.step, r.accepted, r.reason) for r in opt.reports[:-1]],
+        "accepted": report.accepted,
+        "reason": report.reason,
+        "elements": report.elements,
+        "before": before,
+        "after": after,
+        "out_before": out_before,
+        "out_after": out_after,
+        "batch": (x, y),
+    }
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_teleport_on_fsdp2_moves_every_shard_consistently(tmp_path):
+    out = _spawn("teleport", str(tmp_path))
+    for rank_out in out:
+        # what needs the functional (unsharded) model is refused clearly
+        assert all("FSDP2" in why and "fast path only" in why for why in rank_out["refused"].values()), rank_out["refused"]
+        assert "differ across ranks" in rank_out["mismatch"]
+        assert [accepted for _, accepted, _ in rank_out["scheduled"]] == [True, True], rank_out["scheduled"]
+        assert rank_out["accepted"], rank_out["reason"]
+        # the sharded model computes the same function after the teleport
+        assert _rel(rank_out["out_after"], rank_out["out_before"]) <= 1e-5
+        assert max(_rel(a, b) for a, b in zip(rank_out["after"]["params"], rank_out["before"]["params"])) > 1e-2  # it moved
+    # both ranks applied the same group elements, bitwise
+    assert out[0]["elements"].keys() == out[1]["elements"].keys()
+    assert all(torch.equal(out[0]["elements"][k], out[1]["elements"][k]) for k in out[0]["elements"])
+    # a single-process teleport of the same whole model, gradients and state, on rank 0's batch
+    before = out[0]["before"]
+    model = _mlp()
+    opt = _teleport(model)
+    with torch.no_grad():
+        for p, value, grad, state in zip(model.parameters(), before["params"], before["grads"], before["state"]):
+            p.copy_(value)
+            p.grad = grad.clone()
+            opt.state[p] = {k: v.clone() for k, v in state.items()}
+    report = opt.teleport(batch=out[0]["batch"])
+    assert report.accepted, report.reason
+    after = out[0]["after"]
+    errors = {
+        "params": max(float((a - p.detach()).abs().max()) for a, p in zip(after["params"], model.parameters())),
+        "grads": max(float((a - p.grad).abs().max()) for a, p in zip(after["grads"], model.parameters())),
+        "state": max(float((v - opt.state[p][k]).abs().max()) for s, p in zip(after["state"], model.parameters()) for k, v in s.items()),
+    }
+    assert max(errors.values()) <= 1e-6, errors
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def _stacked(model: nn.Module, **kwargs: Any) -> Syre:
+    """Syre(Teleport(AdamW)): anchors as per-parameter state, Teleport's counters at the top level."""
+    base = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    return Syre(Teleport(base, model, SITES, every=3, ascent_steps=10, **kwargs), gamma=0.5, sigma0=1.0, seed=3)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for step in steps:
+        x, y = batch(step)
+        opt.zero_grad()
+        _mse(model(x), y).backward()
+        opt.step()
+
+
+def _teleports(opt: Syre) -> tuple[int, int]:
+    record = opt.base.record  # type: ignore[attr-defined]
+    return record.step, record.accepted
+
+
+def _checkpoint_worker(rank: int, out_dir: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from teleopt.checkpoint import load_optimizer_state_dict, optimizer_state_dict
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _batch(rank, step)
+
+    path = os.path.join(out_dir, "checkpoint")
+    model = _shard(_mlp())
+    opt = _stacked(model)
+    _train(model, opt, range(3), batch)  # a teleport at step 0
+    dcp.save({"model": get_model_state_dict(model), "optim": optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    saved = _teleports(opt)
+    _train(model, opt, range(3, 6), batch)  # a teleport at step 3
+    fresh = _shard(_mlp(seed=1))  # other weights: everything must come from the checkpoint
+    resumed = _stacked(fresh)
+    state = {"model": get_model_state_dict(fresh), "optim": optimizer_state_dict(fresh, resumed)}
+    fresh_record = _teleports(resumed)  # torch's initialising step did not go through the wrappers
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(fresh, state["model"])
+    load_optimizer_state_dict(fresh, resumed, state["optim"])
+    loaded = _teleports(resumed)
+    _train(fresh, resumed, range(3, 6), batch)
+    return {
+        "records": (fresh_record, saved, loaded, _teleports(opt), _teleports(resumed)),
+        "uninterrupted": [_full(p) for p in model.parameters()],
+        "resumed": [_full(p) for p in fresh.parameters()],
+        "anchors": [_full(resumed.anchor(p)) for p in list(fresh.parameters())[::2]],
+    }
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # dcp.load in one process, as meant
+def test_dcp_checkpoint_of_the_wrappers_resumes_exactly_on_two_ranks_and_on_one(tmp_path):
+    """Measured: the 2-rank resume is bitwise the uninterrupted run; the 1-process resume is 9.3e-10 max abs from it
+    (the weights moved 6.2 from their initial values: two accepted teleports)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from teleopt.checkpoint import load_optimizer_state_dict, optimizer_state_dict
+
+    out = _spawn("checkpoint", str(tmp_path))
+    for rank_out in out:
+        fresh, saved, loaded, end, resumed_end = rank_out["records"]
+        assert fresh == (0, 0) and loaded == saved == (3, 1) and resumed_end == end == (6, 2)
+        assert all(torch.equal(a, b) for a, b in zip(rank_out["resumed"], rank_out["uninterrupted"]))
+    # world size 2 -> 1: the sharded checkpoint loads into an unsharded model in one process
+    import torch.distributed.checkpoint as dcp
+
+    model = _mlp(seed=1)
+    opt = _stacked(model)
+    state = {"model": get_model_state_dict(model), "optim": optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=os.path.join(tmp_path, "checkpoint"))
+    set_model_state_dict(model, state["model"])
+    load_optimizer_state_dict(model, opt, state["optim"])
+    assert _teleports(opt) == (3, 1)
+    assert all(torch.equal(a, opt.anchor(p)) for a, p in zip(out[0]["anchors"], list(model.parameters())[::2]))
+    _train(model, opt, range(3, 6), _global_batch)
+    assert _teleports(opt) == (6, 2)
+    errors = [float((a - p.detach()).abs().max()) for a, p in zip(out[0]["uninterrupted"], model.parameters())]
+    assert max(errors) <= 1e-6, errors
+
+
+# ---------------------------------------------------------------------------- spawning
+
+SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
+    "syre": _syre_worker,
+    "teleport": _teleport_worker,
+    "checkpoint": _checkpoint_worker,
+}
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str, scenario: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        result = SCENARIOS[scenario](rank, out_dir)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        # gloo aborts a rank that tears down while its peer is still inside a collective: meet first
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    # Interpreter teardown can abort a rank inside gloo's or the device mesh's C++ destructors
+    # (CI saw SIGABRT after both ranks had met at the barrier; tests/test_teleport_distributed.py):
+    # the result is written, so leave without running them.  Failures above still reach mp.spawn.
+    os._exit(0)
+
+
+def _spawn(scenario: str, out_dir: str) -> list[dict[str, Any]]:
+    """Run ``SCENARIOS[scenario](rank, out_dir)`` on 2 gloo ranks (rendezvous file in ``out_dir``); results by rank."""
+    mp.spawn(_worker, args=(WORLD, os.path.join(out_dir, "init"), out_dir, scenario), nprocs=WORLD, join=True)
+    return [torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False) for rank in range(WORLD)]
