@@ -15,6 +15,8 @@ The loop below is an ordinary PyTorch classifier on scikit-learn's bundled digit
    gradient is larger (papers/001 Algorithm 1), checks on a batch from ``batch_fn``
    that the loss did not change, and rolls back if anything goes wrong.
 
+Needs: the ``demo`` extra (scikit-learn's bundled digits): ``pip install -e ".[demo]"``.
+
 Run: ``python examples/01_wrap_training_loop.py [--epochs N] [--quick]``.
 """
 

@@ -16,6 +16,8 @@ scikit-learn's 8x8 digits upsampled to 32x32 RGB images.  teleopt
 
 ``--quick`` uses timm's tiny ``test_resnet`` instead of resnet18.
 
+Needs: the ``timm`` and ``demo`` extras (timm; scikit-learn's digits): ``pip install -e ".[timm,demo]"``.
+
 Run: ``python examples/02_timm_auto_sites.py [--epochs N] [--model NAME] [--quick]``.
 """
 

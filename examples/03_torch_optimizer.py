@@ -18,6 +18,8 @@ Objectives that need a model of the base optimizer's update
 Adagrad, RMSprop, Adam and AdamW only; with other optimizers use the default
 ``"grad_norm"``.
 
+Needs: the ``demo`` extra and torch-optimizer: ``pip install -e ".[demo]" torch-optimizer``.
+
 Run: ``python examples/03_torch_optimizer.py [--quick]``.
 """
 

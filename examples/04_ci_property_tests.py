@@ -20,6 +20,8 @@ coordinates: scales log-uniform within [1/4, 4]):
   passes teleopt's wrapper conformance suite: it is a drop-in ``torch.optim``
   optimizer (shared param groups and state, exact resume, LR scheduler,
   GradScaler, deepcopy/pickle, hooks, convergence).
+
+Needs: the ``testing`` extra (hypothesis, pytest): ``pip install -e ".[testing]"``.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ script
    actions are approximate, so the teleport's loss check gets an explicit tolerance
    (``SafetyConfig(loss_tol=...)``); a move that breaks it is rolled back.
 
+Needs: nothing beyond teleopt itself (``pip install -e .``).
+
 Run: ``python examples/05_discover_and_use.py [--steps N] [--quick]``.
 """
 

@@ -15,6 +15,8 @@ the per-unit imbalance ||w_in||^2 + b^2 - ||w_out||^2 (Ex. 2.5.4).  This example
    site (``teleopt.orbit_curve``): the outputs stay the same while Q changes,
    so Q tells apart the equivalent networks on one orbit (papers/001 Sec. 2.5).
 
+Needs: the ``demo`` extra (scikit-learn's bundled digits): ``pip install -e ".[demo]"``.
+
 Run: ``python examples/06_conserved_quantities.py [--steps N] [--quick]``.
 """
 

@@ -12,6 +12,8 @@ parameters move by w <- g_t . (w + f_t).  This example
    (``LearnedTeleportOptimizer``), and checks that a teleport the policy chose
    leaves the loss unchanged in float64.
 
+Needs: nothing beyond teleopt itself (``pip install -e .``).
+
 Run: ``python examples/07_learn_to_teleport.py [--quick]``.
 """
 

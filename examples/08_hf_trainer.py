@@ -19,8 +19,9 @@ permutation of the vocabulary).  teleopt needs no Trainer subclass or callback:
 4. ``Syre(AdamW(..., weight_decay=0.0), gamma=...)`` replaces AdamW's decay towards
    zero with decay towards a random anchor (papers/003), the same way.
 
-Run: ``python examples/08_hf_trainer.py [--steps N] [--quick]`` (needs transformers
-and peft: ``pip install "teleopt[hf]"``).
+Run: ``python examples/08_hf_trainer.py [--steps N] [--quick]``.
+
+Needs: the ``hf`` extra (transformers, peft, accelerate): ``pip install -e ".[hf]"``.
 """
 
 from __future__ import annotations

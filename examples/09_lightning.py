@@ -13,8 +13,9 @@ Here: a ReLU classifier on scikit-learn's bundled digits (no download);
 ``sites="auto"`` every ``every`` steps (papers/001 Algorithm 1), and the static
 random-anchor decay of papers/003 around the whole stack.
 
-Run: ``python examples/09_lightning.py [--epochs N] [--quick]`` (needs
-``pip install lightning``, or ``pip install "teleopt[lightning]"``).
+Run: ``python examples/09_lightning.py [--epochs N] [--quick]``.
+
+Needs: the ``lightning`` and ``demo`` extras: ``pip install -e ".[lightning,demo]"``.
 """
 
 from __future__ import annotations

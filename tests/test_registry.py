@@ -138,11 +138,18 @@ def test_table_and_cli():
         assert name in out
 
 
-def test_readme_registry_table_is_current():
-    """The README shows the registry table exactly as `python -m teleopt list` prints it."""
+def test_docs_registry_table_is_current():
+    """docs/actions.md shows the registry table as `python -m teleopt list` prints it, citing papers by name."""
+    import importlib.util
     from pathlib import Path
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    block = readme.split("<!-- registry-table -->")[1].split("<!-- /registry-table -->")[0]
+    root = Path(__file__).parents[1]
+    spec = importlib.util.spec_from_file_location("docs_hooks_citations", root / "docs" / "_hooks" / "citations.py")
+    assert spec is not None and spec.loader is not None
+    citations = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(citations)
+    page = (root / "docs" / "actions.md").read_text()
+    block = page.split("<!-- registry-table -->")[1].split("<!-- /registry-table -->")[0]
     builtin = [r for r in list_actions() if r["name"] in EXPECTED or r["reference"].startswith("papers/")]
-    assert block.strip().strip("`").strip() == format_table(builtin)
+    cited = [dict(r, reference=citations.cite(r["reference"])) for r in builtin]
+    assert block.strip().strip("`").strip() == format_table(cited)
