@@ -96,7 +96,7 @@ class TeleportContext:
         for name, p in self.trainable.items():
             if name in exclude or p.grad is None:
                 continue
-            g = p.grad
+            g = p.grad.to_dense() if p.grad.is_sparse else p.grad  # sparse norms need torch >= 2.13
             if is_sharded(g):
                 squares.append((local(g).to(torch.float64).square().sum(), g))
             else:
