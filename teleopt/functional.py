@@ -9,39 +9,76 @@ touched by the extra passes teleports, orbits and ensembles make
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-__all__ = ["Batch", "LossFn", "as_batch", "FunctionalModel", "module_input"]
+__all__ = ["Batch", "LossFn", "as_batch", "batch_parts", "FunctionalModel", "module_input"]
 
 
-Batch = tuple[tuple[Any, ...], Any]
 LossFn = Callable[[Any, Any], Tensor]
 
 
-def as_batch(batch: Any) -> Batch:
-    """Normalise a batch to ``(inputs tuple, target)``.
+class Batch(NamedTuple):
+    """A teleport batch, normalised: the model is called as ``model(*inputs, **kwargs)`` and
+    ``loss_fn(output, target)`` gives the loss (``target`` is ``None`` when the output is the loss)."""
 
-    Accepted: ``(inputs, target)`` where ``inputs`` is a tensor or a tuple/list of
-    positional model inputs, and ``target`` anything the loss function takes
-    (``None`` when the model output is the loss itself).
+    inputs: tuple[Any, ...]
+    target: Any
+    kwargs: dict[str, Any] | None = None
+
+
+def as_batch(batch: Any) -> Batch:
+    """Normalise a batch to a :class:`Batch` ``(inputs tuple, target, kwargs)``.
+
+    Accepted:
+
+    * ``(inputs, target)``: ``inputs`` a tensor or a tuple/list of positional model
+      inputs, ``target`` anything the loss function takes (``None`` when the model
+      output is the loss itself);
+    * ``(inputs, target, kwargs)``: the same, plus a mapping of keyword arguments the
+      model is called with as in training (``attention_mask=...``); ``inputs`` may then
+      be ``()``;
+    * a mapping: keyword inputs only, ``model(**batch)``, target ``None`` (a
+      ``transformers`` batch with ``labels``; the loss is ``loss_fn(output, None)``,
+      e.g. ``lambda out, _: out.loss``).
     """
-    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+    if isinstance(batch, Batch):
+        return batch
+    if isinstance(batch, Mapping):
+        return Batch((), None, _kwargs(batch))
+    if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
         raise TypeError(
-            "a teleport batch must be a pair (inputs, target): inputs a tensor or a tuple of model inputs, "
-            f"target what loss_fn(output, target) takes; got {type(batch).__name__}"
+            "a teleport batch must be a pair (inputs, target), a triple (inputs, target, kwargs) or a mapping of "
+            "keyword inputs: inputs a tensor or a tuple of model inputs, target what loss_fn(output, target) takes; "
+            f"got {type(batch).__name__}"
         )
-    inputs, target = batch
+    inputs, target = batch[0], batch[1]
     if isinstance(inputs, Tensor):
         inputs = (inputs,)
     elif isinstance(inputs, list):
         inputs = tuple(inputs)
     elif not isinstance(inputs, tuple):
         raise TypeError(f"batch inputs must be a tensor or a tuple of tensors, got {type(inputs).__name__}")
-    return inputs, target
+    return Batch(inputs, target, _kwargs(batch[2]) if len(batch) == 3 else None)
+
+
+def _kwargs(kwargs: Any) -> dict[str, Any] | None:
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise TypeError(f"batch keyword arguments must be a mapping with string keys, got {type(kwargs).__name__}")
+    return dict(kwargs) or None
+
+
+def batch_parts(batch: Any) -> tuple[tuple[Any, ...], Any, dict[str, Any]]:
+    """``(inputs, target, kwargs)`` of a :class:`Batch` or a plain ``(inputs tuple, target)`` pair."""
+    if isinstance(batch, Batch):
+        return batch.inputs, batch.target, dict(batch.kwargs or {})
+    inputs, target = batch
+    return tuple(inputs), target, {}
 
 
 class _Captured(Exception):
@@ -60,20 +97,24 @@ class FunctionalModel:
         self.loss_fn = loss_fn
         self.buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
 
-    def output(self, tensors: Mapping[str, Tensor], batch: Batch) -> Any:
-        inputs, _ = batch
+    def output(self, tensors: Mapping[str, Tensor], batch: Batch | tuple[tuple[Any, ...], Any]) -> Any:
+        """The model output at ``tensors`` on ``batch`` (a :class:`Batch` or an ``(inputs, target)`` pair)."""
+        inputs, _, kwargs = batch_parts(batch)
         merged = {**self.buffers, **tensors}
-        return functional_call(self.module, merged, inputs, strict=False, tie_weights=True)
+        return functional_call(self.module, merged, inputs, kwargs or None, strict=False, tie_weights=True)
 
-    def loss(self, tensors: Mapping[str, Tensor], batch: Batch) -> Tensor:
+    def loss(self, tensors: Mapping[str, Tensor], batch: Batch | tuple[tuple[Any, ...], Any]) -> Tensor:
         """The scalar loss at ``tensors`` (names missing from it take the live values)."""
-        out = self.output(tensors, batch)
-        loss = out if self.loss_fn is None else self.loss_fn(out, batch[1])
+        return self.loss_of(self.output(tensors, batch), batch_parts(batch)[1])
+
+    def loss_of(self, out: Any, target: Any) -> Tensor:
+        """The scalar loss of a model output ``out`` (``loss_fn(out, target)``, or ``out`` itself)."""
+        loss = out if self.loss_fn is None else self.loss_fn(out, target)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise TypeError("the teleport loss must be a scalar tensor: pass loss_fn(output, target) to Teleport")
         return loss.reshape(())
 
-    def module_input(self, tensors: Mapping[str, Tensor], batch: Batch, module_name: str) -> Tensor:
+    def module_input(self, tensors: Mapping[str, Tensor], batch: Batch | tuple[tuple[Any, ...], Any], module_name: str) -> Tensor:
         """The first positional input of submodule ``module_name`` at ``tensors``.
 
         The forward pass stops as soon as the module is reached (a partial forward).
