@@ -449,3 +449,14 @@ def test_a_non_finite_gradient_declines_the_teleport():
     report = opt.teleport()
     assert not report.accepted and report.reason == "declined: non-finite gradient (3.weight)"
     assert_bitwise(model, saved)
+
+
+def test_probe_inputs_the_model_does_not_take_decline_the_teleport():
+    model, (x, y) = mlp(), data()
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), example_inputs=torch.zeros(2, 4, dtype=F64))
+    backward(model, x, y)
+    saved = params_of(model)
+    report = opt.teleport()
+    assert not report.accepted and report.check == "none"
+    assert report.reason.startswith("declined: the probe inputs (example_inputs) do not run through the model (RuntimeError")
+    assert_bitwise(model, saved)
