@@ -8,64 +8,90 @@ same random numbers (dropout masks) and leaves the global generators as they wer
 so a loss before and after a teleport compares like with like in train mode too,
 and the training run's random stream does not depend on the checks.
 
-A batch's inputs are positional (a tensor or a tuple) or keyword arguments (a
-mapping such as a tokenizer's ``BatchEncoding`` or a ``DataCollator``'s dict:
-``model(**inputs)``, held as :class:`KeywordInputs`).
+A :class:`Batch` holds positional inputs, a target and keyword arguments
+(``model(*inputs, **kwargs)``); keyword inputs come as a mapping such as a
+tokenizer's ``BatchEncoding`` or a ``DataCollator``'s dict (``model(**inputs)``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-__all__ = ["Batch", "LossFn", "KeywordInputs", "as_batch", "split_inputs", "FunctionalModel", "module_input"]
+__all__ = ["Batch", "LossFn", "as_batch", "batch_parts", "FunctionalModel", "module_input"]
 
 
-Batch = tuple[tuple[Any, ...], Any]
 LossFn = Callable[[Any, Any], Tensor]
 
 
-class KeywordInputs(dict):
-    """The keyword arguments of a batch's model call, ``model(**inputs)``: the last entry of its inputs tuple."""
+class Batch(NamedTuple):
+    """A teleport batch, normalised: the model is called as ``model(*inputs, **kwargs)`` and
+    ``loss_fn(output, target)`` gives the loss (``target`` is ``None`` when the output is the loss)."""
 
-
-def split_inputs(inputs: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A batch's inputs as (positional arguments, keyword arguments)."""
-    if inputs and isinstance(inputs[-1], KeywordInputs):
-        return inputs[:-1], dict(inputs[-1])
-    return inputs, {}
+    inputs: tuple[Any, ...]
+    target: Any
+    kwargs: dict[str, Any] | None = None
 
 
 def as_batch(batch: Any) -> Batch:
-    """Normalise a batch to ``(inputs tuple, target)``.
+    """Normalise a batch to a :class:`Batch` ``(inputs tuple, target, kwargs)``.
 
-    Accepted: ``(inputs, target)`` where ``inputs`` is a tensor or a tuple/list of
-    positional model inputs, or a mapping of keyword arguments (``input_ids``,
-    ``attention_mask``, ``labels`` of a transformers model; kept as one
-    :class:`KeywordInputs` entry), and ``target`` anything the loss function takes
-    (``None`` when the model output is the loss itself, or carries it as ``.loss``).
+    Accepted:
+
+    * ``(inputs, target)``: ``inputs`` a tensor or a tuple/list of positional model
+      inputs, or a mapping of keyword inputs (``model(**inputs)``: ``input_ids``,
+      ``attention_mask``, ``labels`` of a transformers model), ``target`` anything the
+      loss function takes (``None`` when the model output is the loss itself, or
+      carries it as ``.loss``);
+    * ``(inputs, target, kwargs)``: the same, plus a mapping of keyword arguments the
+      model is called with as in training (``attention_mask=...``); ``inputs`` may then
+      be ``()``;
+    * a mapping: keyword inputs only, ``model(**batch)``, target ``None`` (a
+      ``transformers`` batch with ``labels``: with ``loss_fn=None`` the loss is the
+      output's ``.loss``).
     """
-    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+    if isinstance(batch, Batch):
+        return batch
+    if isinstance(batch, Mapping):
+        return Batch((), None, _kwargs(batch))
+    if not isinstance(batch, (tuple, list)) or len(batch) not in (2, 3):
         raise TypeError(
-            "a teleport batch must be a pair (inputs, target): inputs a tensor or a tuple of model inputs, "
-            f"target what loss_fn(output, target) takes; got {type(batch).__name__}"
+            "a teleport batch must be a pair (inputs, target), a triple (inputs, target, kwargs) or a mapping of "
+            "keyword inputs: inputs a tensor or a tuple of model inputs, target what loss_fn(output, target) takes; "
+            f"got {type(batch).__name__}"
         )
-    inputs, target = batch
+    inputs, target = batch[0], batch[1]
     if isinstance(inputs, Tensor):
         inputs = (inputs,)
     elif isinstance(inputs, list):
         inputs = tuple(inputs)
-    elif isinstance(inputs, Mapping):
-        if not all(isinstance(k, str) for k in inputs):
-            raise TypeError("keyword batch inputs must have string keys")
-        inputs = (KeywordInputs(inputs),)
+    elif isinstance(inputs, Mapping):  # keyword inputs: (model(**inputs), target)
+        if len(batch) == 3 and batch[2]:
+            raise TypeError("a batch with keyword inputs takes no separate kwargs: put them in the inputs mapping")
+        return Batch((), target, _kwargs(inputs))
     elif not isinstance(inputs, tuple):
         raise TypeError(f"batch inputs must be a tensor, a tuple of tensors or a mapping of keyword inputs, got {type(inputs).__name__}")
-    return inputs, target
+    return Batch(inputs, target, _kwargs(batch[2]) if len(batch) == 3 else None)
+
+
+def _kwargs(kwargs: Any) -> dict[str, Any] | None:
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise TypeError(f"batch keyword arguments must be a mapping with string keys, got {type(kwargs).__name__}")
+    return dict(kwargs) or None
+
+
+def batch_parts(batch: Any) -> tuple[tuple[Any, ...], Any, dict[str, Any]]:
+    """``(inputs, target, kwargs)`` of a :class:`Batch` or a plain ``(inputs tuple, target)`` pair."""
+    if isinstance(batch, Batch):
+        return batch.inputs, batch.target, dict(batch.kwargs or {})
+    inputs, target = batch
+    return tuple(inputs), target, {}
 
 
 class _Captured(Exception):
@@ -92,26 +118,30 @@ class FunctionalModel:
         self._rng = torch.get_rng_state()
         self._cuda_rng = [torch.cuda.get_rng_state(i) for i in self._cuda]
 
-    def output(self, tensors: Mapping[str, Tensor], batch: Batch) -> Any:
-        args, kwargs = split_inputs(batch[0])
+    def output(self, tensors: Mapping[str, Tensor], batch: Batch | tuple[tuple[Any, ...], Any]) -> Any:
+        """The model output at ``tensors`` on ``batch`` (a :class:`Batch` or an ``(inputs, target)`` pair)."""
+        inputs, _, kwargs = batch_parts(batch)
         merged = {**self.buffers, **tensors}
         with torch.random.fork_rng(devices=self._cuda):
             torch.set_rng_state(self._rng)
             for index, state in zip(self._cuda, self._cuda_rng):
                 torch.cuda.set_rng_state(state, index)
-            return functional_call(self.module, merged, args, kwargs, strict=False, tie_weights=True)
+            return functional_call(self.module, merged, inputs, kwargs or None, strict=False, tie_weights=True)
 
-    def loss(self, tensors: Mapping[str, Tensor], batch: Batch) -> Tensor:
+    def loss(self, tensors: Mapping[str, Tensor], batch: Batch | tuple[tuple[Any, ...], Any]) -> Tensor:
         """The scalar loss at ``tensors`` (names missing from it take the live values)."""
-        out = self.output(tensors, batch)
+        return self.loss_of(self.output(tensors, batch), batch_parts(batch)[1])
+
+    def loss_of(self, out: Any, target: Any) -> Tensor:
+        """The scalar loss of a model output ``out`` (``loss_fn(out, target)``, or ``out`` / ``out.loss``)."""
         if self.loss_fn is None and not isinstance(out, Tensor) and isinstance(getattr(out, "loss", None), Tensor):
             out = out.loss
-        loss = out if self.loss_fn is None else self.loss_fn(out, batch[1])
+        loss = out if self.loss_fn is None else self.loss_fn(out, target)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise TypeError("the teleport loss must be a scalar tensor: pass loss_fn(output, target) to Teleport")
         return loss.reshape(())
 
-    def module_input(self, tensors: Mapping[str, Tensor], batch: Batch, module_name: str) -> Tensor:
+    def module_input(self, tensors: Mapping[str, Tensor], batch: Batch | tuple[tuple[Any, ...], Any], module_name: str) -> Tensor:
         """The first positional input of submodule ``module_name`` at ``tensors``.
 
         The forward pass stops as soon as the module is reached (a partial forward).

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import teleopt
-from teleopt.functional import FunctionalModel, KeywordInputs, as_batch, split_inputs
+from teleopt.functional import Batch, FunctionalModel, as_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,12 +44,14 @@ def _batch(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def test_as_batch_keeps_keyword_inputs():
     batch = _batch()
-    inputs, target = as_batch((batch, None))
-    assert target is None and len(inputs) == 1 and isinstance(inputs[0], KeywordInputs)
-    assert split_inputs(inputs) == ((), batch)
-    assert split_inputs((torch.ones(1),))[1] == {}
+    assert as_batch((batch, None)) == Batch((), None, batch)
+    assert as_batch(batch) == Batch((), None, batch)  # a mapping alone: model(**batch)
+    x = torch.ones(2, 6)
+    assert as_batch((x, None, {"scale": 2.0})) == Batch((x,), None, {"scale": 2.0})
     with pytest.raises(TypeError, match="string keys"):
         as_batch(({1: torch.ones(1)}, None))
+    with pytest.raises(TypeError, match="no separate kwargs"):
+        as_batch((batch, None, {"scale": 2.0}))
 
 
 def test_functional_model_same_masks_and_untouched_rng():

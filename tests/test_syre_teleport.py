@@ -23,12 +23,19 @@ def train(opt, params, loss, steps):
 
 
 class Holder(torch.nn.Module):
-    """A module owning exactly the given parameters (Teleport needs the model)."""
+    """A module owning exactly the given parameters (Teleport needs the model); its forward is
+    the ReLU regression's, so teleports are checked on probe inputs (the loss never calls it)."""
 
     def __init__(self, params):
         super().__init__()
         for i, p in enumerate(params):
             self.register_parameter(f"p{i}", p)
+
+    def forward(self, x):
+        return torch.relu(x @ self.p0.T + self.p1) @ self.p2.T + self.p3
+
+
+PROBE = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
 
 
 def relu_problem(seed: int = 11):
@@ -50,7 +57,7 @@ def relu_problem(seed: int = 11):
 
 def teleporting(optimizer, params, **kwargs):
     site = Site(get_action("positive_rescaling", activation="relu"), ("p0", "p1", "p2"))
-    return Teleport(optimizer, Holder(params), [site], every=2, ascent_steps=5, **kwargs)
+    return Teleport(optimizer, Holder(params), [site], every=2, ascent_steps=5, example_inputs=PROBE, **kwargs)
 
 
 @pytest.mark.parametrize("decoupled", [False, True])

@@ -24,12 +24,24 @@ RESCALING = get_action("positive_rescaling", activation="relu")
 
 
 class Holder(nn.Module):
-    """A module owning exactly the optimizer's parameters (the suite builds bare tensors)."""
+    """A module owning exactly the optimizer's parameters (the suite builds bare tensors).
+
+    Its forward is the suite's regression model, so every teleport is checked on probe
+    inputs (the suite computes its loss from the tensors, never calling the module).
+    """
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         super().__init__()
         for i, p in enumerate(params):
             self.register_parameter(f"p{i}", p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ self.p0.T + self.p1) @ self.p2.T + self.p3
+
+
+def _probe(params: list[nn.Parameter]) -> torch.Tensor | None:
+    """Probe inputs of the regression (only the two-layer problem has a site)."""
+    return torch.randn(8, 4, generator=torch.Generator().manual_seed(0)).to(params[0].dtype) if len(params) == 4 else None
 
 
 def _params(base: torch.optim.Optimizer) -> list[nn.Parameter]:
@@ -40,14 +52,14 @@ def teleporting(base: torch.optim.Optimizer) -> Teleport:
     params = _params(base)
     model = Holder(params)
     sites = [Site(RESCALING, ("p0", "p1", "p2"))] if len(params) == 4 else []
-    return Teleport(base, model, sites, every=2, ascent_steps=5)
+    return Teleport(base, model, sites, every=2, ascent_steps=5, example_inputs=_probe(params))
 
 
 def idle(base: torch.optim.Optimizer) -> Teleport:
     params = _params(base)
     model = Holder(params)
     sites = [Site(RESCALING, ("p0", "p1", "p2"))] if len(params) == 4 else []
-    return Teleport(base, model, sites)  # no schedule: never teleports on its own
+    return Teleport(base, model, sites, example_inputs=_probe(params))  # no schedule: never teleports on its own
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -65,3 +77,4 @@ def test_teleports_happen_during_the_suite_problem():
     suite._train(wrapper, params, 0, 4)
     accepted = [r for r in wrapper.reports if r.accepted]
     assert len(accepted) == 2 and all(r.gain > 1 for r in accepted)
+    assert all(r.check == "probe" and r.check_error <= r.check_tol for r in accepted)

@@ -23,6 +23,7 @@ loss, not the logits, unchanged); data-dependent sites are not certified.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,7 +35,16 @@ from torch import Tensor, nn
 from teleopt.numerics import default_rtol
 from teleopt.site import Site
 
-__all__ = ["CertificationEntry", "certify_sites", "edge_element", "output_leaves", "mode_dependent"]
+__all__ = [
+    "CertificationEntry",
+    "certify_sites",
+    "edge_element",
+    "output_leaves",
+    "output_error",
+    "log_softmax_leaves",
+    "to_float64",
+    "mode_dependent",
+]
 
 _MODES = ("eval", "train")
 _EDGE = {"general": math.log(9.9) / 2, "orthogonal": math.pi / 2, "diagonal": math.log(4.0), "translation": 1.0}
@@ -124,6 +134,9 @@ def output_leaves(output: Any) -> list[Tensor]:
         elif isinstance(v, (tuple, list)):
             for x in v:
                 walk(x, depth + 1)
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            for f in dataclasses.fields(v):
+                walk(getattr(v, f.name), depth + 1)
 
     walk(output, 0)
     return out
@@ -145,7 +158,12 @@ def _leaf_error(after: Tensor, before: Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def _errors(after: list[list[Tensor]], before: list[list[Tensor]]) -> float:
+def output_error(after: list[list[Tensor]], before: list[list[Tensor]]) -> float:
+    """The largest norm-relative error over matching output leaves (per forward, per leaf), in float64.
+
+    Non-finite entries must match exactly (then the finite ones are compared); a leaf of
+    another shape, or another number of leaves, is an infinite error.
+    """
     worst = 0.0
     for la, lb in zip(after, before):
         if len(la) != len(lb):
@@ -155,19 +173,21 @@ def _errors(after: list[list[Tensor]], before: list[list[Tensor]]) -> float:
     return worst
 
 
-def _to64(value: Any) -> Any:
+def to_float64(value: Any) -> Any:
+    """``value`` with every floating-point tensor (in tuples, lists and dicts) converted to float64."""
     if isinstance(value, Tensor):
         return value.detach().to(torch.float64) if value.is_floating_point() else value
     if isinstance(value, tuple):
-        return tuple(_to64(v) for v in value)
+        return tuple(to_float64(v) for v in value)
     if isinstance(value, list):
-        return [_to64(v) for v in value]
+        return [to_float64(v) for v in value]
     if isinstance(value, dict):
-        return {k: _to64(v) for k, v in value.items()}
+        return {k: to_float64(v) for k, v in value.items()}
     return value
 
 
-def _log_softmax_leaves(leaves: list[Tensor]) -> list[Tensor]:
+def log_softmax_leaves(leaves: list[Tensor]) -> list[Tensor]:
+    """log-softmax over the last axis of each floating leaf (what the softmax translation leaves unchanged)."""
     return [t.log_softmax(-1) if t.is_floating_point() and t.ndim >= 1 else t for t in leaves]
 
 
@@ -183,8 +203,8 @@ class _Checker:
         seed: int,
     ) -> None:
         self.model = model
-        self.inputs = tuple(_to64(inputs))
-        self.kwargs = _to64(kwargs)
+        self.inputs = tuple(to_float64(inputs))
+        self.kwargs = to_float64(kwargs)
         self.modes = tuple(modes)
         self.seed = seed
         self.live = model.state_dict(keep_vars=True)
@@ -252,7 +272,7 @@ class _Checker:
         if transform is not None:
             after = [transform(a) for a in after]
             before = [transform(b) for b in before]
-        return _errors(after, before)
+        return output_error(after, before)
 
 
 def _bisect(check: Callable[[list[int]], float], idx: list[int], rtol: float, out: dict[int, float], first: float | None = None) -> None:
@@ -336,7 +356,7 @@ def certify_sites(
     for kind, idx in groups.items():
         if not idx and not (kind == "exact" and groups["batchnorm"]):
             continue
-        transform = _log_softmax_leaves if kind == "translation" else None
+        transform = log_softmax_leaves if kind == "translation" else None
         # exact and BatchNorm sites share one batch (one forward per mode when all pass); BatchNorm
         # sites sharing a BatchNorm cannot scale its eps twice: those are checked one by one
         batches = [idx]

@@ -27,6 +27,8 @@ step.  The concepts live in one module each:
 * :mod:`~teleopt.teleport.transport`: composition order of overlapping sites;
 * :mod:`~teleopt.teleport.optimizer_model` and :mod:`~teleopt.teleport.state_policy`:
   the base optimizer's update and its state under teleports;
+* :mod:`~teleopt.teleport.check`: every teleport's check of the model outputs
+  (teleport batch, closure or probe inputs);
 * :mod:`~teleopt.teleport.safety` and :mod:`~teleopt.teleport.watch`: caps,
   post-conditions, rollback and the watch;
 * :mod:`~teleopt.teleport.distributed`: identical parameters on every rank;

@@ -37,9 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from teleopt.functional import Batch
+
 __all__ = [
     "is_distributed",
+    "compiled",
     "unwrap",
+    "hook_target",
     "check_supported_sharding",
     "broadcast_",
     "broadcast_batch",
@@ -54,10 +58,36 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def compiled(model: nn.Module) -> bool:
+    """Whether ``model`` is the wrapper ``torch.compile(module)`` returns (an ``OptimizedModule``)."""
+    return type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside ``DistributedDataParallel``/``DataParallel`` wrappers."""
-    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        model = model.module
+    """The module inside ``DistributedDataParallel``/``DataParallel`` and ``torch.compile`` wrappers."""
+    for _ in range(16):
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif compiled(model):
+            inner = model._orig_mod
+            assert isinstance(inner, nn.Module)  # compiled() checked it
+            model = inner
+        else:
+            break
+    return model
+
+
+def hook_target(model: nn.Module) -> nn.Module:
+    """The module whose forward hooks see every training forward of ``model``: the outermost
+    ``torch.compile`` wrapper if there is one (its hooks run eagerly, outside the compiled
+    graph), else the unwrapped module (DDP calls it with the inputs on the right device)."""
+    for _ in range(16):
+        if compiled(model):
+            return model
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        else:
+            break
     return model
 
 
@@ -92,7 +122,7 @@ def broadcast_(tensors: Sequence[Tensor], src: int = 0) -> None:
 
 
 @torch.no_grad()
-def broadcast_batch(batch: tuple[tuple[Any, ...], Any], src: int = 0) -> tuple[tuple[Any, ...], Any]:
+def broadcast_batch(batch: Batch, src: int = 0) -> Batch:
     """Rank ``src``'s teleport batch on every rank (tensors of the same shape on all ranks)."""
     if not is_distributed():
         return batch
@@ -104,12 +134,11 @@ def broadcast_batch(batch: tuple[tuple[Any, ...], Any], src: int = 0) -> tuple[t
             return buf
         if isinstance(x, (tuple, list)):
             return type(x)(bcast(v) for v in x)
-        if isinstance(x, dict):  # keyword inputs (KeywordInputs) and dict targets, in the same key order on every rank
+        if isinstance(x, dict):  # keyword inputs and dict targets, in the same key order on every rank
             return type(x)((k, bcast(v)) for k, v in x.items())
         return x
 
-    inputs, target = batch
-    return bcast(inputs), bcast(target)
+    return Batch(bcast(batch.inputs), bcast(batch.target), None if batch.kwargs is None else bcast(batch.kwargs))
 
 
 @torch.no_grad()

@@ -11,7 +11,9 @@ teleport to a :class:`TeleportEngine`:
   (:class:`~teleopt.teleport.safety.Caps`) and made identical on every rank;
 * **apply**: parameters, ``.grad`` and optimizer state moved to g . w, after a
   snapshot of what a rollback restores;
-* **verify**: finite tensors and an unchanged loss (and held-out loss), or a
+* **verify**: finite tensors, unchanged model outputs on the teleport batch, the
+  closure's forwards or probe inputs (:mod:`~teleopt.teleport.check`; with none of
+  them the plan phase declines), and an unchanged loss (and held-out loss), or a
   rollback; an accepted teleport is then watched (:class:`~teleopt.teleport.watch.Watch`).
 
 The papers' first-order teleport is another engine
@@ -23,17 +25,20 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from teleopt.detection.certify import output_leaves
 from teleopt.functional import Batch, FunctionalModel, LossFn
+from teleopt.numerics import default_rtol
 from teleopt.sharding import local, reshard, square_sum
 from teleopt.site import Site
 from teleopt.teleport.ascent import shrink_to_feasible
+from teleopt.teleport.check import INCONCLUSIVE_FACTOR, OutputCapture, OutputCheck, float64_rerun, forward, seeded
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.coordinates import zero_coordinates
 from teleopt.teleport.distributed import any_rank, broadcast_, broadcast_batch, check_identical
@@ -79,17 +84,25 @@ class EngineConfig:
     seed: int
     trust_key: str
     sharded: bool = False
+    hook_target: nn.Module | None = None
 
 
 @dataclass
 class TeleportRequest:
     """One call for a teleport: the loss at w (from the closure, if any), the closure to re-run
-    after it, the teleport batch and the held-out batch."""
+    after it, the teleport batch and the held-out batch; for the check (:mod:`~teleopt.teleport.check`)
+    the probe inputs and where they came from, the RNG seed of its forwards and the closure's
+    output leaves at w; the sites left out and why."""
 
     loss: Any
     closure: Callable[[], Any] | None
     batch: Batch | None
     heldout: Batch | None
+    probe: Batch | None = None
+    probe_source: str = ""
+    seed: int = 0
+    closure_outputs: list[Tensor] | None = None
+    skipped: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -103,6 +116,8 @@ class Plan:
     ctx: TeleportContext
     fmodel: FunctionalModel | None
     evaluator: Evaluator | None = None
+    check: OutputCheck | None = None
+    after: list[Tensor] | None = None
 
     def need_evaluator(self) -> Evaluator:
         """The evaluator (planned by every engine that searches)."""
@@ -184,7 +199,7 @@ class TeleportEngine:
         """The plan phase; a report (with the reason) when the teleport is declined already."""
         cfg = self.config
         path = self.choose_path(sites)
-        report = TeleportReport(step=self.record.step, path=path, objective=cfg.objective.name, sites=sites)
+        report = TeleportReport(step=self.record.step, path=path, objective=cfg.objective.name, sites=sites, skipped=dict(request.skipped))
         if not sites:
             report.reason = "declined: no active continuous sites"
             return report
@@ -192,17 +207,88 @@ class TeleportEngine:
         batch = request.batch
         if batch is not None and path != "fast":
             batch = broadcast_batch(batch)
+        request = replace(request, batch=batch)
         ctx = TeleportContext.build(cfg.module, cfg.optimizer, cfg.policy)
+        check = self.plan_check(sites, request)
+        reason = self._declined(ctx, check)
+        out: Any = None
+        if reason is None and check is not None:
+            report.check, report.check_detail = check.kind, check.describe()
+            out = self._reference(check, request)
+            if isinstance(out, str):
+                reason = out
+        device = ctx.tensors[sites[0].tensor_names[0]].device
+        # declined on every rank or on none (the search and the apply communicate)
+        if any_rank(reason is not None, device=device if device.type != "cpu" else None):
+            report.reason = reason or "declined: another rank declined"
+            report.check, report.check_detail = "none", ""
+            return report
+        assert check is not None  # else a reason
         # the loss the post-condition compares: on the teleport batch when there is one, else the closure's
         fmodel = None if batch is None else FunctionalModel(cfg.module, cfg.loss_fn)
         if fmodel is not None and batch is not None:
-            report.loss_before = self.live_loss(batch)
+            report.loss_before = self._loss_value(fmodel, out, batch)
         elif request.loss is not None:
             report.loss_before = float(request.loss)
         if request.heldout is not None:
-            report.heldout_before = self.live_loss(request.heldout)
-        plan = Plan(sites, path, replace(request, batch=batch), report, ctx, fmodel)
+            report.heldout_before = self._heldout_loss(request.heldout, request.seed)
+        plan = Plan(sites, path, request, report, ctx, fmodel, check=check)
         return self.plan_evaluator(plan)
+
+    def _declined(self, ctx: TeleportContext, check: OutputCheck | None) -> str | None:
+        """Why the teleport cannot go ahead: a non-finite gradient, or nothing to check it on."""
+        bad = _non_finite_gradient(ctx)
+        if bad is not None:
+            return f"declined: non-finite gradient ({bad})"
+        if check is None:
+            return (
+                "declined: nothing to check the teleport on (no teleport batch, closure, example_inputs or earlier "
+                "forward of the model): pass teleport(batch=...) or a closure, Teleport(..., batch_fn=... or "
+                "example_inputs=...), or run the model once"
+            )
+        return None
+
+    def plan_check(self, sites: Sequence[Site], request: TeleportRequest) -> OutputCheck | None:
+        """What the outputs are compared on: the batch, the closure's forwards or probe inputs (in that order)."""
+        if request.batch is not None:
+            return OutputCheck.of_sites("batch", request.batch, None, request.seed, sites, "teleport batch")
+        if request.closure is not None:
+            return OutputCheck.of_sites("closure", None, None, request.seed, sites, "closure")
+        if request.probe is not None:
+            return OutputCheck.of_sites("probe", request.probe, False, request.seed, sites, request.probe_source)
+        return None
+
+    def _reference(self, check: OutputCheck, request: TeleportRequest) -> Any:
+        """The check's outputs before the teleport (the model output; a reason string to decline with)."""
+        if check.kind == "closure":
+            check.before = list(request.closure_outputs or [])
+            return None
+        if check.kind != "probe":
+            return self.check_forward(check, reference=True)
+        try:
+            out = self.check_forward(check, reference=True)
+        except Exception as e:  # noqa: BLE001 - probe inputs the model does not take: decline, say why
+            first = str(e).splitlines()[0] if str(e) else ""
+            return f"declined: the probe inputs ({check.source}) do not run through the model ({type(e).__name__}: {first})"
+        if not check.before:
+            return f"declined: the model's output on the probe inputs ({check.source}) has no tensor to compare"
+        return out
+
+    def _loss_value(self, fmodel: FunctionalModel, out: Any, batch: Batch) -> float | None:
+        """The batch loss of the output ``out`` (``None`` when there is no ``loss_fn`` and the output is neither a scalar nor carries one as ``.loss``)."""
+        if self.config.loss_fn is None:
+            loss = out if isinstance(out, Tensor) else getattr(out, "loss", None)
+            if not (isinstance(loss, Tensor) and loss.numel() == 1):
+                return None
+        return float(fmodel.loss_of(out, batch.target))
+
+    def _heldout_loss(self, heldout: Batch, seed: int) -> float:
+        module = self.config.module
+        try:
+            out = forward(module, heldout, None, seed)
+        finally:
+            self._reshard()
+        return float(FunctionalModel(module, self.config.loss_fn).loss_of(out, heldout.target))
 
     def plan_evaluator(self, plan: Plan) -> Plan | TeleportReport:
         """Give ``plan`` its evaluator (computing ``.grad`` from the batch if the fast path has none)."""
@@ -366,7 +452,11 @@ class TeleportEngine:
         if not all(bool(torch.isfinite(local(t).detach().sum())) for t in moved if local(t).numel()):
             reasons.append("non-finite parameters or gradients")
         loss = self._loss_after(plan)
-        reasons += self._drift(plan, ctx.tensors[next(iter(names))].dtype)
+        failures = self._drift(plan, ctx.tensors[next(iter(names))].dtype)
+        failures += self._outputs(plan)
+        if failures and not reasons:
+            failures = self._settle_inconclusive(plan, snapshot, failures)
+        reasons += [f.reason for f in failures]
         self._grad_norm_after(plan)
         device = local(next(iter(moved))).device
         if any_rank(bool(reasons), device=device if device.type != "cpu" else None):
@@ -378,12 +468,18 @@ class TeleportEngine:
         return loss
 
     def _loss_after(self, plan: Plan) -> Any:
-        """Set ``report.loss_after``; re-run the closure or recompute ``.grad`` where the apply phase did not
-        move it; returns the loss to hand back."""
-        request, fmodel, report = plan.request, plan.fmodel, plan.report
+        """Set ``report.loss_after`` and the check's outputs after the teleport; re-run the closure or
+        recompute ``.grad`` where the apply phase did not move it; returns the loss to hand back."""
+        request, fmodel, report, check = plan.request, plan.fmodel, plan.report, plan.check
+        assert check is not None, "every teleport is planned with a check"
         loss, loss_after = request.loss, None
-        if fmodel is not None and request.batch is not None:
-            loss_after = self.live_loss(request.batch)
+        if check.kind == "batch" and request.batch is not None:
+            out = self.check_forward(check)
+            plan.after = output_leaves(out)
+            if fmodel is not None:
+                loss_after = self._loss_value(fmodel, out, request.batch)
+        elif check.kind == "probe":
+            plan.after = output_leaves(self.check_forward(check))
         moves = plan.need_evaluator().moves_gradients
         if not moves and request.closure is not None:
             loss = self.rerun_closure(request.closure)
@@ -392,50 +488,120 @@ class TeleportEngine:
         elif not moves and fmodel is not None and request.batch is not None:
             plan.ctx.fresh_gradients(fmodel, request.batch)
         elif request.closure is not None and fmodel is None:
-            loss = self.rerun_closure(request.closure)
+            loss = self.rerun_closure(request.closure, plan if check.kind == "closure" else None)
             loss_after = None if loss is None else float(loss)
         report.loss_after = loss_after
         return loss
 
-    def rerun_closure(self, closure: Callable[[], Any]) -> Any:
-        """Run the closure again at g . w with the module's buffers restored afterwards."""
-        with _buffers_restored(self.config.module):
-            loss = OptimizerWrapper._run_closure(closure)
-        if self.config.sharded:
-            reshard(self.config.module)
+    def rerun_closure(self, closure: Callable[[], Any], plan: Plan | None = None) -> Any:
+        """Run the closure again at g . w with the module's buffers restored afterwards; with the
+        ``plan`` of a closure check, under its RNG seed, recording the model's outputs as ``plan.after``."""
+        module = self.config.module
+        with _buffers_restored(module):
+            if plan is None or plan.check is None:
+                loss = OptimizerWrapper._run_closure(closure)
+            else:
+                capture = OutputCapture()
+                with capture.on(self.config.hook_target or module), seeded(module, plan.check.seed):
+                    loss = OptimizerWrapper._run_closure(closure)
+                plan.after = capture.leaves
+        self._reshard()
         return loss
 
-    def live_loss(self, batch: Batch) -> float:
-        """The loss of the live model on ``batch`` (buffers copied).
-
-        A sharded (FSDP2) model runs its own forward pass, collectively on every rank,
-        and is resharded afterwards (FSDP2 leaves the root unsharded after a pass
-        without backward, and in-place changes of the shards would not reach it).
-        """
-        value = float(FunctionalModel(self.config.module, self.config.loss_fn).loss({}, batch))
+    def _reshard(self) -> None:
+        """Reshard an FSDP2 model after a forward pass of its own (FSDP2 leaves the root unsharded
+        after a pass without backward, and in-place changes of the shards would not reach it)."""
         if self.config.sharded:
             reshard(self.config.module)
-        return value
 
-    def _drift(self, plan: Plan, dtype: torch.dtype) -> list[str]:
+    def check_forward(self, check: OutputCheck, reference: bool = False) -> Any:
+        """The model output on the check's inputs (recorded as the outputs before with ``reference``).
+
+        A sharded (FSDP2) model runs the pass collectively on every rank and is resharded afterwards.
+        """
+        try:
+            return check.reference(self.config.module) if reference else check.run(self.config.module)
+        finally:
+            self._reshard()
+
+    def _drift(self, plan: Plan, dtype: torch.dtype) -> list[_Failure]:
         """Why the loss or held-out loss changed too much (empty: invariance held)."""
         safety, report, heldout = self.config.safety, plan.report, plan.request.heldout
         tol = safety.loss_tol if safety.loss_tol is not None else default_loss_tol(dtype)
-        reasons = []
+        failures = []
         if report.loss_before is not None and report.loss_after is not None:
             drift = abs(report.loss_after - report.loss_before) / max(abs(report.loss_before), 1e-300)
             if not drift <= tol:
-                reasons.append(f"loss changed by {drift:.2e} (relative) > tolerance {tol:.1e}")
+                failures.append(_Failure(f"loss changed by {drift:.2e} (relative) > tolerance {tol:.1e}", drift, tol, dtype))
         if heldout is not None:
-            report.heldout_after = self.live_loss(heldout)
+            report.heldout_after = self._heldout_loss(heldout, plan.request.seed)
             htol = safety.heldout_tol
             if htol is None and all(s.action.exactness == "exact" and not s.action.needs_data for s in plan.sites):
                 htol = tol
             if htol is not None and report.heldout_before is not None:
                 hdrift = abs(report.heldout_after - report.heldout_before) / max(abs(report.heldout_before), 1e-300)
                 if not hdrift <= htol:
-                    reasons.append(f"held-out loss changed by {hdrift:.2e} (relative) > tolerance {htol:.1e}")
-        return reasons
+                    failures.append(
+                        _Failure(f"held-out loss changed by {hdrift:.2e} (relative) > tolerance {htol:.1e}", hdrift, htol, dtype)
+                    )
+        return failures
+
+    def _outputs(self, plan: Plan) -> list[_Failure]:
+        """Compare the outputs after with those before (``report.check_error``); why they changed too much.
+
+        Sites that promise exactness (exact, or data-dependent on the batch) are decided by the
+        outputs; approximate sites by the loss tolerance when the loss is known (their outputs are
+        measured and reported only).
+        """
+        check, report = plan.check, plan.report
+        assert check is not None, "every teleport is planned with a check"
+        after = plan.after or []
+        tol = check.tolerance(self.config.safety.loss_tol)
+        report.check_tol = tol
+        if not check.before and not after:  # no tensor output to compare: the loss decides
+            why = "the closure did not call the model" if check.kind == "closure" else "the output has no tensor"
+            report.check_detail = f"the {check.kind}'s loss ({why})"
+            report.check_error = report.loss_drift
+            if report.check_error is None:
+                return [_Failure(f"nothing was checked ({why} and there is no loss)", math.inf, tol, torch.float64)]
+            return []
+        err = check.error(after)
+        report.check_error = err
+        exact = all(s.action.exactness in ("exact", "data-dependent") for s in plan.sites)
+        if not exact and report.loss_drift is not None:
+            return []
+        if err <= tol:
+            return []
+        where = {"batch": "the teleport batch", "closure": "the closure's forwards", "probe": "the probe inputs"}[check.kind]
+        return [_Failure(f"outputs changed by {err:.2e} (relative) > tolerance {tol:.1e} on {where}", err, tol, check.output_dtype())]
+
+    def _settle_inconclusive(self, plan: Plan, snapshot: Snapshot, failures: list[_Failure]) -> list[_Failure]:
+        """Re-run inconclusive failures (:mod:`~teleopt.teleport.check`) in float64; the failures that stand."""
+        check, report, request = plan.check, plan.report, plan.request
+        assert check is not None
+        if any(s.action.needs_data for s in plan.sites) or not all(f.inconclusive() for f in failures):
+            return failures
+        if self.config.sharded:  # a float64 copy of an FSDP2 model would run collectives on one rank's whim
+            return failures + [_Failure("(inconclusive below float64; no float64 re-run of a sharded model)", math.inf, 0.0, torch.float64)]
+        rerun = check if check.kind != "closure" else self.plan_check(plan.sites, replace(request, batch=None, closure=None))
+        if rerun is None or rerun.batch is None:
+            return failures + [
+                _Failure("(inconclusive below float64; no inputs to re-run the check in float64)", math.inf, 0.0, torch.float64)
+            ]
+        elements = [report.elements[s.name] for s in plan.sites]
+        try:
+            err64 = float64_rerun(self.config.module, snapshot.saved, plan.sites, elements, rerun)
+        except Exception as e:  # noqa: BLE001 - a model that cannot be copied to float64: the failure stands
+            return failures + [_Failure(f"(inconclusive; the float64 re-run failed: {type(e).__name__})", math.inf, 0.0, torch.float64)]
+        tol64 = default_rtol(torch.float64)
+        if err64 <= tol64:
+            report.check_detail += (
+                f"; {failures[0].reason} in {failures[0].dtype}: inconclusive, re-run on a float64 copy "
+                f"({rerun.describe()}): {err64:.1e} <= {tol64:.0e}"
+            )
+            report.check_error, report.check_tol = err64, tol64
+            return []
+        return failures + [_Failure(f"float64 re-run: outputs changed by {err64:.2e} > {tol64:.0e}", err64, tol64, torch.float64)]
 
     def _grad_norm_after(self, plan: Plan) -> None:
         if plan.report.grad_norm_after is not None:
@@ -459,6 +625,31 @@ class TeleportEngine:
                 grad_ref,
                 report.loss_before,
             )
+
+
+@dataclass
+class _Failure:
+    """A failed post-condition: why, the measured relative change, its tolerance, the dtype it was measured in."""
+
+    reason: str
+    value: float
+    tol: float
+    dtype: torch.dtype
+
+    def inconclusive(self) -> bool:
+        """Below float64 and within ``INCONCLUSIVE_FACTOR`` of the tolerance: maybe rounding."""
+        return self.dtype != torch.float64 and math.isfinite(self.value) and self.tol < self.value <= INCONCLUSIVE_FACTOR * self.tol
+
+
+def _non_finite_gradient(ctx: TeleportContext) -> str | None:
+    """The name of a trainable parameter whose ``.grad`` has a NaN or inf (``None``: all finite)."""
+    for name, p in ctx.trainable.items():
+        g = p.grad
+        if g is not None and g.is_sparse:
+            g = g.coalesce().values()
+        if g is not None and g.numel() and not bool(torch.isfinite(local(g)).all()):
+            return name
+    return None
 
 
 class _buffers_restored:

@@ -10,16 +10,20 @@
 
 On a schedule, ``step()`` moves the parameters along loss-invariant group orbits
 to where the chosen objective is best (papers/001 Sec. 4.3, Ch. 5), moves
-``.grad`` and the optimizer state consistently, checks that the loss did not
-change, and then lets the base optimizer step from the teleported point.  See
-:mod:`teleopt.teleport` for the paths, objectives, state policies and safety.
+``.grad`` and the optimizer state consistently, checks that the model outputs did
+not change (on the teleport batch, the closure's forwards or probe inputs:
+:mod:`teleopt.teleport.check`), and then lets the base optimizer step from the
+teleported point.  See :mod:`teleopt.teleport` for the paths, objectives, state
+policies and safety.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +34,7 @@ from torch.utils.hooks import RemovableHandle
 from teleopt.functional import Batch, LossFn, as_batch
 from teleopt.sharding import reshard, sharded_module
 from teleopt.site import Site
+from teleopt.teleport.check import OutputCapture, ProbeRecorder, seeded
 from teleopt.teleport.config import (
     Shortcuts,
     check_shortcuts,
@@ -38,7 +43,7 @@ from teleopt.teleport.config import (
     resolve_state_policy,
 )
 from teleopt.teleport.context import TeleportContext
-from teleopt.teleport.distributed import check_supported_sharding, unwrap
+from teleopt.teleport.distributed import check_supported_sharding, hook_target, unwrap
 from teleopt.teleport.engine import EngineConfig, TeleportEngine, TeleportRequest
 from teleopt.teleport.fast_path import fast_path_eligible
 from teleopt.teleport.lookahead import LookaheadView
@@ -51,6 +56,7 @@ from teleopt.teleport.search import SearchConfig
 from teleopt.teleport.sites import (
     check_model_matches_optimizer,
     detect_sites,
+    unusable,
     validate_sites,
 )
 from teleopt.teleport.state_policy import StatePolicy
@@ -110,12 +116,18 @@ class Teleport(OptimizerWrapper):
     optimizer:
         The base optimizer; it keeps its param groups and state.
     model:
-        The model whose parameters ``optimizer`` updates (DDP wrappers are unwrapped).
+        The model whose parameters ``optimizer`` updates (``DistributedDataParallel``,
+        ``DataParallel`` and ``torch.compile`` wrappers are unwrapped).  A forward
+        pre-hook records the inputs of its last forward as probe inputs (see below).
     sites:
         ``"auto"`` (the exact continuous sites ``teleopt.find_symmetries`` finds on the
-        model; needs ``example_inputs`` or a first teleport batch) or a list of
-        :class:`~teleopt.site.Site` naming tensors of ``model.state_dict()``; sites act
-        in list order.  Discrete sites (permutations, signs) are not searched.
+        model, with ``example_inputs``/``example_kwargs``, else the first teleport batch
+        or the last forward's inputs; sites whose parameters the optimizer does not
+        update are left out with a warning and listed in ``report.skipped``) or a list
+        of :class:`~teleopt.site.Site` naming tensors of ``model.state_dict()``; sites
+        act in list order.  Discrete sites (permutations, signs) are not searched.
+        A site whose parameter is frozen (``requires_grad=False``) after the wrapper
+        was built is left out of the teleports while it is frozen.
     objective:
         ``"grad_norm"`` (default), ``"preconditioned_norm"``, ``"lookahead"``,
         ``"sharpness"``, ``"curvature"`` or an :class:`~teleopt.teleport.objectives.Objective`.
@@ -134,19 +146,27 @@ class Teleport(OptimizerWrapper):
         What happens to the optimizer state (:class:`~teleopt.teleport.state_policy.StatePolicy`,
         or its ``policy`` argument); shortcut ``state_fallback``.
     loss_fn:
-        ``loss_fn(model(*inputs), target)``, needed by the general path and by
-        loss checks on explicit batches; ``None`` when the output is the loss or
+        ``loss_fn(model(*inputs, **kwargs), target)``, needed by the general path and
+        by loss checks on explicit batches; ``None`` when the output is the loss or
         carries it as ``.loss`` (transformers models given ``labels``).
     batch_fn:
-        ``batch_fn() -> (inputs, target)`` supplying teleport batches for scheduled
-        teleports (general path, loss checks and the stability cap); ``inputs`` a
-        tensor, a tuple, or a mapping of keyword inputs (``model(**inputs)``).
-        Every evaluation on it draws the same dropout masks.
+        ``batch_fn() -> batch`` supplying teleport batches for scheduled teleports
+        (general path, the check, loss checks and the stability cap).  A batch is
+        ``(inputs, target)`` with ``inputs`` a tensor, a tuple or a mapping of keyword
+        inputs (``model(**inputs)``), ``(inputs, target, kwargs)`` with the keyword
+        arguments the model is called with in training, or a mapping of keyword inputs
+        alone (target ``None``); see :func:`teleopt.functional.as_batch`.  Every
+        evaluation on it draws the same dropout masks.
     heldout_batch:
         A batch on which invariance is also checked.
-    example_inputs:
-        Inputs for ``sites="auto"`` detection: a tensor, a tuple of positional inputs or a
-        mapping of keyword inputs (``input_ids``, ... of a transformers model).
+    example_inputs, example_kwargs:
+        Inputs (a tensor, a tuple, or a mapping of keyword inputs of a transformers
+        model) and keyword arguments for ``sites="auto"`` detection, and the *probe
+        inputs* of teleports that have no batch and no closure.  Every teleport is
+        checked (:mod:`teleopt.teleport.check`): on its batch, else on the closure's
+        forwards, else on the probe inputs (these, or else the first up to 8 rows of
+        the last forward's inputs, copied), in eval mode; with none of them it is
+        declined, never accepted unchecked.
     paper_compat:
         Reproduce the papers' first-order, non-invariant teleport
         (:mod:`~teleopt.teleport.paper_compat`); for comparisons only.
@@ -172,6 +192,7 @@ class Teleport(OptimizerWrapper):
         batch_fn: Callable[[], Any] | None = None,
         heldout_batch: Any = None,
         example_inputs: Any = None,
+        example_kwargs: Mapping[str, Any] | None = None,
         paper_compat: bool = False,
         seed: int = 0,
         **shortcuts: Unpack[Shortcuts],
@@ -181,17 +202,19 @@ class Teleport(OptimizerWrapper):
         search = resolve_search(search, shortcuts)
         super().__init__(optimizer, {"enabled": True, "trust_region": search.trust_region})
         self._module = unwrap(model)
+        self._hook_target = hook_target(model)
         check_model_matches_optimizer(self._module, self.param_groups)
         self._schedule = resolve_schedule(schedule, shortcuts)
         self._objective = get_objective(objective)
         self._search = search
         self._policy = resolve_state_policy(state_policy, shortcuts)
-        self._set_data(loss_fn, batch_fn, heldout_batch, example_inputs)
+        self._set_data(loss_fn, batch_fn, heldout_batch, example_inputs, example_kwargs)
         self._safety = _check_safety(safety)
         if self._objective.needs_optimizer_model:
             TeleportContext.build(self._module, optimizer, self._policy).model.require(f"objective {self._objective.name!r}")
         self._sharded = sharded_module(self._module)
-        self._sites = self._initial_sites(sites, example_inputs, bool(paper_compat))
+        self._auto_skipped: dict[str, str] = {}
+        self._sites = self._initial_sites(sites, bool(paper_compat))
         if self._sharded:
             self._check_sharded(bool(paper_compat))
         self._seed = _check_seed(seed)
@@ -202,6 +225,9 @@ class Teleport(OptimizerWrapper):
         self._hooks: OrderedDict[int, TeleportHook] = OrderedDict()
         self.reports: list[TeleportReport] = []
         self._sparse_warned: set[str] = set()
+        self._probe = ProbeRecorder()
+        handle = self._hook_target.register_forward_pre_hook(self._probe, with_kwargs=True)
+        weakref.finalize(self, handle.remove)  # the hook goes when the wrapper does
 
     def _make_engine(self, paper_compat: bool) -> TeleportEngine:
         """The engine every teleport runs on: the papers' first-order one with ``paper_compat``."""
@@ -217,10 +243,18 @@ class Teleport(OptimizerWrapper):
             seed=self._seed,
             trust_key=self.prefix + "trust_region",
             sharded=self._sharded,
+            hook_target=self._hook_target,
         )
         return (PaperCompatEngine if paper_compat else TeleportEngine)(config, self._record)
 
-    def _set_data(self, loss_fn: LossFn | None, batch_fn: Callable[[], Any] | None, heldout_batch: Any, example_inputs: Any) -> None:
+    def _set_data(
+        self,
+        loss_fn: LossFn | None,
+        batch_fn: Callable[[], Any] | None,
+        heldout_batch: Any,
+        example_inputs: Any,
+        example_kwargs: Mapping[str, Any] | None,
+    ) -> None:
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable(output, target) -> loss, got {type(loss_fn).__name__}")
         if batch_fn is not None and not callable(batch_fn):
@@ -230,7 +264,12 @@ class Teleport(OptimizerWrapper):
         self._loss_fn = loss_fn
         self._batch_fn = batch_fn
         self._heldout = None if heldout_batch is None else as_batch(heldout_batch)
-        self._example_inputs = example_inputs
+        if example_kwargs is not None and (not isinstance(example_kwargs, Mapping) or not all(isinstance(k, str) for k in example_kwargs)):
+            raise TypeError(f"example_kwargs must be a mapping of keyword arguments, got {type(example_kwargs).__name__}")
+        self._example: Batch | None = None
+        if example_inputs is not None or example_kwargs:
+            inputs = () if example_inputs is None else example_inputs
+            self._example = as_batch((tuple(inputs) if isinstance(inputs, list) else inputs, None, example_kwargs))
 
     def _check_sharded(self, paper_compat: bool) -> None:
         """What an FSDP2 (``fully_shard``) model supports: explicit fast-path sites and objectives without a batch."""
@@ -251,15 +290,15 @@ class Teleport(OptimizerWrapper):
                 f"objectives without a batch); not {why}"
             )
 
-    def _initial_sites(self, sites: str | Sequence[Site], example_inputs: Any, paper_compat: bool) -> list[Site] | None:
+    def _initial_sites(self, sites: str | Sequence[Site], paper_compat: bool) -> list[Site] | None:
         found: list[Site] | None = None
         if isinstance(sites, str):
             if sites != "auto":
                 raise ValueError(f"sites must be 'auto' or a list of Site, got {sites!r}")
             if self._sharded:
                 return None  # refused by _check_sharded
-            if example_inputs is not None:
-                found = detect_sites(self._module, self.param_groups, example_inputs)
+            if self._example is not None:
+                found = self._detect(self._example)
         else:
             found = validate_sites(sites, self._module, self.param_groups, given=True)
         if paper_compat:
@@ -273,6 +312,21 @@ class Teleport(OptimizerWrapper):
     def module(self) -> nn.Module:
         """The (unwrapped) model."""
         return self._module
+
+    def _detect(self, batch: Batch) -> list[Site]:
+        """``sites="auto"`` detection on ``batch``'s inputs; warns about the sites left out."""
+        found, skipped = detect_sites(self._module, self.param_groups, batch.inputs, batch.kwargs)
+        self._auto_skipped = skipped
+        if skipped:
+            listed = "; ".join(f"{name}: {why}" for name, why in list(skipped.items())[:5])
+            more = f" (and {len(skipped) - 5} more)" if len(skipped) > 5 else ""
+            warnings.warn(
+                f"Teleport(sites='auto'): {len(skipped)} detected site(s) left out ({listed}{more}); "
+                "each teleport's report lists them in report.skipped",
+                UserWarning,
+                stacklevel=3,
+            )
+        return found
 
     @property
     def sites(self) -> list[Site] | None:
@@ -337,14 +391,29 @@ class Teleport(OptimizerWrapper):
         ``closure`` (torch's meaning: re-evaluates the same batch, returns the loss,
         fills ``.grad``) is called before the teleport, for the gradient and loss at
         w, and once more after it (verifying the loss and leaving ``.grad`` at the
-        teleported point).  ``batch`` is a teleport batch for the general path and
-        for loss checks (with ``loss_fn``).  Inside ``step()`` the closure runs once
-        only: checks then need ``batch_fn``, and the general path leaves the
-        teleport batch's gradient in ``.grad``.
+        teleported point).  Both runs are under a forked RNG with the same seed
+        (Dropout draws the same masks) and the model's outputs in them are compared
+        (the first up to 8 rows of each output leaf).  ``batch`` (see
+        :func:`teleopt.functional.as_batch`; keyword arguments too) is a teleport
+        batch for the general path and for the check; it takes precedence over the
+        closure for the check.  With neither, the check runs on probe inputs, and
+        without those the teleport is declined.  Inside ``step()`` the closure runs
+        once only: checks then use ``batch_fn`` or probe inputs (the closure's own
+        forward is the last forward), and the general path leaves the teleport
+        batch's gradient in ``.grad``.
         """
-        loss = self._run_closure(closure)
+        seed = self._check_seed()
+        outputs = None
+        if closure is None:
+            loss = self._run_closure(closure)
+        else:
+            capture = OutputCapture()
+            with capture.on(self._hook_target), seeded(self._module, seed):
+                loss = self._run_closure(closure)
+            outputs = capture.leaves
         heldout = self._heldout if heldout_batch is None else as_batch(heldout_batch)
-        report, _ = self._teleport_now(TeleportRequest(loss, closure, None if batch is None else as_batch(batch), heldout))
+        request = TeleportRequest(loss, closure, None if batch is None else as_batch(batch), heldout, seed=seed, closure_outputs=outputs)
+        report, _ = self._teleport_now(request)
         return report
 
     @torch.no_grad()
@@ -367,7 +436,7 @@ class Teleport(OptimizerWrapper):
             for _ in range(self._schedule.batches):
                 batch = None if self._batch_fn is None else as_batch(self._batch_fn())
                 # the closure already ran once (torch's contract: at most once per step)
-                self._teleport_now(TeleportRequest(loss, None, batch, self._heldout))
+                self._teleport_now(TeleportRequest(loss, None, batch, self._heldout, seed=self._check_seed()))
         loss = self._step_base(closure, loss)
         record.step += 1
         if record.watch is not None and record.step > record.watch.until:
@@ -378,15 +447,42 @@ class Teleport(OptimizerWrapper):
     def _enabled(self) -> bool:
         return any(bool(self.group_value(g, "enabled")) for g in self.param_groups)
 
-    def _active_sites(self, batch: Batch | None) -> list[Site]:
+    def _check_seed(self) -> int:
+        """The RNG seed of this teleport's check forwards (from the seed and the counters, so resumable)."""
+        record = self._record
+        return (self._seed * 1_000_003 + 7_919 * record.step + record.accepted + 31 * record.rollbacks) % (1 << 62)
+
+    def _probe_inputs(self) -> tuple[Batch | None, str]:
+        """The probe inputs (``example_inputs``/``example_kwargs``, else the last forward's) and their source."""
+        if self._example is not None:
+            return self._example, "example_inputs"
+        if self._probe.batch is not None:
+            return self._probe.batch, "the last forward's inputs"
+        return None, ""
+
+    def _active_sites(self, batch: Batch | None) -> tuple[list[Site], dict[str, str]]:
+        """The sites this teleport moves, and those left out with the reason."""
         if self._sites is None:
-            inputs = self._example_inputs if self._example_inputs is not None else (None if batch is None else batch[0])
+            inputs = self._example if self._example is not None else batch if batch is not None else self._probe.batch
             if inputs is None:
-                raise ValueError("sites='auto' needs example inputs: pass example_inputs= to Teleport or a batch to teleport()")
-            self._sites = detect_sites(self._module, self.param_groups, inputs)
+                raise ValueError(
+                    "sites='auto' needs example inputs: pass example_inputs= to Teleport or a batch to teleport(), or run the model once"
+                )
+            with self._probe.pause():
+                self._sites = self._detect(inputs)
         enabled = {id(p) for g in self.param_groups if self.group_value(g, "enabled") for p in g["params"]}
+        optimized = {id(p) for g in self.param_groups for p in g["params"]}
         params = dict(self._module.named_parameters())
-        return [s for s in self._sites if all(n not in params or id(params[n]) in enabled for n in s.tensor_names)]
+        active, skipped = [], dict(self._auto_skipped)
+        for site in self._sites:
+            why = unusable(site, self._module, params, optimized)
+            if why is None and not all(n not in params or id(params[n]) in enabled for n in site.tensor_names):
+                why = "teleports are disabled for its param group"
+            if why is None:
+                active.append(site)
+            else:
+                skipped[site.name] = why
+        return active, skipped
 
     def _teleport_now(self, request: TeleportRequest) -> tuple[TeleportReport, Any]:
         if any(p.grad is not None and p.grad.requires_grad for p in self._param_list()):
@@ -401,7 +497,13 @@ class Teleport(OptimizerWrapper):
             # FSDP2 leaves the root unsharded after a forward pass without backward; the teleport
             # reads and writes the shards the optimizer holds
             reshard(self._module)
-        report, loss = self._engine.run(self._movable(self._active_sites(request.batch)), request)
+        sites, skipped = self._active_sites(request.batch)
+        movable = self._movable(sites)
+        skipped.update({s.name: "a member has a sparse gradient" for s in sites if s not in movable})
+        probe, source = self._probe_inputs()
+        request = replace(request, probe=probe, probe_source=source, skipped=skipped)
+        with self._probe.pause():
+            report, loss = self._engine.run(movable, request)
         if report.accepted:
             restart_curvature_history(self.innermost)
             self._lookahead.follow(report, self._module)

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from teleopt.actions.axis import AxisAction
 from teleopt.actions.data_dependent import DataDependentGL
+from teleopt.detection.certify import output_leaves
 from teleopt.functional import Batch, FunctionalModel
 from teleopt.site import Site
 from teleopt.teleport.engine import Plan, TeleportEngine
@@ -137,7 +138,9 @@ def _hidden_width(site: Site, cur: dict[str, Tensor]) -> int:
 class PaperCompatEngine(TeleportEngine):
     """The official first-order teleport as a teleport engine: planned like any other (path
     ``"paper_compat"``, always on a batch), then ``ascent_steps`` first-order steps of size
-    ``ascent_lr`` replace search, apply and verify.  No caps, no post-condition, no watch."""
+    ``ascent_lr`` replace search, apply and verify.  No caps, no watch; the outputs on the batch
+    are compared as for every teleport (``report.check_error``), but the teleport is accepted
+    whatever they show."""
 
     def choose_path(self, sites: Sequence[Site]) -> str:
         return "paper_compat"
@@ -155,13 +158,21 @@ class PaperCompatEngine(TeleportEngine):
         for s in plan.sites:
             live.update({n: ctx.tensors[n] for n in s.tensor_names})
         paper_compat_teleport(fmodel, plan.sites, request.batch, list(ctx.trainable), live, cfg.search.steps, cfg.search.lr)
-        plan.report.loss_after = float(FunctionalModel(cfg.module, cfg.loss_fn).loss({}, request.batch))
+        # the check is measured like any other teleport's, but decides nothing: this mode is not loss-preserving
+        check = plan.check
+        assert check is not None and check.kind == "batch", "planned with a batch (paper_compat needs one)"
+        out = check.run(cfg.module)
+        plan.report.loss_after = self._loss_value(fmodel, out, request.batch)
+        plan.report.check_error = check.error(output_leaves(out))
+        plan.report.check_tol = check.tolerance(cfg.safety.loss_tol)
         loss: Any = plan.report.loss_after
         if request.closure is not None:
             loss = self.rerun_closure(request.closure)
         else:
             ctx.fresh_gradients(fmodel, request.batch)
         plan.report.accepted = True
-        plan.report.reason = "accepted (paper_compat: not loss-preserving, no checks)"
+        plan.report.reason = (
+            f"accepted (paper_compat: not loss-preserving, never rolled back; outputs changed by {plan.report.check_error:.2e})"
+        )
         self.record.accepted += 1
         return loss

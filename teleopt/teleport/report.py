@@ -33,6 +33,24 @@ class TeleportReport:
     reason:
         ``"accepted"`` or why not (declined by the caps, rolled back by a
         post-condition, rolled back after the teleport by the watch).
+    check:
+        What the outputs were compared on (:mod:`~teleopt.teleport.check`):
+        ``"batch"`` (the teleport batch), ``"closure"`` (the closure's forwards),
+        ``"probe"`` (``example_inputs`` or the last forward's inputs), or ``"none"``
+        only for a teleport declined before anything moved.  No teleport is accepted
+        with ``"none"``.
+    check_error:
+        The measured relative change of the model outputs (``None`` when not
+        measured); ``check_error <= check_tol`` for every accepted teleport of exact
+        sites (approximate sites are decided by the loss tolerance instead).
+    check_tol:
+        The tolerance ``check_error`` was compared with.
+    check_detail:
+        What exactly was compared (inputs, mode, a float64 re-run of an inconclusive
+        check).
+    skipped:
+        Sites left out of this teleport and why (frozen members, teleports disabled
+        for their param group, members the optimizer does not update).
     loss_before, loss_after:
         Teleport-batch loss at w and g . w (``None`` when no batch or closure was given).
     heldout_before, heldout_after:
@@ -66,6 +84,11 @@ class TeleportReport:
     objective: str
     accepted: bool = False
     reason: str = ""
+    check: str = "none"
+    check_error: float | None = None
+    check_tol: float | None = None
+    check_detail: str = ""
+    skipped: dict[str, str] = field(default_factory=dict)
     loss_before: float | None = None
     loss_after: float | None = None
     heldout_before: float | None = None
@@ -125,6 +148,11 @@ class TeleportReport:
             "objective": self.objective,
             "accepted": self.accepted,
             "reason": self.reason,
+            "check": self.check,
+            "check_error": self.check_error,
+            "check_tol": self.check_tol,
+            "check_detail": self.check_detail,
+            "skipped": dict(self.skipped),
             "loss_before": self.loss_before,
             "loss_after": self.loss_after,
             "loss_drift": self.loss_drift,

@@ -29,11 +29,17 @@ trust region on the coordinates, a teleport is scaled back towards the identity
   this cap looks at all of them, at the cost of ~``stability_iterations``
   Hessian-vector products per candidate.
 
-**Post-conditions (at).**  Invariance is checked, not assumed: the loss on the
-teleport batch (and on a held-out batch when given) must change by at most
-``loss_tol`` (relative; default 1e-10 in float64, 1e-5 in float32, 1e-2 in
-half precisions), and every moved tensor must be finite.  Otherwise the teleport
-is rolled back from a snapshot of the moved tensors and the report says why.
+**Post-conditions (at).**  Invariance is checked, not assumed, for every teleport
+(:mod:`teleopt.teleport.check`): the model outputs on the teleport batch, the
+closure's forwards or probe inputs (``example_inputs``, else the last forward's
+inputs; with none of them the teleport is declined) must change by at most
+``loss_tol`` relative to their norm (default 1e-10 in float64, 1e-5 in float32,
+1e-2 in half precisions; a failure by less than 100x below float64 is re-run on a
+float64 copy), the loss on the teleport batch (and on a held-out batch when
+given) likewise, and every moved tensor must be finite.  Approximate sites are
+decided by the loss alone (their outputs are measured and reported).  Otherwise
+the teleport is rolled back from a snapshot of the moved tensors and the report
+says why.  A non-finite gradient declines the teleport before anything moves.
 
 **Watch (after).**  For ``watch_steps`` steps after an accepted teleport a
 snapshot of all parameters, buffers and optimizer state is kept.  If within that

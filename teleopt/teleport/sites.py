@@ -4,7 +4,8 @@ A site names tensors of ``model.state_dict()``; a teleport needs every member to
 be a floating-point tensor of the model, every parameter member trainable and
 updated by the optimizer, one device and one dtype per site, and a data input
 for data-dependent actions.  Each check fails with an error naming the site and
-the member.
+the member.  Detected sites (``sites="auto"``) whose parameters the optimizer does
+not update, or which are frozen, are left out with the reason instead.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from teleopt.functional import split_inputs
 from teleopt.site import Site, lookup_tensor
 
-__all__ = ["check_model_matches_optimizer", "validate_sites", "detect_sites"]
+__all__ = ["check_model_matches_optimizer", "validate_sites", "detect_sites", "unusable"]
 
 
 def _optimized(param_groups: Sequence[dict[str, Any]]) -> set[int]:
@@ -83,15 +83,31 @@ def _bind(site: Site, module: nn.Module, params: dict[str, nn.Parameter], optimi
     return site
 
 
+def unusable(site: Site, module: nn.Module, params: dict[str, nn.Parameter], optimized: set[int]) -> str | None:
+    """Why a teleport cannot move ``site`` now (a frozen member, one the optimizer does not update), or ``None``."""
+    for m in site.tensor_names:
+        name = _resolve_name(module, m)
+        if name in params:
+            p = params[name]
+            if not p.requires_grad:
+                return f"parameter {name!r} is frozen (requires_grad=False)"
+            if id(p) not in optimized:
+                return f"parameter {name!r} is not updated by the optimizer"
+    return None
+
+
 def validate_sites(
     sites: Sequence[Site],
     module: nn.Module,
     param_groups: Sequence[dict[str, Any]],
     given: bool,
+    skipped: dict[str, str] | None = None,
 ) -> list[Site]:
     """The continuous sites of ``sites`` bound to ``module`` (see module docs).
 
     A discrete site is an error when the user ``given`` it, and skipped when detection found it.
+    A detected site with a frozen member or one the optimizer does not update is skipped, its
+    reason recorded in ``skipped`` (site name -> reason); a given one is an error.
     """
     if isinstance(sites, (str, Site)) or not isinstance(sites, Sequence):
         raise TypeError(f"sites must be 'auto' or a list of Site, got {type(sites).__name__}")
@@ -108,26 +124,43 @@ def validate_sites(
                     "continuous groups by ascent on Lie-algebra coordinates"
                 )
             continue
+        if not given:
+            why = unusable(site, module, params, optimized)
+            if why is not None:
+                if skipped is not None:
+                    skipped[site.name] = why
+                continue
         out.append(_bind(site, module, params, optimized))
     return out
 
 
-def detect_sites(module: nn.Module, param_groups: Sequence[dict[str, Any]], example_inputs: Any) -> list[Site]:
-    """The exact continuous sites ``teleopt.find_symmetries`` finds on ``module`` with ``example_inputs``."""
+def detect_sites(
+    module: nn.Module,
+    param_groups: Sequence[dict[str, Any]],
+    example_inputs: Any,
+    example_kwargs: dict[str, Any] | None = None,
+) -> tuple[list[Site], dict[str, str]]:
+    """The exact continuous sites ``teleopt.find_symmetries`` finds on ``module`` with ``example_inputs``
+    (and ``example_kwargs``) whose parameters the optimizer updates, and the others with the reason."""
     try:
         from teleopt.detection import find_symmetries
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise ImportError("sites='auto' needs teleopt.detection (find_symmetries); pass a list of sites instead") from exc
-    if isinstance(example_inputs, Mapping):  # keyword inputs (transformers models): example_kwargs
-        args, kwargs = (), dict(example_inputs)
+    if isinstance(example_inputs, Mapping):  # keyword inputs (transformers models)
+        example_inputs, example_kwargs = None, {**example_inputs, **(example_kwargs or {})}
+    if example_inputs is None:
+        inputs: tuple[Any, ...] = ()
     else:
-        args, kwargs = split_inputs(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,))
-    found = find_symmetries(module, args or None, example_kwargs=kwargs or None)
+        inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    found = find_symmetries(module, inputs or None, example_kwargs=example_kwargs or None)
     # exact sites only: an approximate site (BatchNorm input scaling, exact up to eps) would fail the
     # invariance post-condition; pass such sites explicitly with a loss tolerance
-    return validate_sites(
+    skipped: dict[str, str] = {}
+    sites = validate_sites(
         [s for s in found.sites if s.action.exactness == "exact"],
         module,
         param_groups,
         given=False,
+        skipped=skipped,
     )
+    return sites, skipped

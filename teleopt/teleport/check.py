@@ -1,0 +1,304 @@
+"""Every teleport is checked: the model's outputs before and after it, compared (DESIGN.md, issue 13).
+
+A teleport moves the parameters along a group orbit; an exact site leaves what the
+model computes unchanged.  Whether it did is measured, never assumed, on one of
+
+* ``"batch"``: the teleport batch (``teleport(batch=...)`` or ``batch_fn``), with the
+  model in its current train/eval modes;
+* ``"closure"``: the outputs of the model during the closure (``teleport(closure)``),
+  which runs once before and once after the teleport;
+* ``"probe"``: *probe inputs* when there is neither: the ``example_inputs`` (and
+  ``example_kwargs``) given to ``Teleport``, or else the positional and keyword
+  inputs of the model's last forward, recorded by a forward pre-hook
+  (:class:`ProbeRecorder`: detached copies of the first :data:`PROBE_ROWS` rows of
+  every tensor when they share their first dimension, else detached references to
+  the inputs, which then stay alive until the next forward).  The probe check runs
+  in eval mode (every module's mode is restored afterwards).
+
+With none of them a teleport is declined.  The forwards before and after run under
+a forked RNG with the same seed (CPU and the CUDA devices of the model), so Dropout
+and DropPath draw the same masks in train mode and the training RNG stream is left
+as it was; buffers are copies (BatchNorm statistics are not updated).  All tensor
+leaves of the output are compared norm-relatively
+(:func:`teleopt.detection.certify.output_error`; for the softmax translation their
+log-softmax), against ``SafetyConfig.loss_tol`` or
+:func:`teleopt.numerics.default_rtol` of the output dtype (1e-10 float64, 1e-5
+float32, 1e-2 below).  A check above the tolerance but within 100 times it, in a
+dtype below float64, on data-independent sites, is *inconclusive* (rounding of a
+large element, or a real violation): it is re-run on a float64 copy of the model
+(the pre-teleport values, the same elements, the same inputs) and decided there
+against the float64 tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from teleopt.detection.certify import log_softmax_leaves, output_error, output_leaves, to_float64
+from teleopt.functional import Batch, FunctionalModel, batch_parts
+from teleopt.numerics import default_rtol
+from teleopt.site import Site
+from teleopt.teleport.transport import transport
+
+__all__ = [
+    "PROBE_ROWS",
+    "INCONCLUSIVE_FACTOR",
+    "ProbeRecorder",
+    "OutputCapture",
+    "OutputCheck",
+    "seeded",
+    "modes",
+    "forward",
+    "float64_rerun",
+]
+
+#: Rows of the last forward's inputs a :class:`ProbeRecorder` keeps (copies).
+PROBE_ROWS = 8
+#: A check within this factor of its tolerance, below float64, is re-run in float64.
+INCONCLUSIVE_FACTOR = 100.0
+#: Elements of one output leaf a closure check keeps (of its first PROBE_ROWS rows).
+_CLOSURE_LEAF_ELEMENTS = 1 << 20
+
+
+def _tensors(value: Any, depth: int = 0) -> Iterator[Tensor]:
+    if depth > 4:
+        return
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v, depth + 1)
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _tensors(v, depth + 1)
+
+
+def _map(value: Any, fn: Callable[[Tensor], Tensor], depth: int = 0) -> Any:
+    if depth > 4:
+        return value
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, tuple):
+        items = [_map(v, fn, depth + 1) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [_map(v, fn, depth + 1) for v in value]
+    if isinstance(value, dict):
+        return {k: _map(v, fn, depth + 1) for k, v in value.items()}
+    return value
+
+
+def probe_slice(args: tuple[Any, ...], kwargs: Mapping[str, Any], rows: int = PROBE_ROWS) -> Batch:
+    """A probe :class:`Batch` from one forward's inputs (see module docs).
+
+    When every tensor with a dimension shares its first size B > ``rows``, each is cut to
+    its first ``rows`` rows and copied; otherwise every tensor is kept as a detached
+    reference (B <= ``rows``: copied, it is small).
+    """
+    tensors = [t for t in _tensors((args, kwargs)) if t.ndim >= 1]
+    sizes = {t.shape[0] for t in tensors}
+    if len(sizes) == 1 and next(iter(sizes)) > rows:
+
+        def cut(t: Tensor) -> Tensor:
+            return t.detach()[:rows].clone() if t.ndim >= 1 else t.detach().clone()
+    elif sizes and max(sizes) <= rows:
+
+        def cut(t: Tensor) -> Tensor:
+            return t.detach().clone()
+    else:
+
+        def cut(t: Tensor) -> Tensor:
+            return t.detach()
+
+    return Batch(tuple(_map(tuple(args), cut)), None, _map(dict(kwargs), cut) or None)
+
+
+class ProbeRecorder:
+    """Forward pre-hook (``with_kwargs=True``) keeping the inputs of the model's last forward.
+
+    ``Teleport`` registers one on its model; ``batch`` is then a :class:`Batch` of at most
+    :data:`PROBE_ROWS` rows (see :func:`probe_slice`).  Forwards made while ``paused``
+    (the teleport's own) are not recorded.
+    """
+
+    def __init__(self) -> None:
+        self.batch: Batch | None = None
+        self.paused = 0
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self.paused:
+            self.batch = probe_slice(args, kwargs)
+
+    @contextmanager
+    def pause(self) -> Iterator[None]:
+        """Record nothing inside (the teleport's own forwards)."""
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+
+
+def _bounded(leaf: Tensor) -> Tensor:
+    """The first PROBE_ROWS rows of an output leaf, at most _CLOSURE_LEAF_ELEMENTS elements, copied."""
+    t = leaf.detach()
+    if t.ndim >= 1:
+        t = t[:PROBE_ROWS]
+    if t.numel() > _CLOSURE_LEAF_ELEMENTS:
+        t = t.reshape(-1)[:_CLOSURE_LEAF_ELEMENTS]
+    return t.clone()
+
+
+class OutputCapture:
+    """Forward hook recording the (bounded) output leaves of every forward of a module while active."""
+
+    def __init__(self) -> None:
+        self.leaves: list[Tensor] = []
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.leaves.extend(_bounded(t) for t in output_leaves(output))
+
+    @contextmanager
+    def on(self, module: nn.Module) -> Iterator[OutputCapture]:
+        """Record the forwards of ``module`` inside."""
+        handle = module.register_forward_hook(self)
+        try:
+            yield self
+        finally:
+            handle.remove()
+
+
+def _cuda_devices(module: nn.Module) -> list[int]:
+    return sorted({int(t.device.index or 0) for t in module.parameters() if t.device.type == "cuda"})
+
+
+@contextmanager
+def seeded(module: nn.Module, seed: int) -> Iterator[None]:
+    """Run inside with the RNG forked (CPU and the model's CUDA devices) and seeded by ``seed``."""
+    devices = _cuda_devices(module)
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+@contextmanager
+def modes(module: nn.Module, train: bool | None) -> Iterator[None]:
+    """Run inside with every submodule in train (``True``) or eval (``False``) mode, each
+    module's own flag restored afterwards; ``None`` leaves the modes as they are."""
+    if train is None:
+        yield
+        return
+    flags = [(m, m.training) for m in module.modules()]
+    module.train(train)
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+@torch.no_grad()
+def forward(module: nn.Module, batch: Batch, train: bool | None, seed: int) -> Any:
+    """The model output on ``batch`` at the live parameters, buffers copied, RNG seeded."""
+    with modes(module, train), seeded(module, seed):
+        return FunctionalModel(module, None).output({}, batch)  # made inside: its passes draw from ``seed``
+
+
+def _output_dtype(leaves: Sequence[Tensor]) -> torch.dtype:
+    """The least precise floating dtype among ``leaves`` (float64 when there is none)."""
+    return max((t.dtype for t in leaves if t.is_floating_point()), key=lambda d: torch.finfo(d).eps, default=torch.float64)
+
+
+@dataclass
+class OutputCheck:
+    """One teleport's check (see module docs): what it runs on and the outputs before.
+
+    ``kind`` is ``"batch"``, ``"closure"`` or ``"probe"``; ``batch`` the inputs the
+    forwards run on (``None`` for a closure); ``train`` the mode they run in (``None``:
+    as the model is); ``seed`` the RNG seed of both forwards; ``translation`` whether to
+    compare log-softmaxes; ``source`` says where the inputs came from.
+    """
+
+    kind: str
+    batch: Batch | None
+    train: bool | None
+    seed: int
+    translation: bool = False
+    source: str = ""
+    before: list[Tensor] = field(default_factory=list)
+    output_before: Any = None
+
+    @classmethod
+    def of_sites(cls, kind: str, batch: Batch | None, train: bool | None, seed: int, sites: Sequence[Site], source: str) -> OutputCheck:
+        translation = any(s.action.name == "softmax_translation" for s in sites)
+        return cls(kind, batch, train, seed, translation, source)
+
+    def run(self, module: nn.Module) -> Any:
+        """Forward on the check's inputs (``batch`` or ``probe`` kinds)."""
+        assert self.batch is not None, "a closure check has no inputs of its own"
+        return forward(module, self.batch, self.train, self.seed)
+
+    def reference(self, module: nn.Module) -> Any:
+        """Record the outputs before the teleport; returns the model output."""
+        out = self.run(module)
+        self.output_before = out
+        self.before = output_leaves(out)
+        return out
+
+    def error(self, after: list[Tensor]) -> float:
+        """The relative output change (see module docs)."""
+        if not self.before and not after:
+            return math.nan
+        a, b = [after], [self.before]
+        if self.translation:
+            a, b = [log_softmax_leaves(after)], [log_softmax_leaves(self.before)]
+        return output_error(a, b)
+
+    def tolerance(self, loss_tol: float | None) -> float:
+        """``loss_tol`` if set, else the default tolerance of the output dtype."""
+        return loss_tol if loss_tol is not None else default_rtol(self.output_dtype())
+
+    def describe(self) -> str:
+        mode = {True: "train mode", False: "eval mode", None: "the model's modes"}[self.train]
+        where = {"batch": "the teleport batch", "closure": "the closure's forwards", "probe": f"probe inputs ({self.source})"}
+        return f"outputs on {where.get(self.kind, self.kind)}, {mode}, forked RNG"
+
+    def output_dtype(self) -> torch.dtype:
+        """The least precise floating dtype of the outputs before."""
+        return _output_dtype(self.before)
+
+
+@torch.no_grad()
+def float64_rerun(
+    module: nn.Module,
+    saved: Mapping[str, Tensor],
+    sites: Sequence[Site],
+    elements: Sequence[Tensor],
+    check: OutputCheck,
+) -> float:
+    """The check re-run on a float64 copy of ``module``: at the pre-teleport values ``saved``
+    (every site member), then after the same ``elements``; the relative output change."""
+    assert check.batch is not None
+    copy64 = copy.deepcopy(module).to(torch.float64)
+    live = copy64.state_dict(keep_vars=True)
+    for n, v in saved.items():
+        if n in live:
+            live[n].copy_(v.to(torch.float64))
+    inputs, target, kwargs = batch_parts(check.batch)
+    batch64 = Batch(tuple(to_float64(inputs)), target, to_float64(kwargs) or None)
+    check64 = OutputCheck(check.kind, batch64, check.train, check.seed, check.translation, check.source)
+    check64.reference(copy64)
+    names = {n for s in sites for n in s.tensor_names}
+    tensors = {n: live[n] for n in names}
+    moved, _ = transport(list(sites), [e.to(torch.float64) for e in elements], tensors, tensors, "params")
+    for n in names:
+        live[n].copy_(moved[n])
+    return check64.error(output_leaves(check64.run(copy64)))
