@@ -27,6 +27,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -349,7 +350,7 @@ def certify_sites(
                 groups["batchnorm"].append(i)
             else:
                 g = edge_element(s, moved, gen)
-                items[i] = (lambda s=s, g=g: checker.apply(s, g), lambda: None)
+                items[i] = (partial(checker.apply, s, g), _nothing)
                 groups["translation" if s.action.name == "softmax_translation" else "exact"].append(i)
         except Exception as e:  # noqa: BLE001
             entries[i] = CertificationEntry(s.name, "dropped", math.inf, f"no element could be drawn: {type(e).__name__}: {e}")
@@ -405,7 +406,7 @@ def certify_sites(
 
 @torch.no_grad()
 def _perturb_(model: nn.Module, gen: torch.Generator) -> list[tuple[Tensor, Tensor]]:
-    saved = []
+    saved: list[tuple[Tensor, Tensor]] = []
     for p in model.parameters():
         if not p.requires_grad or not p.is_floating_point() or p.numel() == 0:
             continue
@@ -421,6 +422,10 @@ def _perturb_(model: nn.Module, gen: torch.Generator) -> list[tuple[Tensor, Tens
     return saved
 
 
+def _nothing() -> None:
+    """The undo of an item whose apply is undone by restoring the parameters."""
+
+
 def _demoted(site: Site, err: float) -> Site:
     action = copy.copy(site.action)
     action.exactness = "approximate"
@@ -434,15 +439,15 @@ def _batchnorm_item(checker: _Checker, site: Site, gen: torch.Generator) -> tupl
     n = site.action.group(site.tensors(model)).dim
     g = torch.full((n,), c, dtype=torch.float64)
     mods = [model.get_submodule(p) for p in site.info["batchnorm"]]
-    eps = [m.eps for m in mods]
+    eps = [float(getattr(m, "eps")) for m in mods]  # noqa: B009 - BatchNorm's eps is a float attribute
 
     def do() -> None:
         checker.apply(site, g)
-        for m in mods:
-            m.eps = m.eps * c**2
+        for m, e in zip(mods, eps):
+            setattr(m, "eps", e * c**2)  # noqa: B010
 
     def undo() -> None:
         for m, e in zip(mods, eps):
-            m.eps = e
+            setattr(m, "eps", e)  # noqa: B010
 
     return do, undo

@@ -29,22 +29,11 @@ from teleopt.detection.sites import blocked_reasons, class_sites, direct_sites, 
 from teleopt.detection.tracing import DetectionError, trace_model
 from teleopt.integrations.peft import LoRASites, lora_sites
 from teleopt.site import Site
+from teleopt.unwrap import unwrap as unwrap_model
 
 __all__ = ["find_symmetries", "unwrap_model"]
 
 _LOSSES = ("none", "cross_entropy")
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module inside ``DistributedDataParallel``/``DataParallel`` and ``torch.compile`` wrappers."""
-    for _ in range(16):
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            model = model.module
-        elif type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
-        else:
-            break
-    return model
 
 
 def find_symmetries(
@@ -206,9 +195,9 @@ def _find(
                 f"certification could not run {type(model).__name__} on the example inputs: {type(e).__name__}: {e}"
             ) from None
         certify_seconds = time.perf_counter() - t0
-        for entry in certification:
-            if entry.status == "dropped":
-                skipped.append(SkippedEntry("site", entry.site, f"failed certification: relative output error {entry.error:.2e}"))
+        for checked in certification:
+            if checked.status == "dropped":
+                skipped.append(SkippedEntry("site", checked.site, f"failed certification: relative output error {checked.error:.2e}"))
     lora_notes = [("site", where, f"LoRA adapter {reason}") for where, reason in lora.skipped]
     for kind, where, reason in [*rel.skipped, *notes, *notes2, *lora_notes]:
         entry = SkippedEntry(kind, where, reason)

@@ -41,9 +41,6 @@ from teleopt.functional import Batch
 
 __all__ = [
     "is_distributed",
-    "compiled",
-    "unwrap",
-    "hook_target",
     "check_supported_sharding",
     "broadcast_",
     "broadcast_batch",
@@ -56,39 +53,6 @@ __all__ = [
 def is_distributed() -> bool:
     """Whether a default process group with more than one rank is initialised."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def compiled(model: nn.Module) -> bool:
-    """Whether ``model`` is the wrapper ``torch.compile(module)`` returns (an ``OptimizedModule``)."""
-    return type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside ``DistributedDataParallel``/``DataParallel`` and ``torch.compile`` wrappers."""
-    for _ in range(16):
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            model = model.module
-        elif compiled(model):
-            inner = model._orig_mod
-            assert isinstance(inner, nn.Module)  # compiled() checked it
-            model = inner
-        else:
-            break
-    return model
-
-
-def hook_target(model: nn.Module) -> nn.Module:
-    """The module whose forward hooks see every training forward of ``model``: the outermost
-    ``torch.compile`` wrapper if there is one (its hooks run eagerly, outside the compiled
-    graph), else the unwrapped module (DDP calls it with the inputs on the right device)."""
-    for _ in range(16):
-        if compiled(model):
-            return model
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            model = model.module
-        else:
-            break
-    return model
 
 
 def check_supported_sharding(model: nn.Module) -> None:

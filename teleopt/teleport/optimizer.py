@@ -43,7 +43,7 @@ from teleopt.teleport.config import (
     resolve_state_policy,
 )
 from teleopt.teleport.context import TeleportContext
-from teleopt.teleport.distributed import check_supported_sharding, hook_target, unwrap
+from teleopt.teleport.distributed import check_supported_sharding
 from teleopt.teleport.engine import EngineConfig, TeleportEngine, TeleportRequest
 from teleopt.teleport.fast_path import fast_path_eligible
 from teleopt.teleport.lookahead import LookaheadView
@@ -61,6 +61,7 @@ from teleopt.teleport.sites import (
 )
 from teleopt.teleport.state_policy import StatePolicy
 from teleopt.teleport.watch import TeleportRecord
+from teleopt.unwrap import hook_target, unwrap
 from teleopt.wrapper import OptimizerWrapper
 
 if TYPE_CHECKING:
