@@ -17,20 +17,16 @@ the collapsed low-capacity states; the random anchor is not symmetric under any 
 them with probability one (Theorem 1), and with distinct ``D`` neither under the
 infinitely many reflections of a rotation symmetry (Theorem 2).
 
-:class:`Syre` adds this decay to any ``torch.optim`` optimizer (CONVENTIONS.md
-section 1 wrapper contract).  Units and conventions:
+:class:`Syre` adds this decay to any ``torch.optim`` optimizer.  Units and conventions:
 
 * ``gamma`` is torch's ``weight_decay`` coefficient: the decay adds
-  ``gamma * D * (w - theta_0)`` to the gradient (coupled) or subtracts
-  ``lr * gamma * D * (w - theta_0)`` from the weights (decoupled).  Written as a
-  loss this is ``(gamma / 2) |w - theta_0|_D^2``, i.e. the paper's ``gamma_p`` is
-  ``gamma / 2`` (the paper's experiments use "the standard implementation" of
-  weight decay, Sec. 5.4, so its quoted weight decays are our ``gamma``).
+  ``gamma * D * (w - theta_0)`` to the gradient (coupled) or subtracts ``lr`` times it
+  from the weights (decoupled); as a loss, ``(gamma / 2) |w - theta_0|_D^2``, so the
+  paper's ``gamma_p`` is ``gamma / 2`` (its quoted decays are ``gamma``, Sec. 5.4).
 * ``sigma0`` is relative to the standard initialisation scale (Sec. 5.4): every
-  anchor entry is drawn with standard deviation ``sigma0 / sqrt(fan_in)``, where
-  ``fan_in`` is torch.nn.init's fan-in of the tensor (``shape[1] * prod(shape[2:])``,
-  the fan-in the default initialisers use).  The default ``sigma0 = 0.01`` is the
-  paper's recommended ``0.01 / sqrt(d)``.
+  anchor entry is drawn with standard deviation ``sigma0 / sqrt(fan_in)`` (torch.nn.init's
+  fan-in, ``shape[1] * prod(shape[2:])``); the default ``sigma0 = 0.01`` is the paper's
+  ``0.01 / sqrt(d)``.
 """
 
 from __future__ import annotations
@@ -77,74 +73,47 @@ class Syre(OptimizerWrapper):
 
     * **coupled** (``decoupled=False``, default): the base optimizer sees the gradient
       ``grad + gamma * D * (w - theta_0)`` (``p.grad`` holds the data gradient again
-      after ``step()``).  This *is* eq. 6 (eq. 7 with ``D``): all torch
-      optimizers without their own weight decay update translation-equivariantly
-      (the step depends on gradients and state, not on the parameter's value), so
-      running the base optimizer on eq. 6's ``theta = w - theta_0`` with
-      ``grad_theta l_r = grad l(w) + 2 gamma_p (w - theta_0)`` gives exactly this
-      trajectory of ``w``, with ``gamma = 2 gamma_p``.  It is what the paper's
-      implementation (model evaluated at ``theta + theta_0``, "weight decay the same
-      as the standard implementation", Sec. 5.4) does with SGD or
-      ``Adam(weight_decay=gamma)``.  The decay passes through the base's momentum and
+      after ``step()``).  This *is* eq. 6 (eq. 7 with ``D``), with ``gamma = 2 gamma_p``:
+      torch optimizers without their own decay are translation-equivariant, so stepping
+      on ``theta = w - theta_0`` gives this trajectory of ``w`` (the paper's
+      implementation, Sec. 5.4).  The decay passes through momentum and
       preconditioner (like Adam's L2).
     * **decoupled** (``decoupled=True``): before the base step,
       ``w <- w - lr * gamma * D * (w - theta_0)`` (``torch.lerp`` towards the anchor
       when ``D = 1``), like AdamW.  It equals the paper's implementation with
       ``AdamW(weight_decay=gamma)`` on ``theta``.
 
-    The two coincide (up to rounding) for plain SGD without momentum; they differ
-    with momentum (the decay accumulates in the buffer) and with adaptive methods
-    (coupled decay is divided by Adam's ``sqrt(v)``, so coordinates with large
-    gradients are barely pulled towards the anchor).  In both modes the anchor is a
-    fixed point of the decay and, under pure decay, ``|w - theta_0|`` contracts by
-    ``1 - lr * gamma * D`` per SGD step.
+    The two coincide for plain SGD without momentum; with momentum the decay
+    accumulates in the buffer, and coupled decay is divided by Adam's ``sqrt(v)``.
+    The anchor is a fixed point of the decay; under pure decay ``|w - theta_0|``
+    contracts by ``1 - lr * gamma * D`` per SGD step.
 
-    Anchors are drawn once per parameter tensor from a CPU ``torch.Generator``
-    seeded by ``(seed, parameter index)`` (the parameter's position in
-    ``state_dict`` order), with standard deviation ``sigma0 / sqrt(fan_in)``
-    (:func:`fan_in`; Sec. 5.4's relative units), in float32 (float64 for float64
-    parameters), then moved to the parameter's device and dtype: every process, rank
-    and device gets the same anchors.  ``D`` is drawn the same way from a second
-    stream.  Sharded parameters (FSDP2 ``fully_shard``: ``DTensor``) get the shards
-    of the same whole-tensor draw (laid out like the parameter, so the anchor does
-    not depend on the world size) and decay on their local shards; :meth:`penalty`
-    then all-reduces, so every rank must call it.  With ``store_anchors=True`` they are kept (created at first use, so the
-    model may still be moved to its device after the optimizer is made) and saved in
-    ``state_dict``; with ``store_anchors=False`` they are regenerated tensor by tensor
-    in every step (no persistent memory, but a CPU normal draw per parameter per step:
-    several times the cost of the base step, see ``benchmarks/syre_cost.py``) and
-    ``state_dict`` keeps only the seeds.  Loaded anchors always take precedence over
-    regenerated ones.  Memory in stored mode: one parameter-sized anchor (two with
-    eq. 7's ``D``), plus, for CPU parameters in coupled or eq. 7 mode, one reused
-    ``w - theta_0`` buffer (on accelerators that buffer is allocated per step).
+    Anchors are drawn once per parameter tensor from a CPU ``torch.Generator`` seeded
+    by ``(seed, parameter index)`` (``state_dict`` order) with standard deviation
+    ``sigma0 / sqrt(fan_in)`` (:func:`fan_in`; Sec. 5.4's relative units), so every
+    process, rank and device gets the same anchors; ``D`` comes from a second stream.
+    Sharded (FSDP2 ``DTensor``) parameters get their shards of the same whole-tensor
+    draw and decay locally; :meth:`penalty` then all-reduces (every rank calls it).
+    ``store_anchors=True`` keeps the anchors (made at first use, saved in
+    ``state_dict``; loaded anchors take precedence); ``store_anchors=False``
+    regenerates them every step from the seeds (no memory, a CPU draw per parameter
+    per step: ``benchmarks/syre_cost.py``).  Memory and costs: the Syre user guide.
 
-    Every option is a per-group hyperparameter stored as
-    ``"teleopt_syre_<name>"`` in the base's param groups (set your own value in a
-    group before wrapping, or use :meth:`param_group`); schedulers may change
-    ``gamma``.  ``enabled=False`` opts a group out.  ``exclude_1d=True`` (default)
-    leaves 1-D and 0-D tensors (biases, norm weights, scalars) alone: timm's
-    optimizer factory exempts them from weight decay, pulling a norm's weight
-    towards a point near zero hurts as plain decay does, and every neuron-level
-    symmetry (permutation, rescaling, sign flip) also moves a weight matrix, whose
-    anchor already breaks it (``benchmarks/syre_collapse.py`` and ``syre_digits.py``
-    measure no gain from decaying biases, see the README).  Give ``exclude_1d=False``
-    when a symmetry lives in 1-D tensors alone (papers/003's ``u * w`` model): they
-    then use their length as the width ``d`` of ``sigma0 / sqrt(d)``.  ``fan_in``
-    overrides the fan-in of every tensor of a group, 1-D ones included.  Complex parameters decay in
-    their real view (``torch.view_as_real``; anchors and ``D`` are kept in it).
-    ``sigma0`` and ``gamma`` must keep anchors and decay finite in each parameter's
-    dtype (checked when wrapping, adding groups, loading and stepping).
+    Every option is a per-group hyperparameter ``"teleopt_syre_<name>"`` in the base's
+    param groups (:meth:`param_group`; schedulers may change ``gamma``);
+    ``enabled=False`` opts a group out.  ``exclude_1d=True`` (default, timm's
+    convention) leaves 1-D and 0-D tensors alone; give ``exclude_1d=False`` when a
+    symmetry lives in 1-D tensors only (papers/003's ``u * w``), which then use their
+    length as ``d``.  ``fan_in`` overrides every tensor's fan-in in a group.  Complex
+    parameters decay in their real view.  ``sigma0`` and ``gamma`` must keep anchors
+    and decay finite in each parameter's dtype (checked when wrapping, adding groups,
+    loading and stepping).
 
-    Composition: ``Syre(Teleport(base))`` and ``Teleport(Syre(base))`` work and take
-    the same steps (hyperparameters live under separate prefixes, state dicts nest,
-    and the decay is applied in a step pre-hook of the innermost optimizer, i.e. at
-    the teleported point with the transported gradient).  Syre breaks the
-    symmetries teleportation moves along: the data loss is still invariant along an
-    orbit, the decay term is not, so a teleport keeps the data loss but changes the
-    regularised objective (:meth:`penalty`); Teleport's objectives see the data
-    gradient only and ignore the decay.  Expect the decay to pull a teleported
-    model back towards the anchor over ``~1 / (lr * gamma)`` steps.  Wrapping a
-    ``Syre`` in another ``Syre`` is rejected.
+    Composition: ``Syre(Teleport(base))`` and ``Teleport(Syre(base))`` take the same
+    steps (the decay runs in a step pre-hook of the innermost optimizer, at the
+    teleported point).  A teleport keeps the data loss but not the decay term
+    (:meth:`penalty`), which pulls the model back towards the anchor over
+    ``~1 / (lr * gamma)`` steps.  ``Syre(Syre(...))`` is rejected.
 
     Parameters
     ----------
