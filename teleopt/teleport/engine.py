@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,7 +39,7 @@ from teleopt.numerics import default_rtol
 from teleopt.sharding import local, reshard, square_sum
 from teleopt.site import Site
 from teleopt.teleport.ascent import shrink_to_feasible
-from teleopt.teleport.check import INCONCLUSIVE_FACTOR, OutputCapture, OutputCheck, float64_rerun, forward, seeded
+from teleopt.teleport.check import OutputCapture, OutputCheck, float64_rerun, forward, seeded
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.coordinates import zero_coordinates
 from teleopt.teleport.distributed import any_rank, broadcast_, broadcast_batch, check_identical
@@ -52,11 +53,11 @@ from teleopt.teleport.safety import (
     SafetyConfig,
     Snapshot,
     StabilityCap,
-    default_loss_tol,
     preconditioned_sharpness,
 )
 from teleopt.teleport.search import SearchConfig, SearchProblem, SearchResult
 from teleopt.teleport.state_policy import StatePolicy
+from teleopt.teleport.verdict import Failure, loss_failures, non_finite_gradient, output_failures
 from teleopt.teleport.watch import TeleportRecord, Watch
 from teleopt.wrapper import OptimizerWrapper
 
@@ -237,7 +238,7 @@ class TeleportEngine:
 
     def _declined(self, ctx: TeleportContext, check: OutputCheck | None) -> str | None:
         """Why the teleport cannot go ahead: a non-finite gradient, or nothing to check it on."""
-        bad = _non_finite_gradient(ctx)
+        bad = non_finite_gradient(ctx)
         if bad is not None:
             return f"declined: non-finite gradient ({bad})"
         if check is None:
@@ -524,75 +525,36 @@ class TeleportEngine:
         finally:
             self._reshard()
 
-    def _drift(self, plan: Plan, dtype: torch.dtype) -> list[_Failure]:
+    def _drift(self, plan: Plan, dtype: torch.dtype) -> list[Failure]:
         """Why the loss or held-out loss changed too much (empty: invariance held)."""
-        safety, report, heldout = self.config.safety, plan.report, plan.request.heldout
-        tol = safety.loss_tol if safety.loss_tol is not None else default_loss_tol(dtype)
-        failures = []
-        if report.loss_before is not None and report.loss_after is not None:
-            drift = abs(report.loss_after - report.loss_before) / max(abs(report.loss_before), 1e-300)
-            if not drift <= tol:
-                failures.append(_Failure(f"loss changed by {drift:.2e} (relative) > tolerance {tol:.1e}", drift, tol, dtype))
+        report, heldout = plan.report, plan.request.heldout
         if heldout is not None:
             report.heldout_after = self._heldout_loss(heldout, plan.request.seed)
-            htol = safety.heldout_tol
-            if htol is None and all(s.action.exactness == "exact" and not s.action.needs_data for s in plan.sites):
-                htol = tol
-            if htol is not None and report.heldout_before is not None:
-                hdrift = abs(report.heldout_after - report.heldout_before) / max(abs(report.heldout_before), 1e-300)
-                if not hdrift <= htol:
-                    failures.append(
-                        _Failure(f"held-out loss changed by {hdrift:.2e} (relative) > tolerance {htol:.1e}", hdrift, htol, dtype)
-                    )
-        return failures
+        return loss_failures(report, self.config.safety, plan.sites, dtype)
 
-    def _outputs(self, plan: Plan) -> list[_Failure]:
-        """Compare the outputs after with those before (``report.check_error``); why they changed too much.
+    def _outputs(self, plan: Plan) -> list[Failure]:
+        """Compare the outputs after with those before (:func:`~teleopt.teleport.verdict.output_failures`)."""
+        assert plan.check is not None, "every teleport is planned with a check"
+        return output_failures(plan.check, plan.after or [], plan.report, plan.sites, self.config.safety.loss_tol)
 
-        Sites that promise exactness (exact, or data-dependent on the batch) are decided by the
-        outputs; approximate sites by the loss tolerance when the loss is known (their outputs are
-        measured and reported only).
-        """
-        check, report = plan.check, plan.report
-        assert check is not None, "every teleport is planned with a check"
-        after = plan.after or []
-        tol = check.tolerance(self.config.safety.loss_tol)
-        report.check_tol = tol
-        if not check.before and not after:  # no tensor output to compare: the loss decides
-            why = "the closure did not call the model" if check.kind == "closure" else "the output has no tensor"
-            report.check_detail = f"the {check.kind}'s loss ({why})"
-            report.check_error = report.loss_drift
-            if report.check_error is None:
-                return [_Failure(f"nothing was checked ({why} and there is no loss)", math.inf, tol, torch.float64)]
-            return []
-        err = check.error(after)
-        report.check_error = err
-        exact = all(s.action.exactness in ("exact", "data-dependent") for s in plan.sites)
-        if not exact and report.loss_drift is not None:
-            return []
-        if err <= tol:
-            return []
-        where = {"batch": "the teleport batch", "closure": "the closure's forwards", "probe": "the probe inputs"}[check.kind]
-        return [_Failure(f"outputs changed by {err:.2e} (relative) > tolerance {tol:.1e} on {where}", err, tol, check.output_dtype())]
-
-    def _settle_inconclusive(self, plan: Plan, snapshot: Snapshot, failures: list[_Failure]) -> list[_Failure]:
+    def _settle_inconclusive(self, plan: Plan, snapshot: Snapshot, failures: list[Failure]) -> list[Failure]:
         """Re-run inconclusive failures (:mod:`~teleopt.teleport.check`) in float64; the failures that stand."""
         check, report, request = plan.check, plan.report, plan.request
         assert check is not None
         if any(s.action.needs_data for s in plan.sites) or not all(f.inconclusive() for f in failures):
             return failures
         if self.config.sharded:  # a float64 copy of an FSDP2 model would run collectives on one rank's whim
-            return failures + [_Failure("(inconclusive below float64; no float64 re-run of a sharded model)", math.inf, 0.0, torch.float64)]
+            return failures + [Failure("(inconclusive below float64; no float64 re-run of a sharded model)", math.inf, 0.0, torch.float64)]
         rerun = check if check.kind != "closure" else self.plan_check(plan.sites, replace(request, batch=None, closure=None))
         if rerun is None or rerun.batch is None:
             return failures + [
-                _Failure("(inconclusive below float64; no inputs to re-run the check in float64)", math.inf, 0.0, torch.float64)
+                Failure("(inconclusive below float64; no inputs to re-run the check in float64)", math.inf, 0.0, torch.float64)
             ]
         elements = [report.elements[s.name] for s in plan.sites]
         try:
             err64 = float64_rerun(self.config.module, snapshot.saved, plan.sites, elements, rerun)
         except Exception as e:  # noqa: BLE001 - a model that cannot be copied to float64: the failure stands
-            return failures + [_Failure(f"(inconclusive; the float64 re-run failed: {type(e).__name__})", math.inf, 0.0, torch.float64)]
+            return failures + [Failure(f"(inconclusive; the float64 re-run failed: {type(e).__name__})", math.inf, 0.0, torch.float64)]
         tol64 = default_rtol(torch.float64)
         if err64 <= tol64:
             report.check_detail += (
@@ -601,7 +563,7 @@ class TeleportEngine:
             )
             report.check_error, report.check_tol = err64, tol64
             return []
-        return failures + [_Failure(f"float64 re-run: outputs changed by {err64:.2e} > {tol64:.0e}", err64, tol64, torch.float64)]
+        return failures + [Failure(f"float64 re-run: outputs changed by {err64:.2e} > {tol64:.0e}", err64, tol64, torch.float64)]
 
     def _grad_norm_after(self, plan: Plan) -> None:
         if plan.report.grad_norm_after is not None:
@@ -618,50 +580,16 @@ class TeleportEngine:
         record.accepted += 1
         if safety.watch_steps > 0:
             grad_ref = max(report.grad_norm_before or 0.0, report.grad_norm_after or 0.0) ** 2
-            record.watch = Watch(
-                snapshot,
-                record.step + safety.watch_steps,
-                record.step,
-                grad_ref,
-                report.loss_before,
-            )
+            record.watch = Watch(snapshot, record.step + safety.watch_steps, record.step, grad_ref, report.loss_before)
 
 
-@dataclass
-class _Failure:
-    """A failed post-condition: why, the measured relative change, its tolerance, the dtype it was measured in."""
-
-    reason: str
-    value: float
-    tol: float
-    dtype: torch.dtype
-
-    def inconclusive(self) -> bool:
-        """Below float64 and within ``INCONCLUSIVE_FACTOR`` of the tolerance: maybe rounding."""
-        return self.dtype != torch.float64 and math.isfinite(self.value) and self.tol < self.value <= INCONCLUSIVE_FACTOR * self.tol
-
-
-def _non_finite_gradient(ctx: TeleportContext) -> str | None:
-    """The name of a trainable parameter whose ``.grad`` has a NaN or inf (``None``: all finite)."""
-    for name, p in ctx.trainable.items():
-        g = p.grad
-        if g is not None and g.is_sparse:
-            g = g.coalesce().values()
-        if g is not None and g.numel() and not bool(torch.isfinite(local(g)).all()):
-            return name
-    return None
-
-
-class _buffers_restored:
-    """Context manager: snapshot the module's buffers and restore them on exit (extra closure passes)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-
-    def __enter__(self) -> None:
-        self.saved = [(b, b.detach().clone()) for b in self.module.buffers()]
-
-    def __exit__(self, *exc: object) -> None:
+@contextmanager
+def _buffers_restored(module: nn.Module) -> Iterator[None]:
+    """Snapshot the module's buffers and restore them on exit (extra closure passes)."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
         with torch.no_grad():
-            for b, v in self.saved:
+            for b, v in saved:
                 b.copy_(v)

@@ -1,0 +1,118 @@
+"""The verify phase's judgement: which post-conditions of a teleport failed, and why.
+
+A teleport moved the parameters along group orbits; the engine
+(:class:`~teleopt.teleport.engine.TeleportEngine`) measured what changed and asks
+here whether that is within tolerance:
+
+* :func:`loss_failures`: the loss on the teleport batch (or the closure's) and on
+  the held-out batch, relative to their values before, against
+  ``SafetyConfig.loss_tol`` (:func:`~teleopt.teleport.safety.default_loss_tol` of the
+  dtype when unset) and ``heldout_tol`` (the loss tolerance for exact,
+  data-independent sites, else unchecked unless given);
+* :func:`output_failures`: the model's outputs before and after
+  (:class:`~teleopt.teleport.check.OutputCheck`), recorded as ``report.check_error``;
+  exact and data-dependent sites are decided by the outputs, approximate ones by the
+  loss when it is known;
+* :func:`non_finite_gradient`: a NaN or inf in ``.grad`` declines a teleport before
+  anything moves.
+
+Each failure is a :class:`Failure` with the measured value, its tolerance and the
+dtype it was measured in; one below float64 within
+:data:`~teleopt.teleport.check.INCONCLUSIVE_FACTOR` of its tolerance is
+*inconclusive* and re-decided in float64 by the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from teleopt.sharding import local
+from teleopt.site import Site
+from teleopt.teleport.check import INCONCLUSIVE_FACTOR, OutputCheck
+from teleopt.teleport.context import TeleportContext
+from teleopt.teleport.report import TeleportReport
+from teleopt.teleport.safety import SafetyConfig, default_loss_tol
+
+__all__ = ["Failure", "loss_failures", "output_failures", "non_finite_gradient"]
+
+_WHERE = {"batch": "the teleport batch", "closure": "the closure's forwards", "probe": "the probe inputs"}
+
+
+@dataclass
+class Failure:
+    """A failed post-condition: why, the measured relative change, its tolerance, the dtype it was measured in."""
+
+    reason: str
+    value: float
+    tol: float
+    dtype: torch.dtype
+
+    def inconclusive(self) -> bool:
+        """Below float64 and within ``INCONCLUSIVE_FACTOR`` of the tolerance: maybe rounding."""
+        return self.dtype != torch.float64 and math.isfinite(self.value) and self.tol < self.value <= INCONCLUSIVE_FACTOR * self.tol
+
+
+def _relative(after: float, before: float) -> float:
+    return abs(after - before) / max(abs(before), 1e-300)
+
+
+def loss_failures(report: TeleportReport, safety: SafetyConfig, sites: Sequence[Site], dtype: torch.dtype) -> list[Failure]:
+    """Why the loss or held-out loss in ``report`` changed too much (empty: invariance held)."""
+    tol = safety.loss_tol if safety.loss_tol is not None else default_loss_tol(dtype)
+    failures = []
+    if report.loss_before is not None and report.loss_after is not None:
+        drift = _relative(report.loss_after, report.loss_before)
+        if not drift <= tol:
+            failures.append(Failure(f"loss changed by {drift:.2e} (relative) > tolerance {tol:.1e}", drift, tol, dtype))
+    if report.heldout_after is not None and report.heldout_before is not None:
+        htol = safety.heldout_tol
+        if htol is None and all(s.action.exactness == "exact" and not s.action.needs_data for s in sites):
+            htol = tol
+        hdrift = _relative(report.heldout_after, report.heldout_before)
+        if htol is not None and not hdrift <= htol:
+            failures.append(Failure(f"held-out loss changed by {hdrift:.2e} (relative) > tolerance {htol:.1e}", hdrift, htol, dtype))
+    return failures
+
+
+def output_failures(
+    check: OutputCheck, after: list[Tensor], report: TeleportReport, sites: Sequence[Site], loss_tol: float | None
+) -> list[Failure]:
+    """Compare the outputs ``after`` with ``check.before``; set ``report.check_error`` / ``check_tol``; why
+    they changed too much.
+
+    Sites that promise exactness (exact, or data-dependent on the batch) are decided by the
+    outputs; approximate sites by the loss tolerance when the loss is known (their outputs are
+    measured and reported only).  With no tensor output on either side the loss decides.
+    """
+    tol = check.tolerance(loss_tol)
+    report.check_tol = tol
+    if not check.before and not after:
+        why = "the closure did not call the model" if check.kind == "closure" else "the output has no tensor"
+        report.check_detail = f"the {check.kind}'s loss ({why})"
+        report.check_error = report.loss_drift
+        if report.check_error is None:
+            return [Failure(f"nothing was checked ({why} and there is no loss)", math.inf, tol, torch.float64)]
+        return []
+    err = check.error(after)
+    report.check_error = err
+    exact = all(s.action.exactness in ("exact", "data-dependent") for s in sites)
+    if (not exact and report.loss_drift is not None) or err <= tol:
+        return []
+    where = _WHERE[check.kind]
+    return [Failure(f"outputs changed by {err:.2e} (relative) > tolerance {tol:.1e} on {where}", err, tol, check.output_dtype())]
+
+
+def non_finite_gradient(ctx: TeleportContext) -> str | None:
+    """The name of a trainable parameter whose ``.grad`` has a NaN or inf (``None``: all finite)."""
+    for name, p in ctx.trainable.items():
+        g = p.grad
+        if g is not None and g.is_sparse:
+            g = g.coalesce().values()
+        if g is not None and g.numel() and not bool(torch.isfinite(local(g)).all()):
+            return name
+    return None
