@@ -148,6 +148,22 @@ class Member:
         after = t.narrow(axis, self.stop, t.shape[axis] - self.stop)
         return torch.cat([before, self._transform_part(part, axis, fn), after], dim=axis)
 
+    def part_view(self, t: Tensor) -> tuple[Tensor, int]:
+        """The acted-on part of ``t`` as (tensor, axis) with the group's axis of length ``axis_length`` (a view
+        where the layout allows, for reading: what ``transform`` hands to its ``fn``)."""
+        axis = self.axis % t.ndim
+        if self.groups > 1:
+            shape = tuple(t.shape)
+            moved = t.reshape((self.groups, shape[0] // self.groups) + shape[1:]).movedim(0, axis)
+            mshape = tuple(moved.shape)
+            return moved.reshape(mshape[:axis] + (self.groups * shape[axis],) + mshape[axis + 2 :]), axis
+        part = t if self.start is None or self.stop is None else t.narrow(axis, self.start, self.stop - self.start)
+        if self.outer == 1 and self.inner == 1:
+            return part, axis
+        shape = tuple(part.shape)
+        n = shape[axis] // (self.outer * self.inner)
+        return part.reshape(shape[:axis] + (self.outer, n, self.inner) + shape[axis + 1 :]), axis + 1
+
     def _transform_part(self, part: Tensor, axis: int, fn: Callable[[Tensor, int], Tensor]) -> Tensor:
         if self.outer == 1 and self.inner == 1:
             return fn(part, axis)
@@ -356,6 +372,22 @@ class AxisAction(GroupAction):
         if self.group(moments).second_moment_power(1) is None:
             return None
         return self._apply(g, moments, -1, square=True)
+
+    def norm_statistics(self, group: Group, params: Sequence[Tensor | None]) -> dict[float, Tensor] | None:
+        """The group's :meth:`~teleopt.groups.Group.norm_statistic` of every given member's acted-on part,
+        summed per power: sum over the members of ||rho(g)^power x||^2 is a function of these alone
+        (``None`` entries are left out; ``None`` when the group has no closed form).  Members that are parts
+        of one tensor each contribute their own part."""
+        stats: dict[float, Tensor] = {}
+        for m, x in zip(self.members, params):
+            if x is None:
+                continue
+            stat = group.norm_statistic(*m.part_view(x))
+            if stat is None:
+                return None
+            power = float(m.power)
+            stats[power] = stats[power] + stat if power in stats else stat
+        return stats
 
     @property
     def has_infinitesimal_action(self) -> bool:

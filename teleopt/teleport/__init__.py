@@ -15,7 +15,8 @@ step.  The concepts live in one module each:
   binding sites to the model and optimizer;
 * :mod:`~teleopt.teleport.schedule`: when to teleport (Algorithm 1's set K);
 * :mod:`~teleopt.teleport.objectives`: gradient norm, preconditioned norm,
-  one-step lookahead loss, sharpness (eq. 5.1), curvature (eq. 5.2);
+  one-step lookahead loss, sharpness (eq. 5.1), curvature (eq. 5.2), balance
+  (least weight norm, closed form in :mod:`~teleopt.teleport.balance`);
 * :mod:`~teleopt.teleport.coordinates` and :mod:`~teleopt.teleport.ascent`:
   Lie-algebra coordinates, trust region, projected ascent;
 * :mod:`~teleopt.teleport.fast_path`: closed-form gradient transport over the
@@ -34,6 +35,7 @@ step.  The concepts live in one module each:
 
 from teleopt.teleport.evaluator import Evaluator
 from teleopt.teleport.objectives import (
+    Balance,
     Curvature,
     GradientNorm,
     Lookahead,
@@ -47,6 +49,7 @@ from teleopt.teleport.report import TeleportReport
 from teleopt.teleport.safety import SafetyConfig
 from teleopt.teleport.schedule import Schedule
 from teleopt.teleport.search import (
+    ClosedForm,
     GradientAscent,
     SearchConfig,
     SearchProblem,
@@ -66,6 +69,7 @@ __all__ = [
     "SearchProblem",
     "SearchResult",
     "GradientAscent",
+    "ClosedForm",
     "Evaluator",
     "Objective",
     "GradientNorm",
@@ -73,5 +77,6 @@ __all__ = [
     "Lookahead",
     "Sharpness",
     "Curvature",
+    "Balance",
     "get_objective",
 ]

@@ -24,6 +24,11 @@ batch) and maximised or minimised by projected ascent on the coordinates
     phi(w, T, D) = mean over t in T, d in D of L(w + t d) (eq. 5.1), with D drawn
     uniformly on the unit sphere (normalised Gaussians, an unbiased choice) once
     per teleport.  Needs a batch.  Decrease by default (flatter minima).
+``Balance`` (``"balance"``)
+    sum ||(g . w)_m||^2 over the trainable site members, decreased: the point of
+    least weight norm on the orbit (ENorm, Stock et al. 2019), solved in closed form
+    per site by block-coordinate sweeps (:mod:`~teleopt.teleport.balance`) instead of
+    by ascent.  No loss is involved; fast path.
 ``Curvature`` (``"curvature"``)
     psi(w, k) = mean_i kappa(gamma_{M_i}, 0) (eq. 5.2), the curvature of the
     orbit curves gamma_M(t) = exp(t M) . w for k random Lie algebra elements.  For
@@ -37,13 +42,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
 
+from teleopt.teleport.balance import balance_coordinates
 from teleopt.teleport.evaluator import Evaluator, require_batch
 from teleopt.teleport.lie_algebra import has_infinitesimal_action, infinitesimal_action
+
+if TYPE_CHECKING:
+    from teleopt.teleport.search import SearchProblem
 
 __all__ = [
     "Objective",
@@ -52,6 +61,7 @@ __all__ = [
     "Lookahead",
     "Sharpness",
     "Curvature",
+    "Balance",
     "get_objective",
     "OBJECTIVES",
 ]
@@ -79,6 +89,7 @@ class Objective(ABC):
     needs_batch: bool = False
     needs_optimizer_model: bool = False
     direction: Direction = "increase"
+    closed_form: bool = False  #: whether :meth:`solve` gives the optimum (then no ascent runs by default)
 
     def prepare(self, evaluator: Evaluator, generator: torch.Generator) -> Any:
         """Per-teleport randomness (``None`` for deterministic objectives)."""
@@ -87,6 +98,10 @@ class Objective(ABC):
     @abstractmethod
     def value(self, evaluator: Evaluator, elements: Sequence[Tensor], prepared: Any) -> Tensor:
         """The objective at g . w (a float64 scalar, differentiable in the elements)."""
+
+    def solve(self, problem: SearchProblem) -> tuple[list[Tensor], float]:
+        """The optimal coordinates per site of ``problem`` and the value at the identity (``closed_form`` objectives)."""
+        raise TypeError(f"objective {self.name!r} has no closed form: it is searched by ascent")
 
     def score(self, evaluator: Evaluator, elements: Sequence[Tensor], prepared: Any) -> Tensor:
         """What the ascent maximises: the value, negated for ``direction="decrease"``."""
@@ -269,12 +284,69 @@ class Curvature(Objective):
         return torch.stack(vs), torch.stack(accs)
 
 
-OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (GradientNorm, PreconditionedNorm, Lookahead, Sharpness, Curvature)}
+class Balance(Objective):
+    """sum_m ||(g . w)_m||^2 over the trainable site members, minimised in closed form (ENorm, Stock et al. 2019).
+
+    The least weight norm on the orbit: for a positive rescaling c_i = (b_i / a_i)^(1/4) per unit (a_i the
+    squared norm of its incoming row and bias, b_i of its outgoing column), for GL the element equalising the
+    Gram matrices of the two sides; coupled sites by block-coordinate sweeps (:mod:`~teleopt.teleport.balance`),
+    clipped to the trust region.  Orthogonal sites stay (norms are invariant); sites the closed form cannot
+    take stay at the identity.
+
+    Parameters
+    ----------
+    max_sweeps, tol:
+        Block-coordinate passes at most, and the change of a site's coordinates (max abs) below which its
+        neighbours are not solved again.
+    """
+
+    name = "balance"
+    direction: Direction = "decrease"
+    closed_form = True
+
+    def __init__(self, max_sweeps: int = 50, tol: float = 1e-3) -> None:
+        if not isinstance(max_sweeps, int) or isinstance(max_sweeps, bool) or max_sweeps < 1:
+            raise ValueError(f"max_sweeps must be a positive int, got {max_sweeps!r}")
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
+            raise ValueError(f"tol must be a number >= 0, got {tol!r}")
+        self.max_sweeps = max_sweeps
+        self.tol = float(tol)
+
+    def value(self, evaluator: Evaluator, elements: Sequence[Tensor], prepared: Any) -> Tensor:
+        trainable = evaluator.ctx.trainable
+        moved = evaluator.site_params(elements)
+        total = torch.zeros((), dtype=torch.float64, device=elements[0].device if elements else None)
+        for name, t in moved.items():
+            if name in trainable:
+                total = total + t.to(torch.float64).square().sum()
+        return total
+
+    def solve(self, problem: SearchProblem) -> tuple[list[Tensor], float]:
+        evaluator = problem.evaluator
+        found = balance_coordinates(
+            problem.sites,
+            problem.groups,
+            evaluator.like,
+            set(evaluator.ctx.trainable),
+            problem.trust_regions,
+            problem.start,
+            self.max_sweeps,
+            self.tol,
+        )
+        return found.coords, found.norm_start
+
+    def __repr__(self) -> str:
+        return f"Balance(max_sweeps={self.max_sweeps}, tol={self.tol:g})"
+
+
+OBJECTIVES: dict[str, type[Objective]] = {
+    cls.name: cls for cls in (GradientNorm, PreconditionedNorm, Lookahead, Sharpness, Curvature, Balance)
+}
 
 
 def get_objective(spec: str | Objective) -> Objective:
     """An :class:`Objective` from its name (``"grad_norm"``, ``"preconditioned_norm"``, ``"lookahead"``,
-    ``"sharpness"``, ``"curvature"``) or an instance."""
+    ``"sharpness"``, ``"curvature"``, ``"balance"``) or an instance."""
     if isinstance(spec, Objective):
         return spec
     if isinstance(spec, str):

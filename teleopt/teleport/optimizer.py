@@ -110,7 +110,8 @@ class Teleport(OptimizerWrapper):
         in list order.  Discrete sites (permutations, signs) are not searched.
     objective:
         ``"grad_norm"`` (default), ``"preconditioned_norm"``, ``"lookahead"``,
-        ``"sharpness"``, ``"curvature"`` or an :class:`~teleopt.teleport.objectives.Objective`.
+        ``"sharpness"``, ``"curvature"``, ``"balance"`` (least weight norm on the orbit, in
+        closed form) or an :class:`~teleopt.teleport.objectives.Objective`.
     schedule:
         When to teleport (:class:`~teleopt.teleport.schedule.Schedule`); shortcuts
         ``every``, ``at``, ``when``, ``warmup``, ``batches``, ``max_teleports``.  No

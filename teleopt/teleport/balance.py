@@ -1,0 +1,249 @@
+"""The ``balance`` teleport: the point of least weight norm on the orbit, in closed form.
+
+The idea of equi-normalization (ENorm, Stock et al. 2019): among the points of a
+symmetry orbit, pick the one with the smallest sum of squared Frobenius norms of
+the site members, N(g) = sum_m ||(g . w)_m||^2 over the trainable members.  For
+exact linear sites N depends on a site's element only through a small statistic
+of its members (:meth:`Group.norm_statistic <teleopt.groups.Group.norm_statistic>`):
+per-unit sums of squares for positive scalings, Gram matrices for GL.  With the
+other sites fixed, a site's minimiser is in closed form
+(:meth:`Group.balance <teleopt.groups.Group.balance>`): c_i = (b_i / a_i)^(1/4)
+for a rescaling between layers (a_i the squared norm of unit i's incoming row and
+bias, b_i of its outgoing column), the geometric-mean element equalising the two
+Gram matrices for GL.
+
+Sites that share a tensor interact (a layer's rows belong to one site, its columns
+to the previous one), so the sites are solved by block-coordinate descent: a site
+is solved again when a neighbour moved by more than ``tol`` in its coordinates.
+Each block minimisation is exact inside the trust region (the per-unit problems
+are convex in the log-scale, so clipping the minimiser to the region is the
+constrained minimiser), hence N decreases monotonically; N is convex in the
+log-scales (a sum of exponentials of linear functions), so the sweeps converge to
+the minimum over the box.
+
+Work per sweep: each tensor whose acting sites are all scalings on whole axes is
+reduced once to S, its sums of squares over the axes no site acts on (a Linear
+weight between two rescaled layers is its own square); a site's statistic is then
+a contraction of S with the other axes' factors c^(2 p) (a matrix-vector product).
+Other tensors (GL sites, slices of fused tensors) are moved by the other sites'
+current elements and read again.
+
+Sites are left at the identity (and named in :attr:`BalanceResult.skipped`) when
+the closed form does not apply: actions that are not :class:`~teleopt.actions.axis.AxisAction`,
+groups without :meth:`~teleopt.groups.Group.balance`, a site acting on two axes of
+one tensor (its units are then coupled), or a site acting on the same axis of a
+tensor as an earlier site when the two do not commute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from teleopt.actions.axis import AxisAction, Member
+from teleopt.groups import Group
+from teleopt.site import Site
+
+__all__ = ["BalanceResult", "balance_coordinates"]
+
+_Entry = tuple[int, Member, Group]  # (site index, member, the site's group)
+
+
+@dataclass
+class BalanceResult:
+    """Coordinates per site, N at the identity and (with ``trace``) after each sweep, the number of sweeps
+    and the sites left at the identity with the reason."""
+
+    coords: list[Tensor]
+    norm_start: float
+    sweeps: int
+    norms: list[float] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def _diagonal(group: Group) -> bool:
+    return group.square_factor(group.identity(), 1.0) is not None
+
+
+def _whole_axis(member: Member) -> bool:
+    return member.start is None and member.outer == 1 and member.inner == 1 and member.groups == 1
+
+
+def _commute(a: _Entry, b: _Entry, ndim: int) -> bool:
+    """Whether two sites' actions on one tensor commute (so each site's statistic ignores the other's order)."""
+    (_, ma, ga), (_, mb, gb) = a, b
+    if ma.axis % ndim != mb.axis % ndim or (_diagonal(ga) and _diagonal(gb)):
+        return True
+    plain = all(m.outer == 1 and m.inner == 1 and m.groups == 1 and m.start is not None for m in (ma, mb))
+    return plain and (ma.stop is not None and mb.stop is not None) and (ma.stop <= (mb.start or 0) or mb.stop <= (ma.start or 0))
+
+
+class _Reduced:
+    """A tensor acted on by scalings on whole, distinct axes, kept as its sums of squares S over the other axes."""
+
+    def __init__(self, tensor: Tensor, entries: list[_Entry]) -> None:
+        axes = [m.axis % tensor.ndim for _, m, _ in entries]
+        other = [d for d in range(tensor.ndim) if d not in axes]
+        sq = tensor.detach().to(torch.float64).square()
+        self.S = sq.sum(dim=other) if other else sq
+        order = sorted(axes)
+        self.letters = "abcdefghij"[: self.S.ndim]
+        self.positions = [order.index(a) for a in axes]
+        self.entries = entries
+
+    def _factors(self, elements: Sequence[Tensor]) -> list[Tensor]:
+        out = []
+        for i, m, grp in self.entries:
+            factor = grp.square_factor(elements[i], m.power)
+            assert factor is not None  # diagonal groups only
+            out.append(factor)
+        return out
+
+    def add_stats(self, site: int, elements: Sequence[Tensor], stats: dict[float, Tensor]) -> None:
+        factors = self._factors(elements)
+        for k, (i, m, _) in enumerate(self.entries):
+            if i != site:
+                continue
+            others = [j for j in range(len(self.entries)) if j != k]
+            spec = self.letters + "".join("," + self.letters[self.positions[j]] for j in others) + "->" + self.letters[self.positions[k]]
+            marginal = torch.einsum(spec, self.S, *[factors[j] for j in others])
+            _add(stats, float(m.power), marginal)
+
+    def value(self, elements: Sequence[Tensor]) -> Tensor:
+        spec = self.letters + "".join("," + self.letters[p] for p in self.positions) + "->"
+        return torch.einsum(spec, self.S, *self._factors(elements))
+
+
+class _Explicit:
+    """Any other tensor: moved by the other sites' current elements, then read by the site's group."""
+
+    def __init__(self, tensor: Tensor, entries: list[_Entry]) -> None:
+        self.tensor = tensor.detach().to(torch.float64)
+        self.entries = sorted(entries, key=lambda e: e[0])  # sites act in list order
+
+    def moved(self, elements: Sequence[Tensor], skip: int | None = None) -> Tensor:
+        x = self.tensor
+        for i, m, grp in self.entries:
+            if i != skip:
+                x = m.transform(x, _acting(grp, elements[i], m.power))
+        return x
+
+    def add_stats(self, site: int, elements: Sequence[Tensor], stats: dict[float, Tensor]) -> None:
+        x = self.moved(elements, skip=site)
+        for i, m, grp in self.entries:
+            if i == site:
+                stat = grp.norm_statistic(*m.part_view(x))
+                assert stat is not None  # checked when the site was admitted
+                _add(stats, float(m.power), stat)
+
+    def value(self, elements: Sequence[Tensor]) -> Tensor:
+        return self.moved(elements).square().sum()
+
+
+def _acting(group: Group, g: Tensor, power: float) -> Callable[[Tensor, int], Tensor]:
+    return lambda part, axis: group.act_on_axis(g, part, axis, power)
+
+
+def _add(stats: dict[float, Tensor], power: float, value: Tensor) -> None:
+    stats[power] = stats[power] + value if power in stats else value
+
+
+def _admit(
+    sites: Sequence[Site], groups: Sequence[Group], tensors: Mapping[str, Tensor], counted: set[str]
+) -> tuple[dict[str, list[_Entry]], dict[str, str]]:
+    """Per counted tensor, the entries of the sites the closed form solves; and the skipped sites with why."""
+    skipped: dict[str, str] = {}
+    entries: dict[str, list[_Entry]] = {}
+    for i, (site, grp) in enumerate(zip(sites, groups)):
+        action = site.action
+        if not isinstance(action, AxisAction):
+            skipped[site.name] = f"{type(action).__name__} is not an axis action"
+            continue
+        mine = [(n, m) for n, m in zip(site.members, action.members) if n is not None and n in counted]
+        if not mine:
+            skipped[site.name] = "no trainable member"
+            continue
+        if not grp.has_balance:
+            skipped[site.name] = f"{grp!r} has no closed-form minimum norm"
+            continue
+        axes: dict[str, set[int]] = {}
+        for n, m in mine:
+            axes.setdefault(n, set()).add(m.axis % tensors[n].ndim)
+        if any(len(a) > 1 for a in axes.values()):
+            skipped[site.name] = "acts on two axes of one tensor (its units are coupled)"
+            continue
+        clash = [n for n, m in mine for e in entries.get(n, []) if not _commute(e, (i, m, grp), tensors[n].ndim)]
+        if clash:
+            skipped[site.name] = f"does not commute with an earlier site on {clash[0]!r}"
+            continue
+        for n, m in mine:
+            entries.setdefault(n, []).append((i, m, grp))
+    return entries, skipped
+
+
+def balance_coordinates(
+    sites: Sequence[Site],
+    groups: Sequence[Group],
+    tensors: Mapping[str, Tensor],
+    counted: set[str],
+    radii: Sequence[float | None],
+    start: Sequence[Tensor],
+    max_sweeps: int = 50,
+    tol: float = 1e-3,
+    trace: bool = False,
+) -> BalanceResult:
+    """Coordinates minimising the squared norm of the ``counted`` members over the sites' orbits (see module docs).
+
+    ``tensors`` maps every member name to its tensor, ``radii`` bounds each site's coordinates (``None``:
+    unbounded), ``start`` holds the identity's coordinates.  A site is solved again while a neighbour's
+    coordinates moved by more than ``tol`` (max abs change), at most ``max_sweeps`` passes.  With ``trace``,
+    N after each pass is recorded in :attr:`BalanceResult.norms`.
+    """
+    coords = [c.detach().clone() for c in start]
+    elements = [grp.exp(c) for grp, c in zip(groups, coords)]
+    entries, skipped = _admit(sites, groups, tensors, counted)
+    terms: list[_Reduced | _Explicit] = []
+    terms_of: dict[int, list[_Reduced | _Explicit]] = {}
+    for n, es in entries.items():
+        reducible = all(_diagonal(grp) and _whole_axis(m) for _, m, grp in es)
+        term: _Reduced | _Explicit = _Reduced(tensors[n], es) if reducible else _Explicit(tensors[n], es)
+        terms.append(term)
+        for i in {i for i, _, _ in es}:
+            terms_of.setdefault(i, []).append(term)
+    neighbours = {i: {j for t in ts for j, _, _ in t.entries} - {i} for i, ts in terms_of.items()}
+    moved_names = set(entries)
+    still = sum(
+        float(tensors[n].detach().to(torch.float64).square().sum())
+        for n in {n for s in sites for n in s.tensor_names if n in counted} - moved_names
+    )
+
+    def total() -> float:
+        return still + sum(float(t.value(elements)) for t in terms)
+
+    norm_start = total()
+    norms = [norm_start] if trace else []
+    dirty = set(terms_of)
+    sweeps = 0
+    order = sorted(terms_of)
+    while dirty and sweeps < max_sweeps:
+        sweeps += 1
+        for i in order:
+            if i not in dirty:
+                continue
+            stats: dict[float, Tensor] = {}
+            for t in terms_of[i]:
+                t.add_stats(i, elements, stats)
+            new = groups[i].balance(stats, radii[i])
+            assert new is not None  # admitted sites have a closed form
+            new = new.to(coords[i])
+            change = float((new - coords[i]).abs().max()) if new.numel() else 0.0
+            coords[i], elements[i] = new, groups[i].exp(new)
+            dirty.discard(i)
+            if change > tol:
+                dirty |= neighbours[i]
+        if trace:
+            norms.append(total())
+    return BalanceResult(coords, norm_start, sweeps, norms, skipped)
