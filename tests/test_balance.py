@@ -10,7 +10,7 @@ from torch import nn
 
 from teleopt import Site, get_action
 from teleopt.groups import GeneralLinear, PositiveScaling
-from teleopt.teleport import Balance, GradientAscent, SearchConfig, Teleport
+from teleopt.teleport import Balance, GradientAscent, SafetyConfig, SearchConfig, Teleport
 from teleopt.teleport.balance import balance_coordinates
 
 RELU = get_action("positive_rescaling", activation="relu")
@@ -126,7 +126,7 @@ def test_gl_balance_equalises_the_gram_matrices_and_is_stationary():
     # and no random nearby element does better
     for _ in range(20):
         step = 0.05 * torch.randn(4, 4, generator=gen, dtype=torch.float64)
-        assert float(norm_after([site], model, [found.coords[0] + step])) >= float(value) - 1e-12
+        assert float(norm_after([site], model, [found.coords[0] + step]).detach()) >= float(value.detach()) - 1e-12
 
 
 def test_attention_sites_with_fused_qkv_slices_balance_head_by_head():
@@ -148,7 +148,7 @@ def test_attention_sites_with_fused_qkv_slices_balance_head_by_head():
     assert report.accepted, report.reason
     assert report.objective_after < 0.5 * report.objective_before
     after = attn(x)
-    assert float((after - before).abs().max() / before.abs().max()) < 1e-10
+    assert float(((after - before).abs().max() / before.abs().max()).detach()) < 1e-10
     # both sides of each head now have equal Gram matrices: q rows against k rows, v rows against proj columns
     W = attn.qkv.weight.detach()
     b = attn.qkv.bias.detach()
@@ -272,6 +272,26 @@ def test_a_teleport_without_schedule_arguments_never_fires_at_step_zero():
     model(x).square().mean().backward()
     opt.step()
     assert opt.reports == []
+
+
+def test_a_watch_rollback_backs_off_only_until_a_teleport_comes_through():
+    model = chain([6, 10, 4], scales=[3.0, 0.3])
+    x = torch.randn(16, 6, dtype=torch.float64)
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=1e-3),
+        model,
+        relu_sites(1),
+        objective="balance",
+        at=[2],
+        safety=SafetyConfig(watch_steps=3, backoff=0.5),
+    )
+    opt.record.backoff = 0.25  # as after two rollbacks
+    for _ in range(8):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    assert opt.reports[0].accepted
+    assert opt.record.rollbacks == 0 and opt.record.backoff == 0.5
 
 
 def test_balance_objective_is_registered_and_validated():

@@ -333,7 +333,9 @@ class Teleport(OptimizerWrapper):
         loss = self._step_base(closure, loss)
         record.step += 1
         if record.watch is not None and record.step > record.watch.until:
+            # a teleport that came through its watch undoes one backoff: a rollback is not permanent
             record.watch = None
+            record.backoff = min(1.0, record.backoff / self._safety.backoff)
         return loss
 
     # ------------------------------------------------------------------ teleport
