@@ -17,6 +17,7 @@ change, and then lets the base optimizer step from the teleported point.  See
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,8 @@ from teleopt.teleport.search import SearchConfig
 from teleopt.teleport.sites import (
     check_model_matches_optimizer,
     detect_sites,
+    normalization_affine,
+    scale_free_updates,
     validate_sites,
 )
 from teleopt.teleport.state_policy import StatePolicy
@@ -105,7 +108,9 @@ class Teleport(OptimizerWrapper):
         The model whose parameters ``optimizer`` updates (DDP wrappers are unwrapped).
     sites:
         ``"auto"`` (the exact continuous sites ``teleopt.find_symmetries`` finds on the
-        model; needs ``example_inputs`` or a first teleport batch) or a list of
+        model; needs ``example_inputs`` or a first teleport batch; under optimizers with
+        scale-free steps (Adam family, Adagrad, RMSprop, unmodelled ones) without the
+        rescalings of normalisation layers' affine parameters, with a warning) or a list of
         :class:`~teleopt.site.Site` naming tensors of ``model.state_dict()``; sites act
         in list order.  Discrete sites (permutations, signs) are not searched.
     objective:
@@ -221,7 +226,7 @@ class Teleport(OptimizerWrapper):
             if sites != "auto":
                 raise ValueError(f"sites must be 'auto' or a list of Site, got {sites!r}")
             if example_inputs is not None:
-                found = detect_sites(self._module, self.param_groups, example_inputs)
+                found = self._detect(example_inputs)
         else:
             found = validate_sites(sites, self._module, self.param_groups, given=True)
         if paper_compat:
@@ -229,6 +234,25 @@ class Teleport(OptimizerWrapper):
                 raise ValueError("paper_compat needs explicit GL sites (sites='auto' finds exact ones only)")
             check_paper_compat_sites(found)
         return found
+
+    def _detect(self, inputs: Any) -> list[Site]:
+        """``sites="auto"``: the detected exact continuous sites, less the normalisation-affine rescalings
+        when the base optimizer's steps are scale-free (they collapsed a ViT under AdamW; see the class docs)."""
+        found = detect_sites(self._module, self.param_groups, inputs)
+        if not scale_free_updates(self.innermost):
+            return found
+        norm = [s.name for s in found if normalization_affine(s, self._module)]
+        if norm:
+            shown = ", ".join(norm[:3]) + (f" and {len(norm) - 3} more" if len(norm) > 3 else "")
+            warnings.warn(
+                f"Teleport(sites='auto') leaves out {len(norm)} normalisation-affine rescaling site(s) ({shown}): under "
+                f"{type(self.innermost).__name__}, whose steps do not scale with the gradient, rescaling a norm's gain "
+                "changes its effective learning rate (it collapsed a ViT under AdamW). Pass the sites explicitly to "
+                "include them.",
+                stacklevel=4,
+            )
+        left_out = set(norm)
+        return [s for s in found if s.name not in left_out]
 
     # ------------------------------------------------------------------ public API
     @property
@@ -347,7 +371,7 @@ class Teleport(OptimizerWrapper):
             inputs = self._example_inputs if self._example_inputs is not None else (None if batch is None else batch[0])
             if inputs is None:
                 raise ValueError("sites='auto' needs example inputs: pass example_inputs= to Teleport or a batch to teleport()")
-            self._sites = detect_sites(self._module, self.param_groups, inputs)
+            self._sites = self._detect(inputs)
         enabled = {id(p) for g in self.param_groups if self.group_value(g, "enabled") for p in g["params"]}
         params = dict(self._module.named_parameters())
         return [s for s in self._sites if all(n not in params or id(params[n]) in enabled for n in s.tensor_names)]
