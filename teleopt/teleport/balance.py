@@ -47,7 +47,7 @@ from teleopt.actions.axis import AxisAction, Member
 from teleopt.groups import Group
 from teleopt.site import Site
 
-__all__ = ["BalanceResult", "balance_coordinates"]
+__all__ = ["BalanceResult", "WeightNormModel", "balance_coordinates"]
 
 _Entry = tuple[int, Member, Group]  # (site index, member, the site's group)
 
@@ -87,7 +87,9 @@ class _Reduced:
     def __init__(self, tensor: Tensor, entries: list[_Entry]) -> None:
         axes = [m.axis % tensor.ndim for _, m, _ in entries]
         other = [d for d in range(tensor.ndim) if d not in axes]
-        sq = tensor.detach().to(torch.float64).square()
+        # in the tensor's own precision (float32 at least): the statistics it yields are read in float64
+        t = tensor.detach()
+        sq = (t if t.dtype in (torch.float32, torch.float64) else t.float()).square()
         self.S = sq.sum(dim=other) if other else sq
         order = sorted(axes)
         self.letters = "abcdefghij"[: self.S.ndim]
@@ -99,7 +101,7 @@ class _Reduced:
         for i, m, grp in self.entries:
             factor = grp.square_factor(elements[i], m.power)
             assert factor is not None  # diagonal groups only
-            out.append(factor)
+            out.append(factor.to(self.S.dtype))
         return out
 
     def add_stats(self, site: int, elements: Sequence[Tensor], stats: dict[float, Tensor]) -> None:
@@ -110,7 +112,7 @@ class _Reduced:
             others = [j for j in range(len(self.entries)) if j != k]
             spec = self.letters + "".join("," + self.letters[self.positions[j]] for j in others) + "->" + self.letters[self.positions[k]]
             marginal = torch.einsum(spec, self.S, *[factors[j] for j in others])
-            _add(stats, float(m.power), marginal)
+            _add(stats, float(m.power), marginal.to(torch.float64))
 
     def value(self, elements: Sequence[Tensor]) -> Tensor:
         spec = self.letters + "".join("," + self.letters[p] for p in self.positions) + "->"
@@ -184,6 +186,75 @@ def _admit(
     return entries, skipped
 
 
+class WeightNormModel:
+    """N(g) = sum of squared norms of the ``counted`` members of ``sites`` at g . w, prepared once per teleport.
+
+    ``tensors`` maps every member name to its tensor.  :meth:`value` is differentiable in the elements
+    (an ascent may use it); :meth:`solve` is the block-coordinate minimisation of the module docs.
+    """
+
+    def __init__(self, sites: Sequence[Site], groups: Sequence[Group], tensors: Mapping[str, Tensor], counted: set[str]) -> None:
+        self.sites, self.groups = list(sites), list(groups)
+        entries, self.skipped = _admit(sites, groups, tensors, counted)
+        self.terms: list[_Reduced | _Explicit] = []
+        self.terms_of: dict[int, list[_Reduced | _Explicit]] = {}
+        for n, es in entries.items():
+            reducible = all(_diagonal(grp) and _whole_axis(m) for _, m, grp in es)
+            term: _Reduced | _Explicit = _Reduced(tensors[n], es) if reducible else _Explicit(tensors[n], es)
+            self.terms.append(term)
+            for i in {i for i, _, _ in es}:
+                self.terms_of.setdefault(i, []).append(term)
+        self.neighbours = {i: {j for t in ts for j, _, _ in t.entries} - {i} for i, ts in self.terms_of.items()}
+        others = {n for s in sites for n in s.tensor_names if n in counted} - set(entries)
+        self.still = sum(float(tensors[n].detach().to(torch.float64).square().sum()) for n in others)
+
+    def value(self, elements: Sequence[Tensor]) -> Tensor:
+        """N at the elements (float64)."""
+        total = torch.zeros((), dtype=torch.float64, device=elements[0].device if elements else None) + self.still
+        for t in self.terms:
+            total = total + t.value(elements).to(torch.float64)
+        return total
+
+    def solve(
+        self,
+        radii: Sequence[float | None],
+        start: Sequence[Tensor],
+        max_sweeps: int = 50,
+        tol: float = 1e-3,
+        trace: bool = False,
+    ) -> BalanceResult:
+        """Coordinates minimising N, each site's inside its radius (``None``: unbounded), from ``start`` (the
+        identity's coordinates).  A site is solved again while a neighbour's coordinates moved by more than
+        ``tol`` (max abs change), at most ``max_sweeps`` passes; with ``trace``, N after each pass is recorded."""
+        groups = self.groups
+        coords = [c.detach().clone() for c in start]
+        elements = [grp.exp(c) for grp, c in zip(groups, coords)]
+        norm_start = float(self.value(elements))
+        norms = [norm_start] if trace else []
+        dirty = set(self.terms_of)
+        order = sorted(self.terms_of)
+        sweeps = 0
+        while dirty and sweeps < max_sweeps:
+            sweeps += 1
+            for i in order:
+                if i not in dirty:
+                    continue
+                stats: dict[float, Tensor] = {}
+                for t in self.terms_of[i]:
+                    t.add_stats(i, elements, stats)
+                new = groups[i].balance(stats, radii[i])
+                assert new is not None  # admitted sites have a closed form
+                new = new.to(coords[i])
+                change = float((new - coords[i]).abs().max()) if new.numel() else 0.0
+                coords[i], elements[i] = new, groups[i].exp(new)
+                dirty.discard(i)
+                if change > tol:
+                    dirty |= self.neighbours[i]
+            if trace:
+                norms.append(float(self.value(elements)))
+        return BalanceResult(coords, norm_start, sweeps, norms, dict(self.skipped))
+
+
 def balance_coordinates(
     sites: Sequence[Site],
     groups: Sequence[Group],
@@ -195,55 +266,6 @@ def balance_coordinates(
     tol: float = 1e-3,
     trace: bool = False,
 ) -> BalanceResult:
-    """Coordinates minimising the squared norm of the ``counted`` members over the sites' orbits (see module docs).
-
-    ``tensors`` maps every member name to its tensor, ``radii`` bounds each site's coordinates (``None``:
-    unbounded), ``start`` holds the identity's coordinates.  A site is solved again while a neighbour's
-    coordinates moved by more than ``tol`` (max abs change), at most ``max_sweeps`` passes.  With ``trace``,
-    N after each pass is recorded in :attr:`BalanceResult.norms`.
-    """
-    coords = [c.detach().clone() for c in start]
-    elements = [grp.exp(c) for grp, c in zip(groups, coords)]
-    entries, skipped = _admit(sites, groups, tensors, counted)
-    terms: list[_Reduced | _Explicit] = []
-    terms_of: dict[int, list[_Reduced | _Explicit]] = {}
-    for n, es in entries.items():
-        reducible = all(_diagonal(grp) and _whole_axis(m) for _, m, grp in es)
-        term: _Reduced | _Explicit = _Reduced(tensors[n], es) if reducible else _Explicit(tensors[n], es)
-        terms.append(term)
-        for i in {i for i, _, _ in es}:
-            terms_of.setdefault(i, []).append(term)
-    neighbours = {i: {j for t in ts for j, _, _ in t.entries} - {i} for i, ts in terms_of.items()}
-    moved_names = set(entries)
-    still = sum(
-        float(tensors[n].detach().to(torch.float64).square().sum())
-        for n in {n for s in sites for n in s.tensor_names if n in counted} - moved_names
-    )
-
-    def total() -> float:
-        return still + sum(float(t.value(elements)) for t in terms)
-
-    norm_start = total()
-    norms = [norm_start] if trace else []
-    dirty = set(terms_of)
-    sweeps = 0
-    order = sorted(terms_of)
-    while dirty and sweeps < max_sweeps:
-        sweeps += 1
-        for i in order:
-            if i not in dirty:
-                continue
-            stats: dict[float, Tensor] = {}
-            for t in terms_of[i]:
-                t.add_stats(i, elements, stats)
-            new = groups[i].balance(stats, radii[i])
-            assert new is not None  # admitted sites have a closed form
-            new = new.to(coords[i])
-            change = float((new - coords[i]).abs().max()) if new.numel() else 0.0
-            coords[i], elements[i] = new, groups[i].exp(new)
-            dirty.discard(i)
-            if change > tol:
-                dirty |= neighbours[i]
-        if trace:
-            norms.append(total())
-    return BalanceResult(coords, norm_start, sweeps, norms, skipped)
+    """:meth:`WeightNormModel.solve` of a fresh model: coordinates minimising the squared norm of the
+    ``counted`` members over the sites' orbits (see module docs)."""
+    return WeightNormModel(sites, groups, tensors, counted).solve(radii, start, max_sweeps, tol, trace)

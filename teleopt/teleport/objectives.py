@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
-from teleopt.teleport.balance import balance_coordinates
+from teleopt.teleport.balance import WeightNormModel
 from teleopt.teleport.evaluator import Evaluator, require_batch
 from teleopt.teleport.lie_algebra import has_infinitesimal_action, infinitesimal_action
 
@@ -312,27 +312,18 @@ class Balance(Objective):
         self.max_sweeps = max_sweeps
         self.tol = float(tol)
 
-    def value(self, evaluator: Evaluator, elements: Sequence[Tensor], prepared: Any) -> Tensor:
-        trainable = evaluator.ctx.trainable
-        moved = evaluator.site_params(elements)
-        total = torch.zeros((), dtype=torch.float64, device=elements[0].device if elements else None)
-        for name, t in moved.items():
-            if name in trainable:
-                total = total + t.to(torch.float64).square().sum()
-        return total
+    def prepare(self, evaluator: Evaluator, generator: torch.Generator) -> WeightNormModel:
+        """The members reduced once per teleport (:class:`~teleopt.teleport.balance.WeightNormModel`)."""
+        sites = evaluator.sites
+        groups = [s.action.group(tuple(None if n is None else evaluator.like[n] for n in s.members)) for s in sites]
+        return WeightNormModel(sites, groups, evaluator.like, set(evaluator.ctx.trainable))
+
+    def value(self, evaluator: Evaluator, elements: Sequence[Tensor], prepared: WeightNormModel) -> Tensor:
+        """Sites the closed form does not take count at the identity (they are not moved by :meth:`solve`)."""
+        return prepared.value(elements)
 
     def solve(self, problem: SearchProblem) -> tuple[list[Tensor], float]:
-        evaluator = problem.evaluator
-        found = balance_coordinates(
-            problem.sites,
-            problem.groups,
-            evaluator.like,
-            set(evaluator.ctx.trainable),
-            problem.trust_regions,
-            problem.start,
-            self.max_sweeps,
-            self.tol,
-        )
+        found = problem.prepared.solve(problem.trust_regions, problem.start, self.max_sweeps, self.tol)
         return found.coords, found.norm_start
 
     def __repr__(self) -> str:
