@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -50,9 +50,6 @@ from torch import Tensor
 from teleopt.teleport.balance import WeightNormModel
 from teleopt.teleport.evaluator import Evaluator, require_batch
 from teleopt.teleport.lie_algebra import has_infinitesimal_action, infinitesimal_action
-
-if TYPE_CHECKING:
-    from teleopt.teleport.search import SearchProblem
 
 __all__ = [
     "Objective",
@@ -99,8 +96,9 @@ class Objective(ABC):
     def value(self, evaluator: Evaluator, elements: Sequence[Tensor], prepared: Any) -> Tensor:
         """The objective at g . w (a float64 scalar, differentiable in the elements)."""
 
-    def solve(self, problem: SearchProblem) -> tuple[list[Tensor], float]:
-        """The optimal coordinates per site of ``problem`` and the value at the identity (``closed_form`` objectives)."""
+    def solve(self, prepared: Any, trust_regions: Sequence[float | None], start: Sequence[Tensor]) -> tuple[list[Tensor], float]:
+        """``closed_form`` objectives: the optimal coordinates per site, each inside its trust region (``None``:
+        unbounded), from the identity's coordinates ``start``, and the value at the identity."""
         raise TypeError(f"objective {self.name!r} has no closed form: it is searched by ascent")
 
     def score(self, evaluator: Evaluator, elements: Sequence[Tensor], prepared: Any) -> Tensor:
@@ -322,8 +320,10 @@ class Balance(Objective):
         """Sites the closed form does not take count at the identity (they are not moved by :meth:`solve`)."""
         return prepared.value(elements)
 
-    def solve(self, problem: SearchProblem) -> tuple[list[Tensor], float]:
-        found = problem.prepared.solve(problem.trust_regions, problem.start, self.max_sweeps, self.tol)
+    def solve(
+        self, prepared: WeightNormModel, trust_regions: Sequence[float | None], start: Sequence[Tensor]
+    ) -> tuple[list[Tensor], float]:
+        found = prepared.solve(trust_regions, start, self.max_sweeps, self.tol)
         return found.coords, found.norm_start
 
     def __repr__(self) -> str:

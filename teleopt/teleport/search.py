@@ -106,7 +106,7 @@ class ClosedForm:
     for objectives with a ``closed_form`` such as ``"balance"``; no ascent."""
 
     def search(self, problem: SearchProblem) -> SearchResult:
-        coords, value_start = problem.objective.solve(problem)
+        coords, value_start = problem.objective.solve(problem.prepared, problem.trust_regions, problem.start)
         score = value_start if problem.objective.direction == "increase" else -value_start
         return SearchResult(coords, score, 0)
 
