@@ -268,11 +268,26 @@ def test_optimizer_state_is_transported_by_the_scaling_rules():
 def test_a_teleport_without_schedule_arguments_never_fires_at_step_zero():
     model = chain([6, 10, 4])
     x = torch.randn(16, 6, dtype=torch.float64)
+
+    def steps(opt, n):
+        for _ in range(n):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        return [r.step for r in opt.reports]
+
+    # the default objective (grad_norm) teleports only on request
     opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, relu_sites(1))
+    assert opt.schedule.manual and steps(opt, 60) == []
+    # balance: every 50 steps from step 50
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, relu_sites(1), objective="balance")
     assert not opt.schedule.due(0, 0)
-    model(x).square().mean().backward()
-    opt.step()
-    assert opt.reports == []
+    assert steps(opt, 101) == [50, 100]
+    # a given warm-up replaces the default one; a given schedule replaces it all
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, relu_sites(1), objective="balance", warmup=70)
+    assert [t for t in range(200) if opt.schedule.due(t, 0)] == [70, 120, 170]
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, relu_sites(1), objective="balance", at=[3])
+    assert [t for t in range(200) if opt.schedule.due(t, 0)] == [3]
 
 
 def test_auto_leaves_out_normalisation_affine_sites_under_adaptive_optimizers():

@@ -50,6 +50,7 @@ from torch import Tensor
 from teleopt.teleport.balance import WeightNormModel
 from teleopt.teleport.evaluator import Evaluator, require_batch
 from teleopt.teleport.lie_algebra import has_infinitesimal_action, infinitesimal_action
+from teleopt.teleport.schedule import Schedule
 
 __all__ = [
     "Objective",
@@ -64,6 +65,9 @@ __all__ = [
 ]
 
 Direction = Literal["increase", "decrease"]
+
+#: The balance objective's default schedule: every this many steps, the first one after as many.
+DEFAULT_BALANCE_EVERY = 50
 
 
 def _check_direction(direction: str) -> Direction:
@@ -90,6 +94,14 @@ class Objective(ABC):
 
     def prepare(self, evaluator: Evaluator, generator: torch.Generator) -> Any:
         """Per-teleport randomness (``None`` for deterministic objectives)."""
+        return None
+
+    def default_schedule(self) -> Schedule | None:
+        """When to teleport if ``Teleport`` is given no ``every``/``at``/``when`` (``None``: only on request).
+
+        ``None`` for the searched objectives: scheduled gradient-norm teleports diverged or collapsed
+        training in benchmarks/realistic (every 200 steps: 1 of 5 SGD seeds diverged; once at step 20:
+        a ViT under AdamW fell from 0.887 to 0.449 test accuracy, median of 3 seeds)."""
         return None
 
     @abstractmethod
@@ -309,6 +321,12 @@ class Balance(Objective):
             raise ValueError(f"tol must be a number >= 0, got {tol!r}")
         self.max_sweeps = max_sweeps
         self.tol = float(tol)
+
+    def default_schedule(self) -> Schedule:
+        """Every 50 steps from step 50 (never at step 0, before any training): in benchmarks/realistic
+        (3 seeds) it lowered the best validation loss on both MLPs in every seed and changed the median
+        test accuracy by at most 0.3 points anywhere."""
+        return Schedule(every=DEFAULT_BALANCE_EVERY, warmup=DEFAULT_BALANCE_EVERY)
 
     def prepare(self, evaluator: Evaluator, generator: torch.Generator) -> WeightNormModel:
         """The members reduced once per teleport (:class:`~teleopt.teleport.balance.WeightNormModel`)."""

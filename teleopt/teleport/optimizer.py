@@ -119,8 +119,10 @@ class Teleport(OptimizerWrapper):
         closed form) or an :class:`~teleopt.teleport.objectives.Objective`.
     schedule:
         When to teleport (:class:`~teleopt.teleport.schedule.Schedule`); shortcuts
-        ``every``, ``at``, ``when``, ``warmup``, ``batches``, ``max_teleports``.  No
-        schedule means teleports happen only when :meth:`teleport` is called.
+        ``every``, ``at``, ``when``, ``warmup``, ``batches``, ``max_teleports``.  Without
+        ``every``/``at``/``when`` the objective's default applies: ``"balance"`` every 50
+        steps from step 50; every other objective (the default ``"grad_norm"`` included)
+        only when :meth:`teleport` is called.  No default teleports at step 0.
     search:
         How elements are chosen (:class:`~teleopt.teleport.search.SearchConfig`: ascent
         steps and step size, trust region, path, strategy); shortcuts ``ascent_steps``,
@@ -176,8 +178,8 @@ class Teleport(OptimizerWrapper):
         super().__init__(optimizer, {"enabled": True, "trust_region": search.trust_region})
         self._module = unwrap(model)
         check_model_matches_optimizer(self._module, self.param_groups)
-        self._schedule = resolve_schedule(schedule, shortcuts)
         self._objective = get_objective(objective)
+        self._schedule = resolve_schedule(schedule, shortcuts, self._objective.default_schedule())
         self._search = search
         self._policy = resolve_state_policy(state_policy, shortcuts)
         self._set_data(loss_fn, batch_fn, heldout_batch, example_inputs)
