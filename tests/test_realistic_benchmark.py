@@ -96,6 +96,8 @@ def test_targets_and_teleport_accounting(quick):
             assert runs[arm]["sites"] > 0
         for arm in SCHEDULED:
             r = runs[arm]
+            if arm.startswith("balance") and r["steps"] <= 50:
+                continue  # balance's default schedule starts at step 50, after the quick runs' last step
             assert r["teleports_accepted"] + r["teleports_declined"] + r["teleports_rolled_back"] >= 1
             if r["sites"]:
                 assert r["teleport_seconds"] > 0 and r["teleport_cost_iters"] > 0
