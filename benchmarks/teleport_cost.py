@@ -29,6 +29,10 @@ alternating the order cancel most of the drift):
    goal >= 50x.
 
 Run: ``python benchmarks/teleport_cost.py [--quick] [--json out.json]``.
+
+``--balance`` measures instead one ``objective="balance"`` teleport (closed form)
+against one ``AdamW.step()`` and one training iteration on the realistic suite's
+MLP 64-256-256-10 and on ``mlp-10M``.
 """
 
 from __future__ import annotations
@@ -212,12 +216,97 @@ def measure(
     }
 
 
+def mlp_digits() -> tuple[nn.Module, list[Site], tuple[torch.Tensor, torch.Tensor]]:
+    """The realistic suite's MLP 64-256-256-10 (ReLU), batch 64."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    sites = [Site(RELU, (f"{i}.weight", f"{i}.bias", f"{i + 2}.weight")) for i in (0, 2)]
+    return model, sites, (torch.randn(64, 64), torch.randint(0, 10, (64,)))
+
+
+def measure_balance(
+    name: str, model: nn.Module, sites: list[Site], batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable, reps: int
+) -> dict[str, Any]:
+    """One ``objective="balance"`` teleport (closed form, defaults: watch snapshot on, no batch) against one
+    ``AdamW.step()`` and one training iteration, interleaved; the weights are re-imbalanced before each
+    teleport (random per-layer factors), so every teleport has work to do."""
+    x, y = batch
+    bare = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    wrapper = Teleport(torch.optim.AdamW(model.parameters(), lr=1e-4), model, sites, objective="balance")
+    gen = torch.Generator().manual_seed(0)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+    def backward() -> None:
+        model.zero_grad()
+        loss_fn(model(x), y).backward()
+
+    backward()
+    bare.step()
+    wrapper.step()
+    steps, iters, teleports, ratios = [], [], [], []
+    for _ in range(reps):
+        backward()
+        steps.append(timed(bare.step))
+        iters.append(timed(lambda: (bare.zero_grad(), loss_fn(model(x), y).backward(), bare.step())))
+        with torch.no_grad():
+            for m in linears:
+                m.weight.mul_(float(torch.exp(torch.randn((), generator=gen))))
+        backward()
+        report = None
+
+        def tele() -> None:
+            nonlocal report
+            report = wrapper.teleport()
+
+        teleports.append(timed(tele))
+        assert report is not None and report.accepted, report
+        ratios.append(report.objective_after / report.objective_before)
+    t_step, t_iter, t_tele = (statistics.median(v) for v in (steps, iters, teleports))
+    return {
+        "model": name,
+        "params": sum(p.numel() for p in model.parameters()),
+        "sites": len(sites),
+        "step_ms": 1e3 * t_step,
+        "iteration_ms": 1e3 * t_iter,
+        "balance_ms": 1e3 * t_tele,
+        "balance_over_step": t_tele / t_step,
+        "balance_over_iteration": t_tele / t_iter,
+        "norm_ratio": statistics.median(ratios),
+    }
+
+
+def balance_main(args: argparse.Namespace) -> None:
+    reps = 5 if args.quick else 11
+    rows = [measure_balance("mlp-64-256", *mlp_digits(), nn.functional.cross_entropy, reps * 4)]
+    rows.append(measure_balance("mlp-10M", *mlp_10m(16 if args.quick else 64), regression, reps))
+    print(
+        f"Balance teleport cost, {datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)"
+    )
+    head = f"{'model':10} {'params':>9} {'sites':>5} {'step ms':>8} {'iter ms':>8} {'balance ms':>10} {'bal/step':>8} {'bal/iter':>8} {'N after/before':>14}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['model']:10} {r['params']:>9} {r['sites']:>5} {r['step_ms']:>8.2f} {r['iteration_ms']:>8.2f} {r['balance_ms']:>10.2f} "
+            f"{r['balance_over_step']:>8.1f} {r['balance_over_iteration']:>8.2f} {r['norm_ratio']:>14.3f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__, "rows": rows}, f, indent=1
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller batches and images, fewer repetitions")
     parser.add_argument("--json", type=str, default=None)
     parser.add_argument("--manual-sites", action="store_true", help="hand-made resnet18 sites even if detection exists")
+    parser.add_argument("--balance", action="store_true", help="only: one balance teleport vs one step, MLP 64-256-256-10 and mlp-10M")
     args = parser.parse_args()
+    if args.balance:
+        balance_main(args)
+        return
     reps = 5 if args.quick else 11
     general_reps = 1 if args.quick else 3
     rows = []

@@ -7,8 +7,10 @@ scikit-learn's 8x8 digits upsampled to 32x32 RGB images.  teleopt
   rescalings of BatchNorm outputs through ReLU into the next convolution,
   residual streams, permutations) and prints the site report with its coverage
   (the fraction of parameters some continuous symmetry acts on);
-* wraps the training loop's AdamW in ``Teleport(..., sites="auto")``, which
-  searches the exact continuous sites every 20 steps;
+* wraps the training loop's SGD (Nesterov momentum) in ``Teleport(..., sites="auto")``,
+  which searches the exact continuous sites every 20 steps (under AdamW,
+  ``sites="auto"`` leaves the BatchNorm-affine rescalings out, with a warning,
+  and a resnet has no other continuous sites);
 * leaves the rest of a modern loop alone: ``OneCycleLR`` schedules the learning
   rate through the wrapper, and ``GradScaler`` (with float16 ``autocast`` on CUDA;
   float32 on the CPU) unscales the gradients before the wrapper sees them; a step
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     steps_per_epoch = 4 if args.quick else len(loader)
     epochs = 2 if args.quick else args.epochs
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
     teleport_batches = iter(DataLoader(TensorDataset(train_images, data.y_train), batch_size=64, shuffle=True))
 
     def teleport_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         batch_fn=teleport_batch,
         ascent_steps=10,
     )
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=epochs * steps_per_epoch)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=epochs * steps_per_epoch)
     scaler = torch.amp.GradScaler(device.type)
 
     for epoch in range(epochs):

@@ -10,9 +10,9 @@ permutation of the vocabulary).  teleopt needs no Trainer subclass or callback:
    wrapper around ``AdamW``.  The Trainer builds its LR scheduler on it and
    accelerate wraps it in an ``AcceleratedOptimizer``; both only call the standard
    ``torch.optim.Optimizer`` API, so the wrapper's ``step`` still runs every step;
-3. ``Teleport(..., every=k, search=SearchConfig(strategy=Balance(), trust_region=None))``
-   moves every pair to its balanced point A A^T = B^T B every k steps (closed form,
-   no extra forward or backward pass), transports ``.grad`` and Adam's ``exp_avg``
+3. ``Teleport(..., objective="balance", every=k, trust_region=None)`` moves every
+   pair to its balanced point A A^T = B^T B every k steps (the least weight norm on
+   the orbit, closed form, no extra forward or backward pass), transports ``.grad`` and Adam's ``exp_avg``
    and checks on a fixed probe batch from ``batch_fn`` (a dict, as the Trainer's
    collator makes it, with ``labels`` so the output's ``.loss`` is the loss) that
    the loss did not change, in train mode with LoRA dropout (same masks);
@@ -35,7 +35,7 @@ import torch
 
 import teleopt
 from teleopt.integrations.peft import lora_sites
-from teleopt.teleport import Balance, SafetyConfig, SearchConfig
+from teleopt.teleport import SafetyConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # build everything from configs
 
@@ -131,8 +131,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             adamw(model),
             model,
             lora_sites(model).sites,
+            objective="balance",  # least weight norm on the orbit: A A^T = B^T B
             every=every,
-            search=SearchConfig(strategy=Balance(), trust_region=None),
+            trust_region=None,
             safety=SafetyConfig(max_predicted_decrease=None),
             batch_fn=lambda: (probe, None),  # checks the loss on this batch; model(**probe).loss
         )

@@ -29,13 +29,16 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
 
 GroupKind = Literal["general", "orthogonal", "diagonal", "sign", "permutation", "translation"]
+
+#: :meth:`Group.balance`: a unit or block whose side is singular to this, relative to the largest, stays.
+BALANCE_RCOND = 1e-10
 
 __all__ = ["Group", "GeneralLinear", "Orthogonal", "PositiveScaling", "SignFlip", "Permutation", "Translation", "apply_on_axis"]
 
@@ -179,6 +182,24 @@ class Group(ABC):
         """Entrywise factor of x**2 under ``act_on_axis(g, x, axis, power)`` if the representation is diagonal."""
         return None
 
+    # -- weight norms on the orbit (the ``balance`` teleport objective) -------
+    has_balance: ClassVar[bool] = False  #: whether :meth:`norm_statistic` and :meth:`balance` have closed forms
+
+    def norm_statistic(self, x: Tensor, axis: int) -> Tensor | None:
+        """What ||act_on_axis(g, x, axis, power)||^2 depends on, as a float64 tensor that adds over tensors
+        (``None``: no closed form).  Scalings: the sum of squares of each unit's slice; matrix groups: the
+        Gram matrix of the axis per block."""
+        return None
+
+    def balance(self, stats: Mapping[float, Tensor], radius: float | None, rcond: float = BALANCE_RCOND) -> Tensor | None:
+        """Coordinates of the element minimising sum_p ||rho(g)^p X_p||^2, the squared norm of the tensors
+        whose :meth:`norm_statistic` summed to ``stats[p]``, with the coordinates in the trust region of
+        ``radius`` (``None``: unbounded).  Units or blocks without a balanced point, where one side's
+        statistic is missing or singular to ``rcond`` relative to its largest (LoRA's B = 0 at
+        initialisation, a rank-deficient Gram matrix, a dead unit), keep zero coordinates: the norm has
+        no minimum there, only an infimum at infinity.  ``None`` when the group has no closed form."""
+        return None
+
     def _check_axis(self, x: Tensor, axis: int) -> None:
         if x.shape[axis] != self.dim:
             raise ValueError(
@@ -253,6 +274,15 @@ class _MatrixGroup(Group):
 
         return apply_on_axis(x, axis, fn)
 
+    has_balance: ClassVar[bool] = True
+
+    def norm_statistic(self, x: Tensor, axis: int) -> Tensor:
+        """Gram matrix X X^T of the axis per block (shape ``coord_shape``): ||g X||^2 = tr(g^T g X X^T)."""
+        self._check_axis(x, axis)
+        cols = x.detach().to(torch.float64).movedim(axis, 0).reshape(self.blocks or 1, self.n, -1)
+        gram = cols @ cols.mT
+        return gram if self.blocks is not None else gram[0]
+
     @abstractmethod
     def _contragredient(self, g: Tensor, cols: Tensor) -> Tensor:
         """g^{-T} applied to the columns of ``cols`` (batched over blocks)."""
@@ -307,6 +337,46 @@ class GeneralLinear(_MatrixGroup):
         if bool((S > radius).any()):
             xi.copy_(U @ torch.diag_embed(S.clamp(max=radius)) @ Vh)
 
+    def balance(self, stats: Mapping[float, Tensor], radius: float | None, rcond: float = BALANCE_RCOND) -> Tensor:
+        """The element equalising the two sides' Gram matrices, g A g^T = g^-T B g^-1.
+
+        With P = g^T g, sum ||g X_+||^2 + ||g^-T X_-||^2 = tr(P A) + tr(P^-1 B), A and B the summed
+        Gram matrices of the writers (power +1) and readers (power -1).  It is convex in P with
+        stationarity P A P = B, so P is the geometric mean A^-1 # B = A^-1/2 (A^1/2 B A^1/2)^1/2 A^-1/2,
+        and g = P^1/2 (any g with g^T g = P: the rest is an orthogonal factor that changes no norm).
+        The coordinates are the symmetric log(P) / 2, with eigenvalues clipped to [-radius, radius]
+        (the trust region: each eigenvalue's 1-D problem is convex, so clipping keeps the decrease).
+        When A = A A^T and B = B^T B of a LoRA pair B A, this is the balanced pair A A^T = B^T B, and
+        g = (B^T B)^1/4 when A has orthonormal rows.
+
+        A block whose A or B has an eigenvalue at most ``rcond`` times its largest (LoRA's B = 0 at
+        initialisation; fewer columns than n), or a site with one side only, has no minimiser (the norm
+        decreases without bound towards a singular g) and keeps zero coordinates.
+        """
+        A, B = stats.get(1.0), stats.get(-1.0)
+        ref = A if A is not None else B
+        if ref is None:
+            raise ValueError("balance needs the statistics of power +1 or -1 members")
+        if A is None or B is None:
+            return torch.zeros_like(ref)  # one side only: no minimiser
+        A, B = _sym(A), _sym(B)
+        eye = torch.eye(self.n, dtype=A.dtype, device=A.device).expand(A.shape)
+        ok = _well_conditioned(torch.linalg.eigvalsh(A), rcond) & _well_conditioned(torch.linalg.eigvalsh(B), rcond)
+        if not bool(ok.any()):
+            return torch.zeros_like(A)
+        mask = ok[..., None, None]
+        A, B = torch.where(mask, A, eye), torch.where(mask, B, eye)  # the blocks left alone solve to the identity
+        a, U = torch.linalg.eigh(A)
+        root = (U * a.sqrt().unsqueeze(-2)) @ U.mT
+        inv_root = (U * a.rsqrt().unsqueeze(-2)) @ U.mT
+        m, V = torch.linalg.eigh(_sym(root @ B @ root))
+        P = _sym(inv_root @ ((V * m.clamp_min(0).sqrt().unsqueeze(-2)) @ V.mT) @ inv_root)
+        lam, W = torch.linalg.eigh(P)
+        xi = 0.5 * torch.log(lam.clamp_min(torch.finfo(torch.float64).tiny))
+        if radius is not None:
+            xi = xi.clamp(-radius, radius)
+        return torch.where(mask, (W * xi.unsqueeze(-2)) @ W.mT, torch.zeros_like(A))
+
     def validate(self, g: Tensor) -> None:
         self._check_shape(g)
         if not g.is_floating_point():
@@ -344,6 +414,11 @@ class Orthogonal(_MatrixGroup):
 
     def _algebra_matrix(self, M: Tensor, power: float) -> Tensor:
         return (M - M.mT) / 2  # exp uses the skew part, the same for either power
+
+    def balance(self, stats: Mapping[float, Tensor], radius: float | None, rcond: float = BALANCE_RCOND) -> Tensor:
+        """The identity: orthogonal maps change no norm, every element is a minimiser."""
+        ref = next(iter(stats.values()))
+        return torch.zeros_like(ref)
 
     def project_coordinates(self, xi: Tensor, radius: float) -> None:
         """O(n) is compact: no bound needed."""
@@ -428,6 +503,42 @@ class PositiveScaling(Group):
 
     def square_factor(self, g: Tensor, power: float) -> Tensor | None:
         return g ** (2.0 * power)
+
+    has_balance: ClassVar[bool] = True
+
+    def norm_statistic(self, x: Tensor, axis: int) -> Tensor:
+        """Sum of squares of each unit's slice: ||c^p x||^2 = sum_i c_i^(2p) s_i."""
+        self._check_axis(x, axis)
+        return x.detach().to(torch.float64).movedim(axis, 0).reshape(self.dim, -1).square().sum(1)
+
+    def balance(self, stats: Mapping[float, Tensor], radius: float | None, rcond: float = BALANCE_RCOND) -> Tensor:
+        """Log-scales x minimising sum_p sum_i stats[p]_i e^(2 p x_i), unit by unit (each a convex 1-D problem).
+
+        With one writer power p > 0 (mass a) and one reader power -q < 0 (mass b), the closed form
+        x = log(q b / (p a)) / (2 (p + q)); for p = q = 1 the scale c = e^x = (b / a)^(1/4) of ENorm
+        (Stock et al. 2019), |w_in,i| = |w_out,i| afterwards.  Other mixtures of powers take safeguarded
+        Newton steps.  Units whose writer or reader mass is at most ``rcond`` times the largest over the
+        units (one side empty, a dead unit) have no minimiser and stay at 0.
+        """
+        terms = {p: m for p, m in stats.items() if p != 0}
+        if not terms:
+            return torch.zeros(self.dim, dtype=torch.float64, device=next(iter(stats.values())).device)
+        pos = [p for p in terms if p > 0]
+        neg = [p for p in terms if p < 0]
+        ref = next(iter(terms.values()))
+        a = sum((terms[p] for p in pos), torch.zeros_like(ref))
+        b = sum((terms[p] for p in neg), torch.zeros_like(ref))
+        ok = (a > rcond * a.max()) & (b > rcond * b.max())
+        if not bool(ok.any()):
+            return torch.zeros_like(ref)
+        if len(pos) == 1 and len(neg) == 1:
+            p, q = pos[0], -neg[0]
+            one = torch.ones_like(ref)
+            x = (torch.log(q * torch.where(ok, b, one)) - torch.log(p * torch.where(ok, a, one))) / (2 * (p + q))
+        else:
+            x = _newton_balance(terms, radius)
+        x = torch.where(ok, x, torch.zeros_like(x))
+        return x if radius is None else x.clamp(-radius, radius)
 
 
 class SignFlip(Group):
@@ -589,3 +700,35 @@ class Translation(Group):
     def project_coordinates(self, xi: Tensor, radius: float) -> None:
         """Every |xi_i| <= radius."""
         xi.clamp_(-radius, radius)
+
+
+def _sym(m: Tensor) -> Tensor:
+    return 0.5 * (m + m.mT)
+
+
+def _well_conditioned(eigenvalues: Tensor, rcond: float) -> Tensor:
+    """Per block (the last axis holds a block's ascending eigenvalues): smallest > ``rcond`` * largest > 0."""
+    top = eigenvalues[..., -1]
+    return (top > 0) & (eigenvalues[..., 0] > rcond * top)
+
+
+def _newton_balance(terms: Mapping[float, Tensor], radius: float | None, iterations: int = 50) -> Tensor:
+    """argmin_x sum_p m_p e^(2 p x) per unit by Newton steps of at most 1 in x, kept inside the trust region
+    (or |x| <= 40 when unbounded; the minimiser of a one-signed sum is at that edge)."""
+    bound = 40.0 if radius is None else radius
+    ref = next(iter(terms.values()))
+    x = torch.zeros_like(ref)
+    for _ in range(iterations):
+        g = torch.zeros_like(x)
+        h = torch.zeros_like(x)
+        for p, m in terms.items():
+            e = m * torch.exp(2 * p * x)
+            g = g + 2 * p * e
+            h = h + 4 * p * p * e
+        step = torch.where(h > 0, -g / h.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(x)).clamp(-1.0, 1.0)
+        x = (x + step).clamp(-bound, bound)
+        if float(step.abs().max()) < 1e-12:
+            break
+    if radius is None:  # a minimiser at the artificial edge is at infinity: leave that unit alone
+        x = torch.where(x.abs() >= bound, torch.zeros_like(x), x)
+    return x

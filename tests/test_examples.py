@@ -187,7 +187,7 @@ def test_08_hf_trainer(capsys):
     # accelerate wrapped the Teleport the Trainer was given; its step still ran every step
     assert type(trainer.optimizer).__name__ == "AcceleratedOptimizer" and trainer.optimizer.optimizer is teleport
     assert teleport.record.step == 8
-    # every 3 steps: at step 0 B = 0 (peft's init) has no balancing element; then two balance teleports
+    # every 3 steps: at step 0 B = 0 (peft's init) has no balanced point (left alone); then two balance teleports
     assert [(r.step, r.accepted) for r in teleport.reports] == [(0, False), (3, True), (6, True)]
     for r in teleport.reports[1:]:
         assert r.loss_drift is not None and r.loss_drift <= 1e-5  # checked on the dict probe batch, train mode

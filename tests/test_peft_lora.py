@@ -4,7 +4,7 @@ Models are built from tiny transformers configs (never downloaded).  What is
 checked: the pairs are found by module structure (several adapters, inactive,
 merged, DoRA, Linear/Conv/Embedding layers), ``find_symmetries`` adds and
 certifies them on a ``PeftModel`` called with keyword inputs, and a forced
-balance teleport (``Balance`` with no trust region) leaves the logits unchanged
+balance teleport (``objective="balance"`` with no trust region) leaves the logits unchanged
 (float64 <= 1e-10, float32 <= 1e-5, relative), balances every pair
 (A A^T = B^T B to 1e-10) and moves Adam's first moments by the covector rule.
 """
@@ -23,7 +23,7 @@ peft = pytest.importorskip("peft")
 
 import teleopt  # noqa: E402
 from teleopt.integrations.peft import lora_sites  # noqa: E402
-from teleopt.teleport import Balance, SafetyConfig, SearchConfig  # noqa: E402
+from teleopt.teleport import SafetyConfig  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -163,7 +163,8 @@ def _balance_teleport(model: nn.Module, sites, steps: int = 3):
         torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2),
         model,
         sites,
-        search=SearchConfig(strategy=Balance(), trust_region=None),
+        objective="balance",
+        trust_region=None,
         safety=SafetyConfig(max_predicted_decrease=None),
     )
     ids = _ids()
@@ -218,7 +219,8 @@ def test_peft_init_b_zero_is_left_alone_then_balanced_every_k_steps():
         model,
         sites,
         every=2,
-        search=SearchConfig(strategy=Balance(), trust_region=None),
+        objective="balance",
+        trust_region=None,
         safety=SafetyConfig(max_predicted_decrease=None),
     )
     ids = _ids()

@@ -20,7 +20,20 @@ pytest.importorskip("matplotlib")
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ["mlp_sgd", "mlp_adamw", "cnn_adamw", "vit_adamw", "lora_adamw"]
-ARMS = ["baseline", "teleport_default", "teleport_once", "teleport_every200", "weight_decay", "syre_default", "syre_sigma1"]
+ARMS = [
+    "baseline",
+    "teleport_default",
+    "teleport_once",
+    "teleport_once_allsites",
+    "teleport_every200",
+    "balance_every",
+    "balance_every_allsites",
+    "weight_decay",
+    "syre_default",
+    "syre_sigma1",
+]
+TELEPORT_ARMS = [a for a in ARMS if a.startswith(("teleport", "balance"))]
+SCHEDULED = [a for a in TELEPORT_ARMS if a != "teleport_default"]
 STATS = {"median", "min", "max", "q1", "q3", "n"}
 
 
@@ -75,13 +88,19 @@ def test_targets_and_teleport_accounting(quick):
         assert base["steps_to_T2"] is not None and base["steps_to_T2"] <= base["steps"]
         assert base["steps_to_T1"] is not None and base["speedup_Vbest"] == pytest.approx(1.0)
         assert base["sites"] is None and base["teleports_accepted"] == 0
-        # every Teleport arm detected sites; the scheduled ones attempted a teleport
-        for arm in ("teleport_default", "teleport_once", "teleport_every200"):
-            assert runs[arm]["sites"] and runs[arm]["sites"] > 0
-        for arm in ("teleport_once", "teleport_every200"):
+        # every Teleport arm ran detection (sites="auto" under AdamW may leave only normalisation-affine
+        # sites, which it leaves out: the CNN's are all BatchNorm-affine); the scheduled ones attempted a teleport
+        for arm in TELEPORT_ARMS:
+            assert runs[arm]["sites"] is not None
+        for arm in ("teleport_once_allsites", "balance_every_allsites"):
+            assert runs[arm]["sites"] > 0
+        for arm in SCHEDULED:
             r = runs[arm]
+            if arm.startswith("balance") and r["steps"] <= 50:
+                continue  # balance's default schedule starts at step 50, after the quick runs' last step
             assert r["teleports_accepted"] + r["teleports_declined"] + r["teleports_rolled_back"] >= 1
-            assert r["teleport_seconds"] > 0 and r["teleport_cost_iters"] > 0
+            if r["sites"]:
+                assert r["teleport_seconds"] > 0 and r["teleport_cost_iters"] > 0
         # every arm of a seed starts from the same initialisation
         assert runs["weight_decay"]["curve"]["train_loss"][0] == pytest.approx(base["curve"]["train_loss"][0])
 

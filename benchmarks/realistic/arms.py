@@ -21,6 +21,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from teleopt.detection import find_symmetries
+from teleopt.site import Site
 from teleopt.syre import Syre
 from teleopt.teleport import Teleport
 
@@ -58,6 +60,12 @@ class ArmContext:
         """What every Teleport arm passes besides the optimizer, model and sites."""
         return {"example_inputs": self.example_inputs, "loss_fn": self.loss_fn, "batch_fn": self.batch_fn}
 
+    def all_sites(self) -> list[Site]:
+        """Every exact continuous site detection finds, normalisation-affine rescalings included (``"auto"`` leaves
+        those out under AdamW)."""
+        found = find_symmetries(self.model, (self.example_inputs,)).sites
+        return [s for s in found if s.action.exactness == "exact" and s.action.continuous]
+
     def syre(self, **kwargs: Any) -> Syre:
         """Syre at the comparison decay in place of the optimizer's own decay (decoupled for AdamW, as its decay is)."""
         return Syre(self.optimizer(weight_decay=0.0), gamma=self.decay, decoupled=self.family == "adamw", exclude_1d=True, **kwargs)
@@ -70,7 +78,13 @@ ARMS: dict[str, Callable[[ArmContext], Optimizer]] = {
         c.optimizer(), c.model, "auto", example_inputs=c.example_inputs, loss_fn=c.loss_fn, batch_fn=c.batch_fn
     ),
     "teleport_once": lambda c: Teleport(c.optimizer(), c.model, "auto", at=[c.teleport_step], **c.teleport_kwargs()),
+    "teleport_once_allsites": lambda c: Teleport(c.optimizer(), c.model, c.all_sites(), at=[c.teleport_step], **c.teleport_kwargs()),
     "teleport_every200": lambda c: Teleport(c.optimizer(), c.model, "auto", every=200, **c.teleport_kwargs()),
+    # least weight norm on the orbit (closed form) on its default schedule, every 50 steps from step 50, with the
+    # baseline's weight decay
+    "balance_every": lambda c: Teleport(c.optimizer(), c.model, "auto", objective="balance", **c.teleport_kwargs()),
+    # the same on every exact site, normalisation-affine rescalings included
+    "balance_every_allsites": lambda c: Teleport(c.optimizer(), c.model, c.all_sites(), objective="balance", **c.teleport_kwargs()),
     # the decay comparison (papers/003): plain decay towards zero vs towards a random static anchor, same strength
     "weight_decay": lambda c: c.optimizer(weight_decay=c.decay),
     "syre_default": lambda c: c.syre(),

@@ -148,6 +148,22 @@ class Member:
         after = t.narrow(axis, self.stop, t.shape[axis] - self.stop)
         return torch.cat([before, self._transform_part(part, axis, fn), after], dim=axis)
 
+    def part_view(self, t: Tensor) -> tuple[Tensor, int]:
+        """The acted-on part of ``t`` as (tensor, axis) with the group's axis of length ``axis_length`` (a view
+        where the layout allows, for reading: what ``transform`` hands to its ``fn``)."""
+        axis = self.axis % t.ndim
+        if self.groups > 1:
+            shape = tuple(t.shape)
+            moved = t.reshape((self.groups, shape[0] // self.groups) + shape[1:]).movedim(0, axis)
+            mshape = tuple(moved.shape)
+            return moved.reshape(mshape[:axis] + (self.groups * shape[axis],) + mshape[axis + 2 :]), axis
+        part = t if self.start is None or self.stop is None else t.narrow(axis, self.start, self.stop - self.start)
+        if self.outer == 1 and self.inner == 1:
+            return part, axis
+        shape = tuple(part.shape)
+        n = shape[axis] // (self.outer * self.inner)
+        return part.reshape(shape[:axis] + (self.outer, n, self.inner) + shape[axis + 1 :]), axis + 1
+
     def _transform_part(self, part: Tensor, axis: int, fn: Callable[[Tensor, int], Tensor]) -> Tensor:
         if self.outer == 1 and self.inner == 1:
             return fn(part, axis)
@@ -357,6 +373,22 @@ class AxisAction(GroupAction):
             return None
         return self._apply(g, moments, -1, square=True)
 
+    def norm_statistics(self, group: Group, params: Sequence[Tensor | None]) -> dict[float, Tensor] | None:
+        """The group's :meth:`~teleopt.groups.Group.norm_statistic` of every given member's acted-on part,
+        summed per power: sum over the members of ||rho(g)^power x||^2 is a function of these alone
+        (``None`` entries are left out; ``None`` when the group has no closed form).  Members that are parts
+        of one tensor each contribute their own part."""
+        stats: dict[float, Tensor] = {}
+        for m, x in zip(self.members, params):
+            if x is None:
+                continue
+            stat = group.norm_statistic(*m.part_view(x))
+            if stat is None:
+                return None
+            power = float(m.power)
+            stats[power] = stats[power] + stat if power in stats else stat
+        return stats
+
     @property
     def has_infinitesimal_action(self) -> bool:
         """Closed form when the group has one and every member acts on a whole axis or a slice of it
@@ -380,89 +412,6 @@ class AxisAction(GroupAction):
             after = torch.zeros_like(x.narrow(axis, member.stop, x.shape[axis] - member.stop))
             out.append(torch.cat([before, moved, after], dim=axis))
         return tuple(out)
-
-    # -- balance -----------------------------------------------------------------
-    def gram_matrices(self, params: Params) -> tuple[Tensor, Tensor] | None:
-        """(P, Q): Gram matrices of the writers' and the readers' hidden axis, float64, per block.
-
-        P = sum over ``power=+1`` members of X X^T and Q = sum over ``power=-1`` members
-        of Y Y^T, with X, Y a member's acted-on part viewed as (h, rest), rows indexed
-        by the hidden axis.  Under g they move as P -> g P g^T and Q -> g^{-T} Q g^{-1}
-        (diagonal groups: their diagonals only), and P - Q is the conserved quantity of
-        gradient flow (papers/001 Ex. 2.5.3; ``teleopt.analysis.conserved_quantities``).
-        Shapes (blocks, n, n) for GL (``blocks`` 1 when unblocked), (h,) for scalings;
-        ``None`` for other groups or powers other than +-1.
-        """
-        params = self.check_params(params)
-        if self.group_kind not in ("general", "diagonal") or any(m.power not in (1, -1) for m in self.members):
-            return None
-        grp = self.group(params)
-        diagonal = self.group_kind == "diagonal"
-        blocks = 1 if diagonal else (self.blocks or 1)
-        n = grp.dim // blocks
-        ref = next(p for p in params if p is not None)
-        shape = (grp.dim,) if diagonal else (blocks, n, n)
-        P = torch.zeros(shape, dtype=torch.float64, device=ref.device)
-        Q = torch.zeros_like(P)
-        for m, p in zip(self.members, params):
-            if p is None:
-                continue
-            rows: list[Tensor] = []
-
-            def capture(part: Tensor, axis: int, rows: list[Tensor] = rows) -> Tensor:
-                rows.append(part.detach().to(torch.float64).movedim(axis, 0).reshape(part.shape[axis], -1))
-                return part
-
-            m.transform(p, capture)
-            X = rows[0] if diagonal else rows[0].reshape(blocks, n, -1)
-            gram = X.square().sum(1) if diagonal else X @ X.mT
-            (P if m.power == 1 else Q).add_(gram)
-        return P, Q
-
-    def balancing_coordinates(self, params: Params, *, rcond: float = 1e-10) -> Tensor | None:
-        """Lie algebra coordinates xi with exp(xi) . params *balanced*: P = Q after the action.
-
-        For GL (papers/001 Ex. 1.2.2, 1.2.13; a LoRA pair W + B A is the case
-        P = A A^T, Q = B^T B): g P g^T = g^{-T} Q g^{-1} is M P M = Q for M = g^T g, whose
-        symmetric positive definite solution is the matrix geometric mean of P^{-1} and Q,
-
-            M = P^{-1/2} (P^{1/2} Q P^{1/2})^{1/2} P^{-1/2},
-
-        (check: M P M = P^{-1/2} S^2 P^{-1/2} = Q with S = (P^{1/2} Q P^{1/2})^{1/2}); the
-        symmetric choice g = M^{1/2} (any U M^{1/2}, U orthogonal, balances too) has
-        coordinates xi = log(M) / 2, a symmetric matrix, by eigendecomposition in float64.
-        When P = I this is g = Q^{1/4}.  For positive scalings (Ex. 1.2.4 with ReLU) the
-        same equation per unit gives c^4 = Q_i / P_i.  Balanced pairs are where gradient
-        flow from a balanced start stays (the conserved P - Q is zero; Du, Hu and Lee,
-        NeurIPS 2018, "layers are automatically balanced").
-
-        A block (or unit) whose P or Q is singular to ``rcond`` (relative to its largest
-        eigenvalue; e.g. LoRA's B = 0 at initialisation) has no balancing element in the
-        group and gets zero coordinates (it does not move).  ``None`` when the group is
-        not GL or positive scaling, or a member has a power other than +-1.
-        """
-        grams = self.gram_matrices(params)
-        if grams is None:
-            return None
-        P, Q = grams
-        if self.group_kind == "diagonal":
-            ok = (P > rcond * P.max().clamp_min(1e-300)) & (Q > rcond * Q.max().clamp_min(1e-300))
-            xi = torch.where(ok, 0.25 * (Q.clamp_min(1e-300).log() - P.clamp_min(1e-300).log()), torch.zeros_like(P))
-            return xi
-        xi = torch.zeros_like(P)
-        for b in range(P.shape[0]):
-            lp, vp = torch.linalg.eigh(P[b])
-            lq = torch.linalg.eigvalsh(Q[b])
-            if not (float(lp[0]) > rcond * float(lp[-1]) > 0 and float(lq[0]) > rcond * float(lq[-1]) > 0):
-                continue
-            root = (vp * lp.sqrt()) @ vp.mT  # P^{1/2}
-            inv_root = (vp / lp.sqrt()) @ vp.mT  # P^{-1/2}
-            ls, vs = torch.linalg.eigh(root @ Q[b] @ root)
-            middle = (vs * ls.clamp_min(0).sqrt()) @ vs.mT  # (P^{1/2} Q P^{1/2})^{1/2}
-            M = inv_root @ middle @ inv_root
-            lm, vm = torch.linalg.eigh((M + M.mT) / 2)
-            xi[b] = (vm * (0.5 * lm.clamp_min(1e-300).log())) @ vm.mT
-        return xi if self.blocks is not None else xi[0]
 
     def example(self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> ExampleProblem:
         if self._example is None:

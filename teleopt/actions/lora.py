@@ -4,9 +4,9 @@ g . (U, V) = (U g^{-1}, g V) for g in GL_r; U is (out, r), V is (r, in) as in
 ``y = x (W + U V)^T``.  In LoRA (Hu et al., ICLR 2022) and peft's naming U is
 ``lora_B`` and V is ``lora_A``: B -> B g^{-1}, A -> g A.
 ``teleopt.integrations.peft.lora_sites`` binds this action to every peft adapter;
-``AxisAction.balancing_coordinates`` gives the element with A A^T = B^T B after it
-(the balanced point, papers/001 Ex. 2.5.3), which ``teleopt.teleport.Balance``
-teleports to.
+``Teleport(..., objective="balance")`` (:class:`teleopt.teleport.Balance`) moves
+the pair to the element with A A^T = B^T B after it (the balanced point,
+papers/001 Ex. 2.5.3; :meth:`teleopt.groups.GeneralLinear.balance`).
 """
 
 from __future__ import annotations

@@ -11,13 +11,14 @@ step.  The concepts live in one module each:
 * :mod:`~teleopt.teleport.engine`: one teleport in four phases (plan, search,
   apply, verify); :mod:`~teleopt.teleport.evaluator`: the protocol objectives
   evaluate g . w through; :mod:`~teleopt.teleport.search`: the pluggable search
-  (``SearchStrategy``, default ``GradientAscent``; :mod:`~teleopt.teleport.balance`:
-  ``Balance``, the closed-form balanced point of GL and scaling sites, e.g. LoRA
-  pairs); :mod:`~teleopt.teleport.sites`:
+  (``SearchStrategy``, default ``GradientAscent``; ``ClosedForm`` for objectives
+  solved in closed form, such as ``"balance"``); :mod:`~teleopt.teleport.sites`:
   binding sites to the model and optimizer;
 * :mod:`~teleopt.teleport.schedule`: when to teleport (Algorithm 1's set K);
 * :mod:`~teleopt.teleport.objectives`: gradient norm, preconditioned norm,
-  one-step lookahead loss, sharpness (eq. 5.1), curvature (eq. 5.2);
+  one-step lookahead loss, sharpness (eq. 5.1), curvature (eq. 5.2), balance
+  (least weight norm on the orbit, the balanced point A A^T = B^T B of GL sites
+  such as LoRA pairs; closed form in :mod:`~teleopt.teleport.balance`);
 * :mod:`~teleopt.teleport.coordinates` and :mod:`~teleopt.teleport.ascent`:
   Lie-algebra coordinates, trust region, projected ascent;
 * :mod:`~teleopt.teleport.fast_path`: closed-form gradient transport over the
@@ -36,9 +37,9 @@ step.  The concepts live in one module each:
   teleport, for comparisons.
 """
 
-from teleopt.teleport.balance import Balance
 from teleopt.teleport.evaluator import Evaluator
 from teleopt.teleport.objectives import (
+    Balance,
     Curvature,
     GradientNorm,
     Lookahead,
@@ -52,6 +53,7 @@ from teleopt.teleport.report import TeleportReport
 from teleopt.teleport.safety import SafetyConfig
 from teleopt.teleport.schedule import Schedule
 from teleopt.teleport.search import (
+    ClosedForm,
     GradientAscent,
     SearchConfig,
     SearchProblem,
@@ -71,7 +73,7 @@ __all__ = [
     "SearchProblem",
     "SearchResult",
     "GradientAscent",
-    "Balance",
+    "ClosedForm",
     "Evaluator",
     "Objective",
     "GradientNorm",
@@ -79,5 +81,6 @@ __all__ = [
     "Lookahead",
     "Sharpness",
     "Curvature",
+    "Balance",
     "get_objective",
 ]

@@ -1,101 +1,287 @@
-"""A closed-form search: teleport every GL or scaling site to its *balanced* point.
+"""The ``balance`` teleport: the point of least weight norm on the orbit, in closed form.
 
-For a GL site (two linear maps, a LoRA pair B A) the balanced point of the orbit
-is where the writers' and readers' Gram matrices agree, A A^T = B^T B, i.e. where
-the conserved quantity of gradient flow P - Q (papers/001 Ex. 2.5.3) vanishes;
-for positive scalings through ReLU it is |w_in,i| = |w_out,i| per unit.  The
-element is closed form (:meth:`teleopt.actions.axis.AxisAction.balancing_coordinates`:
-g = (P^{-1} # Q)^{1/2}, the matrix geometric mean; g = (B^T B)^{1/4} when A has
-orthonormal rows), so :class:`Balance` needs no objective evaluations and no batch.
+The idea of equi-normalization (ENorm, Stock et al. 2019): among the points of a
+symmetry orbit, pick the one with the smallest sum of squared Frobenius norms of
+the site members, N(g) = sum_m ||(g . w)_m||^2 over the trainable members.  For
+exact linear sites N depends on a site's element only through a small statistic
+of its members (:meth:`Group.norm_statistic <teleopt.groups.Group.norm_statistic>`):
+per-unit sums of squares for positive scalings, Gram matrices for GL.  With the
+other sites fixed, a site's minimiser is in closed form
+(:meth:`Group.balance <teleopt.groups.Group.balance>`): c_i = (b_i / a_i)^(1/4)
+for a rescaling between layers (a_i the squared norm of unit i's incoming row and
+bias, b_i of its outgoing column), the geometric-mean element equalising the two
+Gram matrices for GL.
 
-Balancing is the standard remedy for the scale imbalance of LoRA factors: with
-B = 0 at initialisation and A random, the factors start far from balanced, and
-gradient descent keeps the imbalance forever (the conserved quantity); a
-balanced pair makes the gradients of A and B commensurate (Du, Hu and Lee,
-NeurIPS 2018; for LoRA: Hu et al., ICLR 2022, initialise B = 0 precisely because
-B A is all that matters, and every g in GL_r leaves it unchanged).
+For a GL site such as a LoRA pair B A (``teleopt.lora_sites``) that element is the
+*balanced* pair, A A^T = B^T B, where the conserved quantity of gradient flow
+A A^T - B^T B (papers/001 Ex. 2.5.3) vanishes: g = P^1/2 with P the matrix geometric
+mean (A A^T)^-1 # B^T B, and g = (B^T B)^1/4 when A has orthonormal rows.  Plain
+training never balances a pair that starts unbalanced (peft starts at B = 0), and
+every g in GL_r leaves B A unchanged (Hu et al., ICLR 2022; Du, Hu and Lee,
+NeurIPS 2018).  A unit or block without a balanced point, where one side is
+singular to ``rcond`` relative to its largest eigenvalue or mass (B = 0 at
+initialisation, a rank-deficient Gram matrix, a dead unit), keeps zero coordinates:
+the norm has no minimum there, only an infimum at a singular element.
 
-Use it as the search strategy of any :class:`~teleopt.teleport.Teleport`::
+Sites that share a tensor interact (a layer's rows belong to one site, its columns
+to the previous one), so the sites are solved by block-coordinate descent: a site
+is solved again when a neighbour moved by more than ``tol`` in its coordinates.
+Each block minimisation is exact inside the trust region (the per-unit problems
+are convex in the log-scale, so clipping the minimiser to the region is the
+constrained minimiser), hence N decreases monotonically; N is convex in the
+log-scales (a sum of exponentials of linear functions), so the sweeps converge to
+the minimum over the box.
 
-    Teleport(opt, model, sites, every=100, search=SearchConfig(strategy=Balance(), trust_region=None))
+Work per sweep: each tensor whose acting sites are all scalings on whole axes is
+reduced once to S, its sums of squares over the axes no site acts on (a Linear
+weight between two rescaled layers is its own square); a site's statistic is then
+a contraction of S with the other axes' factors c^(2 p) (a matrix-vector product).
+Other tensors (GL sites, slices of fused tensors) are moved by the other sites'
+current elements and read again.
 
-Everything else stays as in every teleport: the element is applied exactly,
-``.grad`` and first moments are transported by the covector rule, elementwise
-second moments follow the state policy's fallback (kept by default), the safety
-caps may scale the element towards the identity, and the loss check and watch
-run.  With a trust region the balancing move is clipped to it (a partial balance
-along each eigendirection); ``trust_region=None`` balances exactly.
+Sites are left at the identity (and named in :attr:`BalanceResult.skipped`) when
+the closed form does not apply: actions that are not :class:`~teleopt.actions.axis.AxisAction`,
+groups without :meth:`~teleopt.groups.Group.balance`, a site acting on two axes of
+one tensor (its units are then coupled), or a site acting on the same axis of a
+tensor as an earlier site when the two do not commute.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from teleopt.actions.axis import AxisAction
-from teleopt.teleport.coordinates import project_to_trust_region
-from teleopt.teleport.fast_path import member_tensors
-from teleopt.teleport.search import SearchProblem, SearchResult
+from teleopt.actions.axis import AxisAction, Member
+from teleopt.groups import BALANCE_RCOND, Group
+from teleopt.site import Site
 
-__all__ = ["Balance"]
+__all__ = ["BalanceResult", "WeightNormModel", "balance_coordinates"]
+
+_Entry = tuple[int, Member, Group]  # (site index, member, the site's group)
 
 
-@dataclass(frozen=True)
-class Balance:
-    """Search strategy: the balancing element of every GL / positive-scaling site (see module docs).
+@dataclass
+class BalanceResult:
+    """Coordinates per site, N at the identity and (with ``trace``) after each sweep, the number of sweeps
+    and the sites left at the identity with the reason."""
 
-    Parameters
-    ----------
-    fraction:
-        Move ``exp(fraction * xi)`` of the way (1: balanced; 0.5: halfway along the
-        geodesic of symmetric elements).
-    rcond:
-        A block whose Gram matrix P or Q has eigenvalues below ``rcond`` times its
-        largest (e.g. LoRA's B = 0 at initialisation) is left where it is.
-    min_move:
-        A site whose coordinates are all within ``min_move`` of zero is already
-        balanced and does not move (when no site moves, the teleport is declined).
-        Default: sqrt(eps) of the members' dtype (1.5e-8 in float64, 3.5e-4 in
-        float32), above the rounding a balanced pair shows (measured 1e-15 and
-        7e-8) and far below any move that matters to training.
+    coords: list[Tensor]
+    norm_start: float
+    sweeps: int
+    norms: list[float] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def _diagonal(group: Group) -> bool:
+    return group.square_factor(group.identity(), 1.0) is not None
+
+
+def _whole_axis(member: Member) -> bool:
+    return member.start is None and member.outer == 1 and member.inner == 1 and member.groups == 1
+
+
+def _commute(a: _Entry, b: _Entry, ndim: int) -> bool:
+    """Whether two sites' actions on one tensor commute (so each site's statistic ignores the other's order)."""
+    (_, ma, ga), (_, mb, gb) = a, b
+    if ma.axis % ndim != mb.axis % ndim or (_diagonal(ga) and _diagonal(gb)):
+        return True
+    plain = all(m.outer == 1 and m.inner == 1 and m.groups == 1 and m.start is not None for m in (ma, mb))
+    return plain and (ma.stop is not None and mb.stop is not None) and (ma.stop <= (mb.start or 0) or mb.stop <= (ma.start or 0))
+
+
+class _Reduced:
+    """A tensor acted on by scalings on whole, distinct axes, kept as its sums of squares S over the other axes."""
+
+    def __init__(self, tensor: Tensor, entries: list[_Entry]) -> None:
+        axes = [m.axis % tensor.ndim for _, m, _ in entries]
+        other = [d for d in range(tensor.ndim) if d not in axes]
+        # in the tensor's own precision (float32 at least): the statistics it yields are read in float64
+        t = tensor.detach()
+        sq = (t if t.dtype in (torch.float32, torch.float64) else t.float()).square()
+        self.S = sq.sum(dim=other) if other else sq
+        order = sorted(axes)
+        self.letters = "abcdefghij"[: self.S.ndim]
+        self.positions = [order.index(a) for a in axes]
+        self.entries = entries
+
+    def _factors(self, elements: Sequence[Tensor]) -> list[Tensor]:
+        out = []
+        for i, m, grp in self.entries:
+            factor = grp.square_factor(elements[i], m.power)
+            assert factor is not None  # diagonal groups only
+            out.append(factor.to(self.S.dtype))
+        return out
+
+    def add_stats(self, site: int, elements: Sequence[Tensor], stats: dict[float, Tensor]) -> None:
+        factors = self._factors(elements)
+        for k, (i, m, _) in enumerate(self.entries):
+            if i != site:
+                continue
+            others = [j for j in range(len(self.entries)) if j != k]
+            spec = self.letters + "".join("," + self.letters[self.positions[j]] for j in others) + "->" + self.letters[self.positions[k]]
+            marginal = torch.einsum(spec, self.S, *[factors[j] for j in others])
+            _add(stats, float(m.power), marginal.to(torch.float64))
+
+    def value(self, elements: Sequence[Tensor]) -> Tensor:
+        spec = self.letters + "".join("," + self.letters[p] for p in self.positions) + "->"
+        return torch.einsum(spec, self.S, *self._factors(elements))
+
+
+class _Explicit:
+    """Any other tensor: moved by the other sites' current elements, then read by the site's group."""
+
+    def __init__(self, tensor: Tensor, entries: list[_Entry]) -> None:
+        self.tensor = tensor.detach().to(torch.float64)
+        self.entries = sorted(entries, key=lambda e: e[0])  # sites act in list order
+
+    def moved(self, elements: Sequence[Tensor], skip: int | None = None) -> Tensor:
+        x = self.tensor
+        for i, m, grp in self.entries:
+            if i != skip:
+                x = m.transform(x, _acting(grp, elements[i], m.power))
+        return x
+
+    def add_stats(self, site: int, elements: Sequence[Tensor], stats: dict[float, Tensor]) -> None:
+        x = self.moved(elements, skip=site)
+        for i, m, grp in self.entries:
+            if i == site:
+                stat = grp.norm_statistic(*m.part_view(x))
+                assert stat is not None  # checked when the site was admitted
+                _add(stats, float(m.power), stat)
+
+    def value(self, elements: Sequence[Tensor]) -> Tensor:
+        return self.moved(elements).square().sum()
+
+
+def _acting(group: Group, g: Tensor, power: float) -> Callable[[Tensor, int], Tensor]:
+    return lambda part, axis: group.act_on_axis(g, part, axis, power)
+
+
+def _add(stats: dict[float, Tensor], power: float, value: Tensor) -> None:
+    stats[power] = stats[power] + value if power in stats else value
+
+
+def _admit(
+    sites: Sequence[Site], groups: Sequence[Group], tensors: Mapping[str, Tensor], counted: set[str]
+) -> tuple[dict[str, list[_Entry]], dict[str, str]]:
+    """Per counted tensor, the entries of the sites the closed form solves; and the skipped sites with why."""
+    skipped: dict[str, str] = {}
+    entries: dict[str, list[_Entry]] = {}
+    for i, (site, grp) in enumerate(zip(sites, groups)):
+        action = site.action
+        if not isinstance(action, AxisAction):
+            skipped[site.name] = f"{type(action).__name__} is not an axis action"
+            continue
+        mine = [(n, m) for n, m in zip(site.members, action.members) if n is not None and n in counted]
+        if not mine:
+            skipped[site.name] = "no trainable member"
+            continue
+        if not grp.has_balance:
+            skipped[site.name] = f"{grp!r} has no closed-form minimum norm"
+            continue
+        axes: dict[str, set[int]] = {}
+        for n, m in mine:
+            axes.setdefault(n, set()).add(m.axis % tensors[n].ndim)
+        if any(len(a) > 1 for a in axes.values()):
+            skipped[site.name] = "acts on two axes of one tensor (its units are coupled)"
+            continue
+        clash = [n for n, m in mine for e in entries.get(n, []) if not _commute(e, (i, m, grp), tensors[n].ndim)]
+        if clash:
+            skipped[site.name] = f"does not commute with an earlier site on {clash[0]!r}"
+            continue
+        for n, m in mine:
+            entries.setdefault(n, []).append((i, m, grp))
+    return entries, skipped
+
+
+class WeightNormModel:
+    """N(g) = sum of squared norms of the ``counted`` members of ``sites`` at g . w, prepared once per teleport.
+
+    ``tensors`` maps every member name to its tensor.  :meth:`value` is differentiable in the elements
+    (an ascent may use it); :meth:`solve` is the block-coordinate minimisation of the module docs.
     """
 
-    fraction: float = 1.0
-    rcond: float = 1e-10
-    min_move: float | None = None
+    def __init__(self, sites: Sequence[Site], groups: Sequence[Group], tensors: Mapping[str, Tensor], counted: set[str]) -> None:
+        self.sites, self.groups = list(sites), list(groups)
+        #: per site, the dtype of its first member (what rounding a balanced site shows)
+        self.dtypes = [next(tensors[n].dtype for n in s.members if n is not None) for s in sites]
+        entries, self.skipped = _admit(sites, groups, tensors, counted)
+        self.terms: list[_Reduced | _Explicit] = []
+        self.terms_of: dict[int, list[_Reduced | _Explicit]] = {}
+        for n, es in entries.items():
+            reducible = all(_diagonal(grp) and _whole_axis(m) for _, m, grp in es)
+            term: _Reduced | _Explicit = _Reduced(tensors[n], es) if reducible else _Explicit(tensors[n], es)
+            self.terms.append(term)
+            for i in {i for i, _, _ in es}:
+                self.terms_of.setdefault(i, []).append(term)
+        self.neighbours = {i: {j for t in ts for j, _, _ in t.entries} - {i} for i, ts in self.terms_of.items()}
+        others = {n for s in sites for n in s.tensor_names if n in counted} - set(entries)
+        self.still = sum(float(tensors[n].detach().to(torch.float64).square().sum()) for n in others)
 
-    def __post_init__(self) -> None:
-        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) or not 0 < self.fraction <= 1:
-            raise ValueError(f"fraction must be in (0, 1], got {self.fraction!r}")
-        if isinstance(self.rcond, bool) or not isinstance(self.rcond, (int, float)) or not 0 < self.rcond < 1:
-            raise ValueError(f"rcond must be in (0, 1), got {self.rcond!r}")
-        if self.min_move is not None and (
-            isinstance(self.min_move, bool) or not isinstance(self.min_move, (int, float)) or not self.min_move >= 0
-        ):
-            raise ValueError(f"min_move must be a number >= 0 or None, got {self.min_move!r}")
+    def value(self, elements: Sequence[Tensor]) -> Tensor:
+        """N at the elements (float64)."""
+        total = torch.zeros((), dtype=torch.float64, device=elements[0].device if elements else None) + self.still
+        for t in self.terms:
+            total = total + t.value(elements).to(torch.float64)
+        return total
 
-    def search(self, problem: SearchProblem) -> SearchResult:
-        """Balancing coordinates per site (zeros for sites without a closed form), clipped to the trust regions.
+    def solve(
+        self,
+        radii: Sequence[float | None],
+        start: Sequence[Tensor],
+        max_sweeps: int = 50,
+        tol: float = 1e-3,
+        trace: bool = False,
+        rcond: float = BALANCE_RCOND,
+    ) -> BalanceResult:
+        """Coordinates minimising N, each site's inside its radius (``None``: unbounded), from ``start`` (the
+        identity's coordinates).  A site is solved again while a neighbour's coordinates moved by more than
+        ``tol`` (max abs change), at most ``max_sweeps`` passes; with ``trace``, N after each pass is recorded.
+        Units and blocks singular to ``rcond`` stay (:meth:`Group.balance <teleopt.groups.Group.balance>`)."""
+        groups = self.groups
+        coords = [c.detach().clone() for c in start]
+        elements = [grp.exp(c) for grp, c in zip(groups, coords)]
+        norm_start = float(self.value(elements))
+        norms = [norm_start] if trace else []
+        dirty = set(self.terms_of)
+        order = sorted(self.terms_of)
+        sweeps = 0
+        while dirty and sweeps < max_sweeps:
+            sweeps += 1
+            for i in order:
+                if i not in dirty:
+                    continue
+                stats: dict[float, Tensor] = {}
+                for t in self.terms_of[i]:
+                    t.add_stats(i, elements, stats)
+                new = groups[i].balance(stats, radii[i], rcond)
+                assert new is not None  # admitted sites have a closed form
+                new = new.to(coords[i])
+                change = float((new - coords[i]).abs().max()) if new.numel() else 0.0
+                coords[i], elements[i] = new, groups[i].exp(new)
+                dirty.discard(i)
+                if change > tol:
+                    dirty |= self.neighbours[i]
+            if trace:
+                norms.append(float(self.value(elements)))
+        return BalanceResult(coords, norm_start, sweeps, norms, dict(self.skipped))
 
-        Sites that share a tensor are each balanced at w; their composition need not be balanced.
-        """
-        params = problem.evaluator.like  # the members at w (sites balance independently of each other)
-        coords: list[Tensor] = []
-        for site, group, start, radius in zip(problem.sites, problem.groups, problem.start, problem.trust_regions):
-            members = member_tensors(site, params)
-            xi = None
-            if isinstance(site.action, AxisAction):
-                with torch.no_grad():
-                    xi = site.action.balancing_coordinates(members, rcond=self.rcond)
-            dtype = next(t for t in members if t is not None).dtype
-            floor = self.min_move if self.min_move is not None else math.sqrt(torch.finfo(dtype).eps)
-            if xi is None or xi.shape != start.shape or not (xi.numel() and float(xi.abs().max()) > floor):
-                coords.append(torch.zeros_like(start))
-                continue
-            xi = (self.fraction * xi).to(start)
-            project_to_trust_region(xi, group, radius)
-            coords.append(xi)
-        return SearchResult(coords)
+
+def balance_coordinates(
+    sites: Sequence[Site],
+    groups: Sequence[Group],
+    tensors: Mapping[str, Tensor],
+    counted: set[str],
+    radii: Sequence[float | None],
+    start: Sequence[Tensor],
+    max_sweeps: int = 50,
+    tol: float = 1e-3,
+    trace: bool = False,
+    rcond: float = BALANCE_RCOND,
+) -> BalanceResult:
+    """:meth:`WeightNormModel.solve` of a fresh model: coordinates minimising the squared norm of the
+    ``counted`` members over the sites' orbits (see module docs)."""
+    return WeightNormModel(sites, groups, tensors, counted).solve(radii, start, max_sweeps, tol, trace, rcond)

@@ -52,9 +52,22 @@ def check_shortcuts(shortcuts: Mapping[str, object]) -> None:
             raise TypeError(f"Teleport() got an unexpected keyword argument {key!r}")
 
 
-def resolve_schedule(schedule: Schedule | None, s: Shortcuts) -> Schedule:
-    """``schedule``, or one built from the ``every``/``at``/``when``/``warmup``/``batches``/``max_teleports`` shortcuts."""
+def resolve_schedule(schedule: Schedule | None, s: Shortcuts, default: Schedule | None = None) -> Schedule:
+    """``schedule``, or one built from the ``every``/``at``/``when``/``warmup``/``batches``/``max_teleports`` shortcuts.
+
+    With none of ``every``/``at``/``when``, ``default`` (the objective's default schedule) gives them and the
+    warm-up (a given ``warmup`` replaces it); without a default, teleports happen only on request.
+    """
     if schedule is None:
+        if default is not None and all(s.get(k) is None for k in ("every", "at", "when")):
+            return Schedule(
+                every=default.every,
+                at=default.at,
+                when=default.when,
+                warmup=s.get("warmup", default.warmup),
+                batches=s.get("batches", default.batches),
+                max_teleports=s.get("max_teleports", default.max_teleports),
+            )
         return Schedule(
             every=s.get("every"),
             at=s.get("at"),

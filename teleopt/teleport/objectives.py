@@ -24,6 +24,11 @@ batch) and maximised or minimised by projected ascent on the coordinates
     phi(w, T, D) = mean over t in T, d in D of L(w + t d) (eq. 5.1), with D drawn
     uniformly on the unit sphere (normalised Gaussians, an unbiased choice) once
     per teleport.  Needs a batch.  Decrease by default (flatter minima).
+``Balance`` (``"balance"``)
+    sum ||(g . w)_m||^2 over the trainable site members, decreased: the point of
+    least weight norm on the orbit (ENorm, Stock et al. 2019), solved in closed form
+    per site by block-coordinate sweeps (:mod:`~teleopt.teleport.balance`) instead of
+    by ascent.  No loss is involved; fast path.
 ``Curvature`` (``"curvature"``)
     psi(w, k) = mean_i kappa(gamma_{M_i}, 0) (eq. 5.2), the curvature of the
     orbit curves gamma_M(t) = exp(t M) . w for k random Lie algebra elements.  For
@@ -35,6 +40,7 @@ batch) and maximised or minimised by projected ascent on the coordinates
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -42,8 +48,11 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from teleopt.groups import BALANCE_RCOND
+from teleopt.teleport.balance import WeightNormModel
 from teleopt.teleport.evaluator import Evaluator, require_batch
 from teleopt.teleport.lie_algebra import has_infinitesimal_action, infinitesimal_action
+from teleopt.teleport.schedule import Schedule
 
 __all__ = [
     "Objective",
@@ -52,11 +61,15 @@ __all__ = [
     "Lookahead",
     "Sharpness",
     "Curvature",
+    "Balance",
     "get_objective",
     "OBJECTIVES",
 ]
 
 Direction = Literal["increase", "decrease"]
+
+#: The balance objective's default schedule: every this many steps, the first one after as many.
+DEFAULT_BALANCE_EVERY = 50
 
 
 def _check_direction(direction: str) -> Direction:
@@ -79,14 +92,28 @@ class Objective(ABC):
     needs_batch: bool = False
     needs_optimizer_model: bool = False
     direction: Direction = "increase"
+    closed_form: bool = False  #: whether :meth:`solve` gives the optimum (then no ascent runs by default)
 
     def prepare(self, evaluator: Evaluator, generator: torch.Generator) -> Any:
         """Per-teleport randomness (``None`` for deterministic objectives)."""
         return None
 
+    def default_schedule(self) -> Schedule | None:
+        """When to teleport if ``Teleport`` is given no ``every``/``at``/``when`` (``None``: only on request).
+
+        ``None`` for the searched objectives: scheduled gradient-norm teleports diverged or collapsed
+        training in benchmarks/realistic (every 200 steps: 1 of 5 SGD seeds diverged; once at step 20:
+        a ViT under AdamW fell from 0.887 to 0.449 test accuracy, median of 3 seeds)."""
+        return None
+
     @abstractmethod
     def value(self, evaluator: Evaluator, elements: Sequence[Tensor], prepared: Any) -> Tensor:
         """The objective at g . w (a float64 scalar, differentiable in the elements)."""
+
+    def solve(self, prepared: Any, trust_regions: Sequence[float | None], start: Sequence[Tensor]) -> tuple[list[Tensor], float]:
+        """``closed_form`` objectives: the optimal coordinates per site, each inside its trust region (``None``:
+        unbounded), from the identity's coordinates ``start``, and the value at the identity."""
+        raise TypeError(f"objective {self.name!r} has no closed form: it is searched by ascent")
 
     def score(self, evaluator: Evaluator, elements: Sequence[Tensor], prepared: Any) -> Tensor:
         """What the ascent maximises: the value, negated for ``direction="decrease"``."""
@@ -269,12 +296,110 @@ class Curvature(Objective):
         return torch.stack(vs), torch.stack(accs)
 
 
-OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (GradientNorm, PreconditionedNorm, Lookahead, Sharpness, Curvature)}
+class Balance(Objective):
+    """sum_m ||(g . w)_m||^2 over the trainable site members, minimised in closed form (ENorm, Stock et al. 2019).
+
+    The least weight norm on the orbit: for a positive rescaling c_i = (b_i / a_i)^(1/4) per unit (a_i the
+    squared norm of its incoming row and bias, b_i of its outgoing column), for GL the element equalising the
+    Gram matrices of the two sides; coupled sites by block-coordinate sweeps (:mod:`~teleopt.teleport.balance`),
+    clipped to the trust region.  Orthogonal sites stay (norms are invariant); sites the closed form cannot
+    take stay at the identity.
+
+    For a GL site this is the balanced point A A^T = B^T B (a LoRA pair B A: ``teleopt.lora_sites``), for a
+    positive rescaling |w_in,i| = |w_out,i| per unit.  No forward or backward pass; no batch.
+
+    Parameters
+    ----------
+    max_sweeps, tol:
+        Block-coordinate passes at most, and the change of a site's coordinates (max abs) below which its
+        neighbours are not solved again.
+    rcond:
+        A unit or GL block whose writer or reader Gram matrix (mass) has an eigenvalue at most ``rcond`` times
+        its largest has no balanced point (LoRA's B = 0 at initialisation, a rank-deficient Gram matrix, a
+        dead unit) and is left where it is.
+    fraction:
+        Move ``exp(fraction * xi)`` of the way from the identity to the solution (1: balanced; 0.5: halfway
+        along the geodesic of symmetric elements), after the trust-region clip.
+    min_move:
+        A site whose coordinates are all within ``min_move`` of the identity is already balanced and does not
+        move (when no site moves, the teleport is declined).  Default: sqrt(eps) of the site's dtype (1.5e-8
+        in float64, 3.5e-4 in float32), above the rounding a balanced site shows and far below any move that
+        matters to training.
+    """
+
+    name = "balance"
+    direction: Direction = "decrease"
+    closed_form = True
+
+    def __init__(
+        self,
+        max_sweeps: int = 50,
+        tol: float = 1e-3,
+        rcond: float = BALANCE_RCOND,
+        fraction: float = 1.0,
+        min_move: float | None = None,
+    ) -> None:
+        if not isinstance(max_sweeps, int) or isinstance(max_sweeps, bool) or max_sweeps < 1:
+            raise ValueError(f"max_sweeps must be a positive int, got {max_sweeps!r}")
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
+            raise ValueError(f"tol must be a number >= 0, got {tol!r}")
+        if isinstance(rcond, bool) or not isinstance(rcond, (int, float)) or not 0 < rcond < 1:
+            raise ValueError(f"rcond must be in (0, 1), got {rcond!r}")
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+        if min_move is not None and (isinstance(min_move, bool) or not isinstance(min_move, (int, float)) or not min_move >= 0):
+            raise ValueError(f"min_move must be a number >= 0 or None, got {min_move!r}")
+        self.max_sweeps = max_sweeps
+        self.tol = float(tol)
+        self.rcond = float(rcond)
+        self.fraction = float(fraction)
+        self.min_move = None if min_move is None else float(min_move)
+
+    def default_schedule(self) -> Schedule:
+        """Every 50 steps from step 50 (never at step 0, before any training): in benchmarks/realistic
+        (3 seeds, results/cpu_2026-11-24_balance.txt) it lowered the best validation loss on both MLPs in
+        every seed and moved the median test accuracy by +0.2 (MLPs), 0 (CNN) and -0.45 points (ViT)."""
+        return Schedule(every=DEFAULT_BALANCE_EVERY, warmup=DEFAULT_BALANCE_EVERY)
+
+    def prepare(self, evaluator: Evaluator, generator: torch.Generator) -> WeightNormModel:
+        """The members reduced once per teleport (:class:`~teleopt.teleport.balance.WeightNormModel`)."""
+        sites = evaluator.sites
+        groups = [s.action.group(tuple(None if n is None else evaluator.like[n] for n in s.members)) for s in sites]
+        return WeightNormModel(sites, groups, evaluator.like, set(evaluator.ctx.trainable))
+
+    def value(self, evaluator: Evaluator, elements: Sequence[Tensor], prepared: WeightNormModel) -> Tensor:
+        """Sites the closed form does not take count at the identity (they are not moved by :meth:`solve`)."""
+        return prepared.value(elements)
+
+    def solve(
+        self, prepared: WeightNormModel, trust_regions: Sequence[float | None], start: Sequence[Tensor]
+    ) -> tuple[list[Tensor], float]:
+        found = prepared.solve(trust_regions, start, self.max_sweeps, self.tol, rcond=self.rcond)
+        coords = []
+        for xi, xi0, dtype in zip(found.coords, start, prepared.dtypes):
+            move = xi - xi0
+            floor = self.min_move if self.min_move is not None else math.sqrt(torch.finfo(dtype).eps)
+            if not (move.numel() and float(move.abs().max()) > floor):
+                coords.append(xi0.clone())  # already balanced (or nothing to balance): stays
+            else:
+                coords.append(xi0 + self.fraction * move if self.fraction != 1.0 else xi)
+        return coords, found.norm_start
+
+    def __repr__(self) -> str:
+        parts = [f"max_sweeps={self.max_sweeps}", f"tol={self.tol:g}", f"rcond={self.rcond:g}", f"fraction={self.fraction:g}"]
+        if self.min_move is not None:
+            parts.append(f"min_move={self.min_move:g}")
+        return f"Balance({', '.join(parts)})"
+
+
+OBJECTIVES: dict[str, type[Objective]] = {
+    cls.name: cls for cls in (GradientNorm, PreconditionedNorm, Lookahead, Sharpness, Curvature, Balance)
+}
 
 
 def get_objective(spec: str | Objective) -> Objective:
     """An :class:`Objective` from its name (``"grad_norm"``, ``"preconditioned_norm"``, ``"lookahead"``,
-    ``"sharpness"``, ``"curvature"``) or an instance."""
+    ``"sharpness"``, ``"curvature"``, ``"balance"``) or an instance."""
     if isinstance(spec, Objective):
         return spec
     if isinstance(spec, str):

@@ -56,6 +56,8 @@ from teleopt.teleport.search import SearchConfig
 from teleopt.teleport.sites import (
     check_model_matches_optimizer,
     detect_sites,
+    normalization_affine,
+    scale_free_updates,
     unusable,
     validate_sites,
 )
@@ -124,18 +126,24 @@ class Teleport(OptimizerWrapper):
         ``"auto"`` (the exact continuous sites ``teleopt.find_symmetries`` finds on the
         model, with ``example_inputs``/``example_kwargs``, else the first teleport batch
         or the last forward's inputs; sites whose parameters the optimizer does not
-        update are left out with a warning and listed in ``report.skipped``) or a list
-        of :class:`~teleopt.site.Site` naming tensors of ``model.state_dict()``; sites
-        act in list order.  Discrete sites (permutations, signs) are not searched.
-        A site whose parameter is frozen (``requires_grad=False``) after the wrapper
-        was built is left out of the teleports while it is frozen.
+        update are left out with a warning and listed in ``report.skipped``; under
+        optimizers with scale-free steps (Adam family, Adagrad, RMSprop, unmodelled
+        ones) the rescalings of normalisation layers' affine parameters are left out
+        too, with a warning) or a list of :class:`~teleopt.site.Site` naming tensors of
+        ``model.state_dict()``; sites act in list order.  Discrete sites (permutations,
+        signs) are not searched.  A site whose parameter is frozen
+        (``requires_grad=False``) after the wrapper was built is left out of the
+        teleports while it is frozen.
     objective:
         ``"grad_norm"`` (default), ``"preconditioned_norm"``, ``"lookahead"``,
-        ``"sharpness"``, ``"curvature"`` or an :class:`~teleopt.teleport.objectives.Objective`.
+        ``"sharpness"``, ``"curvature"``, ``"balance"`` (least weight norm on the orbit, in
+        closed form) or an :class:`~teleopt.teleport.objectives.Objective`.
     schedule:
         When to teleport (:class:`~teleopt.teleport.schedule.Schedule`); shortcuts
-        ``every``, ``at``, ``when``, ``warmup``, ``batches``, ``max_teleports``.  No
-        schedule means teleports happen only when :meth:`teleport` is called.
+        ``every``, ``at``, ``when``, ``warmup``, ``batches``, ``max_teleports``.  Without
+        ``every``/``at``/``when`` the objective's default applies: ``"balance"`` every 50
+        steps from step 50; every other objective (the default ``"grad_norm"`` included)
+        only when :meth:`teleport` is called.  No default teleports at step 0.
     search:
         How elements are chosen (:class:`~teleopt.teleport.search.SearchConfig`: ascent
         steps and step size, trust region, path, strategy); shortcuts ``ascent_steps``,
@@ -205,8 +213,8 @@ class Teleport(OptimizerWrapper):
         self._module = unwrap(model)
         self._hook_target = hook_target(model)
         check_model_matches_optimizer(self._module, self.param_groups)
-        self._schedule = resolve_schedule(schedule, shortcuts)
         self._objective = get_objective(objective)
+        self._schedule = resolve_schedule(schedule, shortcuts, self._objective.default_schedule())
         self._search = search
         self._policy = resolve_state_policy(state_policy, shortcuts)
         self._set_data(loss_fn, batch_fn, heldout_batch, example_inputs, example_kwargs)
@@ -315,9 +323,25 @@ class Teleport(OptimizerWrapper):
         return self._module
 
     def _detect(self, batch: Batch) -> list[Site]:
-        """``sites="auto"`` detection on ``batch``'s inputs; warns about the sites left out."""
+        """``sites="auto"`` detection on ``batch``'s inputs; warns about the sites left out.
+
+        Under a base optimizer whose steps are scale-free (Adam family, Adagrad, RMSprop, unmodelled
+        ones) the normalisation-affine rescalings are left out as well: rescaling a norm's gain changes
+        its effective learning rate there (it collapsed a ViT under AdamW in benchmarks/realistic)."""
         found, skipped = detect_sites(self._module, self.param_groups, batch.inputs, batch.kwargs)
-        self._auto_skipped = skipped
+        norm = [s.name for s in found if normalization_affine(s, self._module)] if scale_free_updates(self.innermost) else []
+        if norm:
+            shown = ", ".join(norm[:3]) + (f" and {len(norm) - 3} more" if len(norm) > 3 else "")
+            warnings.warn(
+                f"Teleport(sites='auto') leaves out {len(norm)} normalisation-affine rescaling site(s) ({shown}): under "
+                f"{type(self.innermost).__name__}, whose steps do not scale with the gradient, rescaling a norm's gain "
+                "changes its effective learning rate (it collapsed a ViT under AdamW). Pass the sites explicitly to "
+                "include them.",
+                UserWarning,
+                stacklevel=3,
+            )
+            left_out = set(norm)
+            found = [s for s in found if s.name not in left_out]
         if skipped:
             listed = "; ".join(f"{name}: {why}" for name, why in list(skipped.items())[:5])
             more = f" (and {len(skipped) - 5} more)" if len(skipped) > 5 else ""
@@ -327,6 +351,9 @@ class Teleport(OptimizerWrapper):
                 UserWarning,
                 stacklevel=3,
             )
+        for name in norm:
+            skipped[name] = f"normalisation-affine rescaling under {type(self.innermost).__name__} (scale-free steps)"
+        self._auto_skipped = skipped
         return found
 
     @property
@@ -441,7 +468,9 @@ class Teleport(OptimizerWrapper):
         loss = self._step_base(closure, loss)
         record.step += 1
         if record.watch is not None and record.step > record.watch.until:
+            # a teleport that came through its watch undoes one backoff: a rollback is not permanent
             record.watch = None
+            record.backoff = min(1.0, record.backoff / self._safety.backoff)
         return loss
 
     # ------------------------------------------------------------------ teleport

@@ -48,7 +48,9 @@ window a gradient is non-finite, the squared gradient norm exceeds
 ``watch_factor`` times its pre-teleport value, everything is restored to the
 pre-teleport point (the steps since are discarded), the trust region and caps
 are multiplied by ``backoff`` for later teleports, and a rollback report is
-issued.  ``watch_steps=0`` turns the watch (and its memory cost: one copy of the
+issued.  Each later teleport that comes through its watch window divides the
+factor by ``backoff`` again (up to 1), so a rollback shrinks the next teleports,
+not all teleports for the rest of training.  ``watch_steps=0`` turns the watch (and its memory cost: one copy of the
 parameters and optimizer state) off.
 """
 

@@ -7,7 +7,10 @@ in Algorithm 1 (lines 2-6).  A schedule is one of
 * ``every=k``: t = warmup, warmup + k, warmup + 2k, ...;
 * ``at={5, 100}``: an explicit set of steps;
 * ``when=callable(t) -> bool``;
-* none of these: only when ``Teleport.teleport()`` is called.
+* none of these: the objective's default schedule
+  (:meth:`Objective.default_schedule <teleopt.teleport.objectives.Objective.default_schedule>`:
+  every 50 steps from step 50 for ``"balance"``), else only when
+  ``Teleport.teleport()`` is called.  No default schedule fires at step 0.
 
 ``warmup`` skips every step before it, ``batches`` is the number of teleport
 batches per teleport (papers/001 Sec. 4.6.3 teleports on several mini-batches

@@ -32,6 +32,7 @@ __all__ = [
     "SearchResult",
     "SearchStrategy",
     "GradientAscent",
+    "ClosedForm",
     "SearchConfig",
 ]
 
@@ -99,6 +100,17 @@ class GradientAscent:
         return SearchResult(found.coords, found.score_start, found.evaluations)
 
 
+@dataclass(frozen=True)
+class ClosedForm:
+    """The objective's own optimum (:meth:`Objective.solve <teleopt.teleport.objectives.Objective.solve>`),
+    for objectives with a ``closed_form`` such as ``"balance"``; no ascent."""
+
+    def search(self, problem: SearchProblem) -> SearchResult:
+        coords, value_start = problem.objective.solve(problem.prepared, problem.trust_regions, problem.start)
+        score = value_start if problem.objective.direction == "increase" else -value_start
+        return SearchResult(coords, score, 0)
+
+
 def _check_int(value: Any, what: str, minimum: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
@@ -138,7 +150,7 @@ class SearchConfig:
         ``"auto"`` (fast when every site and the objective allow it), ``"fast"`` or ``"general"``.
     strategy:
         How elements are chosen (:class:`SearchStrategy`); default
-        ``GradientAscent(steps, lr)``.
+        ``GradientAscent(steps, lr)``, or :class:`ClosedForm` for objectives that have one (``"balance"``).
     """
 
     steps: int = 100
@@ -154,9 +166,23 @@ class SearchConfig:
         if self.path not in ("auto", "fast", "general"):
             raise ValueError(f"path must be 'auto', 'fast' or 'general', got {self.path!r}")
         if self.strategy is not None and not isinstance(self.strategy, SearchStrategy):
+            from teleopt.teleport.objectives import Objective
+
+            if isinstance(self.strategy, Objective):
+                raise TypeError(
+                    f"strategy must be a SearchStrategy; {self.strategy!r} is an objective: pass "
+                    f"Teleport(..., objective={self.strategy.name!r}) or objective={type(self.strategy).__name__}(...)"
+                )
             raise TypeError(f"strategy must have a search(problem) method, got {type(self.strategy).__name__}")
 
     @property
     def chooser(self) -> SearchStrategy:
-        """The strategy in use."""
+        """The strategy given, or projected ascent."""
         return self.strategy if self.strategy is not None else GradientAscent(self.steps, self.lr)
+
+    def strategy_for(self, objective: Objective) -> SearchStrategy:
+        """The strategy in use for ``objective``: the one given, else the objective's closed form if it has
+        one (:class:`ClosedForm`), else projected ascent."""
+        if self.strategy is None and objective.closed_form:
+            return ClosedForm()
+        return self.chooser

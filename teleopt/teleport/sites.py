@@ -5,7 +5,10 @@ be a floating-point tensor of the model, every parameter member trainable and
 updated by the optimizer, one device and one dtype per site, and a data input
 for data-dependent actions.  Each check fails with an error naming the site and
 the member.  Detected sites (``sites="auto"``) whose parameters the optimizer does
-not update, or which are frozen, are left out with the reason instead.
+not update, or which are frozen, are left out with the reason instead; so are, under
+optimizers with scale-free steps (:func:`scale_free_updates`), the rescalings of
+normalisation layers' affine parameters (:func:`normalization_affine`; the wrapper
+leaves them out).
 """
 
 from __future__ import annotations
@@ -14,10 +17,23 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
 from teleopt.site import Site, lookup_tensor
+from teleopt.teleport.optimizer_model import OptimizerModel
 
-__all__ = ["check_model_matches_optimizer", "validate_sites", "detect_sites", "unusable"]
+__all__ = [
+    "check_model_matches_optimizer",
+    "validate_sites",
+    "detect_sites",
+    "unusable",
+    "normalization_affine",
+    "scale_free_updates",
+]
+
+_NORMS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm) + (
+    (nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()
+)
 
 
 def _optimized(param_groups: Sequence[dict[str, Any]]) -> set[int]:
@@ -164,3 +180,28 @@ def detect_sites(
         skipped=skipped,
     )
     return sites, skipped
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, _NORMS) or "Norm" in type(module).__name__
+
+
+def normalization_affine(site: Site, module: nn.Module) -> bool:
+    """Whether ``site`` moves the affine parameters of a normalisation layer (BatchNorm, LayerNorm,
+    GroupNorm, RMSNorm, or a module whose class name says Norm): the rescaling of gamma and beta against
+    the next layer's input columns."""
+    owners = dict(module.named_modules())
+    for name in site.tensor_names:
+        prefix, _, leaf = name.rpartition(".")
+        owner = owners.get(prefix)
+        if owner is not None and leaf in dict(owner.named_parameters(recurse=False)) and _is_norm(owner):
+            return True
+    return False
+
+
+def scale_free_updates(optimizer: Optimizer) -> bool:
+    """Whether the optimizer's step does not scale with the gradient (per-coordinate normalised: Adam, AdamW,
+    Adagrad, RMSprop; and, to be safe, every optimizer teleopt has no model of).  Under such steps a
+    rescaled normalisation gain moves by the same absolute amount whatever its size, so shrinking it
+    (as the gradient-norm and balance objectives do) multiplies its relative learning rate."""
+    return OptimizerModel(optimizer).family != "sgd"
