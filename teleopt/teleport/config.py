@@ -13,15 +13,21 @@ given together.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypedDict
+from typing import Any, NamedTuple, TypedDict
 
+from teleopt.functional import Batch, LossFn, as_batch
+from teleopt.teleport.safety import SafetyConfig
 from teleopt.teleport.schedule import Schedule
 from teleopt.teleport.search import Path, SearchConfig
 from teleopt.teleport.state_policy import StatePolicy
 
 __all__ = [
+    "DataSources",
     "Shortcuts",
+    "check_seed",
     "check_shortcuts",
+    "resolve_data",
+    "resolve_safety",
     "resolve_schedule",
     "resolve_search",
     "resolve_state_policy",
@@ -108,3 +114,53 @@ def resolve_state_policy(policy: StatePolicy | str | dict[str, str] | None, shor
     if fallback is not None:
         raise ValueError("give either state_policy=StatePolicy(...) or state_fallback, not both")
     return policy
+
+
+class DataSources(NamedTuple):
+    """Where ``Teleport`` gets its data: the loss, fresh teleport batches, a held-out batch, example inputs."""
+
+    loss_fn: LossFn | None
+    batch_fn: Callable[[], Any] | None
+    heldout: Batch | None
+    example: Batch | None
+
+
+def resolve_data(
+    loss_fn: LossFn | None,
+    batch_fn: Callable[[], Any] | None,
+    heldout_batch: Any,
+    example_inputs: Any,
+    example_kwargs: Mapping[str, Any] | None,
+    *,
+    batches: int = 1,
+) -> DataSources:
+    """Check ``Teleport``'s data arguments and normalise the batches (:func:`teleopt.functional.as_batch`)."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable(output, target) -> loss, got {type(loss_fn).__name__}")
+    if batch_fn is not None and not callable(batch_fn):
+        raise TypeError(f"batch_fn must be callable() -> (inputs, target), got {type(batch_fn).__name__}")
+    if batches > 1 and batch_fn is None:
+        raise ValueError(f"batches={batches} needs batch_fn to draw the teleport batches")
+    if example_kwargs is not None and (not isinstance(example_kwargs, Mapping) or not all(isinstance(k, str) for k in example_kwargs)):
+        raise TypeError(f"example_kwargs must be a mapping of keyword arguments, got {type(example_kwargs).__name__}")
+    example = None
+    if example_inputs is not None or example_kwargs:
+        inputs = () if example_inputs is None else example_inputs
+        example = as_batch((tuple(inputs) if isinstance(inputs, list) else inputs, None, example_kwargs))
+    return DataSources(loss_fn, batch_fn, None if heldout_batch is None else as_batch(heldout_batch), example)
+
+
+def resolve_safety(safety: SafetyConfig | None) -> SafetyConfig:
+    """``safety`` itself, or the default :class:`SafetyConfig` for ``None``."""
+    if safety is None:
+        return SafetyConfig()
+    if not isinstance(safety, SafetyConfig):
+        raise TypeError(f"safety must be a SafetyConfig, got {type(safety).__name__}")
+    return safety
+
+
+def check_seed(value: object) -> int:
+    """``value`` when it is an int >= 0 (the teleport seed)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"seed must be an int >= 0, got {value!r}")
+    return value

@@ -37,7 +37,10 @@ from teleopt.site import Site
 from teleopt.teleport.check import OutputCapture, ProbeRecorder, seeded
 from teleopt.teleport.config import (
     Shortcuts,
+    check_seed,
     check_shortcuts,
+    resolve_data,
+    resolve_safety,
     resolve_schedule,
     resolve_search,
     resolve_state_policy,
@@ -61,7 +64,7 @@ from teleopt.teleport.sites import (
     unusable,
     validate_sites,
 )
-from teleopt.teleport.state_policy import StatePolicy
+from teleopt.teleport.state_policy import StatePolicy, restart_curvature_history
 from teleopt.teleport.watch import TeleportRecord
 from teleopt.unwrap import hook_target, unwrap
 from teleopt.wrapper import OptimizerWrapper
@@ -80,35 +83,8 @@ def _check_model(model: Any) -> None:
     check_supported_sharding(model)
 
 
-def _check_safety(safety: Any) -> SafetyConfig:
-    if safety is None:
-        return SafetyConfig()
-    if not isinstance(safety, SafetyConfig):
-        raise TypeError(f"safety must be a SafetyConfig, got {type(safety).__name__}")
-    return safety
-
-
-def _check_seed(value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"seed must be an int >= 0, got {value!r}")
-    return value
-
-
 def _has_sparse_grad(p: Tensor) -> bool:
     return p.grad is not None and p.grad.is_sparse
-
-
-def restart_curvature_history(optimizer: Optimizer) -> None:
-    """Make an ``LBFGS`` start its curvature history afresh at its next step.
-
-    ``LBFGS`` stores one flat history of steps and gradient differences; after a
-    teleport those pairs belong to another point of the orbit, so the next step
-    begins again from a scaled gradient step (``n_iter`` 0 is how ``LBFGS`` itself
-    starts).  Other optimizers are left alone.
-    """
-    if isinstance(optimizer, torch.optim.LBFGS):
-        for state in optimizer.state.values():
-            state["n_iter"] = 0
 
 
 class Teleport(OptimizerWrapper):
@@ -217,8 +193,9 @@ class Teleport(OptimizerWrapper):
         self._schedule = resolve_schedule(schedule, shortcuts, self._objective.default_schedule())
         self._search = search
         self._policy = resolve_state_policy(state_policy, shortcuts)
-        self._set_data(loss_fn, batch_fn, heldout_batch, example_inputs, example_kwargs)
-        self._safety = _check_safety(safety)
+        data = resolve_data(loss_fn, batch_fn, heldout_batch, example_inputs, example_kwargs, batches=self._schedule.batches)
+        self._loss_fn, self._batch_fn, self._heldout, self._example = data
+        self._safety = resolve_safety(safety)
         if self._objective.needs_optimizer_model:
             TeleportContext.build(self._module, optimizer, self._policy).model.require(f"objective {self._objective.name!r}")
         self._sharded = sharded_module(self._module)
@@ -226,11 +203,15 @@ class Teleport(OptimizerWrapper):
         self._sites = self._initial_sites(sites, bool(paper_compat))
         if self._sharded:
             self._check_sharded(bool(paper_compat))
-        self._seed = _check_seed(seed)
+        self._seed = check_seed(seed)
         self._generator = torch.Generator().manual_seed(self._seed)
         self._record = TeleportRecord()
         self._lookahead = LookaheadView.of(self.innermost)
         self._engine = self._make_engine(bool(paper_compat))
+        self._start_recording()
+
+    def _start_recording(self) -> None:
+        """Teleport hooks, reports, and the forward pre-hook that keeps probe inputs for the check."""
         self._hooks: OrderedDict[int, TeleportHook] = OrderedDict()
         self.reports: list[TeleportReport] = []
         self._sparse_warned: set[str] = set()
@@ -255,30 +236,6 @@ class Teleport(OptimizerWrapper):
             hook_target=self._hook_target,
         )
         return (PaperCompatEngine if paper_compat else TeleportEngine)(config, self._record)
-
-    def _set_data(
-        self,
-        loss_fn: LossFn | None,
-        batch_fn: Callable[[], Any] | None,
-        heldout_batch: Any,
-        example_inputs: Any,
-        example_kwargs: Mapping[str, Any] | None,
-    ) -> None:
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable(output, target) -> loss, got {type(loss_fn).__name__}")
-        if batch_fn is not None and not callable(batch_fn):
-            raise TypeError(f"batch_fn must be callable() -> (inputs, target), got {type(batch_fn).__name__}")
-        if self._schedule.batches > 1 and batch_fn is None:
-            raise ValueError(f"batches={self._schedule.batches} needs batch_fn to draw the teleport batches")
-        self._loss_fn = loss_fn
-        self._batch_fn = batch_fn
-        self._heldout = None if heldout_batch is None else as_batch(heldout_batch)
-        if example_kwargs is not None and (not isinstance(example_kwargs, Mapping) or not all(isinstance(k, str) for k in example_kwargs)):
-            raise TypeError(f"example_kwargs must be a mapping of keyword arguments, got {type(example_kwargs).__name__}")
-        self._example: Batch | None = None
-        if example_inputs is not None or example_kwargs:
-            inputs = () if example_inputs is None else example_inputs
-            self._example = as_batch((tuple(inputs) if isinstance(inputs, list) else inputs, None, example_kwargs))
 
     def _check_sharded(self, paper_compat: bool) -> None:
         """What an FSDP2 (``fully_shard``) model supports: explicit fast-path sites and objectives without a batch."""

@@ -248,3 +248,16 @@ class StatePolicy:
                         write_(old, value.detach())  # a sharded (FSDP2) entry takes its shard of the whole value
                 else:
                     st[key] = value
+
+
+def restart_curvature_history(optimizer: Optimizer) -> None:
+    """Make an ``LBFGS`` start its curvature history afresh at its next step.
+
+    ``LBFGS`` stores one flat history of steps and gradient differences; after a
+    teleport those pairs belong to another point of the orbit, so the next step
+    begins again from a scaled gradient step (``n_iter`` 0 is how ``LBFGS`` itself
+    starts).  Other optimizers are left alone.
+    """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        for state in optimizer.state.values():
+            state["n_iter"] = 0

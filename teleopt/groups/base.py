@@ -1,0 +1,192 @@
+"""The abstract :class:`Group` acting on one axis of parameter tensors, and its checks."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+GroupKind = Literal["general", "orthogonal", "diagonal", "sign", "permutation", "translation"]
+
+#: :meth:`Group.balance`: a unit or block whose side is singular to this, relative to the largest, stays.
+BALANCE_RCOND = 1e-10
+
+__all__ = ["BALANCE_RCOND", "Group", "GroupKind", "apply_on_axis"]
+
+
+def _check_tensor(g: object, what: str) -> Tensor:
+    if not isinstance(g, Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(g).__name__}")
+    return g
+
+
+def _check_finite(g: Tensor, what: str) -> None:
+    if g.is_floating_point() and not bool(torch.isfinite(g).all()):
+        bad = (~torch.isfinite(g)).nonzero()[0].tolist()
+        raise ValueError(f"{what} has non-finite entries (first at index {bad})")
+
+
+def _check_size(v: object, what: str) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{what} must be a positive int, got {v!r}")
+
+
+def apply_on_axis(x: Tensor, axis: int, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """Apply ``fn`` to ``x`` viewed as (axis_size, rest) and return the same layout.
+
+    ``fn`` receives a 2-D tensor whose rows are indexed by the chosen axis.
+    """
+    moved = x.movedim(axis, 0)
+    flat = moved.reshape(moved.shape[0], -1)
+    out = fn(flat)
+    return out.reshape(moved.shape).movedim(0, axis)
+
+
+class Group(ABC):
+    """A group acting linearly on an axis of length ``dim``.
+
+    Subclasses give identity, composition, inverse, the exponential map from Lie
+    algebra coordinates (continuous groups), random elements from a
+    ``torch.Generator`` and the representation on a tensor axis.
+    """
+
+    kind: GroupKind
+    continuous: bool
+
+    def __init__(self, n: int) -> None:
+        _check_size(n, "group size n")
+        self.n = n
+
+    @property
+    def dim(self) -> int:
+        """Length of the tensor axis the group acts on."""
+        return self.n
+
+    def _config(self) -> tuple:
+        return (self.n,)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}{self._config()}".replace(",)", ")")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Group) and type(self) is type(other) and self._config() == other._config()
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self._config()))
+
+    # -- elements ---------------------------------------------------------
+    @property
+    @abstractmethod
+    def element_shape(self) -> tuple[int, ...]:
+        """Shape of a group element tensor."""
+
+    @property
+    def coord_shape(self) -> tuple[int, ...] | None:
+        """Shape of Lie algebra coordinates (``None`` for discrete groups)."""
+        return None
+
+    @abstractmethod
+    def identity(self, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None) -> Tensor:
+        """The identity element."""
+
+    @staticmethod
+    @abstractmethod
+    def compose(a: Tensor, b: Tensor) -> Tensor:
+        """The product a b: acting with it equals acting with b, then with a."""
+
+    @staticmethod
+    @abstractmethod
+    def inverse(g: Tensor) -> Tensor:
+        """The inverse element, computed exactly (solve/transposition, never I - T)."""
+
+    def exp(self, coords: Tensor) -> Tensor:
+        """Exponential map from Lie algebra coordinates to the group (differentiable)."""
+        raise TypeError(f"{type(self).__name__} is discrete: it has no Lie algebra coordinates")
+
+    @abstractmethod
+    def random(
+        self,
+        generator: torch.Generator | None = None,
+        scale: float = 1.0,
+        dtype: torch.dtype = torch.float64,
+        device: torch.device | str | None = None,
+    ) -> Tensor:
+        """A random element; for continuous groups exp of coordinates of size ``scale``."""
+
+    @abstractmethod
+    def validate(self, g: Tensor) -> None:
+        """Raise ``TypeError``/``ValueError`` unless ``g`` is a valid element."""
+
+    # -- representation ---------------------------------------------------
+    @abstractmethod
+    def act_on_axis(self, g: Tensor, x: Tensor, axis: int, power: float = 1) -> Tensor:
+        """Transform ``x`` along ``axis`` (length ``dim``) by the representation ``power``."""
+
+    def second_moment_power(self, power: float) -> float | None:
+        """How elementwise second moments (Adam's exp_avg_sq) transform, if exactly.
+
+        Returns the power of the representation that maps the squared covector
+        (``None`` when no exact elementwise rule exists: GL and O(n)).
+        """
+        return None
+
+    # -- geometry of the coordinates (teleportation searches here) ----------
+    has_algebra_action: ClassVar[bool] = False  #: whether :meth:`algebra_action` has a closed form
+
+    def project_coordinates(self, xi: Tensor, radius: float) -> None:
+        """Project coordinates ``xi`` (outside autograd) in place onto the trust region of ``radius``;
+        by default the Euclidean ball (groups override it with the bound their conditioning needs)."""
+        norm = xi.norm()
+        if float(norm) > radius:
+            xi.mul_(radius / norm)
+
+    def ascent_step_size(self, lr: float) -> float:
+        """Per-coordinate step of a normalised (Adam-like) ascent moving the element by about ``lr``."""
+        return lr
+
+    def algebra_action(self, M: Tensor, x: Tensor, axis: int, power: float) -> Tensor:
+        """d/dt act_on_axis(exp(t M), x, axis, power) at t = 0, for ``x`` (k, ...) and k Lie algebra
+        elements ``M`` (k, *coord_shape) batched on a leading axis."""
+        raise TypeError(f"{type(self).__name__} has no closed-form Lie-algebra action on an axis")
+
+    def square_factor(self, g: Tensor, power: float) -> Tensor | None:
+        """Entrywise factor of x**2 under ``act_on_axis(g, x, axis, power)`` if the representation is diagonal."""
+        return None
+
+    # -- weight norms on the orbit (the ``balance`` teleport objective) -------
+    has_balance: ClassVar[bool] = False  #: whether :meth:`norm_statistic` and :meth:`balance` have closed forms
+
+    def norm_statistic(self, x: Tensor, axis: int) -> Tensor | None:
+        """What ||act_on_axis(g, x, axis, power)||^2 depends on, as a float64 tensor that adds over tensors
+        (``None``: no closed form).  Scalings: the sum of squares of each unit's slice; matrix groups: the
+        Gram matrix of the axis per block."""
+        return None
+
+    def balance(self, stats: Mapping[float, Tensor], radius: float | None, rcond: float = BALANCE_RCOND) -> Tensor | None:
+        """Coordinates of the element minimising sum_p ||rho(g)^p X_p||^2, the squared norm of the tensors
+        whose :meth:`norm_statistic` summed to ``stats[p]``, with the coordinates in the trust region of
+        ``radius`` (``None``: unbounded).  Units or blocks without a balanced point, where one side's
+        statistic is missing or singular to ``rcond`` relative to its largest (LoRA's B = 0 at
+        initialisation, a rank-deficient Gram matrix, a dead unit), keep zero coordinates: the norm has
+        no minimum there, only an infimum at infinity.  ``None`` when the group has no closed form."""
+        return None
+
+    def _check_axis(self, x: Tensor, axis: int) -> None:
+        if x.shape[axis] != self.dim:
+            raise ValueError(
+                f"{self!r} acts on an axis of length {self.dim}, but axis {axis} of a tensor "
+                f"with shape {tuple(x.shape)} has length {x.shape[axis]}"
+            )
+
+    def _check_coords(self, coords: Tensor) -> None:
+        _check_tensor(coords, "Lie algebra coordinates")
+        if tuple(coords.shape) != self.coord_shape:
+            raise ValueError(f"{self!r} expects coordinates of shape {self.coord_shape}, got {tuple(coords.shape)}")
+
+    def _check_shape(self, g: Tensor) -> None:
+        _check_tensor(g, "group element")
+        if tuple(g.shape) != self.element_shape:
+            raise ValueError(f"{self!r} expects elements of shape {self.element_shape}, got {tuple(g.shape)}")

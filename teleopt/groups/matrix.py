@@ -1,0 +1,242 @@
+"""Matrix groups GL_n and O(n), optionally block-diagonal (papers/001 Ex. 1.2.2, 1.2.6, 1.2.12)."""
+
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from collections.abc import Mapping
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from teleopt.groups.base import BALANCE_RCOND, Group, GroupKind, _check_finite, _check_size, apply_on_axis
+
+__all__ = ["GeneralLinear", "Orthogonal"]
+
+
+class _MatrixGroup(Group):
+    """Shared code of GL_n and O(n): elements are (blocks, n, n) or (n, n) matrices."""
+
+    def __init__(self, n: int, blocks: int | None = None) -> None:
+        super().__init__(n)
+        if blocks is not None:
+            _check_size(blocks, "blocks")
+        self.blocks = blocks
+
+    @property
+    def dim(self) -> int:
+        return self.n * (self.blocks or 1)
+
+    def _config(self) -> tuple:
+        return (self.n,) if self.blocks is None else (self.n, self.blocks)
+
+    @property
+    def element_shape(self) -> tuple[int, ...]:
+        return (self.n, self.n) if self.blocks is None else (self.blocks, self.n, self.n)
+
+    @property
+    def coord_shape(self) -> tuple[int, ...]:
+        return self.element_shape
+
+    def identity(self, dtype=torch.float64, device=None) -> Tensor:
+        eye = torch.eye(self.n, dtype=dtype, device=device)
+        return eye if self.blocks is None else eye.expand(self.blocks, self.n, self.n).clone()
+
+    @staticmethod
+    def compose(a: Tensor, b: Tensor) -> Tensor:
+        return a @ b
+
+    def random(self, generator=None, scale=1.0, dtype=torch.float64, device=None) -> Tensor:
+        coords = torch.randn(self.coord_shape, generator=generator, dtype=torch.float64) * (scale / math.sqrt(self.n))
+        return self.exp(coords.to(dtype=dtype, device=device))
+
+    def _blocked(self, g: Tensor) -> Tensor:
+        return g.unsqueeze(0) if self.blocks is None else g
+
+    def act_on_axis(self, g: Tensor, x: Tensor, axis: int, power: float = 1) -> Tensor:
+        self._check_axis(x, axis)
+        if power not in (1, -1):
+            raise ValueError(f"{type(self).__name__} representations have power +1 or -1, got {power}")
+        gb = self._blocked(g).to(x.dtype)
+        nb = gb.shape[0]
+
+        def fn(flat: Tensor) -> Tensor:
+            cols = flat.reshape(nb, self.n, -1)
+            if power == 1:
+                out = gb @ cols
+            else:
+                out = self._contragredient(gb, cols)
+            return out.reshape(flat.shape)
+
+        return apply_on_axis(x, axis, fn)
+
+    has_balance: ClassVar[bool] = True
+
+    def norm_statistic(self, x: Tensor, axis: int) -> Tensor:
+        """Gram matrix X X^T of the axis per block (shape ``coord_shape``): ||g X||^2 = tr(g^T g X X^T)."""
+        self._check_axis(x, axis)
+        cols = x.detach().to(torch.float64).movedim(axis, 0).reshape(self.blocks or 1, self.n, -1)
+        gram = cols @ cols.mT
+        return gram if self.blocks is not None else gram[0]
+
+    @abstractmethod
+    def _contragredient(self, g: Tensor, cols: Tensor) -> Tensor:
+        """g^{-T} applied to the columns of ``cols`` (batched over blocks)."""
+
+    has_algebra_action: ClassVar[bool] = True
+
+    def ascent_step_size(self, lr: float) -> float:
+        return lr / self.n  # Adam moves every entry by about lr: a spectral norm up to n lr
+
+    def algebra_action(self, M: Tensor, x: Tensor, axis: int, power: float) -> Tensor:
+        k = x.shape[0]
+        Mb = M.to(x.dtype).reshape(k, self.blocks or 1, self.n, self.n)
+        A = self._algebra_matrix(Mb, power)
+        moved = x.movedim(axis, 1)
+        cols = moved.reshape(k, self.blocks or 1, self.n, -1)
+        return (A @ cols).reshape(moved.shape).movedim(1, axis)
+
+    @abstractmethod
+    def _algebra_matrix(self, M: Tensor, power: float) -> Tensor:
+        """The matrix d rho(M) applies to the axis' columns (batched)."""
+
+
+class GeneralLinear(_MatrixGroup):
+    """GL_n(R) (or ``blocks`` independent copies): papers/001 Ex. 1.2.2, 1.2.11-1.2.13.
+
+    Lie algebra coordinates are arbitrary n x n matrices; ``exp`` is
+    ``torch.linalg.matrix_exp``, so every element is exactly invertible.
+    """
+
+    kind: GroupKind = "general"
+    continuous = True
+
+    def exp(self, coords: Tensor) -> Tensor:
+        self._check_coords(coords)
+        return torch.linalg.matrix_exp(coords)
+
+    @staticmethod
+    def inverse(g: Tensor) -> Tensor:
+        return torch.linalg.inv(g)
+
+    def _contragredient(self, g: Tensor, cols: Tensor) -> Tensor:
+        return torch.linalg.solve(g.mT, cols)
+
+    def _algebra_matrix(self, M: Tensor, power: float) -> Tensor:
+        return M if power == 1 else -M.mT
+
+    def project_coordinates(self, xi: Tensor, radius: float) -> None:
+        """Spectral norm ||xi||_2 <= radius per block (condition number of exp(xi) <= e^{2 radius})."""
+        if float(torch.linalg.matrix_norm(xi).max()) <= radius:  # spectral <= Frobenius: nothing to clip
+            return
+        U, S, Vh = torch.linalg.svd(xi, full_matrices=False)
+        if bool((S > radius).any()):
+            xi.copy_(U @ torch.diag_embed(S.clamp(max=radius)) @ Vh)
+
+    def balance(self, stats: Mapping[float, Tensor], radius: float | None, rcond: float = BALANCE_RCOND) -> Tensor:
+        """The element equalising the two sides' Gram matrices, g A g^T = g^-T B g^-1.
+
+        With P = g^T g, sum ||g X_+||^2 + ||g^-T X_-||^2 = tr(P A) + tr(P^-1 B), A and B the summed
+        Gram matrices of the writers (power +1) and readers (power -1).  It is convex in P with
+        stationarity P A P = B, so P is the geometric mean A^-1 # B = A^-1/2 (A^1/2 B A^1/2)^1/2 A^-1/2,
+        and g = P^1/2 (any g with g^T g = P: the rest is an orthogonal factor that changes no norm).
+        The coordinates are the symmetric log(P) / 2, with eigenvalues clipped to [-radius, radius]
+        (the trust region: each eigenvalue's 1-D problem is convex, so clipping keeps the decrease).
+        When A = A A^T and B = B^T B of a LoRA pair B A, this is the balanced pair A A^T = B^T B, and
+        g = (B^T B)^1/4 when A has orthonormal rows.
+
+        A block whose A or B has an eigenvalue at most ``rcond`` times its largest (LoRA's B = 0 at
+        initialisation; fewer columns than n), or a site with one side only, has no minimiser (the norm
+        decreases without bound towards a singular g) and keeps zero coordinates.
+        """
+        A, B = stats.get(1.0), stats.get(-1.0)
+        ref = A if A is not None else B
+        if ref is None:
+            raise ValueError("balance needs the statistics of power +1 or -1 members")
+        if A is None or B is None:
+            return torch.zeros_like(ref)  # one side only: no minimiser
+        A, B = _sym(A), _sym(B)
+        eye = torch.eye(self.n, dtype=A.dtype, device=A.device).expand(A.shape)
+        ok = _well_conditioned(torch.linalg.eigvalsh(A), rcond) & _well_conditioned(torch.linalg.eigvalsh(B), rcond)
+        if not bool(ok.any()):
+            return torch.zeros_like(A)
+        mask = ok[..., None, None]
+        A, B = torch.where(mask, A, eye), torch.where(mask, B, eye)  # the blocks left alone solve to the identity
+        a, U = torch.linalg.eigh(A)
+        root = (U * a.sqrt().unsqueeze(-2)) @ U.mT
+        inv_root = (U * a.rsqrt().unsqueeze(-2)) @ U.mT
+        m, V = torch.linalg.eigh(_sym(root @ B @ root))
+        P = _sym(inv_root @ ((V * m.clamp_min(0).sqrt().unsqueeze(-2)) @ V.mT) @ inv_root)
+        lam, W = torch.linalg.eigh(P)
+        xi = 0.5 * torch.log(lam.clamp_min(torch.finfo(torch.float64).tiny))
+        if radius is not None:
+            xi = xi.clamp(-radius, radius)
+        return torch.where(mask, (W * xi.unsqueeze(-2)) @ W.mT, torch.zeros_like(A))
+
+    def validate(self, g: Tensor) -> None:
+        self._check_shape(g)
+        if not g.is_floating_point():
+            raise TypeError(f"GL elements must be floating point, got {g.dtype}")
+        _check_finite(g, "GL element")
+        sv = torch.linalg.svdvals(g.detach().to(torch.float64))
+        ratio = sv[..., -1] / sv[..., 0].clamp_min(torch.finfo(torch.float64).tiny)
+        limit = self.n * torch.finfo(g.dtype).eps
+        if bool((ratio <= limit).any()):
+            raise ValueError(f"GL element is not invertible: smallest/largest singular value {float(ratio.min()):.3e} <= {limit:.1e}")
+
+
+class Orthogonal(_MatrixGroup):
+    """O(n) (or ``blocks`` copies): papers/001 Ex. 1.2.6 and eq. 4.33; SO(2) for Prop. 4.4.1.
+
+    Coordinates are n x n matrices whose skew-symmetric part generates the element:
+    ``exp(A) = matrix_exp((A - A^T) / 2)`` (so ``exp`` reaches SO(n)).  The
+    contragredient representation equals the standard one and inverses are
+    transposes.
+    """
+
+    kind: GroupKind = "orthogonal"
+    continuous = True
+
+    def exp(self, coords: Tensor) -> Tensor:
+        self._check_coords(coords)
+        return torch.linalg.matrix_exp((coords - coords.mT) / 2)
+
+    @staticmethod
+    def inverse(g: Tensor) -> Tensor:
+        return g.mT.clone()
+
+    def _contragredient(self, g: Tensor, cols: Tensor) -> Tensor:
+        return g @ cols
+
+    def _algebra_matrix(self, M: Tensor, power: float) -> Tensor:
+        return (M - M.mT) / 2  # exp uses the skew part, the same for either power
+
+    def balance(self, stats: Mapping[float, Tensor], radius: float | None, rcond: float = BALANCE_RCOND) -> Tensor:
+        """The identity: orthogonal maps change no norm, every element is a minimiser."""
+        ref = next(iter(stats.values()))
+        return torch.zeros_like(ref)
+
+    def project_coordinates(self, xi: Tensor, radius: float) -> None:
+        """O(n) is compact: no bound needed."""
+
+    def validate(self, g: Tensor) -> None:
+        self._check_shape(g)
+        if not g.is_floating_point():
+            raise TypeError(f"O(n) elements must be floating point, got {g.dtype}")
+        _check_finite(g, "O(n) element")
+        err = float((g.mT @ g - torch.eye(self.n, dtype=g.dtype, device=g.device)).abs().max())
+        # a check against user error, not round-off: matrix_exp of a skew matrix is orthogonal to ~1e-13
+        limit = self.n * torch.finfo(g.dtype).eps ** 0.5
+        if err > limit:
+            raise ValueError(f"element is not orthogonal: max |g^T g - I| = {err:.3e} > {limit:.1e}")
+
+
+def _sym(m: Tensor) -> Tensor:
+    return 0.5 * (m + m.mT)
+
+
+def _well_conditioned(eigenvalues: Tensor, rcond: float) -> Tensor:
+    """Per block (the last axis holds a block's ascending eigenvalues): smallest > ``rcond`` * largest > 0."""
+    top = eigenvalues[..., -1]
+    return (top > 0) & (eigenvalues[..., 0] > rcond * top)

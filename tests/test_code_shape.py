@@ -1,0 +1,84 @@
+"""The shape the code-shape work set, kept: small modules, a thin Teleport, group math on the groups.
+
+* no module of ``teleopt/`` is longer than :data:`MAX_MODULE_LINES` lines;
+* no method body of ``Teleport`` is longer than :data:`MAX_METHOD_LINES` lines (the
+  signature and the docstring not counted: ``__init__`` lists every option), and no
+  private helper in ``teleopt/teleport/`` takes more than :data:`MAX_HELPER_PARAMS`
+  parameters (``self``/``cls`` not counted);
+* ``teleopt/teleport/`` never asks a group its concrete type (``isinstance(g,
+  Scaling)``): projection, transport and steps live on ``Group`` (geoopt's pattern).
+
+These read the source with ``ast``; they fail with the offending places listed.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import teleopt.groups
+from teleopt.groups import Group
+
+PACKAGE = Path(__file__).resolve().parents[1] / "teleopt"
+MAX_MODULE_LINES = 600
+MAX_METHOD_LINES = 40
+MAX_HELPER_PARAMS = 5
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def _functions(tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_no_module_is_longer_than_600_lines():
+    long = {str(p.relative_to(PACKAGE)): p.read_text().count("\n") for p in PACKAGE.rglob("*.py")}
+    assert {p: n for p, n in long.items() if n > MAX_MODULE_LINES} == {}
+
+
+def _body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    body = fn.body[1:] if ast.get_docstring(fn) is not None and len(fn.body) > 1 else fn.body
+    return int(fn.end_lineno or fn.lineno) - body[0].lineno + 1
+
+
+def test_teleport_methods_are_short():
+    tree = _tree(PACKAGE / "teleport" / "optimizer.py")
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Teleport")
+    methods = [n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    assert len(methods) > 10  # the class was found and read
+    assert {m.name: _body_lines(m) for m in methods if _body_lines(m) > MAX_METHOD_LINES} == {}
+
+
+def test_private_helpers_of_teleport_take_few_parameters():
+    wide = {}
+    for path in (PACKAGE / "teleport").rglob("*.py"):
+        for fn in _functions(_tree(path)):
+            if not fn.name.startswith("_") or fn.name.startswith("__"):
+                continue
+            a = fn.args
+            params = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs) if p.arg not in ("self", "cls")]
+            params += ["*args"] * bool(a.vararg) + ["**kwargs"] * bool(a.kwarg)
+            if len(params) > MAX_HELPER_PARAMS:
+                wide[f"{path.relative_to(PACKAGE)}:{fn.lineno} {fn.name}"] = len(params)
+    assert wide == {}
+
+
+def test_teleport_never_asks_a_group_its_concrete_type():
+    concrete = {
+        name
+        for name, obj in inspect.getmembers(teleopt.groups, inspect.isclass)
+        if issubclass(obj, Group) and obj is not Group and obj.__module__.startswith("teleopt.groups.")
+    }
+    assert {"PositiveScaling", "Permutation", "GeneralLinear"} <= concrete  # the check looks for real names
+    found = []
+    for path in (PACKAGE / "teleport").rglob("*.py"):
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance" and len(node.args) == 2:
+                kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                names = {k.id if isinstance(k, ast.Name) else getattr(k, "attr", "") for k in kinds}
+                if names & concrete:
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert found == []
