@@ -1,6 +1,6 @@
 """Conserved quantities: their distribution under Xavier initialisation and their drift under gradient descent.
 
-Three reproductions from papers/001 (Sec. 2.6, Fig. 2.2-2.3, App. A.4), all through
+Three reproductions from Zhao 2026 (Sec. 2.6, Fig. 2.2-2.3, App. A.4), all through
 ``teleopt.analysis``:
 
 1. **eq. 2.16** (Fig. 2.2): two-layer linear nets U V with the paper's Xavier
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dtype": "float64",
     }
     result = {
-        **header("conserved quantities (papers/001 Sec. 2.6, App. A.4)", settings),
+        **header("conserved quantities (Zhao 2026, Sec. 2.6, App. A.4)", settings),
         "xavier_linear": linear,
         "xavier_nonlinear": nonlinear,
         "drift": runs,

@@ -1,18 +1,18 @@
-"""Learned group actions: the experiments of papers/000 Sec. 5.3-5.4 and papers/001 Sec. 6.5.4-6.5.5.
+"""Learned group actions: the experiments of Zhao et al. 2024b, Sec. 5.3-5.4 and Zhao 2026, Sec. 6.5.4-6.5.5.
 
 Trains ``teleopt.discover`` on each problem and prints, per case, the figure the
 issue's done-when asks for:
 
-* ``linear``: two-layer linear network, m = h = n = k = 1 (papers/000 Sec. 5.3,
+* ``linear``: two-layer linear network, m = h = n = k = 1 (Zhao et al. 2024b, Sec. 5.3,
   Fig. 2): |cos(h, diag(1, -1))| (goal >= 0.99) and training time (goal < 60 s);
-* ``relu`` / ``leaky_relu``: two-layer homogeneous network, width 3 (papers/000
+* ``relu`` / ``leaky_relu``: two-layer homogeneous network, width 3 (Zhao et al. 2024b
   Sec. 5.3, App. C): largest projection residual of the learned generators onto the
   span of the rescaling generators (goal <= 0.05) and principal angles;
 * ``sigmoid``: two-layer sigmoid network, W1 3x3, W2 3x1, one data point (Sec. 5.4,
   Fig. 3), ``tanh``: three-layer tanh network 2x2, 2x2, 2x1 (Fig. 4) and
-  ``transformer``: the tiny transformer of papers/001 Sec. 6.5.5 (8 generators):
+  ``transformer``: the tiny transformer of Zhao 2026, Sec. 6.5.5 (8 generators):
   loss variation along learned curves vs random curves of the same arc length
-  over 100 sampled (theta, X) (papers/001 Fig. 6.6; goal: ratio >= 10) and the
+  over 100 sampled (theta, X) (Zhao 2026, Fig. 6.6; goal: ratio >= 10) and the
   sensitivity of the learned action to the data (nonzero derivative w.r.t. X);
 * ``sigmoid_bare``: the sigmoid network with the papers' bare action network (no
   linear term g theta), reported against straight random curves.
@@ -49,8 +49,8 @@ from teleopt.discovery.diagnostics import abs_cosine, compare_curves, data_sensi
 # gradient-normalised one ("gradient"), both a smaller generator learning rate and a
 # faster decay (Adam's jitter on the generators otherwise sets the invariance
 # floor).  The data-dependent ones drop teleopt's linearity term (weight 0: the
-# papers' objective) and train the 128-wide network of papers/001 at lr 3e-3: with
-# the papers/000 Sec. 5.4 weights (gamma_1 = 1, gamma_2 = gamma_4 = 10) the
+# papers' objective) and train the 128-wide network of Zhao 2026 at lr 3e-3: with
+# the Zhao et al. 2024b, Sec. 5.4 weights (gamma_1 = 1, gamma_2 = gamma_4 = 10) the
 # invariance term was too weak to shape anything (curve ratio about 2 on the
 # sigmoid network).  ``sigmoid_bare`` is the papers' bare action network (no linear
 # term): strongly data-dependent, invariant for every generator alike.

@@ -1,4 +1,4 @@
-"""papers/002 App. I / Fig. 10 in small: group-action ensembles vs eps on digits, next to the random baselines.
+"""Zhao et al. 2023, App. I / Fig. 10 in small: group-action ensembles vs eps on digits, next to the random baselines.
 
 A LeakyReLU(0.1) MLP 64-16-10-10 without biases (``teleopt.datasets.digits_mlp``,
 the papers' classifier) is trained with Adam (lr 1e-2, batch 64) in float64 on
@@ -8,8 +8,8 @@ transformed with g = exp(eps M) (M with N(0, 1/h) entries, h = 10) into K member
 whose probabilities are averaged (``GroupEnsemble``):
 
 * ``group``: the data-dependent GL_h action (U pi(g, H), g V), pi(g, H) =
-  sigma(H) sigma(gH)^+ built on the training set (papers/002 eq. 112, the
-  least-squares action ``data_dependent_gl_lstsq`` of papers/001 eq. 4.16);
+  sigma(H) sigma(gH)^+ built on the training set (Zhao et al. 2023, eq. 112, the
+  least-squares action ``data_dependent_gl_lstsq`` of Zhao 2026, eq. 4.16);
 * the baselines of App. I at the same eps (``BaselineEnsemble``): ``g_inverse``,
   ``random``, ``shuffle``, ``perm_interp``;
 * ``rescaling (exact)``: the exact positive rescaling of the same hidden layer,
@@ -169,9 +169,9 @@ def main(argv: list[str] | None = None) -> dict:
         "dtype": "float64",
         "site": "last hidden layer (2.weight, 4.weight)",
     }
-    result = {**header("ensemble (papers/002 App. I, Fig. 10)", settings), "rows": rows}
+    result = {**header("ensemble (Zhao et al. 2023, App. I, Fig. 10)", settings), "rows": rows}
     print(
-        f"papers/002 App. I in small: {args.members}-member ensembles on digits, medians over seeds {seeds}, "
+        f"Zhao et al. 2023, App. I in small: {args.members}-member ensembles on digits, medians over seeds {seeds}, "
         f"{epochs} epochs of Adam; {result['machine']}, {result['date']}"
     )
     print_table(

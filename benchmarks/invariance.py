@@ -1,4 +1,4 @@
-"""papers/004 Fig. 1 (and Fig. 4): a linear model learns the data's symmetry, its asymmetric part decaying exponentially.
+"""Gideoni 2023, Fig. 1 (and Fig. 4): a linear model learns the data's symmetry, its asymmetric part decaying exponentially.
 
 Problems (inputs completed to whole orbits with ``orbit_closure``, Assumption 1/4):
 
@@ -269,7 +269,7 @@ def plot(results: list[dict[str, Any]], plot_dir: str) -> None:
                 ax.plot(c["t"], c["sym_coordinate"][r], "--", color=line.get_color(), label=f"{LABELS[r]}: symmetric")
             ax.set(xlabel="t = step * lr", ylabel="coordinate along the base's initial part", title=title)
             ax.legend(fontsize=7)
-        fig.suptitle(f"papers/004 Theorem 3.3 on {result['problem']} (decay rate {result['decay_rate']:.3f})")
+        fig.suptitle(f"Gideoni 2023, Theorem 3.3 on {result['problem']} (decay rate {result['decay_rate']:.3f})")
         fig.tight_layout()
         fig.savefig(os.path.join(plot_dir, f"invariance_{result['problem']}.png"), dpi=120)
         plt.close(fig)

@@ -1,8 +1,8 @@
-"""papers/003 Fig. 1: a two-layer ReLU network started in a collapsed state stays collapsed; syre escapes.
+"""Ziyin et al. 2025, Fig. 1: a two-layer ReLU network started in a collapsed state stays collapsed; syre escapes.
 
 The hidden layer (64 units) starts with only ``k`` distinct neurons: every unit is a
 copy (incoming weights, bias, outgoing weights) of one of ``k`` random templates,
-the symmetric state of the permutation symmetry (papers/003 Sec. 4).  The network
+the symmetric state of the permutation symmetry (Ziyin et al. 2025, Sec. 4).  The network
 is trained on scikit-learn's digits with SGD+momentum and with Adam, either plain,
 with the base optimizer's weight decay ``gamma``, or with ``Syre(gamma)`` (coupled,
 eq. 6, biases excluded unless ``--one-d decay``).  Printed per run: the training loss along the way, test
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     ]
     result = {
         **header(
-            "syre_collapse (papers/003 Fig. 1)",
+            "syre_collapse (Ziyin et al. 2025, Fig. 1)",
             {
                 "steps": steps,
                 "gamma": args.gamma,
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": rows,
     }
     print(
-        f"papers/003 Fig. 1 on digits: 64-unit ReLU net from k distinct neurons, {steps} steps, "
+        f"Ziyin et al. 2025, Fig. 1 on digits: 64-unit ReLU net from k distinct neurons, {steps} steps, "
         f"gamma={args.gamma}, sigma0={args.sigma0}; {result['machine']}, {result['date']}"
     )
     print_table(

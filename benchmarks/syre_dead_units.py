@@ -1,7 +1,7 @@
-"""papers/003 Fig. 3 (right): dead units of reparametrized linear regression under SGD, weight decay and syre.
+"""Ziyin et al. 2025, Fig. 3 (right): dead units of reparametrized linear regression under SGD, weight decay and syre.
 
 ``l(u, w) = mean((x . (u * w) - y)^2)`` with ``u, w, x`` in R^200 and ``y = beta . x +
-noise`` (papers/003 Sec. 6.1).  The rescaling symmetry ``(u_i, w_i) -> (c u_i, w_i / c)``
+noise`` (Ziyin et al. 2025, Sec. 6.1).  The rescaling symmetry ``(u_i, w_i) -> (c u_i, w_i / c)``
 and the sign flip make ``u_i = w_i = 0`` a symmetric low-capacity state: unit ``i`` is
 dead.  Weight decay pulls every weakly used unit into it (its penalty is minimised at
 zero, which is the symmetric point); syre's anchor is not symmetric, so the state
@@ -108,9 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
         "gamma": args.gamma,
         "sigma0": args.sigma0,
     }
-    result = {**header("syre_dead_units (papers/003 Fig. 3 right)", settings), "rows": rows}
+    result = {**header("syre_dead_units (Ziyin et al. 2025, Fig. 3 right)", settings), "rows": rows}
     print(
-        f"papers/003 Fig. 3 right: dead units of l(u, w) = |(u*w).x - y|^2, d={D}, SGD lr={args.lr}, "
+        f"Ziyin et al. 2025, Fig. 3 right: dead units of l(u, w) = |(u*w).x - y|^2, d={D}, SGD lr={args.lr}, "
         f"batch={args.batch}, gamma={args.gamma}, sigma0={args.sigma0}; {result['machine']}, {result['date']}"
     )
     print_table(

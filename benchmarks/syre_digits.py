@@ -1,4 +1,4 @@
-"""papers/003 Sec. 6.3 / Fig. 5 in small: feature rank and accuracy of a 4-layer MLP on digits, vanilla vs syre.
+"""Ziyin et al. 2025, Sec. 6.3 / Fig. 5 in small: feature rank and accuracy of a 4-layer MLP on digits, vanilla vs syre.
 
 A four-layer fully connected ReLU network (64 -> 300 -> 300 -> 300 -> 10, as in the
 paper's Fig. 5 but on scikit-learn's bundled 8x8 digits instead of MNIST) is trained
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows.sort(key=lambda r: (r["alpha"], r["gamma"], r["method"] != "vanilla", str(r["sigma0"])))
     result = {
         **header(
-            "syre_digits (papers/003 Sec. 6.3, Fig. 5)",
+            "syre_digits (Ziyin et al. 2025, Sec. 6.3, Fig. 5)",
             {
                 "epochs": epochs,
                 "lr": 0.05,
@@ -143,7 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
         ),
         "rows": rows,
     }
-    print(f"papers/003 Fig. 5 in small: 4-layer MLP on digits, {epochs} epochs of SGD+momentum; {result['machine']}, {result['date']}")
+    print(
+        f"Ziyin et al. 2025, Fig. 5 in small: 4-layer MLP on digits, {epochs} epochs of SGD+momentum; {result['machine']}, {result['date']}"
+    )
     print_table(
         rows,
         [

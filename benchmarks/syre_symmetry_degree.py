@@ -1,7 +1,7 @@
-"""papers/003 Fig. 4: degree of symmetry versus objective value for syre, weight decay and plain training.
+"""Ziyin et al. 2025, Fig. 4: degree of symmetry versus objective value for syre, weight decay and plain training.
 
 Minimise ``(w^T w)^2 - w^T B w`` over ``w`` in R^d (d = 1000) by gradient descent with
-learning rate 1e-4 from a standard Gaussian ``w`` (papers/003 Sec. 6.2).  With
+learning rate 1e-4 from a standard Gaussian ``w`` (Ziyin et al. 2025, Sec. 6.2).  With
 ``B = sum_i lambda_i v_i v_i^T`` the objective has the reflection symmetries
 ``w -> w - 2 (v_i^T w) v_i``; the degree of symmetry is the number of ``i`` with
 ``|v_i^T w| < c_th``.  Two spectra: unstructured ``B = G + G^T`` (Gaussian ``G``,
@@ -110,12 +110,13 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [row for kind in THRESHOLDS for row in run(kind, d, steps, args.sigma0, args.seed, not args.quick)]
     result = {
         **header(
-            "syre_symmetry_degree (papers/003 Fig. 4)", {"d": d, "steps": steps, "lr": 1e-4, "sigma0": args.sigma0, "seed": args.seed}
+            "syre_symmetry_degree (Ziyin et al. 2025, Fig. 4)",
+            {"d": d, "steps": steps, "lr": 1e-4, "sigma0": args.sigma0, "seed": args.seed},
         ),
         "rows": rows,
     }
     print(
-        f"papers/003 Fig. 4: (w^T w)^2 - w^T B w, d={d}, GD lr=1e-4, {steps} steps, sigma0={args.sigma0}; "
+        f"Ziyin et al. 2025, Fig. 4: (w^T w)^2 - w^T B w, d={d}, GD lr=1e-4, {steps} steps, sigma0={args.sigma0}; "
         f"{result['machine']}, {result['date']}"
     )
     print_table(

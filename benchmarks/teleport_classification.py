@@ -1,4 +1,4 @@
-"""papers/001 Sec. 5.4.2 (Fig. 5.10-5.11) on digits: teleportation inside AdaGrad, SGD+momentum, RMSprop and Adam.
+"""Zhao 2026, Sec. 5.4.2 (Fig. 5.10-5.11) on digits: teleportation inside AdaGrad, SGD+momentum, RMSprop and Adam.
 
 **Digits stands in for MNIST**: scikit-learn's bundled 8x8 digits (1347 train /
 450 test images, no download) replace MNIST's 50000 / 10000, so the input layer has
@@ -11,7 +11,7 @@ coordinates on its own random 200-sample batch, before the first update of epoch
 (AdaGrad) or epoch 0 (the others), maximising the squared gradient norm
 (Algorithm 1).
 
-Group: the exact positive rescalings of both hidden layers (papers/001 Ex. 1.2.4),
+Group: the exact positive rescalings of both hidden layers (Zhao 2026, Ex. 1.2.4),
 searched with teleopt's library defaults (projected Adam on log-scales, ascent_lr
 0.05, trust region log 4 per teleport, stability cap, loss check on the batch and
 the 10-step watch that rolls a teleport back if the gradient or loss blows up).
@@ -181,7 +181,7 @@ def plot(result: dict[str, Any], directory: Path) -> None:
         ax.set_title(f"{opt_name} (teleport before epoch {TELEPORT_EPOCH[opt_name]})", fontsize=10)
         ax.legend(fontsize=7)
     fig.suptitle(
-        f"papers/001 Fig. 5.10 on digits (stand-in for MNIST), mean +- std over {len(result['settings']['seeds'])} seeds; "
+        f"Zhao 2026, Fig. 5.10 on digits (stand-in for MNIST), mean +- std over {len(result['settings']['seeds'])} seeds; "
         f"{result['machine']}, {result['date']}",
         fontsize=9,
     )
@@ -220,9 +220,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "group": "positive rescaling of both hidden layers (exact)",
         "objective": "grad_norm",
     }
-    result = {**header("teleport_classification (papers/001 Sec. 5.4.2, Fig. 5.10-5.11)", settings), "rows": rows, "curves": raw}
+    result = {**header("teleport_classification (Zhao 2026, Sec. 5.4.2, Fig. 5.10-5.11)", settings), "rows": rows, "curves": raw}
     print(
-        f"papers/001 Sec. 5.4.2 on digits (stand-in for MNIST): 64-16-10-10 LeakyReLU MLP, batch {BATCH}, {epochs} epochs, "
+        f"Zhao 2026, Sec. 5.4.2 on digits (stand-in for MNIST): 64-16-10-10 LeakyReLU MLP, batch {BATCH}, {epochs} epochs, "
         f"mean over {len(seeds)} seeds; {result['machine']}, {result['date']}"
     )
     shown = [e for e in REPORT_EPOCHS if e <= epochs]

@@ -59,7 +59,7 @@ BN_OUTPUT = AxisAction(
     "batchnorm_output_rescaling",
     "diagonal",
     (Member("gamma", 0), Member("beta", 0), Member("W_next", 1, -1)),
-    reference="papers/001 Ex. 1.2.4, 1.2.7 (BatchNorm output through ReLU)",
+    reference="Zhao 2026, Ex. 1.2.4, 1.2.7 (BatchNorm output through ReLU)",
 )
 
 

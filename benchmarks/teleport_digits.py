@@ -1,4 +1,4 @@
-"""Shared plumbing of the digits teleportation benchmarks (papers/001 Sec. 5.2-5.4 at reduced scale).
+"""Shared plumbing of the digits teleportation benchmarks (Zhao 2026, Sec. 5.2-5.4 at reduced scale).
 
 scikit-learn's bundled 8x8 digits (1347 train / 450 test images, no download) stand
 in for MNIST; the network is the papers' W3 s(W2 s(W1 x)) with LeakyReLU(0.1) and

@@ -1,4 +1,4 @@
-"""papers/001 Sec. 5.2-5.3 at reduced scale: sharpness and curvature of minima, and teleporting to change them.
+"""Zhao 2026, Sec. 5.2-5.3 at reduced scale: sharpness and curvature of minima, and teleporting to change them.
 
 **Digits stands in for MNIST** (scikit-learn's bundled 8x8 digits, 1347 train / 450
 validation images, no download).  The network is the paper's MNIST MLP
@@ -59,7 +59,7 @@ from teleopt.teleport import Curvature, Objective, Sharpness, Teleport  # noqa: 
 
 LR, BATCH, EPOCHS, TELEPORT_EPOCH = 0.01, 20, 40, 20
 DISPLACEMENTS = tuple(0.001 + 0.01 * i for i in range(20))  # 0.001, 0.011, ..., 0.191 (Sec. 5.2.3, MNIST)
-TABLE_5_1 = {"sharpness": 0.704, "curvature": -0.050}  # MNIST column of papers/001 Table 5.1
+TABLE_5_1 = {"sharpness": 0.704, "curvature": -0.050}  # MNIST column of Zhao 2026, Table 5.1
 TELEPORT_BATCHES, TELEPORT_BATCH_SIZE, ASCENT_LR = 5, 500, 0.05
 ARMS: dict[str, tuple[str, str, int] | None] = {
     "none": None,
@@ -190,7 +190,7 @@ def plot(result: dict[str, Any], directory: Path) -> None:
         ax.set_ylabel("loss (solid: validation, dashed: train)")
         ax.set_title(f"teleport to change {kind} (mean +- std)", fontsize=10)
         ax.legend(fontsize=7)
-    fig.suptitle(f"papers/001 Sec. 5.2-5.3 on digits (stand-in for MNIST); {result['machine']}, {result['date']}", fontsize=9)
+    fig.suptitle(f"Zhao 2026, Sec. 5.2-5.3 on digits (stand-in for MNIST); {result['machine']}, {result['date']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(directory / "teleport_generalization.png", dpi=110)
     plt.close(fig)
@@ -246,14 +246,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "group": "positive rescaling of both hidden layers (exact)",
     }
     result = {
-        **header("teleport_generalization (papers/001 Sec. 5.2-5.3)", settings),
+        **header("teleport_generalization (Zhao 2026, Sec. 5.2-5.3)", settings),
         "correlation": {"rows": corr_rows, "pearson": corr, "table_5_1_mnist": TABLE_5_1},
         "rows": arm_rows,
         "teleport": {"curves": curves},
     }
 
     print(
-        f"papers/001 Sec. 5.2-5.3 on digits (stand-in for MNIST), 64-16-10-10 LeakyReLU MLP, SGD lr {LR}, batch {BATCH}, "
+        f"Zhao 2026, Sec. 5.2-5.3 on digits (stand-in for MNIST), 64-16-10-10 LeakyReLU MLP, SGD lr {LR}, batch {BATCH}, "
         f"{epochs} epochs; {result['machine']}, {result['date']}"
     )
     print(f"\nPearson correlation with validation loss over {models} trained networks:")

@@ -1,4 +1,4 @@
-"""papers/001 Sec. 4.6.1: teleporting the MLP regression, exactly and as the papers' code does.
+"""Zhao 2026, Sec. 4.6.1: teleporting the MLP regression, exactly and as the papers' code does.
 
 Setting (as in the paper and its code): W3 8x7, W2 7x6, W1 6x5, X 5x4, Y 8x4, all
 U[0, 1) drawn in that order after ``torch.manual_seed(n * n * 12345)`` for
@@ -270,7 +270,7 @@ def main() -> None:
             for v in variants
         }
     results["main"] = rows
-    print(table(rows, f"papers/001 Sec. 4.6.1 MLP regression, median over {len(seeds)} seeds (teleport at epoch {TELEPORT_EPOCH})"))
+    print(table(rows, f"Zhao 2026, Sec. 4.6.1 MLP regression, median over {len(seeds)} seeds (teleport at epoch {TELEPORT_EPOCH})"))
 
     if args.sweep and not args.quick:
         sweep_rows = []
@@ -362,7 +362,7 @@ def plot(results: dict[str, Any], plot_dir: str) -> None:
             ax.set_xlabel(xlabel)
             ax.set_ylabel("loss (median over seeds)")
         axes[0].legend(fontsize=7)
-        fig.suptitle(f"papers/001 Sec. 4.6.1 MLP regression, {opt_name}")
+        fig.suptitle(f"Zhao 2026, Sec. 4.6.1 MLP regression, {opt_name}")
         fig.tight_layout()
         fig.savefig(os.path.join(plot_dir, f"teleport_mlp_{opt_name}.png"), dpi=120)
         plt.close(fig)

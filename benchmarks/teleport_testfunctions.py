@@ -1,4 +1,4 @@
-"""papers/001 Sec. 4.6.1 test functions: Rosenbrock and Booth with SO(2) teleports (Prop. 4.4.1).
+"""Zhao 2026, Sec. 4.6.1 test functions: Rosenbrock and Booth with SO(2) teleports (Prop. 4.4.1).
 
 * Rosenbrock (eq. 4.3) from (-1, -1): GD with lr 1e-3 for 1000 steps, a teleport every
   100 steps.  The SO(2) action rotates u = (10 (x1^2 - x2), x1 - 1) (eq. 4.6-4.8); it
@@ -110,7 +110,7 @@ def main() -> None:
             res = run(name, teleport)
             rows.append({"function": name, "variant": label, **{k: v for k, v in res.items() if k != "losses"}, "losses": res["losses"]})
     print(
-        f"Test functions (papers/001 Sec. 4.6.1), {datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}"
+        f"Test functions (Zhao 2026, Sec. 4.6.1), {datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}"
     )
     head = f"{'function':11} {'variant':26} {'loss at last step':>17} {'after update':>12} {'teleports':>9} {'rollbacks':>9} {'max drift':>10} {'papers (tele / GD)':>20}"
     print(head)

@@ -6,13 +6,13 @@ The loop below is an ordinary PyTorch classifier on scikit-learn's bundled digit
 1. ``import teleopt``;
 2. (optional) look at what teleopt sees in the model: ``teleopt.find_symmetries``
    traces it and reports its symmetry sites, here the exact positive rescalings
-   of the hidden ReLU units (papers/001 Ex. 1.2.4) and their permutations;
+   of the hidden ReLU units (Zhao 2026, Ex. 1.2.4) and their permutations;
 3. wrap the optimizer; ``sites="auto"`` runs the same detection and searches the
    exact continuous sites (pass a list of ``teleopt.Site`` to choose them yourself,
    e.g. ``teleopt.datasets.hidden_rescaling_sites(model)``).  ``Teleport`` *is* a ``torch.optim.Optimizer``: the LR
    scheduler, ``zero_grad``, ``step`` and checkpoints keep working unchanged.  Every
    ``every`` steps it moves the weights along a loss-invariant orbit to where the
-   gradient is larger (papers/001 Algorithm 1), checks on a batch from ``batch_fn``
+   gradient is larger (Zhao 2026, Algorithm 1), checks on a batch from ``batch_fn``
    that the loss did not change, and rolls back if anything goes wrong.
 
 Needs: the ``demo`` extra (scikit-learn's bundled digits): ``pip install -e ".[demo]"``.

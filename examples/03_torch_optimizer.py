@@ -4,8 +4,8 @@ teleopt's wrappers take any ``torch.optim.Optimizer``, including the ones from t
 ``torch-optimizer`` package (``pip install torch-optimizer``).  This example
 
 * wraps ``torch_optimizer.Lamb`` and ``torch_optimizer.Yogi`` in
-  ``Syre(Teleport(base))``: symmetry teleportation every 50 steps (papers/001
-  Algorithm 1) and weight decay towards a random static anchor (papers/003 eq. 6);
+  ``Syre(Teleport(base))``: symmetry teleportation every 50 steps (Zhao 2026
+  Algorithm 1) and weight decay towards a random static anchor (Ziyin et al. 2025, eq. 6);
 * prints what each teleport did to the optimizer state: first and second moments
   (``exp_avg``, ``exp_avg_sq``) have exact transport rules under the positive
   rescalings used here (a first moment moves like a gradient, a second moment like

@@ -14,7 +14,7 @@ coordinates: scales log-uniform within [1/4, 4]):
   site that ties too little or too much is caught;
 * the transformed ``state_dict`` loads into a fresh model and gives the same
   outputs (no hidden state);
-* gradients move by the declared covector rule (papers/001 Prop. 4.5.1), the rule
+* gradients move by the declared covector rule (Zhao 2026, Prop. 4.5.1), the rule
   Teleport's fast path and its optimizer-state transport rely on;
 * your optimizer stack (here ``Syre(Teleport(AdamW))`` with your AdamW settings)
   passes teleopt's wrapper conformance suite: it is a drop-in ``torch.optim``

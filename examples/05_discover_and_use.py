@@ -1,15 +1,15 @@
 """Example 5: discover a symmetry nobody wrote down, check it, save it, and teleport along it in a larger model.
 
-papers/000 learns a group action a_X(g, theta) and Lie-algebra generators h so
-that the loss is invariant to first order (Theorem 3.1).  Here, as in papers/000
+Zhao et al. 2024b learns a group action a_X(g, theta) and Lie-algebra generators h so
+that the loss is invariant to first order (Theorem 3.1).  Here, as in Zhao et al. 2024b
 Sec. 5.3, the subnetwork is a block of two scalar linear layers, x -> w2 w1 x, on a
-batch of 4 inputs; it is learned on the block's *output* so that, by papers/000
+batch of 4 inputs; it is learned on the block's *output* so that, by Zhao et al. 2024b
 Prop. 4.1, the symmetry carries over to any network that contains the block.  The
 script
 
 1. trains the action with ``teleopt.discover`` (a tqdm bar shows the loss terms);
 2. compares the loss along learned orbit curves with random curves of the same
-   length (papers/001 Fig. 6.6): a real symmetry keeps the loss flat;
+   length (Zhao 2026, Fig. 6.6): a real symmetry keeps the loss flat;
 3. saves it to one file, loads it back and registers it next to the known actions;
 4. binds it to the matching block inside a larger model (stem -> block -> head) and
    trains that model with ``Teleport`` teleporting along the learned site.  Learned
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     steps = 200 if args.quick else args.steps
     train_steps = 20 if args.quick else 300
 
-    # 1. learn the block's symmetry (papers/000 Sec. 5.3: the rescaling w1 -> c w1, w2 -> w2 / c)
+    # 1. learn the block's symmetry (Zhao et al. 2024b, Sec. 5.3: the rescaling w1 -> c w1, w2 -> w2 / c)
     problem = problems.two_layer(k=4, target="output")
     action = teleopt.discover(problem, steps=steps, seed=0, name="learned_block")
     print(f"learned generator (in theta = (w1, w2) coordinates):\n{action.generators[0]}")

@@ -1,7 +1,7 @@
 """Example 6: the conserved quantities of your model, and what your optimizer does to them.
 
 Every exact linear symmetry gives a quantity that gradient *flow* conserves,
-Q_M = <theta, M . theta> (papers/001 Prop. 2.5.1): for the ReLU units of an MLP,
+Q_M = <theta, M . theta> (Zhao 2026, Prop. 2.5.1): for the ReLU units of an MLP,
 the per-unit imbalance ||w_in||^2 + b^2 - ||w_out||^2 (Ex. 2.5.4).  This example
 
 1. finds the symmetry sites of an ordinary digits MLP (``teleopt.find_symmetries``)
@@ -13,7 +13,7 @@ the per-unit imbalance ||w_in||^2 + b^2 - ||w_out||^2 (Ex. 2.5.4).  This example
    a jump along the orbit, which the monitor records apart from the drift);
 3. walks the model along a one-parameter curve exp(tM) . theta of the first
    site (``teleopt.orbit_curve``): the outputs stay the same while Q changes,
-   so Q tells apart the equivalent networks on one orbit (papers/001 Sec. 2.5).
+   so Q tells apart the equivalent networks on one orbit (Zhao 2026, Sec. 2.5).
 
 Needs: the ``demo`` extra (scikit-learn's bundled digits): ``pip install -e ".[demo]"``.
 

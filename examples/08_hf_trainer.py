@@ -17,7 +17,7 @@ permutation of the vocabulary).  teleopt needs no Trainer subclass or callback:
    collator makes it, with ``labels`` so the output's ``.loss`` is the loss) that
    the loss did not change, in train mode with LoRA dropout (same masks);
 4. ``Syre(AdamW(..., weight_decay=0.0), gamma=...)`` replaces AdamW's decay towards
-   zero with decay towards a random anchor (papers/003), the same way.
+   zero with decay towards a random anchor (Ziyin et al. 2025), the same way.
 
 Run: ``python examples/08_hf_trainer.py [--steps N] [--quick]``.
 

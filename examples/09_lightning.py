@@ -10,8 +10,8 @@ configured wrappers.
 
 Here: a ReLU classifier on scikit-learn's bundled digits (no download);
 ``Syre(Teleport(AdamW))``: teleports along the exact positive rescalings found by
-``sites="auto"`` every ``every`` steps (papers/001 Algorithm 1), and the static
-random-anchor decay of papers/003 around the whole stack.
+``sites="auto"`` every ``every`` steps (Zhao 2026, Algorithm 1), and the static
+random-anchor decay of Ziyin et al. 2025 around the whole stack.
 
 Run: ``python examples/09_lightning.py [--epochs N] [--quick]``.
 

@@ -1,10 +1,10 @@
 """teleopt: parameter-space symmetries for everyday PyTorch training.
 
-Group actions and their registry (papers/001 Table 1.1), symmetry teleportation
-(papers/001 Ch. 4-5), symmetry removal with syre (papers/003) and learned group
-actions (papers/000), as drop-in ``torch.optim`` wrappers; conserved quantities,
-orbits, ensembles and learned invariance in ``teleopt.analysis`` (papers/001 Ch. 2,
-papers/002, papers/004).
+Group actions and their registry (Zhao 2026, Table 1.1), symmetry teleportation
+(Zhao 2026, Ch. 4-5), symmetry removal with syre (Ziyin et al. 2025) and learned group
+actions (Zhao et al. 2024b), as drop-in ``torch.optim`` wrappers; conserved quantities,
+orbits, ensembles and learned invariance in ``teleopt.analysis`` (Zhao 2026, Ch. 2,
+Zhao et al. 2023, Gideoni 2023).
 
 Public names are imported lazily (PEP 562), so ``import teleopt`` is cheap and the
 pytest plugin ``teleopt.testing.plugin`` does not import torch until a fixture runs.

@@ -3,16 +3,16 @@
 Everything here is generated or bundled, so the demo, the examples and the
 benchmarks run without downloads:
 
-* :func:`mlp_regression`: the three-layer LeakyReLU regression of papers/001
+* :func:`mlp_regression`: the three-layer LeakyReLU regression of Zhao 2026
   Sec. 4.6.1 and 5.4.1 (W3 8x7, W2 7x6, W1 6x5, X 5x4, Y 8x4, all U[0, 1), loss
   1/2 ||Y - W3 s(W2 s(W1 X))||^2), drawn in the papers' order from a seeded
   ``torch.Generator`` (the same numbers as their ``torch.manual_seed`` + ``torch.rand``
   without touching the global RNG);
 * :func:`load_digits`: scikit-learn's bundled 8x8 digits (1797 images, 10 classes),
-  the stand-in for MNIST in our reproductions of papers/001 Sec. 5.2-5.4;
+  the stand-in for MNIST in our reproductions of Zhao 2026, Sec. 5.2-5.4;
 * :func:`digits_mlp`: the papers' classifier W3 s(W2 s(W1 x)) (Sec. 5.2.3, 5.4.2),
   64-16-10-10 on digits, LeakyReLU(0.1), no biases;
-* :func:`hidden_rescaling_sites`: the exact positive-rescaling sites (papers/001
+* :func:`hidden_rescaling_sites`: the exact positive-rescaling sites (Zhao 2026
   Ex. 1.2.4) of a LeakyReLU/ReLU MLP, one per hidden layer, for
   Teleport without running detection.
 
@@ -41,11 +41,11 @@ __all__ = [
 ]
 
 NEGATIVE_SLOPE = 0.1
-"""LeakyReLU slope of every network in papers/001 Ch. 4-5."""
+"""LeakyReLU slope of every network in Zhao 2026, Ch. 4-5."""
 
 
 def regression_loss(output: Tensor, target: Tensor) -> Tensor:
-    """1/2 ||Y - f(X)||^2, summed over samples and outputs (papers/001 Sec. 4.6.1, as in the papers' code)."""
+    """1/2 ||Y - f(X)||^2, summed over samples and outputs (Zhao 2026, Sec. 4.6.1, as in the papers' code)."""
     return 0.5 * (target - output).square().sum()
 
 
@@ -81,7 +81,7 @@ class MLPRegression:
 
 
 def mlp_regression(seed: int = 0, dtype: torch.dtype = torch.float32) -> MLPRegression:
-    """The MLP regression of papers/001 Sec. 4.6.1 / 5.4.1 for one seed.
+    """The MLP regression of Zhao 2026, Sec. 4.6.1 / 5.4.1 for one seed.
 
     W1, W2, W3, X, Y are drawn from U[0, 1) in that order, exactly as the papers'
     code does after ``torch.manual_seed(seed)`` (their seeds are ``n * n * 12345``);
@@ -163,7 +163,7 @@ def _uninitialised_linear(fan_in: int, fan_out: int, bias: bool) -> nn.Linear:
 
 
 def digits_mlp(hidden: tuple[int, ...] = (16, 10), seed: int = 0, inputs: int = 64, classes: int = 10, bias: bool = False) -> nn.Sequential:
-    """The papers' classifier W_L s(... s(W_1 x)) with LeakyReLU(0.1) (papers/001 Sec. 5.2.3, 5.4.2).
+    """The papers' classifier W_L s(... s(W_1 x)) with LeakyReLU(0.1) (Zhao 2026, Sec. 5.2.3, 5.4.2).
 
     The default widths 64-16-10-10 without biases are the paper's MNIST network
     with the input layer resized to digits' 64 pixels.  Weights (and biases, with
@@ -196,7 +196,7 @@ def hidden_rescaling_sites(model: nn.Sequential) -> list[Site]:
 
     For ``Linear, act, Linear, act, ..., Linear`` the hidden units of layer i can be
     scaled by c > 0 (rows of W_i and entries of its bias times c, columns of
-    W_{i+1} divided by c) without changing the function (papers/001 Ex. 1.2.4).  Other architectures: use
+    W_{i+1} divided by c) without changing the function (Zhao 2026, Ex. 1.2.4).  Other architectures: use
     ``teleopt.find_symmetries`` or build :class:`~teleopt.site.Site` objects by hand.
     """
     if not isinstance(model, nn.Sequential):

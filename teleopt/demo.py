@@ -3,18 +3,18 @@
 Two small problems, each trained with and without teleopt's wrappers, from the
 same seed, so every difference in a row comes from the wrapper:
 
-* **regression**: the papers' three-layer LeakyReLU MLP regression (papers/001
+* **regression**: the papers' three-layer LeakyReLU MLP regression (Zhao 2026
   Sec. 4.6.1; :func:`teleopt.datasets.mlp_regression`), full batch, with gradient
   descent (lr 1e-4) and AdaGrad (lr 0.1), each alone and under
   :class:`~teleopt.teleport.Teleport` with one exact teleport at step 5 (positive
-  rescaling of both hidden layers, papers/001 Ex. 1.2.4);
+  rescaling of both hidden layers, Zhao 2026, Ex. 1.2.4);
 * **digits**: scikit-learn's bundled 8x8 digits, a 64-64-64-10 LeakyReLU MLP with
   SGD+momentum and mini-batches of 32.  Teleport: at the papers' learning rate
-  1e-3 and at 1e-2, with one teleport at the first step (papers/001 Sec. 5.4.2).
+  1e-3 and at 1e-2, with one teleport at the first step (Zhao 2026, Sec. 5.4.2).
   Syre: weight decay 0.1 towards zero (torch's ``weight_decay``) against the same
-  decay towards a random static anchor (:class:`~teleopt.syre.Syre`, papers/003
+  decay towards a random static anchor (:class:`~teleopt.syre.Syre`, Ziyin et al. 2025
   eq. 6), and Syre wrapped around Teleport.  Decay towards zero pulls the first
-  hidden layer into a collapsed low-rank state (papers/003 Sec. 6.3); the anchor
+  hidden layer into a collapsed low-rank state (Ziyin et al. 2025, Sec. 6.3); the anchor
   does not.
 
 It prints one table (final full-batch train loss, test loss and accuracy, rank
@@ -143,7 +143,7 @@ def machine() -> str:
 
 
 def feature_rank(features: Tensor, rtol: float = 1e-4) -> int:
-    """Numerical rank of the correlation matrix of ``features`` (samples x units), papers/003 Sec. 6.3.
+    """Numerical rank of the correlation matrix of ``features`` (samples x units), Ziyin et al. 2025, Sec. 6.3.
 
     Eigenvalues above ``rtol`` times the largest count.  Units whose standard
     deviation is below 1e-6 of the largest are dead and do not count.  The
@@ -176,7 +176,7 @@ def _regression_arms() -> list[_Arm]:
             opt = base(model)
             if not teleport:
                 return opt, None
-            # one exact teleport before step 5's update (papers/001 Sec. 4.6.1), checked on the full batch
+            # one exact teleport before step 5's update (Zhao 2026, Sec. 4.6.1), checked on the full batch
             wrapped = Teleport(opt, model, hidden_rescaling_sites(model), at=[5], loss_fn=MLPRegression.loss_fn, batch_fn=batch_fn)
             return wrapped, wrapped
 
@@ -206,7 +206,7 @@ def _digits_arms() -> list[_Arm]:
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=weight_decay)
 
     def teleport(opt: Optimizer, model: nn.Sequential, batch_fn: Callable[[], tuple[Tensor, Tensor]]) -> Teleport:
-        # one teleport before the first update (papers/001 Sec. 5.4.2), checked on a 200-sample batch
+        # one teleport before the first update (Zhao 2026, Sec. 5.4.2), checked on a 200-sample batch
         return Teleport(opt, model, hidden_rescaling_sites(model), at=[0], loss_fn=cross_entropy, batch_fn=batch_fn)
 
     def plain(lr: float, weight_decay: float = 0.0):
@@ -366,7 +366,7 @@ def plot(result: DemoResult, path: str | Path) -> Path:
     panels = list(dict.fromkeys((r.task, r.panel) for r in result.runs))
     fig, axes = plt.subplots(len(panels), 2, figsize=(12, 3.8 * len(panels)), squeeze=False)
     titles = {
-        ("regression", "teleport"): "MLP regression (papers/001 Sec. 4.6.1), full batch: Teleport",
+        ("regression", "teleport"): "MLP regression (Zhao 2026, Sec. 4.6.1), full batch: Teleport",
         ("digits", "teleport"): "digits, 64-64-64-10 MLP, SGD+momentum, batch 32: Teleport",
         ("digits", "syre"): f"digits, same MLP, lr 1e-2: weight decay {_DECAY} towards zero vs towards Syre's anchor",
     }

@@ -172,7 +172,7 @@ class FunctionalModel:
 def module_input(model: nn.Module, module_name: str, *inputs: Any) -> Tensor:
     """The first positional input that module ``module_name`` receives when ``model(*inputs)`` runs.
 
-    This is the ``data`` a data-dependent or bound site reads (papers/000 Prop. 4.1:
+    This is the ``data`` a data-dependent or bound site reads (Zhao et al. 2024b, Prop. 4.1:
     S = h(theta_1, X)).  The forward pass runs functionally on copies of the
     buffers (BatchNorm running statistics are not updated) and stops at the module.
     """

@@ -1,6 +1,6 @@
 """The registry of known and discovered group actions.
 
-Known actions (papers/001 Table 1.1, attention, LoRA, data-dependent GL actions,
+Known actions (Zhao 2026, Table 1.1, attention, LoRA, data-dependent GL actions,
 reference problems) are registered explicitly from ``teleopt.actions.KNOWN_ACTIONS``
 before the registry is first used (the action modules do not import the registry);
 users and ``teleopt.discover`` add theirs with :func:`register_action`.  An entry holds a
@@ -88,7 +88,7 @@ def register_action(action=None, *, name=None, overwrite=False):
     kept so :func:`get_action` can pass configuration.  Duplicate names raise
     ``ValueError`` unless ``overwrite=True``.  Registered actions are listed by
     :func:`list_actions` and checked by ``teleopt.testing.check_action``
-    (papers/001 Table 1.1 lists the known ones).
+    (Zhao 2026, Table 1.1 lists the known ones).
     """
     if action is None:
 

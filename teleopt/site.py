@@ -3,7 +3,7 @@
 A site is where a symmetry lives in a concrete ``nn.Module``: a
 :class:`~teleopt.actions.base.GroupAction` plus, for each of its members, the
 fully qualified name of a parameter or buffer in ``model.state_dict()``
-(papers/000 Prop. 4.1: a symmetry of a subnetwork extends to the whole network by
+(Zhao et al. 2024b, Prop. 4.1: a symmetry of a subnetwork extends to the whole network by
 acting on the subnetwork's parameters only).  Sites act in place with ``copy_``, so
 ``nn.Parameter`` identity and optimizer references survive a teleport, and a
 transformed ``state_dict`` loads into a fresh instance of the original model (no

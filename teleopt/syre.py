@@ -1,6 +1,6 @@
-"""syre: remove parameter-space symmetries with a static random bias (papers/003).
+"""syre: remove parameter-space symmetries with a static random bias (Ziyin et al. 2025).
 
-papers/003 trains on
+Ziyin et al. 2025 trains on
 
     eq. 6:  l_r(theta)  = l(theta + theta_0) + gamma_p |theta|^2
     eq. 7:  l_ar(theta) = l(theta + theta_0) + gamma_p |theta|_D^2,   |theta|_D^2 = theta^T D theta
@@ -10,7 +10,7 @@ with a small fixed random ``theta_0`` and, for eq. 7, a random positive diagonal
 ``w = theta + theta_0``, so in the model's own weights ``w`` (what the parameters
 hold) both are ``l(w) + gamma_p |w - theta_0|_D^2``: weight decay that pulls the
 weights towards the random static *anchor* ``theta_0`` instead of towards zero
-(papers/003 Sec. 5.1, "equivalently ... a random bias in the L2 regularization").
+(Ziyin et al. 2025, Sec. 5.1, "equivalently ... a random bias in the L2 regularization").
 Zero is a symmetric point of every reflection symmetry with ``theta' = 0``
 (permutation, rescaling, sign flip, rotation), so ordinary weight decay pulls into
 the collapsed low-capacity states; the random anchor is not symmetric under any of
@@ -65,7 +65,7 @@ def _coupled_grad(index: int, p: Tensor) -> Tensor:
 
 
 class Syre(OptimizerWrapper):
-    r"""Weight decay towards a random static anchor: syre (papers/003 eq. 6) and advanced removal (eq. 7).
+    r"""Weight decay towards a random static anchor: syre (Ziyin et al. 2025, eq. 6) and advanced removal (eq. 7).
 
     Wraps any ``torch.optim`` / torch-optimizer optimizer (the drop-in contract of
     :class:`~teleopt.wrapper.OptimizerWrapper`) and, in every ``step()``, decays each
@@ -103,7 +103,7 @@ class Syre(OptimizerWrapper):
     param groups (:meth:`param_group`; schedulers may change ``gamma``);
     ``enabled=False`` opts a group out.  ``exclude_1d=True`` (default, timm's
     convention) leaves 1-D and 0-D tensors alone; give ``exclude_1d=False`` when a
-    symmetry lives in 1-D tensors only (papers/003's ``u * w``), which then use their
+    symmetry lives in 1-D tensors only (Ziyin et al. 2025's ``u * w``), which then use their
     length as ``d``.  ``fan_in`` overrides every tensor's fan-in in a group.  Complex
     parameters decay in their real view.  ``sigma0`` and ``gamma`` must keep anchors
     and decay finite in each parameter's dtype (checked when wrapping, adding groups,
@@ -304,7 +304,7 @@ class Syre(OptimizerWrapper):
         raise ValueError("Syre: this tensor is not a parameter syre acts on (not in the optimizer, opted out or excluded)")
 
     def anchor(self, p: Tensor) -> Tensor:
-        """The anchor ``theta_0`` of parameter ``p`` (papers/003 eq. 6), on ``p``'s device and dtype; do not modify it."""
+        """The anchor ``theta_0`` of parameter ``p`` (Ziyin et al. 2025, eq. 6), on ``p``'s device and dtype; do not modify it."""
         index, group = self._locate(p)
         anchor = self._anchor_of(index, group, p)
         return torch.view_as_complex(anchor) if p.is_complex() else anchor

@@ -1,7 +1,7 @@
-"""Anchors and decay kernel of :class:`~teleopt.syre.Syre` (papers/003 eq. 6, eq. 7): draws, checks, math.
+"""Anchors and decay kernel of :class:`~teleopt.syre.Syre` (Ziyin et al. 2025, eq. 6, eq. 7): draws, checks, math.
 
 An anchor ``theta_0`` is a parameter-shaped Gaussian draw with standard deviation
-``sigma0 / sqrt(fan_in)`` (papers/003 Sec. 5.4: ``sigma0`` relative to the
+``sigma0 / sqrt(fan_in)`` (Ziyin et al. 2025, Sec. 5.4: ``sigma0`` relative to the
 initialisation scale); eq. 7's diagonal ``D`` is ``Uniform(1 - eps, 1 + eps)``.
 Both come from a CPU ``torch.Generator`` seeded by ``(seed, parameter index,
 stream)``, so every process, rank and device draws the same numbers; a sharded
@@ -49,7 +49,7 @@ def fan_in(shape: Iterable[int]) -> int | None:
     """torch.nn.init's fan-in of a weight of this shape (``shape[1] * prod(shape[2:])``); None below 2-D.
 
     This is the fan-in the default initialisers scale by, so ``sigma0`` is relative
-    to the initialisation scale as in papers/003 Sec. 5.4: ``(out, in)`` Linear
+    to the initialisation scale as in Ziyin et al. 2025, Sec. 5.4: ``(out, in)`` Linear
     weights have fan-in ``in``, ``(out, in / groups, *kernel)`` conv weights
     ``in / groups * prod(kernel)``.  1-D and 0-D tensors (biases, norm weights,
     scalars) have no defined fan-in.
@@ -64,7 +64,7 @@ def anchor_std(sigma0: float, shape: Iterable[int], group_fan_in: int | None) ->
     """Standard deviation of an anchor entry: ``sigma0 / sqrt(n)``.
 
     ``n`` is the group's ``fan_in`` when set, else the tensor's :func:`fan_in`;
-    tensors below 2-D have none and use their length, the width ``d`` of papers/003
+    tensors below 2-D have none and use their length, the width ``d`` of Ziyin et al. 2025
     Sec. 5.4's ``0.01 / sqrt(d)`` (1 for a scalar).
     """
     dims = tuple(int(s) for s in shape)

@@ -75,7 +75,7 @@ def _elements(action, params):
 
 def _in_domain(action, g, problem):
     """Data-dependent actions through tanh/sigmoid are defined only while g sigma(z) stays in
-    sigma's range (papers/001 Sec. 4.4.2): elements outside it are rejected, not failures."""
+    sigma's range (Zhao 2026, Sec. 4.4.2): elements outside it are rejected, not failures."""
     try:
         action.act(g, problem.params, problem.data)
     except ValueError as e:

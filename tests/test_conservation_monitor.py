@@ -1,4 +1,4 @@
-"""ConservationMonitor: drift of conserved quantities during training (papers/001 Sec. 2.5, App. A.4)."""
+"""ConservationMonitor: drift of conserved quantities during training (Zhao 2026, Sec. 2.5, App. A.4)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def train(model, optimizer, x, y, steps):
 
 
 def test_one_sgd_step_drifts_by_exactly_lr_squared_q_of_the_gradient(digits):
-    """The monitor's drift is ||Q_1 - Q_0|| / scale with Q_1 - Q_0 = lr^2 Q(grad) (papers/001 Prop. A.4.1)."""
+    """The monitor's drift is ||Q_1 - Q_0|| / scale with Q_1 - Q_0 = lr^2 Q(grad) (Zhao 2026, Prop. A.4.1)."""
     x, y = digits
     model = digits_mlp(seed=1).double()
     sites = hidden_rescaling_sites(model)
@@ -99,7 +99,7 @@ def test_teleports_rebase_the_reference_and_record_the_jump(digits):
 
 
 class RadialNet(nn.Module):
-    """U sigma(V x + b) with the radial rescaling activation of papers/001 Ex. 1.2.6 (O(h) symmetry)."""
+    """U sigma(V x + b) with the radial rescaling activation of Zhao 2026, Ex. 1.2.6 (O(h) symmetry)."""
 
     def __init__(self) -> None:
         super().__init__()

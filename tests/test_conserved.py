@@ -1,4 +1,4 @@
-"""Conserved quantities of gradient flow (papers/001 Sec. 2.5, App. A.4; papers/002 Sec. 5).
+"""Conserved quantities of gradient flow (Zhao 2026, Sec. 2.5, App. A.4; Zhao et al. 2023, Sec. 5).
 
 Every registered exact linear (and translation) action is checked through its own
 example problem: Q matches the paper's closed forms, stays constant under gradient
@@ -81,7 +81,7 @@ def test_result_is_a_full_read_only_mapping():
 @SETTINGS
 @given(seed=tst.seeds(), h=st.integers(1, 5), n=st.integers(1, 4), m=st.integers(1, 4), bias=st.booleans())
 def test_gl_linear_is_the_layer_imbalance(seed, h, n, m, bias):
-    """papers/001 Ex. 2.5.3: Q = V V^T - U^T U with V = [W1 b1], U = W2, every entry conserved."""
+    """Zhao 2026, Ex. 2.5.3: Q = V V^T - U^T U with V = [W1 b1], U = W2, every entry conserved."""
     g = torch.Generator().manual_seed(seed)
     W1, b1, W2 = (torch.randn(s, generator=g, dtype=torch.float64) for s in ((h, n), (h,), (m, h)))
     site, flat = as_site(get_action("gl_linear"), (W1, b1 if bias else None, W2))
@@ -94,7 +94,7 @@ def test_gl_linear_is_the_layer_imbalance(seed, h, n, m, bias):
 @SETTINGS
 @given(seed=tst.seeds(), h=st.integers(1, 5), alpha=st.sampled_from([None, 0.5, 2.0, 3.0]))
 def test_homogeneous_rescaling_is_the_weighted_diagonal(seed, h, alpha):
-    """papers/001 Ex. 2.5.4: Q = diag(V V^T - alpha U^T U) for a degree-alpha activation."""
+    """Zhao 2026, Ex. 2.5.4: Q = diag(V V^T - alpha U^T U) for a degree-alpha activation."""
     g = torch.Generator().manual_seed(seed)
     W1, b1, W2 = (torch.randn(s, generator=g, dtype=torch.float64) for s in ((h, 3), (h,), (2, h)))
     action = get_action("positive_rescaling") if alpha is None else get_action("positive_rescaling", activation="relu_power", alpha=alpha)
@@ -169,7 +169,7 @@ def test_q_of_a_broken_symmetry_is_not_conserved():
 @SETTINGS
 @given(seed=tst.seeds(), lr=st.floats(1e-4, 1e-1))
 def test_one_gradient_step_changes_q_by_exactly_lr_squared_q_of_the_gradient(seed, lr):
-    """Q(theta - lr g) = Q(theta) + lr^2 Q(g): the linear term is <g, M . theta> = 0 (papers/001 Prop. A.4.1, all actions).
+    """Q(theta - lr g) = Q(theta) + lr^2 Q(g): the linear term is <g, M . theta> = 0 (Zhao 2026, Prop. A.4.1, all actions).
 
     For translations Q is linear in theta, so the step leaves it unchanged.
     """
@@ -191,7 +191,7 @@ def test_one_gradient_step_changes_q_by_exactly_lr_squared_q_of_the_gradient(see
 @SETTINGS
 @given(seed=tst.seeds(), size=st.floats(0.0, 3.0))
 def test_orthogonal_elements_transform_q_as_q_of_g_t_m_g(seed, size):
-    """Q_M(g . theta) = Q_{g^T M g}(theta), i.e. Q(g . theta) = g Q(theta) g^T, for g in O(h) inside GL_h (papers/002 Sec. 5)."""
+    """Q_M(g . theta) = Q_{g^T M g}(theta), i.e. Q(g . theta) = g Q(theta) g^T, for g in O(h) inside GL_h (Zhao et al. 2023, Sec. 5)."""
     for name in ("gl_linear", "lora_gl", "attention_qk_gl", "attention_vo_gl"):
         action, prob, site, flat, _ = problem(name, seed)
         params = action.check_params(prob.params)
@@ -221,7 +221,7 @@ def test_hidden_permutations_permute_q(seed, perm):
 @SETTINGS
 @given(seed=tst.seeds(), size=st.floats(0.1, 1.0))
 def test_general_elements_move_q_member_by_member(seed, size):
-    """For g not orthogonal, Q(g . theta) is not g Q g^T (papers/001 footnote 8): each member's part transforms
+    """For g not orthogonal, Q(g . theta) is not g Q g^T (Zhao 2026 footnote 8): each member's part transforms
     in its own representation, V V^T -> g V V^T g^T and U^T U -> g^{-T} U^T U g^{-1}; scalings c^2 and c^(-2 alpha)."""
     action, prob, site, flat, _ = problem("gl_linear", seed)
     params = action.check_params(prob.params)

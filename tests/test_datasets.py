@@ -15,7 +15,7 @@ from teleopt.testing import assert_close, group_elements
 
 
 def test_mlp_regression_draws_what_the_papers_code_draws():
-    # papers/001 Sec. 4.6.1 code: torch.manual_seed(seed); W1, W2, W3, X, Y = torch.rand(...) in that order
+    # Zhao 2026, Sec. 4.6.1 code: torch.manual_seed(seed); W1, W2, W3, X, Y = torch.rand(...) in that order
     seed = 3 * 3 * 12345
     saved = torch.random.get_rng_state()
     try:

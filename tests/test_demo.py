@@ -35,11 +35,11 @@ def test_demo_quick_end_to_end(tmp_path, capsys):
             # exactly one scheduled teleport, accepted: the post-condition found the loss unchanged
             assert r["metrics"]["teleports"] == 1
     for opt in ("GD lr 1e-4", "AdaGrad lr 0.1"):
-        # papers/001 Sec. 4.6.1: one teleport at step 5 reaches the baseline's final loss in far fewer steps
+        # Zhao 2026, Sec. 4.6.1: one teleport at step 5 reaches the baseline's final loss in far fewer steps
         teleported = runs[("regression", f"{opt} + Teleport")]["metrics"]
         assert teleported["steps_to_target"] is not None and teleported["steps_to_target"] < 150
         assert teleported["train_loss"] < runs[("regression", opt)]["metrics"]["train_loss"]
-    # papers/003: decay towards zero lowers the rank of the first layer's features; towards the anchor it does not
+    # Ziyin et al. 2025: decay towards zero lowers the rank of the first layer's features; towards the anchor it does not
     zero = runs[("digits", "lr 1e-2, decay 0.1 to zero")]["metrics"]
     anchored = runs[("digits", "lr 1e-2, Syre 0.1")]["metrics"]
     assert anchored["feature_rank"] == 64 and zero["feature_rank"] < anchored["feature_rank"]

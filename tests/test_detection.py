@@ -120,7 +120,7 @@ class LoRANet(nn.Module):
 
 
 class FunctionalLoRA(nn.Module):
-    """A merged low-rank update W + B A (papers/001 Ex. 1.2.13) written with F.linear."""
+    """A merged low-rank update W + B A (Zhao 2026, Ex. 1.2.13) written with F.linear."""
 
     def __init__(self) -> None:
         super().__init__()

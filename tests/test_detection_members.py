@@ -190,7 +190,7 @@ def test_parts_of_one_tensor_compose_fused_qkv(heads):
         assert torch.equal(moved[0][2 * hd :], W[2 * hd :])  # the v rows are not part of the site
         assert_invariant(action, g1, params, fn, problem.data)
         assert_group_axioms(action, params, g1, g2)
-        # gradients of the one tensor, given once per part, come back composed (papers/001 eq. 4.19)
+        # gradients of the one tensor, given once per part, come back composed (Zhao 2026, eq. 4.19)
         here = _grads(problem, W, b, Wo)
         there = _grads(problem, moved[0], moved[1], Wo)
         transported = action.transport_gradient(g1, (here[0], here[1], here[0], here[1]))

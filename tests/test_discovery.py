@@ -2,7 +2,7 @@
 
 One small discovery run per problem is shared by the tests of this module
 (module-scoped fixtures): the two-layer linear network with scalar parameters and
-data of papers/000 Sec. 5.3 (loss target, for the generator figure) and the same
+data of Zhao et al. 2024b, Sec. 5.3 (loss target, for the generator figure) and the same
 block learned on its output with a batch of 4 (for binding into larger models).
 """
 
@@ -52,7 +52,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def linear_action() -> LearnedAction:
-    """papers/000 Sec. 5.3: m = h = n = k = 1, sigma = identity, L = (w2 w1 x - y)^2."""
+    """Zhao et al. 2024b, Sec. 5.3: m = h = n = k = 1, sigma = identity, L = (w2 w1 x - y)^2."""
     return discover(problems.two_layer(), steps=200, progress=False, seed=0)
 
 
@@ -76,7 +76,7 @@ def _untrained(num_generators: int = 1, seed: int = 0, init_scale: float = 0.1) 
 
 # -- done-when: the rescaling generator ----------------------------------------------------
 def test_linear_network_learns_the_rescaling_generator(linear_action):
-    """papers/000 Sec. 5.3 / Fig. 2: |cos(h, diag(1, -1))| >= 0.99."""
+    """Zhao et al. 2024b, Sec. 5.3 / Fig. 2: |cos(h, diag(1, -1))| >= 0.99."""
     assert abs_cosine(linear_action.generators[0], RESCALING) >= 0.99
     history = linear_action.history["values"]
     total = linear_action.history["terms"].index("total")
@@ -345,7 +345,7 @@ def test_registered_from_file_next_to_the_known_actions(linear_action, tmp_path)
         teleopt.unregister_action("learned_two_layer_linear")
 
 
-# -- binding into larger models (papers/000 Prop. 4.1, Cor. 4.2-4.3) ------------------------
+# -- binding into larger models (Zhao et al. 2024b, Prop. 4.1, Cor. 4.2-4.3) ------------------------
 class _Wide(nn.Module):
     """input -> Linear(3, 1) -> [block: Linear(1, 1), Linear(1, 1)] -> Linear(1, 2); plus a wide pair for Cor. 4.2."""
 
@@ -383,7 +383,7 @@ def test_bound_learned_action_preserves_the_larger_model(block_action):
 
 
 def test_bound_to_a_slice_of_a_wider_layer(block_action):
-    """papers/000 Cor. 4.2: the first unit of a width-3 hidden layer carries the width-1 symmetry."""
+    """Zhao et al. 2024b, Cor. 4.2: the first unit of a width-3 hidden layer carries the width-1 symmetry."""
     model = _Wide()
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(6), dtype=F64)
     site = bind(block_action, model, {"W1": "wide1.weight", "W2": "wide2.weight"}, "wide1", slices={"W1": (0, 0, 1), "W2": (1, 0, 1)})

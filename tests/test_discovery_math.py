@@ -1,4 +1,4 @@
-"""The mathematics of teleopt.discovery, checked against exact actions (papers/000 Sec. 3, 5; papers/001 Theorem 6.3.2).
+"""The mathematics of teleopt.discovery, checked against exact actions (Zhao et al. 2024b, Sec. 3, 5; Zhao 2026, Theorem 6.3.2).
 
 No training here: the losses are evaluated on actions whose properties are known
 (linear actions, a conjugated non-linear action, a right action that is no left
@@ -159,7 +159,7 @@ def test_bracket_term_vanishes_for_a_nonlinear_left_action():
 def test_first_order_associativity_misses_a_right_action_and_the_bracket_catches_it():
     gens = torch.randn(2, 4, 4, generator=_gen(8), dtype=F64)
     terms = _terms(right_action, gens)
-    # papers/001 Theorem 6.3.2 only differentiates the identity axiom: zero for g^T theta
+    # Zhao 2026, Theorem 6.3.2 only differentiates the identity axiom: zero for g^T theta
     assert float(terms["associativity_first_order"]) < 1e-12
     # the second-order (Lie bracket) condition sees that g^T theta is no left action
     assert float(terms["associativity_bracket"]) > 0.5
@@ -234,7 +234,7 @@ def test_regularisers():
 
 def test_loss_weights_defaults_and_validation():
     w = LossWeights()
-    assert (w.invariance, w.identity, w.norm, w.orthogonality, w.sparsity) == (10.0, 1.0, 1.0, 1.0, 0.1)  # papers/000 Sec. 5.3
+    assert (w.invariance, w.identity, w.norm, w.orthogonality, w.sparsity) == (10.0, 1.0, 1.0, 1.0, 0.1)  # Zhao et al. 2024b, Sec. 5.3
     d = LossWeights.data_dependent()
     assert (d.invariance, d.identity, d.norm, d.orthogonality, d.sparsity) == (1.0, 10.0, 10.0, 1.0, 0.1)  # Sec. 5.4
     assert LossWeights.from_dict(w.as_dict()) == w

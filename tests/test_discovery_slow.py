@@ -1,4 +1,4 @@
-"""Slow reproductions of papers/000 Sec. 5.3-5.4 and papers/001 Sec. 6.5.5 (``pytest -m slow``).
+"""Slow reproductions of Zhao et al. 2024b, Sec. 5.3-5.4 and Zhao 2026, Sec. 6.5.5 (``pytest -m slow``).
 
 Each trains with the configuration of ``benchmarks/discovery.py`` (minutes on a CPU)
 and asserts the done-when figure of issue 6; the benchmark prints the same

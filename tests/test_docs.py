@@ -113,6 +113,14 @@ def test_pages_cite_papers_by_name(page):
     assert not re.search(r"papers/00\d", page.read_text()), "cite papers by name (see docs/references.md)"
 
 
+def test_code_cites_papers_by_name():
+    """Docstrings and comments cite "Zhao 2026, eq. 4.19", not the repository's ``papers/00N`` files."""
+    sources = [f for sub in ("teleopt", "benchmarks", "examples") for f in (ROOT / sub).rglob("*.py")]
+    assert len(sources) > 50  # the tree was found
+    bad = [f.relative_to(ROOT).as_posix() for f in sources if re.search(r"papers/00\d", f.read_text())]
+    assert bad == [], "cite papers by name (see docs/references.md)"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(DOCS).as_posix())
 def test_files_the_pages_name_exist(page):
     text = page.read_text()

@@ -1,4 +1,4 @@
-"""teleopt.analysis.ensemble: group-action ensembles and the random baselines of papers/002 App. I.
+"""teleopt.analysis.ensemble: group-action ensembles and the random baselines of Zhao et al. 2023, App. I.
 
 Tolerances (float64): exact symmetries keep outputs to ~1e-15 relative error, so an
 ensemble of exact members matches the model to 1e-10 (``default_rtol``); the
@@ -90,7 +90,7 @@ def test_data_dependent_members_are_exact_on_the_reference_batch_and_differ_else
     model, reference, new = leaky_mlp(seed % 1000), data(seed + 1, 6), data(seed, 30)  # 6 samples <= h = 6: eq. 4.16 exact
     ensemble = build_group(model, EXACT_ON_BATCH_SITE, eps, reference, seed)
     assert float(ensemble.member_deviation(reference).max()) <= LSTSQ_RTOL
-    assert float(ensemble.member_deviation(new).min()) > 1e-6  # papers/002 Sec. 4: not a symmetry off the batch
+    assert float(ensemble.member_deviation(new).min()) > 1e-6  # Zhao et al. 2023, Sec. 4: not a symmetry off the batch
 
 
 def test_the_paper_members_are_u_pi_g_h_of_eq_112_and_the_baselines_share_their_g():
@@ -203,7 +203,7 @@ def test_benchmark_quick_keeps_the_model_at_small_eps_and_beats_three_baselines_
     assert row("group", small)["test_accuracy"] == single["test_accuracy"]
     for eps in printed["settings"]["eps"]:  # an exact symmetry: the ensemble is the model
         assert abs(row("rescaling (exact)", eps)["test_loss"] - single["test_loss"]) <= 1e-10 * single["test_loss"]
-    # papers/002 Fig. 10: at large eps the group ensemble degrades much less than g_inverse, random and shuffle
+    # Zhao et al. 2023, Fig. 10: at large eps the group ensemble degrades much less than g_inverse, random and shuffle
     # (measured: loss 0.4 vs 6-12, accuracy 0.93 vs 0.09-0.26); perm_interp is not asserted: its A stays within
     # (I + S)/2 of the identity whatever eps, and it degrades less than the group ensemble here (see the README)
     for kind in ("g_inverse", "random", "shuffle"):

@@ -137,7 +137,7 @@ def test_05_discover_and_use(capsys):
     pytest.importorskip("teleopt.discovery")
     module = load("05_discover_and_use.py")
     result = module.main(["--quick"])
-    # papers/000 Sec. 5.3: the learned generator is the rescaling diag(1, -1) up to scale
+    # Zhao et al. 2024b, Sec. 5.3: the learned generator is the rescaling diag(1, -1) up to scale
     h = result["action"].generators[0]
     rescaling = torch.tensor([[1.0, 0.0], [0.0, -1.0]], dtype=h.dtype)
     assert float((h * rescaling).sum().abs() / (h.norm() * rescaling.norm())) > 0.99
@@ -157,7 +157,7 @@ def test_06_conserved_quantities(capsys):
     # the two ReLU layers' rescalings have Q; their permutations are reported, not skipped
     assert len(q) == 2 and len(q.unavailable) == 2 and all("discrete" in why for why in q.unavailable.values())
     drifts = result["drifts"]
-    # papers/001 App. A.4: SGD drifts O(lr^2) per step; momentum and Adam do not follow the gradient flow
+    # Zhao 2026, App. A.4: SGD drifts O(lr^2) per step; momentum and Adam do not follow the gradient flow
     assert max(drifts["SGD"].values()) < 1e-3
     assert min(drifts["SGD+momentum"].values()) > 10 * max(drifts["SGD"].values())
     assert min(drifts["Adam"].values()) > 10 * max(drifts["SGD"].values())

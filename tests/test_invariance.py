@@ -1,4 +1,4 @@
-"""Learned invariance of linear models (papers/004): groups, Reynolds split, asymmetry, Theorems 3.3 and 4.2.
+"""Learned invariance of linear models (Gideoni 2023): groups, Reynolds split, asymmetry, Theorems 3.3 and 4.2.
 
 Everything runs in float64.  Tolerances, unless a test says otherwise: the group
 matrices have entries 0, +-1, cos/sin of 2 pi k / n, or are conjugated by a random
@@ -41,10 +41,10 @@ def _orthogonal(d: int, seed: int) -> torch.Tensor:
 
 @functools.cache
 def _group(name: str) -> FiniteLinearGroup:
-    """Orthogonal groups of papers/004 and a few denser ones."""
+    """Orthogonal groups of Gideoni 2023 and a few denser ones."""
     if name == "example_3_1":  # features (1, x), x -> -x
         return FiniteLinearGroup.reflection(2, [1])
-    if name == "swap":  # x <-> y, papers/004 App. D-E
+    if name == "swap":  # x <-> y, Gideoni 2023, App. D-E
         return FiniteLinearGroup.permutations([[1, 0]])
     if name == "reflection_4":
         return FiniteLinearGroup.reflection(4, [1, 3])
@@ -166,7 +166,7 @@ def test_reynolds_projector(name):
 @settings(deadline=None, max_examples=40)
 @given(name=st.sampled_from(ALL), seed=seeds(), out=st.sampled_from([0, 1, 3]))
 def test_split_weights_invariance(name, seed, out):
-    """W = W_sym + W_asym; x -> W_sym x is exactly invariant; the split is a projection (papers/004 Theorem 3.3.2)."""
+    """W = W_sym + W_asym; x -> W_sym x is exactly invariant; the split is a projection (Gideoni 2023, Theorem 3.3.2)."""
     group = _group(name)
     w = _randn(group.dim, seed=seed) if out == 0 else _randn(out, group.dim, seed=seed)
     sym, asym = split_weights(w, group)

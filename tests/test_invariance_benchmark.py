@@ -1,4 +1,4 @@
-"""Smoke test of ``benchmarks/invariance.py --quick`` (papers/004 Fig. 1 and Fig. 4), checking its JSON figures."""
+"""Smoke test of ``benchmarks/invariance.py --quick`` (Gideoni 2023, Fig. 1 and Fig. 4), checking its JSON figures."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""teleopt.analysis.orbits: orbit points and one-parameter curves of a model's sites (papers/001 Sec. 2.9, papers/002 Sec. 6).
+"""teleopt.analysis.orbits: orbit points and one-parameter curves of a model's sites (Zhao 2026, Sec. 2.9, Zhao et al. 2023, Sec. 6).
 
 Tolerances: exact symmetries in float64 keep the output to ~1e-15 relative error
 with elements of condition number < 10 (``teleopt.testing.default_rtol`` explains
@@ -41,7 +41,7 @@ def mixed_mlp(seed: int) -> nn.Sequential:
 
 
 def linear_net(seed: int) -> nn.Sequential:
-    """5 -> 6 -> 3 without activation: GL_6 acts exactly between the layers (papers/001 Ex. 1.2.2)."""
+    """5 -> 6 -> 3 without activation: GL_6 acts exactly between the layers (Zhao 2026, Ex. 1.2.2)."""
     return _randomised(nn.Sequential(nn.Linear(5, 6), nn.Linear(6, 3)).double(), seed)
 
 
@@ -153,7 +153,7 @@ def test_data_dependent_points_keep_the_output_on_their_batch_only(seed, scale):
     # exact on the batch: the least-squares solve has a residual of ~1e-14 relative for cond(sigma(Z g^T)) < 1e3
     for out in orbit_outputs(model, sample, batch):
         assert_close(out, model(batch).detach(), 1e-9, "data-dependent point on its own batch")
-    if scale > 0.2:  # and not a symmetry elsewhere (papers/002 Sec. 4: the output changes off the batch)
+    if scale > 0.2:  # and not a symmetry elsewhere (Zhao et al. 2023, Sec. 4: the output changes off the batch)
         off = orbit_outputs(model, sample, other)[0]
         base = model(other).detach()
         assert float((off.detach() - base).norm() / base.norm()) > 1e-6

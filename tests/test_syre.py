@@ -1,4 +1,4 @@
-"""Syre (papers/003 eq. 6 / eq. 7): anchors, equivalence to the paper's formulation, state, options, errors."""
+"""Syre (Ziyin et al. 2025, eq. 6 / eq. 7): anchors, equivalence to the paper's formulation, state, options, errors."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def test_diagonal_is_uniform_in_one_plus_minus_eps():
     ids=["sgd_momentum_coupled", "adam_coupled", "adamw_decoupled"],
 )
 def test_syre_is_the_papers_biased_model_with_standard_weight_decay(make_base, decoupled):
-    """papers/003 Sec. 5.4: train theta on l(theta + theta_0) with the optimizer's own weight decay gamma."""
+    """Ziyin et al. 2025, Sec. 5.4: train theta on l(theta + theta_0) with the optimizer's own weight decay gamma."""
     init, loss = problem(1)
     gamma = 0.2
     ps = params_from(init)

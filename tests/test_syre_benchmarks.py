@@ -1,4 +1,4 @@
-"""Smoke runs of the syre benchmarks' --quick paths, checking the qualitative claims of papers/003 they print."""
+"""Smoke runs of the syre benchmarks' --quick paths, checking the qualitative claims of Ziyin et al. 2025 they print."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Property tests of syre (papers/003 Sec. 5): fixed point, contraction, no reflection symmetry, reproducible anchors."""
+"""Property tests of syre (Ziyin et al. 2025, Sec. 5): fixed point, contraction, no reflection symmetry, reproducible anchors."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_distance_to_the_anchor_contracts_under_pure_decay(seed, gamma, lr, mode
             assert_close(d, f**t * d0, 1e-12, what=f"w - theta_0 after {t} steps")
 
 
-# -- no reflection symmetry left at the anchor (papers/003 Theorems 1-3, Corollary 1) ----------
+# -- no reflection symmetry left at the anchor (Ziyin et al. 2025, Theorems 1-3, Corollary 1) ----------
 
 
 def relu_net(seed: int):
@@ -179,7 +179,7 @@ def test_collapsed_state_is_stationary_for_sgd_but_not_for_syre(seed, syre_seed,
 @settings(deadline=None, max_examples=15)
 @given(seed=seeds(), syre_seed=seeds())
 def test_eq7_diagonal_removes_rotation_reflections_that_eq6_keeps(seed, syre_seed):
-    """l(W) = (|W|^2 - 1)^2 is invariant under every reflection I - 2vv^T (papers/003 Sec. 5.2)."""
+    """l(W) = (|W|^2 - 1)^2 is invariant under every reflection I - 2vv^T (Ziyin et al. 2025, Sec. 5.2)."""
     g = torch.Generator().manual_seed(seed)
 
     def loss(ws):

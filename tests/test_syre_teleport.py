@@ -82,7 +82,7 @@ def test_syre_outside_and_inside_teleport_take_the_same_steps(decoupled):
 
 
 def test_teleport_keeps_the_data_loss_and_changes_the_syre_penalty():
-    """Syre breaks the symmetries teleportation moves along; the data loss keeps them (papers/003 Thm. 1)."""
+    """Syre breaks the symmetries teleportation moves along; the data loss keeps them (Ziyin et al. 2025 Thm. 1)."""
     init, loss = relu_problem(12)
     ps = params_from(init)
     teleport = teleporting(torch.optim.SGD(ps, lr=0.05), ps)

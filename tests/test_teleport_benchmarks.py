@@ -25,7 +25,7 @@ def test_booth_reproduces_the_papers_numbers():
 
     plain = bench.run("booth", None)
     teleported = bench.run("booth", {})
-    assert plain["last"] == pytest.approx(3.12, abs=0.01)  # papers/001 Fig. 4.3 bottom row: 3.12 without teleport
+    assert plain["last"] == pytest.approx(3.12, abs=0.01)  # Zhao 2026, Fig. 4.3 bottom row: 3.12 without teleport
     assert teleported["teleports"] == 1 and teleported["max_drift"] < 1e-12
     assert teleported["last"] < 1e-2  # the papers' code: 4.9e-3
 

@@ -1,4 +1,4 @@
-"""Fast path: closed-form transport over group coordinates (papers/001 Prop. 4.5.1), tested in float64.
+"""Fast path: closed-form transport over group coordinates (Zhao 2026, Prop. 4.5.1), tested in float64.
 
 Tolerances: exact symmetries in float64 reach ~1e-15 relative error; with scales in
 [1/4, 4] and GL elements of condition number < 10 the error stays below 1e-12, so

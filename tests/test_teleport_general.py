@@ -1,4 +1,4 @@
-"""General path (torch.func on a batch), the objectives of papers/001 Ch. 5, and paper_compat.
+"""General path (torch.func on a batch), the objectives of Zhao 2026, Ch. 5, and paper_compat.
 
 float64 tolerances as in test_teleport_fast_path.py (1e-10 for exact symmetries);
 data-dependent actions are exact on their batch, solved by least squares in
@@ -35,7 +35,7 @@ def sse(out, y):
 
 
 def paper_mlp(seed=12345, dtype=torch.float32):
-    """papers/001 Sec. 4.6.1: W3 8x7, W2 7x6, W1 6x5, X 5x4, Y 8x4, all U[0, 1), LeakyReLU 0.1, no biases."""
+    """Zhao 2026, Sec. 4.6.1: W3 8x7, W2 7x6, W1 6x5, X 5x4, Y 8x4, all U[0, 1), LeakyReLU 0.1, no biases."""
     torch.manual_seed(seed)
     W = [torch.rand(6, 5), torch.rand(7, 6), torch.rand(8, 7)]
     X, Y = torch.rand(5, 4), torch.rand(8, 4)
@@ -208,7 +208,7 @@ def test_curvature_is_eq_5_2_and_vectorised():
 
 
 def test_nonlinear_data_dependent_action_through_act_only():
-    """papers/002 Theorem 2.4.1: a non-linear GL action exact at one input (the shape learned actions take)."""
+    """Zhao et al. 2023, Theorem 2.4.1: a non-linear GL action exact at one input (the shape learned actions take)."""
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(4, 5), nn.Sigmoid(), nn.Linear(5, 2)).double()
     action = get_action("nonlinear_gl", activation="sigmoid")

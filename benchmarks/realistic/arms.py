@@ -85,7 +85,7 @@ ARMS: dict[str, Callable[[ArmContext], Optimizer]] = {
     "balance_every": lambda c: Teleport(c.optimizer(), c.model, "auto", objective="balance", **c.teleport_kwargs()),
     # the same on every exact site, normalisation-affine rescalings included
     "balance_every_allsites": lambda c: Teleport(c.optimizer(), c.model, c.all_sites(), objective="balance", **c.teleport_kwargs()),
-    # the decay comparison (papers/003): plain decay towards zero vs towards a random static anchor, same strength
+    # the decay comparison (Ziyin et al. 2025): plain decay towards zero vs towards a random static anchor, same strength
     "weight_decay": lambda c: c.optimizer(weight_decay=c.decay),
     "syre_default": lambda c: c.syre(),
     "syre_sigma1": lambda c: c.syre(sigma0=1.0),

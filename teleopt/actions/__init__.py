@@ -1,4 +1,4 @@
-"""The known group actions (papers/001 Table 1.1 and Ch. 4, papers/002).
+"""The known group actions (Zhao 2026, Table 1.1 and Ch. 4, Zhao et al. 2023).
 
 ``KNOWN_ACTIONS`` is what :mod:`teleopt.registry` registers before its first use; this
 package does not import the registry (actions sit below it in teleopt's layers).

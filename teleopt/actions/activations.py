@@ -1,4 +1,4 @@
-"""Scalar activations and the properties the symmetries of papers/001 Ch. 1 and 4 rely on.
+"""Scalar activations and the properties the symmetries of Zhao 2026, Ch. 1 and 4 rely on.
 
 * positively homogeneous of degree alpha (sigma(c z) = c**alpha sigma(z) for c > 0):
   ReLU, LeakyReLU, identity (Ex. 1.2.4);

@@ -1,4 +1,4 @@
-"""Symmetries of multi-head attention: papers/001 Ex. 1.2.11 and 1.2.12.
+"""Symmetries of multi-head attention: Zhao 2026, Ex. 1.2.11 and 1.2.12.
 
 Projections follow ``torch.nn.Linear`` (weight (out, in)): for head i,
 q_i = W_Q[i] x + b_Q[i], k_i = W_K[i] x + b_K[i], v_i = W_V[i] x + b_V[i], where
@@ -94,7 +94,7 @@ def _check_heads(num_heads: int) -> int:
 
 
 class AttentionQK(AxisAction):
-    """(GL_{d_k})^h on the query and key projections of every head: papers/001 Ex. 1.2.11-1.2.12.
+    """(GL_{d_k})^h on the query and key projections of every head: Zhao 2026, Ex. 1.2.11-1.2.12.
 
     Members: (W_Q, b_Q, W_K, b_K).  Its example problem takes all seven projections.
     """
@@ -105,7 +105,7 @@ class AttentionQK(AxisAction):
             "attention_qk_gl",
             "general",
             _members({"W_Q": (0, 1), "b_Q": (0, 1), "W_K": (0, -1), "b_K": (0, -1)}),
-            reference="papers/001 Ex. 1.2.11-1.2.12",
+            reference="Zhao 2026, Ex. 1.2.11-1.2.12",
             group_name="(GL_{d_k}(R))^h",
             blocks=num_heads,
             example=_example(num_heads, ("W_Q", "b_Q", "W_K", "b_K")),
@@ -113,7 +113,7 @@ class AttentionQK(AxisAction):
 
 
 class AttentionVO(AxisAction):
-    """(GL_{d_v})^h on the value projection and the output projection's columns: papers/001 Ex. 1.2.12.
+    """(GL_{d_v})^h on the value projection and the output projection's columns: Zhao 2026, Ex. 1.2.12.
 
     Members: (W_V, b_V, W_O).
     """
@@ -124,7 +124,7 @@ class AttentionVO(AxisAction):
             "attention_vo_gl",
             "general",
             _members({"W_V": (0, 1), "b_V": (0, 1), "W_O": (1, -1)}),
-            reference="papers/001 Ex. 1.2.12",
+            reference="Zhao 2026, Ex. 1.2.12",
             group_name="(GL_{d_v}(R))^h",
             blocks=num_heads,
             example=_example(num_heads, ("W_V", "b_V", "W_O")),
@@ -132,7 +132,7 @@ class AttentionVO(AxisAction):
 
 
 class AttentionHeadPermutation(AxisAction):
-    """S_h permuting whole heads of Q, K, V and the columns of W_O: papers/001 Ex. 1.2.12.
+    """S_h permuting whole heads of Q, K, V and the columns of W_O: Zhao 2026, Ex. 1.2.12.
 
     Members: (W_Q, b_Q, W_K, b_K, W_V, b_V, W_O).  Needs d_k = d_v (as in
     ``nn.MultiheadAttention`` and timm); the head dimension is read from the shapes.
@@ -144,7 +144,7 @@ class AttentionHeadPermutation(AxisAction):
             "attention_head_permutation",
             "permutation",
             _members({"W_Q": (0, 1), "b_Q": (0, 1), "W_K": (0, 1), "b_K": (0, 1), "W_V": (0, 1), "b_V": (0, 1), "W_O": (1, 1)}),
-            reference="papers/001 Ex. 1.2.12",
+            reference="Zhao 2026, Ex. 1.2.12",
             group_name="S_h",
             example=_example(num_heads),
         )

@@ -1,19 +1,19 @@
 """Linear actions given by one group acting on an axis of several tensors.
 
-Every exact linear symmetry of papers/001 Table 1.1 has this form: a group G acts on
+Every exact linear symmetry of Zhao 2026, Table 1.1 has this form: a group G acts on
 a "hidden" axis of length h (neurons, channels, heads, LoRA rank), and each member
 tensor carries that axis somewhere and transforms on it by a representation of G:
 
 * the layer *writing* the axis (rows of W1, entries of b1) by g (``power=+1``);
 * the layer *reading* the axis (columns of W2) by g^{-T} (``power=-1``),
-  so that W2 g^{-1} g W1 = W2 W1 (papers/001 Prop. 1.2.3);
+  so that W2 g^{-1} g W1 = W2 W1 (Zhao 2026, Prop. 1.2.3);
 * for homogeneous activations of degree alpha, ``power=-alpha`` on the reader
   (Ex. 1.2.4); BatchNorm running variances scale with ``power=2`` (Ex. 1.2.7).
 
 A member may act only on a slice ``[start, stop)`` of its axis (q, k, v rows of a
 fused ``qkv`` projection).  Because the action is linear, its Jacobian is J = rho(g)
 and gradients transform by the contragredient representation (``-power``),
-papers/001 Prop. 4.5.1.  Detection (``teleopt.find_symmetries``) builds these
+Zhao 2026, Prop. 4.5.1.  Detection (``teleopt.find_symmetries``) builds these
 actions with many members (a residual stream ties every block that reads or writes
 it); the registry holds the canonical two-layer forms.
 """

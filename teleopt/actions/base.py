@@ -1,19 +1,19 @@
 """The group-action interface every symmetry in teleopt implements.
 
-A group action (papers/001 Sec. 1.1) is a map G x Param -> Param with
+A group action (Zhao 2026, Sec. 1.1) is a map G x Param -> Param with
 identity . w = w and g1 . (g2 . w) = (g1 g2) . w.  A *parameter space symmetry*
 additionally leaves the loss invariant, L(g . w) = L(w).  teleopt distinguishes:
 
 * ``exact``: invariance for every input (functional symmetries, Table 1.1);
-* ``data-dependent``: invariance on a given batch only (papers/001 Prop. 4.4.2,
-  papers/002 Theorem 2.4.1); ``act`` then needs the batch;
+* ``data-dependent``: invariance on a given batch only (Zhao 2026, Prop. 4.4.2,
+  Zhao et al. 2023, Theorem 2.4.1); ``act`` then needs the batch;
 * ``approximate``: invariance up to a stated error (e.g. BatchNorm with eps > 0).
 
 Parameters are a tuple of tensors in the order of ``member_names`` (optional
 members may be ``None``).  For exact actions that are linear (or affine with a
 constant Jacobian) in the parameters, ``transport_gradient`` maps the gradient at
 w to the gradient at g . w without any forward or backward pass:
-grad L(g . w) = (J^{-1})^T grad L(w) with J = d(g . w)/dw (papers/001 Prop. 4.5.1,
+grad L(g . w) = (J^{-1})^T grad L(w) with J = d(g . w)/dw (Zhao 2026, Prop. 4.5.1,
 eq. 4.19).  ``transport_second_moment`` gives the exact rule for elementwise
 second moments when one exists (diagonal and permutation groups only).
 """
@@ -73,7 +73,7 @@ class ExampleProblem:
 
 
 class GroupAction(ABC):
-    """A group acting on a tuple of parameter tensors (papers/001 Def. 1.1.1 and Table 1.1).
+    """A group acting on a tuple of parameter tensors (Zhao 2026, Def. 1.1.1 and Table 1.1).
 
     Class attributes describe the action; subclasses implement :meth:`group`,
     :meth:`act` and :meth:`example`.  Elements are tensors (matrices for GL/O,
@@ -195,7 +195,7 @@ class GroupAction(ABC):
         """Return g . params (differentiable in ``g`` and ``params``; inputs are not modified)."""
 
     def transport_gradient(self, g: Tensor, grads: Params) -> Params:
-        """Gradient at g . w from the gradient at w: (J^{-1})^T grad (papers/001 eq. 4.19).
+        """Gradient at g . w from the gradient at w: (J^{-1})^T grad (Zhao 2026, eq. 4.19).
 
         First moments (SGD momentum, Adam's exp_avg) are covectors and move the same way.
         """
@@ -211,7 +211,7 @@ class GroupAction(ABC):
     # -- the infinitesimal action ----------------------------------------------------
     @property
     def has_infinitesimal_action(self) -> bool:
-        """Whether :meth:`infinitesimal_action` has a closed form (papers/001 Sec. 5.2.2)."""
+        """Whether :meth:`infinitesimal_action` has a closed form (Zhao 2026, Sec. 5.2.2)."""
         return False
 
     def infinitesimal_action(self, group: Group, M: Tensor, tensors: Params) -> Params:

@@ -1,4 +1,4 @@
-"""Scale invariance of the weights feeding a BatchNorm: papers/001 Ex. 1.2.7.
+"""Scale invariance of the weights feeding a BatchNorm: Zhao 2026, Ex. 1.2.7.
 
 BN(c z) = (c z - c mu) / sqrt(c^2 var + eps) equals BN(z) exactly only for eps = 0,
 so the action is declared ``approximate``.  Members: the weight W (h, ...) of the
@@ -28,7 +28,7 @@ def batchnorm_scaling_bound(var: Tensor, scale: Tensor, eps: float) -> float:
 
 
 class BatchNormScaling(AxisAction):
-    """Positive scaling of the weights feeding a BatchNorm (exact up to eps): papers/001 Ex. 1.2.7."""
+    """Positive scaling of the weights feeding a BatchNorm (exact up to eps): Zhao 2026, Ex. 1.2.7."""
 
     def __init__(self, eps: float = 1e-5) -> None:
         if not eps >= 0:
@@ -43,7 +43,7 @@ class BatchNormScaling(AxisAction):
                 Member("running_mean", 0, 1, optional=True),
                 Member("running_var", 0, 2, optional=True),
             ),
-            reference="papers/001 Ex. 1.2.7",
+            reference="Zhao 2026, Ex. 1.2.7",
             group_name="R_{>0}^h",
             exactness="exact" if self.eps == 0 else "approximate",
             example=self._example_problem,

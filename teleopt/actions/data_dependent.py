@@ -1,4 +1,4 @@
-"""Data-dependent GL_h actions between layers with a bijective activation: papers/001 Sec. 4.4.2.
+"""Data-dependent GL_h actions between layers with a bijective activation: Zhao 2026, Sec. 4.4.2.
 
 Shapes follow ``torch.nn.Linear``: the batch X (k, n) is the input of the first layer
 (h_{m-2} in the paper), W1 (h, n) and b1 (h,) map it to the hidden layer,
@@ -112,14 +112,14 @@ class _TwoLayerDataDependent(GroupAction):
 
 
 class DataDependentGL(_TwoLayerDataDependent):
-    """GL_h acting on (W1, b1, W2) through sigma^{-1}, exact on the batch: papers/001 Prop. 4.4.2, eq. 4.13.
+    """GL_h acting on (W1, b1, W2) through sigma^{-1}, exact on the batch: Zhao 2026, Prop. 4.4.2, eq. 4.13.
 
     Needs k <= n (+1 with a bias) samples with linearly independent (augmented)
     inputs; a larger batch raises ``ValueError``.
     """
 
     name = "data_dependent_gl"
-    reference = "papers/001 Prop. 4.4.2, eq. 4.13"
+    reference = "Zhao 2026, Prop. 4.4.2, eq. 4.13"
 
     def act(self, g: Tensor, params: Params, data: Any = None) -> Params:
         params = self.check_params(params)
@@ -160,14 +160,14 @@ class DataDependentGL(_TwoLayerDataDependent):
 
 
 class DataDependentGLLstsq(_TwoLayerDataDependent):
-    """GL_h acting on (W1, b1, W2) with W2 re-solved by least squares: papers/001 eq. 4.16.
+    """GL_h acting on (W1, b1, W2) with W2 re-solved by least squares: Zhao 2026, eq. 4.16.
 
     Exact on batches of at most h samples; ``strict=False`` allows larger batches
     and warns with the residual (the transformation is then approximate).
     """
 
     name = "data_dependent_gl_lstsq"
-    reference = "papers/001 eq. 4.16"
+    reference = "Zhao 2026, eq. 4.16"
 
     def __init__(self, activation: str | Activation = "leaky_relu", negative_slope: float | None = None, strict: bool = True) -> None:
         super().__init__(activation, negative_slope)

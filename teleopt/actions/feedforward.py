@@ -1,4 +1,4 @@
-"""Symmetries of two-layer networks, papers/001 Table 1.1 (Ex. 1.2.2, 1.2.4-1.2.6, 1.2.9, 1.2.10).
+"""Symmetries of two-layer networks, Zhao 2026, Table 1.1 (Ex. 1.2.2, 1.2.4-1.2.6, 1.2.9, 1.2.10).
 
 Shapes follow ``torch.nn.Linear``: data X is (k, n) with one sample per row,
 W1 is (h, n), b1 is (h,), W2 is (m, h); the network is
@@ -69,7 +69,7 @@ def _hidden_members(reader_power: float) -> tuple[Member, ...]:
 
 
 class GLLinear(AxisAction):
-    """GL_h acting between two linear layers with biases: papers/001 Ex. 1.2.2.
+    """GL_h acting between two linear layers with biases: Zhao 2026, Ex. 1.2.2.
 
     g . (W1, b1, W2) = (g W1, g b1, W2 g^{-1}).
     """
@@ -79,14 +79,14 @@ class GLLinear(AxisAction):
             "gl_linear",
             "general",
             _hidden_members(-1),
-            reference="papers/001 Ex. 1.2.2",
+            reference="Zhao 2026, Ex. 1.2.2",
             group_name="GL_h(R)",
             example=partial(two_layer_example, get_activation("identity")),
         )
 
 
 class PositiveRescaling(AxisAction):
-    """Positive rescaling through a homogeneous activation of degree alpha: papers/001 Ex. 1.2.4.
+    """Positive rescaling through a homogeneous activation of degree alpha: Zhao 2026, Ex. 1.2.4.
 
     g . (W1, b1, W2) = (g W1, g b1, W2 g^{-alpha}) for g in R_{>0}^h.  ``activation``
     is ``"relu"``, ``"leaky_relu"`` (with ``negative_slope``) or ``"identity"``
@@ -112,14 +112,14 @@ class PositiveRescaling(AxisAction):
             "positive_rescaling",
             "diagonal",
             _hidden_members(-alpha),
-            reference="papers/001 Ex. 1.2.4",
+            reference="Zhao 2026, Ex. 1.2.4",
             group_name="R_{>0}^h",
             example=partial(two_layer_example, act),
         )
 
 
 class SignFlipAction(AxisAction):
-    """Sign flips Z_2^h through an odd activation (tanh): papers/001 Ex. 1.2.5."""
+    """Sign flips Z_2^h through an odd activation (tanh): Zhao 2026, Ex. 1.2.5."""
 
     def __init__(self, activation: str = "tanh") -> None:
         act = get_activation(activation)
@@ -129,7 +129,7 @@ class SignFlipAction(AxisAction):
             "sign_flip",
             "sign",
             _hidden_members(-1),
-            reference="papers/001 Ex. 1.2.5",
+            reference="Zhao 2026, Ex. 1.2.5",
             group_name="Z_2^h",
             example=partial(two_layer_example, act),
         )
@@ -141,7 +141,7 @@ def radial_rescaling(z: Tensor) -> Tensor:
 
 
 class RadialOrthogonal(AxisAction):
-    """O(h) through a radial rescaling activation sigma(z) = f(|z|) z: papers/001 Ex. 1.2.6."""
+    """O(h) through a radial rescaling activation sigma(z) = f(|z|) z: Zhao 2026, Ex. 1.2.6."""
 
     def __init__(self) -> None:
         act = Activation("radial", radial_rescaling)
@@ -149,14 +149,14 @@ class RadialOrthogonal(AxisAction):
             "radial_orthogonal",
             "orthogonal",
             _hidden_members(-1),
-            reference="papers/001 Ex. 1.2.6",
+            reference="Zhao 2026, Ex. 1.2.6",
             group_name="O(h)",
             example=partial(two_layer_example, act),
         )
 
 
 class HiddenPermutation(AxisAction):
-    """Permutations S_h of hidden units through any pointwise activation: papers/001 Ex. 1.2.9."""
+    """Permutations S_h of hidden units through any pointwise activation: Zhao 2026, Ex. 1.2.9."""
 
     def __init__(self, activation: str = "gelu") -> None:
         act = get_activation(activation)
@@ -164,7 +164,7 @@ class HiddenPermutation(AxisAction):
             "hidden_permutation",
             "permutation",
             _hidden_members(1),
-            reference="papers/001 Ex. 1.2.9",
+            reference="Zhao 2026, Ex. 1.2.9",
             group_name="S_h",
             example=partial(two_layer_example, act),
         )
@@ -185,7 +185,7 @@ def _rbf_example(generator: torch.Generator | None, dtype: torch.dtype, k: int =
 
 
 class RBFPermutation(AxisAction):
-    """Permutations S_k of radial-basis components (w_i, b_i, c_i): papers/001 Ex. 1.2.10.
+    """Permutations S_k of radial-basis components (w_i, b_i, c_i): Zhao 2026, Ex. 1.2.10.
 
     f(x) = sum_i w_i phi(|x - c_i| / b_i); members w (k,), b (k,), c (k, n).
     """
@@ -195,7 +195,7 @@ class RBFPermutation(AxisAction):
             "rbf_permutation",
             "permutation",
             (Member("w", 0), Member("b", 0), Member("c", 0)),
-            reference="papers/001 Ex. 1.2.10",
+            reference="Zhao 2026, Ex. 1.2.10",
             group_name="S_k",
             example=_rbf_example,
         )

@@ -1,4 +1,4 @@
-"""GL_r symmetry of a low-rank adaptation W + U V: papers/001 Ex. 1.2.13.
+"""GL_r symmetry of a low-rank adaptation W + U V: Zhao 2026, Ex. 1.2.13.
 
 g . (U, V) = (U g^{-1}, g V) for g in GL_r; U is (out, r), V is (r, in) as in
 ``y = x (W + U V)^T``.  In LoRA (Hu et al., ICLR 2022) and peft's naming U is
@@ -6,7 +6,7 @@ g . (U, V) = (U g^{-1}, g V) for g in GL_r; U is (out, r), V is (r, in) as in
 ``teleopt.integrations.peft.lora_sites`` binds this action to every peft adapter;
 ``Teleport(..., objective="balance")`` (:class:`teleopt.teleport.Balance`) moves
 the pair to the element with A A^T = B^T B after it (the balanced point,
-papers/001 Ex. 2.5.3; :meth:`teleopt.groups.GeneralLinear.balance`).
+Zhao 2026, Ex. 2.5.3; :meth:`teleopt.groups.GeneralLinear.balance`).
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ def _example(generator: torch.Generator | None, dtype: torch.dtype, out: int = 6
 
 
 class LoRAGL(AxisAction):
-    """GL_r on the LoRA factors (U, V) = (lora_B, lora_A): papers/001 Ex. 1.2.13; Hu et al., ICLR 2022."""
+    """GL_r on the LoRA factors (U, V) = (lora_B, lora_A): Zhao 2026, Ex. 1.2.13; Hu et al., ICLR 2022."""
 
     def __init__(self) -> None:
         super().__init__(
             "lora_gl",
             "general",
             (Member("U", 1, -1), Member("V", 0, 1)),
-            reference="papers/001 Ex. 1.2.13",
+            reference="Zhao 2026, Ex. 1.2.13",
             group_name="GL_r(R)",
             example=_example,
         )

@@ -1,4 +1,4 @@
-"""The nonlinear data-dependent GL_h action of papers/002 Theorem 2.4.1 (Theorem 4.1 there).
+"""The nonlinear data-dependent GL_h action of Zhao et al. 2023, Theorem 2.4.1 (Theorem 4.1 there).
 
 For a two-layer network F(x) = U sigma(V x + b) and one input x, with R_z any
 matrix such that R_z e_1 = z and R_z / |z| is orthogonal,
@@ -44,14 +44,14 @@ def householder_frame(z: Tensor) -> Tensor:
 
 
 class NonlinearGL(GroupAction):
-    """GL_h acting on (U, V, b) nonlinearly, exact at one input: papers/002 Theorem 2.4.1.
+    """GL_h acting on (U, V, b) nonlinearly, exact at one input: Zhao et al. 2023, Theorem 2.4.1.
 
     Members: U (m, h), V (h, n), b (h,) optional; data: one input x of shape (n,) or (1, n).
     """
 
     name = "nonlinear_gl"
     group_name = "GL_h(R)"
-    reference = "papers/002 Theorem 2.4.1 (eq. 7)"
+    reference = "Zhao et al. 2023, Theorem 2.4.1 (eq. 7)"
     exactness = "data-dependent"
     linear = False
     group_type = GeneralLinear

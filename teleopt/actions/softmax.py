@@ -1,10 +1,10 @@
-"""Translation symmetry of softmax inputs: papers/001 Ex. 1.2.8.
+"""Translation symmetry of softmax inputs: Zhao 2026, Ex. 1.2.8.
 
 softmax(z + t 1) = softmax(z): adding one vector g in R^n to every row of the
 weight W (m, n) of a layer followed by softmax (or cross-entropy), and one scalar s
 to every entry of its bias, adds x . g + s to every logit of a sample.  The action
 is affine with Jacobian J = I, so gradients and optimizer state are unchanged by it
-(papers/001 eq. 4.19 with J = I): it never changes the gradient norm, only where
+(Zhao 2026, eq. 4.19 with J = I): it never changes the gradient norm, only where
 the parameters sit (useful for the sharpness/curvature objectives and for keeping
 logits centred).  The element is (g, s) concatenated, of length n + 1 with a bias.
 """
@@ -23,11 +23,11 @@ __all__ = ["SoftmaxTranslation"]
 
 
 class SoftmaxTranslation(GroupAction):
-    """(W_i + g, b_i + s) for every row i: the (R^n, +) symmetry of papers/001 Ex. 1.2.8."""
+    """(W_i + g, b_i + s) for every row i: the (R^n, +) symmetry of Zhao 2026, Ex. 1.2.8."""
 
     name = "softmax_translation"
     group_name = "(R^n, +)"
-    reference = "papers/001 Ex. 1.2.8"
+    reference = "Zhao 2026, Ex. 1.2.8"
     exactness = "exact"
     linear = False
     group_type = Translation

@@ -1,4 +1,4 @@
-"""Reference problems with rotational symmetry: papers/001 Prop. 4.4.1 and eq. 4.33.
+"""Reference problems with rotational symmetry: Zhao 2026, Prop. 4.4.1 and eq. 4.33.
 
 Each is a loss L(w) = |h(w)|^2-like function of a change of variables u = h(w) in
 which L is rotation invariant, so g . w = h^{-1}(rho(g) h(w)) is an exact symmetry:
@@ -11,7 +11,7 @@ which L is rotation invariant, so g . w = h^{-1}(rho(g) h(w)) is an exact symmet
   as A^{-1/2} R A^{1/2} w (eq. 4.33); linear.
 
 For the affine and linear ones the gradient transports as (J^{-1})^T grad =
-M^T R M^{-T} grad (papers/001 eq. 4.19).  The parameter tuple has one member ``w``.
+M^T R M^{-T} grad (Zhao 2026, eq. 4.19).  The parameter tuple has one member ``w``.
 """
 
 from __future__ import annotations
@@ -30,17 +30,17 @@ __all__ = ["ConjugatedRotation", "Rosenbrock", "Booth", "QuadraticOrthogonal", "
 
 
 def rosenbrock(w: Tensor) -> Tensor:
-    """The Rosenbrock function of papers/001 eq. 4.3 on the last axis (2 variables)."""
+    """The Rosenbrock function of Zhao 2026, eq. 4.3 on the last axis (2 variables)."""
     return 100 * (w[..., 0] ** 2 - w[..., 1]) ** 2 + (w[..., 0] - 1) ** 2
 
 
 def booth(w: Tensor) -> Tensor:
-    """The Booth function of papers/001 eq. 4.4."""
+    """The Booth function of Zhao 2026, eq. 4.4."""
     return (w[..., 0] + 2 * w[..., 1] - 7) ** 2 + (2 * w[..., 0] + w[..., 1] - 5) ** 2
 
 
 class ConjugatedRotation(GroupAction):
-    """O(n) acting by g . w = h^{-1}(g h(w)) for a bijection h: papers/001 Prop. 4.4.1.
+    """O(n) acting by g . w = h^{-1}(g h(w)) for a bijection h: Zhao 2026, Prop. 4.4.1.
 
     ``M`` is the (constant) Jacobian of h when h is affine; it enables exact
     gradient transport.  ``linear`` says whether h is linear (not only affine).
@@ -117,11 +117,11 @@ def _rosenbrock_h_inv(u: Tensor) -> Tensor:
 
 
 class Rosenbrock(ConjugatedRotation):
-    """SO(2) symmetry of the Rosenbrock function by the change of variables of papers/001 eq. 4.6."""
+    """SO(2) symmetry of the Rosenbrock function by the change of variables of Zhao 2026, eq. 4.6."""
 
     def __init__(self) -> None:
         super().__init__(
-            "rosenbrock_so2", 2, _rosenbrock_h, _rosenbrock_h_inv, rosenbrock, _random_start(2), "papers/001 Prop. 4.4.1, eq. 4.6-4.8"
+            "rosenbrock_so2", 2, _rosenbrock_h, _rosenbrock_h_inv, rosenbrock, _random_start(2), "Zhao 2026, Prop. 4.4.1, eq. 4.6-4.8"
         )
 
 
@@ -138,11 +138,11 @@ def _booth_h_inv(u: Tensor) -> Tensor:
 
 
 class Booth(ConjugatedRotation):
-    """SO(2) symmetry of the Booth function by the affine change of variables of papers/001 eq. 4.9."""
+    """SO(2) symmetry of the Booth function by the affine change of variables of Zhao 2026, eq. 4.9."""
 
     def __init__(self) -> None:
         super().__init__(
-            "booth_so2", 2, _booth_h, _booth_h_inv, booth, _random_start(2, 5.0), "papers/001 Prop. 4.4.1, eq. 4.9-4.11", M=_BOOTH_M
+            "booth_so2", 2, _booth_h, _booth_h_inv, booth, _random_start(2, 5.0), "Zhao 2026, Prop. 4.4.1, eq. 4.9-4.11", M=_BOOTH_M
         )
 
 
@@ -166,7 +166,7 @@ def _quadratic(A: Tensor, w: Tensor) -> Tensor:
 
 
 class QuadraticOrthogonal(ConjugatedRotation):
-    """O(n) symmetry of L_A(w) = w^T A w acting by A^{-1/2} g A^{1/2} w: papers/001 eq. 4.33.
+    """O(n) symmetry of L_A(w) = w^T A w acting by A^{-1/2} g A^{1/2} w: Zhao 2026, eq. 4.33.
 
     ``A`` defaults to a fixed well-conditioned 4 x 4 positive definite matrix.
     """
@@ -191,7 +191,7 @@ class QuadraticOrthogonal(ConjugatedRotation):
             partial(_linear_h_inv, S),
             partial(_quadratic, A),
             _random_start(A.shape[0]),
-            "papers/001 eq. 4.33",
+            "Zhao 2026, eq. 4.33",
             M=S,
             linear=True,
         )

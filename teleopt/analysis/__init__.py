@@ -2,13 +2,13 @@
 
 * conserved quantities of gradient flow Q_M = <theta, M . theta> for every exact
   linear site, the angular-momentum relation of orthogonal sites, eq. 2.17 for
-  whitened input, and a monitor of their drift in training (papers/001 Sec. 2.5-2.6,
-  App. A.4; papers/002 Sec. 5);
+  whitened input, and a monitor of their drift in training (Zhao 2026, Sec. 2.5-2.6,
+  App. A.4; Zhao et al. 2023, Sec. 5);
 * an RK4 gradient-flow integrator to check conservation laws;
 * orbit points g . theta, one-parameter curves exp(tM) . theta and group-action
-  ensembles with the paper's random baselines (papers/001 Sec. 2.9, papers/002 Sec. 6);
+  ensembles with the paper's random baselines (Zhao 2026, Sec. 2.9, Zhao et al. 2023, Sec. 6);
 * learned invariance of linear models: finite linear groups on inputs, the Reynolds
-  split of weights, the asymmetry measure and the closed-form flow (papers/004).
+  split of weights, the asymmetry measure and the closed-form flow (Gideoni 2023).
 
 Names are imported lazily (PEP 562).
 """

@@ -1,8 +1,8 @@
-"""Conserved quantities of gradient flow from linear symmetries (papers/001 Sec. 2.5, papers/002 Sec. 5).
+"""Conserved quantities of gradient flow from linear symmetries (Zhao 2026, Sec. 2.5, Zhao et al. 2023, Sec. 5).
 
 If a Lie group G acts linearly on the parameters and leaves the loss invariant,
 every M in its Lie algebra gives the infinitesimal invariance
-<grad L(theta), M . theta> = 0 (papers/001 eq. 2.6).  Along gradient flow
+<grad L(theta), M . theta> = 0 (Zhao 2026, eq. 2.6).  Along gradient flow
 theta' = -grad L (eq. 2.10) the velocity is therefore orthogonal to M . theta
 (eq. 2.11), and for a *symmetric* generator (one whose operator on Param is
 self-adjoint) Prop. 2.5.1 integrates this to a conserved quantity
@@ -30,7 +30,7 @@ no Lie algebra, data-dependent and approximate actions do not leave the training
 loss invariant, and non-linear actions fall outside Prop. 2.5.1: such sites are
 reported, never silently skipped.
 
-:func:`whitened_conserved_quantity` is the conserved quantity of papers/001
+:func:`whitened_conserved_quantity` is the conserved quantity of Zhao 2026
 eq. 2.17 for any elementwise activation with whitened input (X = I), which the
 Xavier-initialisation study of Sec. 2.6 (Fig. 2.3) uses for tanh and sigmoid.
 """
@@ -99,16 +99,16 @@ def conserved_quantity_kind(action: GroupAction) -> tuple[str | None, str]:
     if action.exactness != "exact":
         return None, (
             f"{action.name} is {action.exactness}: the training loss is not invariant under it "
-            "(papers/001 Prop. 2.5.1 needs an exact symmetry)"
+            "(Zhao 2026, Prop. 2.5.1 needs an exact symmetry)"
         )
     if kind == "translation":
         return "all", "translations: Q = J^T theta is linear in theta and conserved"
     if not action.linear:
-        return None, f"{action.name} acts non-linearly: papers/001 Prop. 2.5.1 needs a linear action"
+        return None, f"{action.name} acts non-linearly: Zhao 2026, Prop. 2.5.1 needs a linear action"
     if kind == "orthogonal":
         return None, (
             f"{action.group_name} has only anti-symmetric generators, whose Q_M vanish: use angular_momentum() "
-            "for the relation of papers/001 Theorem 2.5.6"
+            "for the relation of Zhao 2026, Theorem 2.5.6"
         )
     if kind == "diagonal":
         return "all", "diagonal group: every generator is symmetric"
@@ -148,7 +148,7 @@ def _symmetrize(q: Tensor) -> Tensor:
 
 @dataclass
 class ConservedQuantities(Mapping[str, Tensor]):
-    """Per site, the tensor Q with Q_M = <Q, M> for every conserved generator M (papers/001 Prop. 2.5.1).
+    """Per site, the tensor Q with Q_M = <Q, M> for every conserved generator M (Zhao 2026, Prop. 2.5.1).
 
     A read-only mapping ``site name -> Q``, backed by the dict ``quantities``.
     ``parts[site][member]`` is each member's contribution (they sum to Q; e.g.
@@ -176,7 +176,7 @@ class ConservedQuantities(Mapping[str, Tensor]):
         return len(self.quantities)
 
     def scale(self, name: str) -> float:
-        """Sum of the Frobenius norms of the members' contributions (the normaliser of papers/001 eq. A.29)."""
+        """Sum of the Frobenius norms of the members' contributions (the normaliser of Zhao 2026, eq. A.29)."""
         return float(sum(float(p.norm()) for p in self.parts[name].values()))
 
     def drift(self, reference: ConservedQuantities) -> dict[str, float]:
@@ -209,7 +209,7 @@ def _check_sites(sites: Sequence[Site] | Site) -> tuple[Site, ...]:
 
 
 def conserved_quantities(source: ParamSource, sites: Sequence[Site] | Site, *, missing: Missing = "warn") -> ConservedQuantities:
-    """Q_M = <theta, M . theta> for every conserved generator of each site (papers/001 Prop. 2.5.1).
+    """Q_M = <theta, M . theta> for every conserved generator of each site (Zhao 2026, Prop. 2.5.1).
 
     Parameters
     ----------
@@ -256,7 +256,7 @@ def conserved_quantities(source: ParamSource, sites: Sequence[Site] | Site, *, m
 
 
 def angular_momentum(source: ParamSource, velocity: ParamSource, site: Site) -> Tensor:
-    """The angular-momentum relation of papers/001 Theorem 2.5.6, as a residual that vanishes on gradient flow.
+    """The angular-momentum relation of Zhao 2026, Theorem 2.5.6, as a residual that vanishes on gradient flow.
 
     For a matrix-group site (O(h) or GL_h) acting on (V, U) by (g V, U g^{-1}),
     returns the anti-symmetric matrix
@@ -277,7 +277,7 @@ def angular_momentum(source: ParamSource, velocity: ParamSource, site: Site) -> 
     if action.group_type.kind not in ("orthogonal", "general") or not action.continuous:
         raise ValueError(f"site {site.name!r}: the angular-momentum relation needs a matrix group (O(h) or GL_h), got {action.group_name}")
     if not action.linear:
-        raise ValueError(f"site {site.name!r}: {action.name} acts non-linearly (papers/001 Theorem 2.5.6 needs a linear action)")
+        raise ValueError(f"site {site.name!r}: {action.name} acts non-linearly (Zhao 2026, Theorem 2.5.6 needs a linear action)")
     params = action.check_params(site_params(source, site))
     vel = site_params(velocity, site)
     for role, p, v in zip(action.member_names, params, vel):
@@ -361,7 +361,7 @@ def _antiderivative(activation: str | Callable[[Tensor], Tensor], nodes: int) ->
 def whitened_conserved_quantity(
     U: Tensor, V: Tensor, activation: str | Callable[[Tensor], Tensor], *, nodes: int = 32, parts: bool = False
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Q = 1/2 Tr[U^T U] - sum_aj int_0^{V_aj} sigma(x) / sigma'(x) dx (papers/001 eq. 2.17).
+    """Q = 1/2 Tr[U^T U] - sum_aj int_0^{V_aj} sigma(x) / sigma'(x) dx (Zhao 2026, eq. 2.17).
 
     For the two-layer network U sigma(V X) with whitened input X = I (so each
     entry of V is the pre-activation of one sample) and any loss of the output,
@@ -389,7 +389,7 @@ def whitened_conserved_quantity(
 
 
 def expected_whitened_quantity(m: int, h: int, n: int, activation: str | Callable[[Tensor], Tensor], *, nodes: int = 64) -> float:
-    """E[Q] of eq. 2.17 under the initialisation of papers/001 eq. 2.15 (U_ij ~ N(0, 1/h), V_ij ~ N(0, 1/n)).
+    """E[Q] of eq. 2.17 under the initialisation of Zhao 2026, eq. 2.15 (U_ij ~ N(0, 1/h), V_ij ~ N(0, 1/n)).
 
     E[1/2 Tr U^T U] = m / 2 and E[F(V_aj)] by ``nodes``-point Gauss-Hermite
     quadrature; for the identity this is (m - h) / 2, eq. 2.16 for eq. 2.14's Q.

@@ -1,7 +1,7 @@
-"""Ensembles built from group actions, and the random-transformation baselines: papers/002 Sec. 6, App. I.
+"""Ensembles built from group actions, and the random-transformation baselines: Zhao et al. 2023, Sec. 6, App. I.
 
 A trained model theta and random group elements g_1, ..., g_K near the identity
-give K models g_k . theta without any retraining (papers/002 App. I).  For an
+give K models g_k . theta without any retraining (Zhao et al. 2023, App. I).  For an
 *exact* symmetry all of them compute the model's function, so the ensemble is the
 model itself; the ensemble becomes interesting for a *data-dependent* action,
 which keeps the output only on the batch it is built on and lets the members differ
@@ -11,7 +11,7 @@ LeakyReLU network with
     g . (U, V) = (U pi(g, H), g V),   pi(g, H) = sigma(H) sigma(g H)^+      (App. I, eq. 112)
 
 where H = V X are the hidden pre-activations of the *training set* X and ^+ is
-the pseudo-inverse.  That is the least-squares action of papers/001 eq. 4.16
+the pseudo-inverse.  That is the least-squares action of Zhao 2026, eq. 4.16
 (``data_dependent_gl_lstsq``): when sigma(g H) has full rank its least-squares
 W2 is exactly U pi(g, H).  With more training samples than hidden units the new U
 is only the least-squares best fit, so even on the training set the members
@@ -54,14 +54,14 @@ COMBINE: tuple[str, ...] = ("probabilities", "mean")
 """How members' outputs are combined: see :class:`ParameterEnsemble`."""
 
 BASELINES: tuple[str, ...] = ("g_inverse", "random", "shuffle", "perm_interp")
-"""The random-transformation baselines of papers/002 App. I (see :class:`BaselineEnsemble`)."""
+"""The random-transformation baselines of Zhao et al. 2023, App. I (see :class:`BaselineEnsemble`)."""
 
 # roles (writer weight, writer bias, reader weight) of two-layer GL actions, by member names
 _TWO_LAYER_ROLES: dict[tuple[str, ...], tuple[int, int, int]] = {("W1", "b1", "W2"): (0, 1, 2), ("U", "V", "b"): (1, 2, 0)}
 
 
 class ParameterEnsemble(nn.Module):
-    """One architecture evaluated at several parameter points, outputs combined (papers/002 App. I).
+    """One architecture evaluated at several parameter points, outputs combined (Zhao et al. 2023, App. I).
 
     Parameters
     ----------
@@ -173,7 +173,7 @@ def _check_members(members: int) -> int:
 
 
 class GroupEnsemble(ParameterEnsemble):
-    """The group-action ensemble of papers/002 Sec. 6 / App. I: members g_k . theta, g_k = exp(eps M_k).
+    """The group-action ensemble of Zhao et al. 2023, Sec. 6 / App. I: members g_k . theta, g_k = exp(eps M_k).
 
     Parameters
     ----------
@@ -206,7 +206,7 @@ class GroupEnsemble(ParameterEnsemble):
       least-squares best fit (the paper's setting: a training set larger than the
       hidden width); ``member_deviation(reference)`` reports the residual;
     * data-dependent sites, on new data: only approximately, with a deviation of
-      order eps (papers/002 Prop. 4.2 bounds the members' Lipschitz constants).
+      order eps (Zhao et al. 2023, Prop. 4.2 bounds the members' Lipschitz constants).
 
     Attributes ``eps``, ``sites`` and ``elements`` (per member, one element per site)
     record how the members were drawn.
@@ -256,13 +256,13 @@ def _two_layer(site: Site, model: nn.Module) -> tuple[str, str | None, str, Tens
 
 
 def _pi(g: Tensor, Z: Tensor, activation: Any) -> Tensor:
-    """pi(g, H) = sigma(H) sigma(g H)^+ of papers/002 eq. 112, for pre-activations Z = H^T (samples as rows)."""
+    """pi(g, H) = sigma(H) sigma(g H)^+ of Zhao et al. 2023, eq. 112, for pre-activations Z = H^T (samples as rows)."""
     # U pi sigma(g H) ~ U sigma(H): in rows, sigma(Z g^T) pi^T ~ sigma(Z), solved by least squares
     return torch.linalg.lstsq(activation(Z @ g.T), activation(Z)).solution.T
 
 
 class BaselineEnsemble(ParameterEnsemble):
-    """A random-transformation baseline of papers/002 App. I at the same eps as a :class:`GroupEnsemble`.
+    """A random-transformation baseline of Zhao et al. 2023, App. I at the same eps as a :class:`GroupEnsemble`.
 
     ``kind`` is one of :data:`BASELINES`; with g = exp(eps M) drawn exactly as the
     group ensemble draws it (the same ``generator`` seed gives the same g's, all

@@ -1,6 +1,6 @@
-"""Gradient flow theta' = -grad L(theta) (papers/001 eq. 2.10), integrated to a stated accuracy.
+"""Gradient flow theta' = -grad L(theta) (Zhao 2026, eq. 2.10), integrated to a stated accuracy.
 
-Conservation laws hold for gradient flow, not for gradient descent (papers/001
+Conservation laws hold for gradient flow, not for gradient descent (Zhao 2026
 App. A.4): checking them needs the flow itself.  :func:`integrate_gradient_flow`
 integrates it with the classical fourth-order Runge-Kutta method (global error
 O(dt^4)) or explicit Euler (which *is* gradient descent with learning rate dt,

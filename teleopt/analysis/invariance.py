@@ -1,8 +1,8 @@
-"""Learned invariance and equivariance of linear models under data symmetries (papers/004).
+"""Learned invariance and equivariance of linear models under data symmetries (Gideoni 2023).
 
 A finite group ``G`` of invertible ``d x d`` matrices acts on a model's inputs as
 ``x -> g x`` (samples are rows, as in ``nn.Linear``: a batch ``X`` (N, d) becomes
-``X g^T``).  papers/004 shows that a linear model ``x -> W x`` trained by gradient flow
+``X g^T``).  Gideoni 2023 shows that a linear model ``x -> W x`` trained by gradient flow
 on data that contains whole orbits (Assumption 1) splits into a part that respects
 the symmetry and one that does not, that the two never interact, and that the
 asymmetric part decays exponentially (Theorem 3.3; Theorem 4.2 for equivariance).
@@ -15,13 +15,13 @@ This module gives the pieces needed to check that on a real run:
   unnormalised ``R = sum_g g`` (Theorem 3.3);
 * :func:`split_weights`: ``W = W_sym + W_asym`` with ``x -> W_sym x`` invariant
   (Theorem 3.3.2) or, given an output representation, equivariant (Theorem 4.2.2);
-* :func:`asymmetry`: the asymmetry loss ``E_x |f(x) - E_g f(g x)|`` of papers/004
+* :func:`asymmetry`: the asymmetry loss ``E_x |f(x) - E_g f(g x)|`` of Gideoni 2023
   Sec. 5 for any callable or ``nn.Module``;
 * :func:`orbit_closure`: a dataset completed to whole orbits (Assumptions 1 and 4);
 * :func:`linear_regression_flow`: the closed-form gradient flow of eqs. (3) and (5)
   with the decay rates of the asymmetric part, to compare a run with the theorem.
 
-Conventions versus the paper.  papers/004 writes samples as row vectors acting on
+Conventions versus the paper.  Gideoni 2023 writes samples as row vectors acting on
 weights from the left (``f_w(x) = x w``) and group elements acting from the right
 (``x g``), so its ``g`` is our ``g^T``.  In our convention the invariant weights are
 the fixed vectors of ``g^T`` and the symmetric part of ``W`` is ``W P`` (rows
@@ -71,7 +71,7 @@ def _output_representation(group: FiniteLinearGroup, rho: Tensor | None, like: T
 
 
 class WeightSplit(NamedTuple):
-    """``weight = symmetric + asymmetric`` (papers/004 Theorem 3.3.2 / 4.2.2)."""
+    """``weight = symmetric + asymmetric`` (Gideoni 2023, Theorem 3.3.2 / 4.2.2)."""
 
     symmetric: Tensor
     asymmetric: Tensor
@@ -97,7 +97,7 @@ def _check_weight(w: Tensor, group: FiniteLinearGroup, rho: Tensor | None) -> Te
 
 
 def split_weights(weight: Tensor, group: FiniteLinearGroup, *, output_representation: Tensor | None = None) -> WeightSplit:
-    """Split a linear model's weights into symmetric and asymmetric parts (papers/004 Theorems 3.3.2, 4.2.2).
+    """Split a linear model's weights into symmetric and asymmetric parts (Gideoni 2023, Theorems 3.3.2, 4.2.2).
 
     ``weight`` is in ``nn.Linear`` convention: (out, in) or a vector (in,), acting as
     ``x -> W x``, with ``in = group.dim``.
@@ -130,7 +130,7 @@ def asymmetry(
     output_representation: Tensor | None = None,
     reduction: str = "mean",
 ) -> Tensor:
-    """The asymmetry loss ``E_x |f(x) - E_g f(g x)|`` of papers/004 Sec. 5.
+    """The asymmetry loss ``E_x |f(x) - E_g f(g x)|`` of Gideoni 2023, Sec. 5.
 
     ``f`` is any callable mapping a batch (M, d) to outputs (M,) or (M, ...) (an
     ``nn.Module`` included); it is called once, on all ``|G| * N`` transformed
@@ -169,7 +169,7 @@ def asymmetry(
 def orbit_closure(
     inputs: Tensor, group: FiniteLinearGroup, targets: Tensor | None = None, *, output_representation: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
-    """Complete a dataset to whole orbits (papers/004 Assumption 1, or Assumption 4 with ``output_representation``).
+    """Complete a dataset to whole orbits (Gideoni 2023, Assumption 1, or Assumption 4 with ``output_representation``).
 
     Returns ``(X, Y)`` with ``|G| * N`` rows, group-major (the block ``i`` is
     ``elements[i]`` applied to every input): ``X`` rows ``g x``, ``Y`` rows ``y``
@@ -197,7 +197,7 @@ def orbit_closure(
 
 @dataclass(frozen=True)
 class LinearRegressionFlow:
-    """Gradient flow of linear least squares on symmetric data, in closed form (papers/004 Theorems 3.3, 4.2).
+    """Gradient flow of linear least squares on symmetric data, in closed form (Gideoni 2023, Theorems 3.3, 4.2).
 
     For ``L = (loss_scale / 2) sum_n |y_n - W x_n|^2`` gradient flow is
     ``dW/dt = loss_scale (C - W K)`` with ``K = X^T X`` (``kernel``; on orbit-closed
@@ -316,7 +316,7 @@ def linear_regression_flow(
     ``data_asymmetry`` says how far off it is: the closed form :meth:`weights` is
     still exact gradient flow, but the parts then interact, so
     ``asymmetric_part`` and the rates (``K`` compressed to the asymmetric subspace)
-    are approximations (papers/004 App. D observes the decay on data that is
+    are approximations (Gideoni 2023, App. D observes the decay on data that is
     symmetric only on average).
     """
     group = _check_group(group)
@@ -331,7 +331,7 @@ def linear_regression_flow(
     rho = _output_representation(group, output_representation, y)
     if not group.is_orthogonal():
         raise ValueError(
-            "the group is not orthogonal: papers/004 Assumption 3 (g^T in G; for a finite group the same as g^T g = I) "
+            "the group is not orthogonal: Gideoni 2023, Assumption 3 (g^T in G; for a finite group the same as g^T g = I) "
             "fails, and gradient flow then mixes the symmetric and asymmetric parts"
         )
     if rho is not None:
@@ -339,7 +339,7 @@ def linear_regression_flow(
             raise ValueError(f"equivariant targets must have shape ({x.shape[0]}, {rho.shape[1]}), got {tuple(y.shape)}")
         eye = torch.eye(rho.shape[1], dtype=dtype, device=rho.device)
         if float(torch.linalg.matrix_norm(rho.mT @ rho - eye).max()) > group.tol * math.sqrt(rho.shape[1]):
-            raise ValueError("output_representation is not orthogonal (papers/004 Assumption 5)")
+            raise ValueError("output_representation is not orthogonal (Gideoni 2023, Assumption 5)")
 
     kernel = x.T @ x
     moment = y.T @ x if y.ndim == 2 else y @ x
@@ -351,7 +351,7 @@ def linear_regression_flow(
     data_asymmetry = max(kernel_residual, moment_residual)
     if strict and data_asymmetry > group.tol:
         raise ValueError(
-            f"the data is not symmetric (papers/004 Assumption {1 if rho is None else 4}): relative residual "
+            f"the data is not symmetric (Gideoni 2023, Assumption {1 if rho is None else 4}): relative residual "
             f"{data_asymmetry:.2e} > tol {group.tol:.1e}; complete it with orbit_closure or pass strict=False"
         )
 

@@ -1,9 +1,9 @@
-"""A training monitor for the drift of conserved quantities (papers/001 Sec. 2.5 and App. A.4).
+"""A training monitor for the drift of conserved quantities (Zhao 2026, Sec. 2.5 and App. A.4).
 
 Gradient flow conserves Q_M exactly; gradient descent changes it by
-O(lr^2) per step (papers/001 Prop. A.4.1), and momentum, adaptive step sizes,
+O(lr^2) per step (Zhao 2026, Prop. A.4.1), and momentum, adaptive step sizes,
 weight decay or non-invariant regularisers change it faster.  Teleportation
-changes Q on purpose (applying g moves Q along the orbit, papers/001 Sec. 2.5).
+changes Q on purpose (applying g moves Q along the orbit, Zhao 2026, Sec. 2.5).
 :class:`ConservationMonitor` records, after every ``every``-th optimizer step,
 
 * per site with conserved quantities, the relative drift
@@ -47,7 +47,7 @@ class MonitorRecord:
     """One measurement after optimizer step ``step``.
 
     ``drift``: relative change since the reference; ``step_drift``: since the
-    previous measurement (the per-step change papers/001 Prop. A.4.1 bounds by
+    previous measurement (the per-step change Zhao 2026, Prop. A.4.1 bounds by
     lr^2 |dL/dt|); ``angular_momentum``: residuals of orthogonal sites;
     ``teleport_jump``: the relative change a teleport (or rollback) made before this step.
     """
@@ -72,7 +72,7 @@ class _Handles:
 
 
 class ConservationMonitor:
-    """Logs the drift of conserved quantities Q_M during training (papers/001 Prop. 2.5.1, App. A.4).
+    """Logs the drift of conserved quantities Q_M during training (Zhao 2026, Prop. 2.5.1, App. A.4).
 
     Parameters
     ----------

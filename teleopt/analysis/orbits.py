@@ -2,11 +2,11 @@
 
 A group acting on the parameters sweeps out, from the trained point theta, its
 orbit {g . theta : g in G}.  For an exact symmetry every point of the orbit has the
-same loss (papers/001 Sec. 1.1, papers/002 Prop. 3.2 / App. C.6), and a generator M
+same loss (Zhao 2026, Sec. 1.1, Zhao et al. 2023, Prop. 3.2 / App. C.6), and a generator M
 of the Lie algebra gives a curve of equal loss through theta, the one-parameter
-subgroup t -> exp(tM) . theta (papers/001 Sec. 2.9 and Ch. 3: curves on minima;
-papers/002 Sec. 6: such points build ensembles without retraining).  For a
-data-dependent action (papers/001 Prop. 4.4.2 and eq. 4.16, papers/002 Theorem 4.1,
+subgroup t -> exp(tM) . theta (Zhao 2026, Sec. 2.9 and Ch. 3: curves on minima;
+Zhao et al. 2023, Sec. 6: such points build ensembles without retraining).  For a
+data-dependent action (Zhao 2026, Prop. 4.4.2 and eq. 4.16, Zhao et al. 2023, Theorem 4.1,
 eq. 7) the output is kept on the batch the action is built on only.
 
 The tools here are functional: they read the model's tensors and never modify the
@@ -196,7 +196,7 @@ def orbit_point(
     inputs: Any = None,
     at: Mapping[str, Tensor] | None = None,
 ) -> Point:
-    """The point g . theta for one group element per site (papers/001 Def. 1.1.1; papers/002 eq. 7).
+    """The point g . theta for one group element per site (Zhao 2026, Def. 1.1.1; Zhao et al. 2023, eq. 7).
 
     Parameters
     ----------
@@ -243,7 +243,7 @@ def sample_orbit(
     inputs: Any = None,
     at: Mapping[str, Tensor] | None = None,
 ) -> OrbitSample:
-    """``count`` random points g . theta of the orbit (papers/002 Sec. 6, App. I).
+    """``count`` random points g . theta of the orbit (Zhao et al. 2023, Sec. 6, App. I).
 
     Elements come from ``GroupAction.random_element``: for continuous groups
     exp of random Lie algebra coordinates of size ``scale`` (GL/O(n): coordinates
@@ -312,7 +312,7 @@ def orbit_curve(
     inputs: Any = None,
     at: Mapping[str, Tensor] | None = None,
 ) -> OrbitCurve:
-    """The curve t -> exp(t M) . theta over a grid of t (papers/001 Sec. 2.9, Ch. 3; papers/002 Sec. 3).
+    """The curve t -> exp(t M) . theta over a grid of t (Zhao 2026, Sec. 2.9, Ch. 3; Zhao et al. 2023, Sec. 3).
 
     ``coords`` are the Lie algebra coordinates of the generator M of each site
     (shape ``site.action.coord_shape``; for O(n) sites the skew-symmetric part

@@ -3,7 +3,7 @@
 ``teleopt.find_symmetries(model, example_inputs)`` traces the model with torch.fx,
 follows every tensor axis through the graph with a union-find per group kind
 (GL, positive scaling, permutations), recognises layers by what they compute, and
-returns a :class:`SymmetryReport` whose sites bind the actions of papers/001
+returns a :class:`SymmetryReport` whose sites bind the actions of Zhao 2026
 Table 1.1 (and per-head attention GL, Ex. 1.2.11-1.2.12) to the model's
 parameters and buffers by name.  Unknown ops fail closed: the axes they touch are
 frozen and listed in the report.  Detection proposes, certification decides: every

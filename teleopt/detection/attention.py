@@ -1,4 +1,4 @@
-"""Per-head GL symmetries of multi-head attention found in a traced graph (papers/001 Ex. 1.2.11-1.2.12).
+"""Per-head GL symmetries of multi-head attention found in a traced graph (Zhao 2026, Ex. 1.2.11-1.2.12).
 
 For every attention core (``F.scaled_dot_product_attention``, or the explicit
 ``softmax(q @ k^T * s + bias) @ v``) we walk from q, k and v back to the linear
@@ -490,7 +490,7 @@ class _Finder:
         members.append((pk.weight, row_range(k0, H * d, pk.out_features, -1)))
         info = {"heads": H, "head_dim": d, "module": where, "key_bias": "left out: softmax ignores it"}
         return DirectSite(
-            "attention_qk_gl", "general", members, H if H > 1 else None, 1, "papers/001 Ex. 1.2.11-1.2.12", where, info, "exact", self._gi
+            "attention_qk_gl", "general", members, H if H > 1 else None, 1, "Zhao 2026, Ex. 1.2.11-1.2.12", where, info, "exact", self._gi
         )
 
     def vo_site(self, v_arg: Argument, out: fx.Node, where: str) -> DirectSite | str:
@@ -536,7 +536,7 @@ class _Finder:
         members.append((proj.weight, {"axis": 1, "power": -1}))
         info = {"heads": H, "head_dim": dv, "module": where}
         return DirectSite(
-            "attention_vo_gl", "general", members, H if H > 1 else None, 1, "papers/001 Ex. 1.2.12", where, info, "exact", self._gi
+            "attention_vo_gl", "general", members, H if H > 1 else None, 1, "Zhao 2026, Ex. 1.2.12", where, info, "exact", self._gi
         )
 
 

@@ -2,7 +2,7 @@
 
 Shared vocabulary of :mod:`teleopt.detection.attention`: a projection's output
 index is a list of *feature digits* (size, stride); reshapes, permutes, chunks and
-picks on the way to q, k and v are replayed on those digits (papers/001
+picks on the way to q, k and v are replayed on those digits (Zhao 2026
 Ex. 1.2.11-1.2.12 need the exact rows of each head).  A projection's bias may be
 concatenated in forward from pieces (timm BEiT, EVA-02, SwinV2).
 """

@@ -1,6 +1,6 @@
 """Union-find over tensor axes: which channels must transform together, and how.
 
-Detection (papers/001 Sec. 1.2: a symmetry of a subnetwork is a group acting on a
+Detection (Zhao 2026, Sec. 1.2: a symmetry of a subnetwork is a group acting on a
 hidden axis, by g on the layer writing it and by the contragredient on the layer
 reading it) ties the axes of every tensor in a traced graph into *classes*.  One
 group element acts on all axes of a class; each axis carries it by a

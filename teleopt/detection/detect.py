@@ -6,8 +6,8 @@ block or reshape the axes it touches, for each group kind (``rules``, a table by
 op family that ``register_op_rule`` extends;
 ``relations``, ``axes``); find the per-head structure of attention (``attention``);
 settle the pending constraints and turn every free class into an ``AxisAction``
-bound by tensor names (``sites``).  Papers: the groups are those of papers/001
-Table 1.1 and Sec. 1.2; teleportation (papers/001 Ch. 4) acts through the sites.
+bound by tensor names (``sites``).  Papers: the groups are those of Zhao 2026
+Table 1.1 and Sec. 1.2; teleportation (Zhao 2026, Ch. 4) acts through the sites.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def find_symmetries(
     certify: bool = True,
     certify_seed: int = 0,
 ) -> SymmetryReport:
-    """Find every place where a group action leaves the model's output unchanged (papers/001 Table 1.1).
+    """Find every place where a group action leaves the model's output unchanged (Zhao 2026, Table 1.1).
 
     Parameters
     ----------
@@ -73,11 +73,11 @@ def find_symmetries(
         the trace, so a flag that changes the computed path is seen.
     loss:
         ``"cross_entropy"`` adds the softmax translation of a final linear classifier
-        (papers/001 Ex. 1.2.8), which leaves the loss, not the logits, unchanged.
+        (Zhao 2026, Ex. 1.2.8), which leaves the loss, not the logits, unchanged.
     include_discrete:
-        Report permutation sites (papers/001 Ex. 1.2.9, 1.2.12) as well.
+        Report permutation sites (Zhao 2026, Ex. 1.2.9, 1.2.12) as well.
     include_approximate:
-        Report the eps-approximate scaling of BatchNorm inputs (papers/001 Ex. 1.2.7).
+        Report the eps-approximate scaling of BatchNorm inputs (Zhao 2026, Ex. 1.2.7).
     include_frozen:
         Let sites move parameters with ``requires_grad=False`` (default: they are fixed).
     certify:

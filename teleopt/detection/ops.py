@@ -3,7 +3,7 @@
 ``torch.relu(x)``, ``F.relu(x)``, ``x.relu()`` and ``nn.ReLU()(x)`` are one op; a
 timm ``BatchNormAct2d`` is not a ``BatchNorm2d`` (it subclasses it but applies an
 activation), so modules are matched by *exact* type and everything else is traced
-through to the functions it calls (papers/001 Sec. 1.2 reasons about what each
+through to the functions it calls (Zhao 2026, Sec. 1.2 reasons about what each
 layer computes; so do we).  Pointwise functions carry the properties the symmetry
 groups need: positive homogeneity of degree alpha (positive scaling, Ex. 1.2.4),
 linearity (GL, Ex. 1.2.2); every pointwise function commutes with permutations

@@ -4,7 +4,7 @@ After every op rule has run, the pending constraints are settled (shared tensors
 tied, products through two scaled factors decided, reshaped axes resolved), and
 each class that is free (not blocked) and holds at least one parameter becomes a
 site: the group of its kind acting on every parameter/buffer axis in the class,
-with the power the class assigned (papers/001 Prop. 1.2.3: g on the writer, the
+with the power the class assigned (Zhao 2026, Prop. 1.2.3: g on the writer, the
 contragredient on the reader; Ex. 1.2.7: c^2 on BatchNorm running variances).
 A class's members are exactly the tensors the union-find tied together, so no
 site over-ties (minimality) and none misses a member (invariance).
@@ -226,9 +226,9 @@ def _effective_pieces(rel: Relations, kind: str) -> tuple[dict[int, list[_Piece]
 
 # -- sites ------------------------------------------------------------------------------------
 _ACTIONS = {
-    "general": ("gl_linear", "papers/001 Ex. 1.2.2 (GL_h between linear maps)", "GL_{n}(R)"),
-    "diagonal": ("positive_rescaling", "papers/001 Ex. 1.2.4 (positive rescaling)", "R_{{>0}}^{n}"),
-    "permutation": ("hidden_permutation", "papers/001 Ex. 1.2.9 (permutations)", "S_{n}"),
+    "general": ("gl_linear", "Zhao 2026, Ex. 1.2.2 (GL_h between linear maps)", "GL_{n}(R)"),
+    "diagonal": ("positive_rescaling", "Zhao 2026, Ex. 1.2.4 (positive rescaling)", "R_{{>0}}^{n}"),
+    "permutation": ("hidden_permutation", "Zhao 2026, Ex. 1.2.9 (permutations)", "S_{n}"),
 }
 
 
@@ -315,7 +315,7 @@ def class_sites(rel: Relations, order: dict[str, int], kinds: Iterable[str] = KI
             approx = list(space.approximate(root)) + extra_approx.get(root, [])
             name, reference, group_name = _ACTIONS[kind]
             if approx:
-                name, reference = "batchnorm_scaling", "papers/001 Ex. 1.2.7 (scale invariance of BatchNorm inputs)"
+                name, reference = "batchnorm_scaling", "Zhao 2026, Ex. 1.2.7 (scale invariance of BatchNorm inputs)"
             try:
                 action = AxisAction(
                     name,
@@ -401,7 +401,7 @@ def direct_sites(rel: Relations, n_graphs: int) -> tuple[list[Site], list[tuple[
 
 
 def softmax_translation_sites(graphs: list[TracedGraph], rel: Relations) -> tuple[list[Site], list[tuple[str, str, str]]]:
-    """The softmax translation of a final linear classifier (papers/001 Ex. 1.2.8), for a cross-entropy loss."""
+    """The softmax translation of a final linear classifier (Zhao 2026, Ex. 1.2.8), for a cross-entropy loss."""
     found: list[tuple[str, str | None] | str] = []
     for gi, traced in enumerate(graphs):
         found.append(_classifier(traced, gi, rel))

@@ -168,7 +168,7 @@ def assert_site_gradient_transport(
     loss_fn: Callable[[nn.Module], Tensor],
     rtol: float | None = None,
 ) -> float:
-    """Assert grad L at g.w equals ``site.action.transport_gradient(g, grad L at w)`` (papers/001 eq. 4.19)."""
+    """Assert grad L at g.w equals ``site.action.transport_gradient(g, grad L at w)`` (Zhao 2026, eq. 4.19)."""
     if not site.action.has_gradient_transport:
         raise ValueError(f"{site.name}: {site.action.name} has no closed-form gradient transport")
     live = {n: required(t, n) for n, t in zip(site.members, site.tensors(model)) if n is not None}
@@ -202,7 +202,7 @@ def assert_batchnorm_site_exact(
     rtol: float | None = None,
     reference: Tensor | None = None,
 ) -> float:
-    """Check an eps-approximate BatchNorm input site exactly (papers/001 Ex. 1.2.7).
+    """Check an eps-approximate BatchNorm input site exactly (Zhao 2026, Ex. 1.2.7).
 
     BN(c z) computed with eps * c^2 equals BN(z) with eps, in train mode (batch
     statistics) and in eval mode (running mean times c, running variance times c^2).

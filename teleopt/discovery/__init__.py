@@ -1,13 +1,13 @@
-"""Learned group actions: discover parameter-space symmetries and use them like known ones (papers/000).
+"""Learned group actions: discover parameter-space symmetries and use them like known ones (Zhao et al. 2024b).
 
 ``teleopt.discover(loss_fn, param_shapes, sampler, ...)`` trains an action network
 a_X(g, theta) and Lie algebra generators with the infinitesimal losses of
-papers/000 Sec. 5 and returns a :class:`LearnedAction`, a
+Zhao et al. 2024b, Sec. 5 and returns a :class:`LearnedAction`, a
 :class:`~teleopt.GroupAction` that acts with finite elements exp(t h) by
 integrating its learned flow, saves to and loads from one file, registers with
 ``teleopt.register_action``, binds to matching subnetworks of larger models
-(papers/000 Prop. 4.1, Cor. 4.2-4.3; :func:`bind`) and comes with the diagnostics
-of papers/001 Fig. 6.6 (:func:`compare_curves`) and papers/000 Fig. 2-4
+(Zhao et al. 2024b, Prop. 4.1, Cor. 4.2-4.3; :func:`bind`) and comes with the diagnostics
+of Zhao 2026, Fig. 6.6 (:func:`compare_curves`) and Zhao et al. 2024b, Fig. 2-4
 (:func:`plot_generators`).
 
 Modules: ``network`` (the action network), ``losses`` (eq. 5-11), ``training``

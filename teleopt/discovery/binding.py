@@ -1,6 +1,6 @@
-"""Binding a learned action to a matching subnetwork of a larger model (papers/000 Sec. 4).
+"""Binding a learned action to a matching subnetwork of a larger model (Zhao et al. 2024b, Sec. 4).
 
-papers/000 Prop. 4.1: if L(theta, X) = j(theta_1, f(theta_2, h(theta_1, X)), X), a
+Zhao et al. 2024b, Prop. 4.1: if L(theta, X) = j(theta_1, f(theta_2, h(theta_1, X)), X), a
 symmetry a_S of the subnetwork f (acting on theta_2, reading the subnetwork's input
 S = h(theta_1, X)) induces the symmetry a'_X(g, theta) = (theta_1, a_{h(theta_1, X)}(g, theta_2))
 of the whole network.  Corollary 4.3: a block of consecutive layers is such an f
@@ -47,7 +47,7 @@ def _check_slice(value: Any, member: str, shape: tuple[int, ...]) -> Slice:
 
 
 class SubnetworkAction(GroupAction):
-    """A learned action on slices of larger tensors: papers/000 Cor. 4.2 (narrow layer -> wide layer).
+    """A learned action on slices of larger tensors: Zhao et al. 2024b, Cor. 4.2 (narrow layer -> wide layer).
 
     ``slices`` gives, per member, ``(axis, start, stop)`` (or ``None`` for the whole
     tensor); ``full_shapes`` the shapes of the larger tensors.  The learned action
@@ -78,7 +78,7 @@ class SubnetworkAction(GroupAction):
         self.action, self.full_shapes, self.slices = action, full, tuple(checked)
         self.name = f"{action.name}@subnetwork"
         self.group_name = action.group_name
-        self.reference = "papers/000 Prop. 4.1, Cor. 4.2 (learned action on a sub-block)"
+        self.reference = "Zhao et al. 2024b, Prop. 4.1, Cor. 4.2 (learned action on a sub-block)"
         self.member_names = action.member_names
         self.optional_members = frozenset()
 
@@ -139,7 +139,7 @@ def bind(
     slices: Mapping[str, Slice] | None = None,
     name: str = "",
 ) -> Site:
-    """A :class:`~teleopt.site.Site` of ``action`` on the matching block of ``model`` (papers/000 Prop. 4.1).
+    """A :class:`~teleopt.site.Site` of ``action`` on the matching block of ``model`` (Zhao et al. 2024b, Prop. 4.1).
 
     Parameters
     ----------
@@ -194,12 +194,12 @@ def bind(
             if shape != learned:
                 raise ValueError(
                     f"member {role!r} -> {tensor_name!r} has shape {shape}, but {action.name} acts on shape {learned}; "
-                    "for a wider layer pass slices={member: (axis, start, stop)} (papers/000 Cor. 4.2)"
+                    "for a wider layer pass slices={member: (axis, start, stop)} (Zhao et al. 2024b, Cor. 4.2)"
                 )
         bound = action
     info = {
         "learned_action": action.name,
-        "reference": "papers/000 Prop. 4.1, Cor. 4.2-4.3",
+        "reference": "Zhao et al. 2024b, Prop. 4.1, Cor. 4.2-4.3",
         "slices": {k: list(v) for k, v in slices.items()},
     }
     return Site(bound, names, name or f"{action.name}@{names[0]}", data_input, info)

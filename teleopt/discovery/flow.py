@@ -2,8 +2,8 @@
 
 For a group action a_X, the curve gamma(t) = a_X(exp(t A), theta) is the integral
 curve of the vector field xi_A(theta) = D_g a_X|_{I,theta}(A) through theta:
-d/dt gamma(t) = d/ds a_X(exp(s A), gamma(t))|_{s=0} = xi_A(gamma(t)) (papers/000
-Sec. 3.2, proof of Theorem 3.1; papers/001 Sec. 6.5.4 plots the loss along these
+d/dt gamma(t) = d/ds a_X(exp(s A), gamma(t))|_{s=0} = xi_A(gamma(t)) (Zhao et al. 2024b
+Sec. 3.2, proof of Theorem 3.1; Zhao 2026, Sec. 6.5.4 plots the loss along these
 curves).  teleopt acts with finite elements by integrating this ODE with the classic
 fourth-order Runge-Kutta method, so a learned action composes exactly along one
 generator (a flow is a one-parameter group) up to the integration error O(dt^4).

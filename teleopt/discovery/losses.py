@@ -1,4 +1,4 @@
-"""The discovery objective of papers/000 Sec. 5 (papers/001 Sec. 6.5, eq. 6.3), derived and computed with torch.func.
+"""The discovery objective of Zhao et al. 2024b, Sec. 5 (Zhao 2026, Sec. 6.5, eq. 6.3), derived and computed with torch.func.
 
 Notation: a_X(g, theta) is the action (any callable ``action_fn(vec(g - I), theta, x)``,
 batched on leading axes), h_1..h_n in gl(p) the generators and
@@ -15,7 +15,7 @@ Every term is an expectation over the sampled (theta, X) and is computed with
   from :func:`loss_gradient_norms`: the normal component of xi_h) and by |xi_h|
   (``scale_free``: the |cosine| between orbit and gradient);
 * identity (eq. 6): E ||a_X(I, theta) - theta||_2;
-* associativity, first order (papers/001 Theorem 6.3.2):
+* associativity, first order (Zhao 2026, Theorem 6.3.2):
   ||D_theta a_X|_{I,theta}(xi_{h1}) + xi_{h2} - xi_{h1+h2}||.  xi is linear in h
   (a derivative), so this equals ||D_theta a_X|_{I,theta}(xi_{h1}) - xi_{h1}||,
   independent of h2: it is the derivative of the identity axiom along the orbit
@@ -25,7 +25,7 @@ Every term is an expectation over the sampled (theta, X) and is computed with
   Expanding a(exp(s h1), a(exp(t h2), theta)) = a(exp(s h1) exp(t h2), theta) to
   order s t gives the Lie algebra condition [xi_{h1}, xi_{h2}] = -xi_{[h1,h2]}
   (the fundamental vector fields of a left action form an anti-homomorphism),
-  with the vector field bracket [u, v] = Dv . u - Du . v.  papers/000 eq. 7 aims at
+  with the vector field bracket [u, v] = Dv . u - Du . v.  Zhao et al. 2024b, eq. 7 aims at
   this term; its printed form multiplies two tangent vectors.  The residual
   ||D xi_{h2} . xi_{h1} - D xi_{h1} . xi_{h2} + xi_{[h1,h2]}|| is computed with
   nested jvps for every pair h1 < h2 and added to the first-order term; it is
@@ -39,7 +39,7 @@ Every term is an expectation over the sampled (theta, X) and is computed with
 * linearity (teleopt's addition, weight 0 recovers the papers' objective):
   E ||xi_h - h theta||, the part of the infinitesimal action that the linear
   representation does not explain.  Without it nothing ties h to the symmetry it
-  generates (papers/000 Sec. 5.3: the learned action may compose a reparametrisation
+  generates (Zhao et al. 2024b, Sec. 5.3: the learned action may compose a reparametrisation
   of the generators with the action); with it, a loss that has a linear symmetry
   gets that symmetry's generator.
 
@@ -87,13 +87,13 @@ def _vjp(fn: Callable[[Tensor], Tensor], primal: Tensor) -> tuple[Tensor, Callab
 
 @dataclass(frozen=True)
 class LossWeights:
-    """gamma_1..gamma_6 of papers/000 eq. 11 (papers/001 eq. 6.3), plus teleopt's ``linearity``.
+    """gamma_1..gamma_6 of Zhao et al. 2024b, eq. 11 (Zhao 2026, eq. 6.3), plus teleopt's ``linearity``.
 
-    Defaults are papers/000 Sec. 5.3 (data-independent symmetries):
+    Defaults are Zhao et al. 2024b, Sec. 5.3 (data-independent symmetries):
     gamma_1 = 10 (invariance), gamma_2 = 1 (identity), gamma_4 = 1 (norm),
-    gamma_5 = 1 (orthogonality), gamma_6 = 0.1 (sparsity); papers/001 Sec. 6.5.3 uses
+    gamma_5 = 1 (orthogonality), gamma_6 = 0.1 (sparsity); Zhao 2026, Sec. 6.5.3 uses
     the same values.  Neither paper states gamma_3 (associativity): 1, like the
-    identity axiom.  :meth:`data_dependent` gives papers/000 Sec. 5.4.
+    identity axiom.  :meth:`data_dependent` gives Zhao et al. 2024b, Sec. 5.4.
     ``linearity`` is not in the papers (see :mod:`teleopt.discovery.losses`; 0 gives
     the papers' objective).  Default 10: on the m = h = n = k = 1 linear network
     (generator lr 1e-2) weight 1 left |cos(h, diag(1, -1))| at 0.78 after 500 steps
@@ -117,12 +117,12 @@ class LossWeights:
 
     @classmethod
     def data_independent(cls) -> LossWeights:
-        """papers/000 Sec. 5.3 (and papers/001 Sec. 6.5.3): gamma = (10, 1, 1, 1, 1, 0.1)."""
+        """Zhao et al. 2024b, Sec. 5.3 (and Zhao 2026, Sec. 6.5.3): gamma = (10, 1, 1, 1, 1, 0.1)."""
         return cls()
 
     @classmethod
     def data_dependent(cls, linearity: float = 0.0) -> LossWeights:
-        """papers/000 Sec. 5.4 (and papers/001 Sec. 6.5.4): gamma_1 = 1, gamma_2 = gamma_4 = 10, gamma_5 = 1, gamma_6 = 0.1.
+        """Zhao et al. 2024b, Sec. 5.4 (and Zhao 2026, Sec. 6.5.4): gamma_1 = 1, gamma_2 = gamma_4 = 10, gamma_5 = 1, gamma_6 = 0.1.
 
         ``linearity`` defaults to 0 (the papers' objective).  In our runs on the
         sigmoid network of Sec. 5.4 these weights left the invariance term too weak
@@ -142,7 +142,7 @@ class LossWeights:
 
 
 def infinitesimal_action(action_fn: ActionFn, theta: Tensor, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
-    """(a_X(I, theta), xi_h(theta)) with xi_h = D_g a_X|_{I,theta}(h) (papers/000 Theorem 3.1).
+    """(a_X(I, theta), xi_h(theta)) with xi_h = D_g a_X|_{I,theta}(h) (Zhao et al. 2024b, Theorem 3.1).
 
     One forward-mode jvp at g = I in the direction h; ``h`` (..., p, p) broadcasts
     against the leading axes of ``theta`` (..., p).
@@ -195,7 +195,7 @@ def discovery_losses(
     gradient_norms: Tensor | None = None,
     scale_free: bool = False,
 ) -> dict[str, Tensor]:
-    """Every term of papers/000 eq. 11 on a batch (theta (B, p), data leaves, features x (B, d)).
+    """Every term of Zhao et al. 2024b, eq. 11 on a batch (theta (B, p), data leaves, features x (B, d)).
 
     ``loss_jvp`` is :func:`loss_derivative`; ``generators`` is (n, p, p).  Returns a
     dict with the terms of :data:`TERMS` and the two parts of the associativity
@@ -255,6 +255,6 @@ def discovery_losses(
 
 
 def total_loss(terms: dict[str, Tensor], weights: LossWeights) -> Tensor:
-    """papers/000 eq. 11: sum_k gamma_k L_k (plus teleopt's linearity term)."""
+    """Zhao et al. 2024b, eq. 11: sum_k gamma_k L_k (plus teleopt's linearity term)."""
     w = weights.as_dict()
     return sum(w[name] * terms[name] for name in TERMS)  # type: ignore[return-value]

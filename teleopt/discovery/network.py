@@ -1,8 +1,8 @@
-"""The action network a_X(g, theta) of papers/000 Sec. 5.
+"""The action network a_X(g, theta) of Zhao et al. 2024b, Sec. 5.
 
-papers/000 Sec. 5.3 parametrises the group action by an MLP that "takes a group
+Zhao et al. 2024b, Sec. 5.3 parametrises the group action by an MLP that "takes a group
 element, parameter, and data as input and outputs transformed parameters" (4 layers,
-hidden widths 64, 64, 64; papers/001 Sec. 6.5.3 uses 128, 128, 128).  teleopt's
+hidden widths 64, 64, 64; Zhao 2026, Sec. 6.5.3 uses 128, 128, 128).  teleopt's
 network is that MLP added to the defining linear representation of GL(p):
 
     a_X(g, theta) = g theta + MLP(vec(g - I), theta, vec(X)).
@@ -10,7 +10,7 @@ network is that MLP added to the defining linear representation of GL(p):
 The linear term is a parametrisation, not a constraint: the MLP can cancel it.  It
 gives the learned generators a meaning (when the loss has a linear symmetry, the
 generator itself can carry it, and the ``linearity`` regulariser of
-:class:`~teleopt.discovery.losses.LossWeights` prefers that), which papers/000 Sec.
+:class:`~teleopt.discovery.losses.LossWeights` prefers that), which Zhao et al. 2024b Sec.
 5.3 notes a bare MLP does not.  ``linear_base=False`` gives the papers' bare form
 (as a residual, theta + MLP(...)): every symmetry must then come from the MLP.
 Inputs are batched on leading axes; the group input is vec(g - I), so the identity
@@ -33,7 +33,7 @@ NETWORK_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"silu": F.silu, "t
 
 
 class ActionNetwork(nn.Module):
-    """a_X(g, theta) = g theta + MLP(vec(g - I), theta, vec(X)) (papers/000 Sec. 5.3).
+    """a_X(g, theta) = g theta + MLP(vec(g - I), theta, vec(X)) (Zhao et al. 2024b, Sec. 5.3).
 
     The default parametrisation of the papers' action network (see the module docs).
 
@@ -44,7 +44,7 @@ class ActionNetwork(nn.Module):
     data_features:
         The number of data entries the action reads (0 for a data-independent action).
     hidden:
-        Hidden widths of the MLP (papers/000: 64, 64, 64; papers/001: 128, 128, 128).
+        Hidden widths of the MLP (Zhao et al. 2024b: 64, 64, 64; Zhao 2026: 128, 128, 128).
     activation:
         A smooth activation (``silu``, ``tanh``, ``gelu``, ``softplus``): the
         associativity loss differentiates the network twice.

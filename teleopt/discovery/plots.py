@@ -1,5 +1,5 @@
-"""Pictures of learned symmetries: generator heatmaps (papers/000 Fig. 2-4, papers/001 Fig. 6.3-6.5, 6.7)
-and loss along learned vs random curves (papers/001 Fig. 6.6).
+"""Pictures of learned symmetries: generator heatmaps (Zhao et al. 2024b, Fig. 2-4, Zhao 2026, Fig. 6.3-6.5, 6.7)
+and loss along learned vs random curves (Zhao 2026, Fig. 6.6).
 
 matplotlib is imported inside the functions (it is an optional dependency, extra
 ``demo``); both functions return the figure and save it when given a path.
@@ -37,7 +37,7 @@ def plot_generators(
     labels: Sequence[str] | None = None,
     title: str | None = None,
 ) -> Any:
-    """Heatmaps of the generators h_i (top row) and of exp(h_i) (bottom row), as papers/001 Fig. 6.4-6.7.
+    """Heatmaps of the generators h_i (top row) and of exp(h_i) (bottom row), as Zhao 2026, Fig. 6.4-6.7.
 
     ``labels`` name the parameter entries along the axes (e.g. ``W1[0,0]``); by
     default the entries are numbered.  Returns the matplotlib figure.
@@ -74,7 +74,7 @@ def plot_generators(
 
 def plot_curves(comparison: CurveComparison, path: str | os.PathLike | None = None, title: str | None = None) -> Any:
     """Loss variation vs arc length: median and interquartile band of learned, random-Lie-algebra
-    and straight random curves (papers/001 Fig. 6.6), on a log scale.  Returns the figure."""
+    and straight random curves (Zhao 2026, Fig. 6.6), on a log scale.  Returns the figure."""
     plt = _pyplot()
     s = comparison.arc_length.numpy()
     fig, ax = plt.subplots(figsize=(5.5, 4))

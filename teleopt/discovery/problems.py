@@ -1,17 +1,17 @@
-"""The discovery problems of papers/000 Sec. 5.3-5.4 and papers/001 Sec. 6.5.5.
+"""The discovery problems of Zhao et al. 2024b, Sec. 5.3-5.4 and Zhao 2026, Sec. 6.5.5.
 
 Each factory returns a :class:`DiscoveryProblem`: a loss function, the parameter
-shapes, their names and a Gaussian sampler (papers/000 Sec. 5.3: "randomly
-generated set of parameters and data"; papers/001 Sec. 6.5.5: i.i.d. standard
+shapes, their names and a Gaussian sampler (Zhao et al. 2024b, Sec. 5.3: "randomly
+generated set of parameters and data"; Zhao 2026, Sec. 6.5.5: i.i.d. standard
 normal).  Shapes follow ``torch.nn.Linear``: data X is (k, n) with one sample per
-row and W (out, in), so papers/000's U sigma(V X) is sigma(X W1^T) W2^T here.
+row and W (out, in), so Zhao et al. 2024b's U sigma(V X) is sigma(X W1^T) W2^T here.
 
 * :func:`two_layer`: L = ||sigma(X W1^T) W2^T - Y||^2 (Sec. 5.3 with sigma = identity,
   ReLU or LeakyReLU; Sec. 5.4 with sigmoid), or with ``target="output"`` the
   network output itself (a functional symmetry, which Prop. 4.1 extends to any
   network containing the block);
 * :func:`three_layer`: the same with three layers (Sec. 5.4, tanh, 2x2, 2x2, 2x1);
-* :func:`tiny_transformer`: papers/001 Sec. 6.5.5.
+* :func:`tiny_transformer`: Zhao 2026, Sec. 6.5.5.
 
 Loss functions built here carry a ``spec`` (problem name and configuration) that a
 saved :class:`~teleopt.discovery.action.LearnedAction` stores, so loading it
@@ -153,7 +153,7 @@ def _mlp_problem(problem: str, widths: tuple[int, ...], k: int, activation: str,
 
 
 def two_layer(m: int = 1, hidden: int = 1, n: int = 1, k: int = 1, activation: str = "identity", target: str = "loss") -> DiscoveryProblem:
-    """papers/000 Sec. 5.3-5.4: L(W1, W2, X, Y) = ||sigma(X W1^T) W2^T - Y||^2, W1 (hidden, n), W2 (m, hidden).
+    """Zhao et al. 2024b, Sec. 5.3-5.4: L(W1, W2, X, Y) = ||sigma(X W1^T) W2^T - Y||^2, W1 (hidden, n), W2 (m, hidden).
 
     X is (k, n) and Y (k, m); ``target="output"`` makes the output sigma(X W1^T) W2^T
     (k, m) the invariant quantity and the data X alone.  Sec. 5.3 uses
@@ -166,7 +166,7 @@ def two_layer(m: int = 1, hidden: int = 1, n: int = 1, k: int = 1, activation: s
 
 
 def three_layer(widths: Sequence[int] = (2, 2, 2, 1), k: int = 1, activation: str = "tanh", target: str = "loss") -> DiscoveryProblem:
-    """papers/000 Sec. 5.4: L = ||W3 sigma(W2 sigma(W1 X)) - Y||^2 (default tanh, W1 2x2, W2 2x2, W3 2x1, one data point)."""
+    """Zhao et al. 2024b, Sec. 5.4: L = ||W3 sigma(W2 sigma(W1 X)) - Y||^2 (default tanh, W1 2x2, W2 2x2, W3 2x1, one data point)."""
     widths = tuple(widths)
     if len(widths) != 4:
         raise ValueError(f"three_layer needs 4 widths (input, hidden, hidden, output), got {widths!r}")
@@ -184,7 +184,7 @@ def _transformer(params: tuple[Tensor, ...], X: Tensor) -> Tensor:
 
 
 def tiny_transformer(batch: int = 8, seq: int = 2, dim: int = 2, ffn: int = 4) -> DiscoveryProblem:
-    """papers/001 Sec. 6.5.5: one attention block and a feedforward map, B = 8, T = 2, d = 2, d_ff = 4.
+    """Zhao 2026, Sec. 6.5.5: one attention block and a feedforward map, B = 8, T = 2, d = 2, d_ff = 4.
 
     f(X) = FFN(X + Attn(X)), Attn(X) = softmax(Q K^T / sqrt(d)) V W_O with Q = X W_Q,
     K = X W_K, V = X W_V, and FFN(Z) = Z W_1 W_2 (W_1 d x d_ff, W_2 d_ff x d; the
@@ -222,7 +222,7 @@ def build_problem(spec: dict[str, Any]) -> DiscoveryProblem:
 
 
 def rescaling_generators(m: int, hidden: int, n: int, degree: float = 1.0) -> Tensor:
-    """The known generators of the positive rescaling symmetry of :func:`two_layer` (papers/001 Ex. 1.2.4).
+    """The known generators of the positive rescaling symmetry of :func:`two_layer` (Zhao 2026, Ex. 1.2.4).
 
     Unit j scales row j of W1 by c and column j of W2 by c^{-degree}: on
     theta = (vec W1, vec W2) its generator is the diagonal matrix with 1 on row j of

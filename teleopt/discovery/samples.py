@@ -1,12 +1,12 @@
 """Parameters and data of a discovery problem: shapes, flattening, sampling.
 
-papers/000 Sec. 3.2 writes the parameter space as R^p: the learned group acts on
+Zhao et al. 2024b, Sec. 3.2 writes the parameter space as R^p: the learned group acts on
 theta, the concatenation of the flattened parameter tensors, and the action
 network reads the data X flattened (Sec. 5.3).  :class:`SampleSpec` records the
 shapes once (from ``param_shapes`` and the sampler's first draw) and converts
 between the tensors a loss function takes and the flat vectors the network uses;
 :func:`draw` samples a fresh batch of (theta, X) per training step, as the papers
-do (papers/001 Sec. 6.5.5: "for each training step, parameters are freshly
+do (Zhao 2026, Sec. 6.5.5: "for each training step, parameters are freshly
 initialized, and data tensors are sampled i.i.d.").
 """
 
@@ -103,7 +103,7 @@ class SampleSpec:
             if tuple(leaf.shape) != shape:
                 raise ValueError(
                     f"{what}[{i}] has shape {tuple(leaf.shape)}, but the action was learned on data of shape {shape} "
-                    "(a data-dependent symmetry holds for batches of the learned size; papers/000 Prop. 4.4)"
+                    "(a data-dependent symmetry holds for batches of the learned size; Zhao et al. 2024b, Prop. 4.4)"
                 )
         return tuple(leaves)
 

@@ -1,7 +1,7 @@
-"""``teleopt.discover``: learn a group action and its generators (papers/000 Sec. 5; papers/001 Sec. 6.5).
+"""``teleopt.discover``: learn a group action and its generators (Zhao et al. 2024b, Sec. 5; Zhao 2026, Sec. 6.5).
 
 Each step draws a fresh batch of (theta, X) from the sampler, evaluates the terms
-of papers/000 eq. 11 (:mod:`teleopt.discovery.losses`) with ``torch.func`` and
+of Zhao et al. 2024b, eq. 11 (:mod:`teleopt.discovery.losses`) with ``torch.func`` and
 takes one Adam step on the action network and the generators.  Training is
 seeded: the network's initial weights, the generators and every sample come from
 one ``torch.Generator``, so the same seed gives bitwise the same result on CPU.
@@ -76,7 +76,7 @@ def discover(
     progress: bool = True,
     restarts: int = 1,
 ) -> LearnedAction:
-    """Learn a loss-invariant group action and ``num_generators`` generators (papers/000 Sec. 5).
+    """Learn a loss-invariant group action and ``num_generators`` generators (Zhao et al. 2024b, Sec. 5).
 
     Parameters
     ----------
@@ -86,7 +86,7 @@ def discover(
         ``loss_fn(params, data) -> Tensor``: the function to find symmetries of, for
         one sample (a tuple of tensors with ``param_shapes`` and the data the sampler
         returns).  A scalar loss, or a vector whose every entry must be invariant
-        (papers/000 Sec. 3.1, L: Param x D^d -> R^d; use the subnetwork's output to
+        (Zhao et al. 2024b, Sec. 3.1, L: Param x D^d -> R^d; use the subnetwork's output to
         bind the action into larger models, Prop. 4.1).  Must work under
         ``torch.func.vmap`` and ``jvp`` (pure tensor code, no ``.item()``).
     param_shapes:
@@ -97,18 +97,18 @@ def discover(
     num_generators:
         n, the number of Lie algebra elements to learn.
     steps, batch_size:
-        Adam steps, and samples per step (papers/000 Sec. 5.3: 10000 samples).
+        Adam steps, and samples per step (Zhao et al. 2024b, Sec. 5.3: 10000 samples).
     hidden, activation, linear_base:
-        The action MLP (papers/000 Sec. 5.3: 64, 64, 64; papers/001: 128, 128, 128)
+        The action MLP (Zhao et al. 2024b, Sec. 5.3: 64, 64, 64; Zhao 2026: 128, 128, 128)
         and whether it is added to the linear action g theta
         (:class:`~teleopt.discovery.network.ActionNetwork`).
     weights, beta:
         gamma_1..gamma_6 (:class:`~teleopt.discovery.losses.LossWeights`, default
-        papers/000 Sec. 5.3) and the target norm of the infinitesimal action (eq. 8;
+        Zhao et al. 2024b, Sec. 5.3) and the target norm of the infinitesimal action (eq. 8;
         the papers do not state its value, 1 here).  Coordinates of the learned group
         are in units of the generators, so exp(c h) moves theta about |c| beta.
     lr, lr_decay, lr_decay_every:
-        Adam learning rate of the network and its step decay (papers/000 Sec. 5.3:
+        Adam learning rate of the network and its step decay (Zhao et al. 2024b, Sec. 5.3:
         1e-3, x0.6 every 1000 steps).
     generator_lr:
         Adam learning rate of the generators (they must travel O(1) in a few hundred

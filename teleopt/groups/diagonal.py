@@ -1,4 +1,4 @@
-"""Diagonal groups: positive scaling R_{>0}^n and sign flips Z_2^n (papers/001 Ex. 1.2.4, 1.2.5, 1.2.7)."""
+"""Diagonal groups: positive scaling R_{>0}^n and sign flips Z_2^n (Zhao 2026, Ex. 1.2.4, 1.2.5, 1.2.7)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ __all__ = ["PositiveScaling", "SignFlip"]
 
 
 class PositiveScaling(Group):
-    """The positive scaling group R_{>0}^n: papers/001 Ex. 1.2.4 (homogeneous activations), 1.2.7.
+    """The positive scaling group R_{>0}^n: Zhao 2026, Ex. 1.2.4 (homogeneous activations), 1.2.7.
 
     Elements are vectors c of positive scales; coordinates are log-scales and
     ``exp`` is the elementwise exponential.
@@ -120,7 +120,7 @@ class PositiveScaling(Group):
 
 
 class SignFlip(Group):
-    """The sign-flip group Z_2^n for odd activations (papers/001 Ex. 1.2.5).
+    """The sign-flip group Z_2^n for odd activations (Zhao 2026, Ex. 1.2.5).
 
     Elements are vectors of +-1 in the working dtype.
     """

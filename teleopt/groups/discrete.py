@@ -1,4 +1,4 @@
-"""The symmetric group S_n on units (papers/001 Ex. 1.2.9, 1.2.10) and the additive group R^n (Ex. 1.2.8)."""
+"""The symmetric group S_n on units (Zhao 2026, Ex. 1.2.9, 1.2.10) and the additive group R^n (Ex. 1.2.8)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ __all__ = ["Permutation", "Translation"]
 
 
 class Permutation(Group):
-    """The symmetric group S_n acting on n blocks of an axis (papers/001 Ex. 1.2.9, 1.2.10, 1.2.12).
+    """The symmetric group S_n acting on n blocks of an axis (Zhao 2026, Ex. 1.2.9, 1.2.10, 1.2.12).
 
     An element is an index tensor ``p`` (a permutation of ``range(n)``) acting by
     ``x -> x[p]`` along the axis, i.e. (p . x)_i = x_{p_i}; in the papers'
@@ -74,7 +74,7 @@ class Permutation(Group):
 
 
 class Translation(Group):
-    """The additive group (R^n, +) of softmax translations (papers/001 Ex. 1.2.8).
+    """The additive group (R^n, +) of softmax translations (Zhao 2026, Ex. 1.2.8).
 
     Elements are vectors; composition is addition and ``exp`` is the identity map.
     It acts affinely, so it has no linear representation on an axis: actions that

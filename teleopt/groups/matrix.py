@@ -1,4 +1,4 @@
-"""Matrix groups GL_n and O(n), optionally block-diagonal (papers/001 Ex. 1.2.2, 1.2.6, 1.2.12)."""
+"""Matrix groups GL_n and O(n), optionally block-diagonal (Zhao 2026, Ex. 1.2.2, 1.2.6, 1.2.12)."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ class _MatrixGroup(Group):
 
 
 class GeneralLinear(_MatrixGroup):
-    """GL_n(R) (or ``blocks`` independent copies): papers/001 Ex. 1.2.2, 1.2.11-1.2.13.
+    """GL_n(R) (or ``blocks`` independent copies): Zhao 2026, Ex. 1.2.2, 1.2.11-1.2.13.
 
     Lie algebra coordinates are arbitrary n x n matrices; ``exp`` is
     ``torch.linalg.matrix_exp``, so every element is exactly invertible.
@@ -187,7 +187,7 @@ class GeneralLinear(_MatrixGroup):
 
 
 class Orthogonal(_MatrixGroup):
-    """O(n) (or ``blocks`` copies): papers/001 Ex. 1.2.6 and eq. 4.33; SO(2) for Prop. 4.4.1.
+    """O(n) (or ``blocks`` copies): Zhao 2026, Ex. 1.2.6 and eq. 4.33; SO(2) for Prop. 4.4.1.
 
     Coordinates are n x n matrices whose skew-symmetric part generates the element:
     ``exp(A) = matrix_exp((A - A^T) / 2)`` (so ``exp`` reaches SO(n)).  The

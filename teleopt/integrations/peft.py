@@ -2,7 +2,7 @@
 
 A LoRA layer (Hu et al., ICLR 2022) adds ``scaling * B A x`` to a frozen base
 layer, with A (r x in) and B (out x r).  Every g in GL_r leaves the product, hence
-the model, unchanged: (B g^{-1}) (g A) = B A (papers/001 Ex. 1.2.13, registry name
+the model, unchanged: (B g^{-1}) (g A) = B A (Zhao 2026, Ex. 1.2.13, registry name
 ``lora_gl``).  peft's ``LoraLayer`` keeps one pair per adapter name:
 
 * ``lora_A[adapter]`` / ``lora_B[adapter]``: ``nn.Linear`` (Linear layers, GPT-2's
@@ -47,7 +47,7 @@ from teleopt.site import Site
 
 __all__ = ["LoRASites", "is_lora_layer", "lora_sites"]
 
-_REFERENCE = "papers/001 Ex. 1.2.13; LoRA: Hu et al., ICLR 2022"
+_REFERENCE = "Zhao 2026, Ex. 1.2.13; LoRA: Hu et al., ICLR 2022"
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
@@ -131,7 +131,7 @@ def _why_not(layer: nn.Module, adapter: str) -> str | None:
 
 
 def lora_sites(model: nn.Module, *, include_frozen: bool = False) -> LoRASites:
-    """One ``lora_gl`` site per LoRA pair of ``model`` (papers/001 Ex. 1.2.13; see module docs).
+    """One ``lora_gl`` site per LoRA pair of ``model`` (Zhao 2026, Ex. 1.2.13; see module docs).
 
     Each site is an :class:`~teleopt.actions.axis.AxisAction` named ``lora_gl`` whose
     members are the qualified names of B (rank axis 1, g^{-T}) and A (rank axis 0, g)

@@ -1,4 +1,4 @@
-"""Symmetry teleportation (papers/001 Ch. 4-5) as a drop-in optimizer wrapper.
+"""Symmetry teleportation (Zhao 2026, Ch. 4-5) as a drop-in optimizer wrapper.
 
 :class:`Teleport` wraps any ``torch.optim`` optimizer.  On a :class:`Schedule` it
 searches the continuous symmetry groups of the model's sites for the element

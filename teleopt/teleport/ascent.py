@@ -1,4 +1,4 @@
-"""Projected ascent on the group coordinates (papers/001 Sec. 4.3, Algorithm 1 line 3).
+"""Projected ascent on the group coordinates (Zhao 2026, Sec. 4.3, Algorithm 1 line 3).
 
 The teleport target argmax_g objective(g . w) is searched by Adam on the Lie
 algebra coordinates xi (g = exp(xi)), starting at the identity, with every

@@ -14,7 +14,7 @@ Gram matrices for GL.
 
 For a GL site such as a LoRA pair B A (``teleopt.lora_sites``) that element is the
 *balanced* pair, A A^T = B^T B, where the conserved quantity of gradient flow
-A A^T - B^T B (papers/001 Ex. 2.5.3) vanishes: g = P^1/2 with P the matrix geometric
+A A^T - B^T B (Zhao 2026, Ex. 2.5.3) vanishes: g = P^1/2 with P the matrix geometric
 mean (A A^T)^-1 # B^T B, and g = (B^T B)^1/4 when A has orthonormal rows.  Plain
 training never balances a pair that starts unbalanced (peft starts at B = 0), and
 every g in GL_r leaves B A unchanged (Hu et al., ICLR 2022; Du, Hu and Lee,

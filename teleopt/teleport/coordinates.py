@@ -1,7 +1,7 @@
 """Lie-algebra coordinates of the sites' groups and the trust region teleportation stays in.
 
 Teleportation searches over group elements g = exp(xi) of the continuous sites
-(papers/001 Sec. 4.3: "parameterizing and performing gradient ascent on g").  The
+(Zhao 2026, Sec. 4.3: "parameterizing and performing gradient ascent on g").  The
 gradient norm is unbounded on non-compact orbits (GL, positive scalings: it grows
 without limit as an element degenerates), so the search is confined to a trust
 region on the coordinates:

@@ -1,4 +1,4 @@
-"""One teleport in four phases: plan, search, apply, verify (papers/001 Algorithm 1, lines 2-6).
+"""One teleport in four phases: plan, search, apply, verify (Zhao 2026, Algorithm 1, lines 2-6).
 
 :class:`~teleopt.teleport.Teleport` is the optimizer users hold; it hands every
 teleport to a :class:`TeleportEngine`:

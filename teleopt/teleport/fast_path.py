@@ -1,7 +1,7 @@
 """The fast path: teleport objectives over group coordinates with no pass of the model.
 
 For an exact site whose action has a constant Jacobian J (linear or affine), the
-gradient at g . w is (J^{-1})^T times the gradient at w (papers/001 Prop. 4.5.1,
+gradient at g . w is (J^{-1})^T times the gradient at w (Zhao 2026, Prop. 4.5.1,
 eq. 4.19).  The gradient of the current batch is already in ``.grad`` when the
 optimizer steps, so Algorithm 1's objective ||grad L(g . w)||^2 is a closed-form
 function of the group coordinates: no forward or backward pass is needed.

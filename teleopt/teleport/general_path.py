@@ -1,7 +1,7 @@
 """The general path: teleport objectives evaluated with ``torch.func`` on a batch.
 
-Data-dependent actions (papers/001 Prop. 4.4.2, eq. 4.13 and 4.16; papers/002
-Theorem 2.4.1), approximate ones and learned ones (papers/000) have no
+Data-dependent actions (Zhao 2026, Prop. 4.4.2, eq. 4.13 and 4.16; Zhao et al. 2023
+Theorem 2.4.1), approximate ones and learned ones (Zhao et al. 2024b) have no
 closed-form gradient transport: the gradient at g . w must be computed at g . w,
 on the batch the symmetry holds on.  The model is evaluated with
 ``torch.func.functional_call`` on a dictionary of tensors, with *copies* of its

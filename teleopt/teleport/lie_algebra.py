@@ -2,7 +2,7 @@
 
 A linear action rho of a Lie group on parameters has an infinitesimal action
 d rho(M) = d/dt rho(exp(t M)) at t = 0, and exp(t M) . w = exp(t d rho(M)) w, so the
-orbit curve gamma_M(t) = exp(t M) . w of papers/001 Sec. 5.2.2 has
+orbit curve gamma_M(t) = exp(t M) . w of Zhao 2026, Sec. 5.2.2 has
 
     gamma'(0) = d rho(M) w,        gamma''(0) = d rho(M)^2 w,
 

@@ -1,4 +1,4 @@
-"""What a teleport optimises over the orbit: papers/001 Algorithm 1 and Ch. 5.
+"""What a teleport optimises over the orbit: Zhao 2026, Algorithm 1 and Ch. 5.
 
 Every objective is a function of the group elements, evaluated by an
 :class:`~teleopt.teleport.evaluator.Evaluator`
@@ -125,7 +125,7 @@ class Objective(ABC):
 
 
 class GradientNorm(Objective):
-    """||grad L(g . w)||^2 (papers/001 Algorithm 1, line 3)."""
+    """||grad L(g . w)||^2 (Zhao 2026, Algorithm 1, line 3)."""
 
     name = "grad_norm"
 
@@ -137,7 +137,7 @@ class GradientNorm(Objective):
 
 
 class PreconditionedNorm(Objective):
-    """<grad, u(grad, state)> of the base optimizer's next step (papers/001 eq. 4.17, Sec. 5.4.1 eq. 5.7)."""
+    """<grad, u(grad, state)> of the base optimizer's next step (Zhao 2026, eq. 4.17, Sec. 5.4.1 eq. 5.7)."""
 
     name = "preconditioned_norm"
     needs_optimizer_model = True
@@ -164,7 +164,7 @@ class Lookahead(Objective):
 
 
 class Sharpness(Objective):
-    """phi(w, T, D) = mean_{t, d} L(w + t d) over random unit directions (papers/001 eq. 5.1).
+    """phi(w, T, D) = mean_{t, d} L(w + t d) over random unit directions (Zhao 2026, eq. 5.1).
 
     Parameters
     ----------
@@ -208,7 +208,7 @@ class Sharpness(Objective):
 
 
 class Curvature(Objective):
-    """psi(w, k): mean curvature of k random orbit curves through g . w (papers/001 eq. 5.2).
+    """psi(w, k): mean curvature of k random orbit curves through g . w (Zhao 2026, eq. 5.2).
 
     kappa = sqrt(|g'|^2 |g''|^2 - (g' . g'')^2) / |g'|^3 at t = 0 for
     gamma(t) = exp(t M) . w, with M drawn per site as Gaussian Lie algebra

@@ -1,4 +1,4 @@
-"""``Teleport``: symmetry teleportation as a drop-in ``torch.optim`` wrapper (papers/001 Algorithm 1).
+"""``Teleport``: symmetry teleportation as a drop-in ``torch.optim`` wrapper (Zhao 2026, Algorithm 1).
 
 ::
 
@@ -9,7 +9,7 @@
         opt.step()          # teleports before the update on schedule, then steps
 
 On a schedule, ``step()`` moves the parameters along loss-invariant group orbits
-to where the chosen objective is best (papers/001 Sec. 4.3, Ch. 5), moves
+to where the chosen objective is best (Zhao 2026, Sec. 4.3, Ch. 5), moves
 ``.grad`` and the optimizer state consistently, checks that the model outputs did
 not change (on the teleport batch, the closure's forwards or probe inputs:
 :mod:`teleopt.teleport.check`), and then lets the base optimizer step from the
@@ -88,7 +88,7 @@ def _has_sparse_grad(p: Tensor) -> bool:
 
 
 class Teleport(OptimizerWrapper):
-    """Symmetry teleportation around any ``torch.optim`` optimizer (papers/001 Algorithm 1, Ch. 5).
+    """Symmetry teleportation around any ``torch.optim`` optimizer (Zhao 2026, Algorithm 1, Ch. 5).
 
     Parameters
     ----------

@@ -8,10 +8,10 @@ Two things about the base optimizer are needed for that:
   parameters consistently: first moments (SGD momentum, Adam's ``exp_avg``) are
   covectors like gradients, second moments (Adam's ``exp_avg_sq``, Adagrad's
   ``sum``, RMSprop's ``square_avg``) are elementwise squares of covectors,
-  step counters are scalars (papers/001 Sec. 5.4.1; CONVENTIONS.md section 2);
+  step counters are scalars (Zhao 2026, Sec. 5.4.1; CONVENTIONS.md section 2);
 * the displacement u(grad, state) its next step would subtract, computed
   functionally (without touching the real state), for the preconditioned-norm
-  objective <grad, u> (papers/001 eq. 4.17 with eta the optimizer's own
+  objective <grad, u> (Zhao 2026, eq. 4.17 with eta the optimizer's own
   preconditioner, eq. 5.7 for AdaGrad) and the one-step lookahead objective
   L(w - u).
 

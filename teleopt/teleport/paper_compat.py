@@ -1,4 +1,4 @@
-"""The official first-order teleport of papers/001 Sec. 4.6.1, for comparisons only.
+"""The official first-order teleport of Zhao 2026, Sec. 4.6.1, for comparisons only.
 
 **This mode is not loss-preserving and is never the default.**  It reproduces
 what the papers' MLP experiments do (Sec. 4.6.1: "We use the first order

@@ -1,4 +1,4 @@
-"""When to teleport: the schedule K of papers/001 Algorithm 1 (Sec. 4.3, 4.6.3).
+"""When to teleport: the schedule K of Zhao 2026, Algorithm 1 (Sec. 4.3, 4.6.3).
 
 Steps are counted from 0: step t is the t-th call of ``Teleport.step()``, and a
 teleport at step t happens *before* the base optimizer's t-th update, exactly as
@@ -13,7 +13,7 @@ in Algorithm 1 (lines 2-6).  A schedule is one of
   ``Teleport.teleport()`` is called.  No default schedule fires at step 0.
 
 ``warmup`` skips every step before it, ``batches`` is the number of teleport
-batches per teleport (papers/001 Sec. 4.6.3 teleports on several mini-batches
+batches per teleport (Zhao 2026, Sec. 4.6.3 teleports on several mini-batches
 in turn; with a ``batch_fn`` each draws one batch), ``max_teleports`` stops
 teleporting after that many accepted ones.
 """

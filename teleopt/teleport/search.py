@@ -5,7 +5,7 @@ groups, the evaluator, the objective and the trust regions) and returns Lie
 algebra coordinates per site; the element applied is exp of them, after the
 safety caps scaled them towards the identity where needed
 (:func:`~teleopt.teleport.ascent.shrink_to_feasible`).  The default,
-:class:`GradientAscent`, is the projected Adam of papers/001 Algorithm 1 line 3
+:class:`GradientAscent`, is the projected Adam of Zhao 2026, Algorithm 1 line 3
 (:func:`~teleopt.teleport.ascent.ascend`).  Any other way to choose an element
 (a learned teleport policy, a closed form, a grid) plugs in through
 ``SearchConfig(strategy=...)`` without touching the rest of a teleport.
@@ -82,7 +82,7 @@ class SearchStrategy(Protocol):
 
 @dataclass(frozen=True)
 class GradientAscent:
-    """Projected Adam on the coordinates from the identity (papers/001 Algorithm 1 line 3):
+    """Projected Adam on the coordinates from the identity (Zhao 2026, Algorithm 1 line 3):
     ``steps`` steps of size ``lr`` (a distance in coordinates, e.g. log-scales)."""
 
     steps: int = 100

@@ -1,7 +1,7 @@
 """What a teleport does to the base optimizer's per-parameter state.
 
 After a teleport the optimizer continues from g . w, and its state must describe
-that point consistently (papers/001 Sec. 5.4.1 compares teleporting momentum,
+that point consistently (Zhao 2026, Sec. 5.4.1 compares teleporting momentum,
 keeping it and resetting it).  Each state tensor gets one policy:
 
 ``"transport"``

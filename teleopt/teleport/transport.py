@@ -9,7 +9,7 @@ axes of a shared tensor (the usual overlap) the order does not matter, since lef
 and right multiplication commute; for actions on the same axis it does.
 
 With this order, the three kinds of tensors a teleport moves follow one rule each
-(papers/001 Prop. 4.5.1, eq. 4.19):
+(Zhao 2026, Prop. 4.5.1, eq. 4.19):
 
 * parameters (and buffers that are site members): ``action.act``;
 * covectors (gradients, first moments): ``action.transport_gradient``;

@@ -5,7 +5,7 @@ Install with the ``testing`` extra (``pip install teleopt[testing]``).  It gives
 * hypothesis strategies for group elements (``strategies``): bounded Lie algebra
   coordinates, permutations, sign patterns, integer seeds for ``torch.Generator``;
 * assertions (``assertions``): output/loss invariance, the group axioms and
-  gradient transport against autograd (papers/001 Prop. 4.5.1), norm-relative,
+  gradient transport against autograd (Zhao 2026, Prop. 4.5.1), norm-relative,
   with messages that show the worst entry; ``check_action`` runs them all;
 * a conformance suite for ``torch.optim`` wrappers (``conformance``:
   ``WrapperConformance``, ``check_wrapper``; CONVENTIONS.md section 3);

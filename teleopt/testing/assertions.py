@@ -1,4 +1,4 @@
-"""Assertions that a group action is a symmetry (papers/001 Sec. 1.1, Prop. 4.5.1).
+"""Assertions that a group action is a symmetry (Zhao 2026, Sec. 1.1, Prop. 4.5.1).
 
 All comparisons are norm-relative: ``|actual - expected| <= rtol * |expected|`` in
 the Frobenius norm over the whole tensor, so outputs near zero do not fail an exact
@@ -128,7 +128,7 @@ def assert_gradient_transport(
     data: Any = None,
     rtol: float | None = None,
 ) -> float:
-    """Assert grad L(g . w) == transport_gradient(g, grad L(w)) against autograd (papers/001 eq. 4.19)."""
+    """Assert grad L(g . w) == transport_gradient(g, grad L(w)) against autograd (Zhao 2026, eq. 4.19)."""
     grad_here = _gradients(loss_fn, params, data)
     moved = tuple(None if p is None else p.detach() for p in action.act(g, params, data))
     grad_there = _gradients(loss_fn, moved, data)

@@ -1,4 +1,4 @@
-"""Hypothesis strategies for group elements (papers/001 Ch. 1 symmetries).
+"""Hypothesis strategies for group elements (Zhao 2026, Ch. 1 symmetries).
 
 Following the conventions of property testing with torch, hypothesis never draws
 raw matrices or tensors entry by entry: it draws an integer seed and a bounded

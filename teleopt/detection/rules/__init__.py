@@ -3,7 +3,7 @@
 For every node, the rule of its op (``teleopt.detection.ops`` names it) states,
 per group kind, the relations between the axes of its inputs, outputs and
 parameters (see ``teleopt.detection.relations``).  The facts used are those of
-papers/001 Sec. 1.2:
+Zhao 2026, Sec. 1.2:
 
 * a layer y = W x + b is a boundary: its output axis is written by the rows of W
   and by b (g), its input axis read by the columns of W (g^{-T}), Prop. 1.2.3;

@@ -1,7 +1,7 @@
 """Rules of elementwise arithmetic: add, sub, mul, div (with broadcasting) and timm's masked add.
 
 A sum of two tensors passes every group acting alike on both (a residual stream,
-papers/001 Sec. 1.2); adding a constant blocks scaling and GL.  A product of two
+Zhao 2026, Sec. 1.2); adding a constant blocks scaling and GL.  A product of two
 tensors varying along an axis passes permutations, and positive scaling through
 out = a**ea * b**eb once the classes of a and b are known (``NodeContext.product``);
 a per-channel parameter factor (LayerScale) absorbs the scaling of its input and

@@ -1,7 +1,7 @@
 """Rules of softmax and attention: softmax, ``scaled_dot_product_attention``, ``nn.MultiheadAttention``.
 
 Attention contracts queries with keys: their channels carry g and g^{-T}
-(papers/001 Ex. 1.2.11); values pass to the output linearly (Ex. 1.2.12); tokens
+(Zhao 2026, Ex. 1.2.11); values pass to the output linearly (Ex. 1.2.12); tokens
 are mixed, so scaling and GL are blocked along them and a causal mask fixes their
 order.  ``nn.MultiheadAttention`` states its per-head GL sites on (Q, K) and
 (V, O) and its head permutations directly; the head structure of attention built
@@ -166,7 +166,7 @@ def _mha_sites(ctx: RuleContext, m: nn.MultiheadAttention, heads_permutable: boo
     blocks = H if H > 1 else None
     rel.direct_sites.append(
         DirectSite(
-            "attention_qk_gl", "general", q_rows + k_rows, blocks, 1, "papers/001 Ex. 1.2.11-1.2.12", where, dict(info), "exact", ctx.gi
+            "attention_qk_gl", "general", q_rows + k_rows, blocks, 1, "Zhao 2026, Ex. 1.2.11-1.2.12", where, dict(info), "exact", ctx.gi
         )
     )
     rel.direct_sites.append(
@@ -176,7 +176,7 @@ def _mha_sites(ctx: RuleContext, m: nn.MultiheadAttention, heads_permutable: boo
             v_rows + [(w_o, dict(axis=1, power=-1))],
             blocks,
             1,
-            "papers/001 Ex. 1.2.12",
+            "Zhao 2026, Ex. 1.2.12",
             where,
             dict(info),
             "exact",
@@ -193,7 +193,7 @@ def _mha_sites(ctx: RuleContext, m: nn.MultiheadAttention, heads_permutable: boo
                 perm_rows + [(w_o, dict(axis=1))],
                 None,
                 d,
-                "papers/001 Ex. 1.2.12",
+                "Zhao 2026, Ex. 1.2.12",
                 where,
                 dict(info),
                 "exact",

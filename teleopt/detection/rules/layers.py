@@ -1,6 +1,6 @@
 """Rules of layers with weights: linear, matmul, convolutions (grouped, depthwise, transposed), embedding.
 
-A layer y = W x + b is a boundary (papers/001 Prop. 1.2.3): its output axis is
+A layer y = W x + b is a boundary (Zhao 2026, Prop. 1.2.3): its output axis is
 written by the rows of W and by b (g), its input axis read by the columns of W
 (g^{-T}).  A product of two activations contracts their shared axis the same way.
 A grouped convolution allows positive scaling of its channels through the grouped

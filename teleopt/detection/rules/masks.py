@@ -1,7 +1,7 @@
 """Rules of comparisons and of what selects entries by value: masks, ``where``, ``topk``, ``argmax``, ``one_hot``.
 
 A comparison ``m = (h > t)`` works entry by entry, so it commutes with permutations
-(papers/001 Ex. 1.2.9) when the threshold is a scalar or is permuted with h.  It
+(Zhao 2026, Ex. 1.2.9) when the threshold is a scalar or is permuted with h.  It
 commutes with positive scaling only when the threshold scales too: a sign test
 (t = 0) is invariant, m(c h) = m(h), so the mask is fixed for scaling and leaves the
 scaling of h free; any other threshold blocks the scaling of h.  GL never passes.

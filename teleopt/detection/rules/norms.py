@@ -2,7 +2,7 @@
 
 BatchNorm's output scaling is written by its affine weight and bias (exact); scaling
 its input is invariant up to eps with the running mean times c and the running
-variance times c^2 (papers/001 Ex. 1.2.7, declared approximate).  LayerNorm,
+variance times c^2 (Zhao 2026, Ex. 1.2.7, declared approximate).  LayerNorm,
 RMSNorm and GroupNorm normalise: they block scaling and GL of their input, and
 permutations pass with their affine parameters permuted (GroupNorm: only with one
 group or one channel per group).

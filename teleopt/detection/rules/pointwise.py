@@ -1,6 +1,6 @@
 """Rules of pointwise ops: activations, powers, clamps, dropout, PReLU, identities.
 
-Every pointwise map commutes with permutations (papers/001 Ex. 1.2.9); one that is
+Every pointwise map commutes with permutations (Zhao 2026, Ex. 1.2.9); one that is
 positively homogeneous of degree alpha passes positive scaling with power alpha
 (Ex. 1.2.4); a linear one passes GL (Ex. 1.2.2).  Dropout passes positive scaling
 only: its masks are drawn independently per entry in training.
@@ -40,7 +40,7 @@ def pointwise_rule(*, degree: float | None = None, linear: bool = False, arg: in
     """A rule for an op that is pointwise in its positional argument ``arg``, its only tensor argument.
 
     ``degree``: the op is positively homogeneous of this degree, f(c x) = c**degree f(x)
-    for c > 0 (positive scaling passes, papers/001 Ex. 1.2.4); ``None``: it is not, so
+    for c > 0 (positive scaling passes, Zhao 2026, Ex. 1.2.4); ``None``: it is not, so
     only permutations pass (Ex. 1.2.9).  ``linear=True``: f is linear (GL passes,
     Ex. 1.2.2), which needs ``degree=1``.
     """

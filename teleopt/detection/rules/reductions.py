@@ -1,7 +1,7 @@
 """Rules of reductions and pooling: mean, sum, max/amax, pooling, resampling, padding.
 
 A sum or mean over an axis is unchanged by permuting it and blocks scaling and GL
-there; the kept axes pass positive scaling and permutations (papers/001 Ex. 1.2.4,
+there; the kept axes pass positive scaling and permutations (Zhao 2026, Ex. 1.2.4,
 1.2.9), and GL too when the reduction is linear (Ex. 1.2.2).  Pooling acts on the
 trailing spatial axes only, which it mixes; a maximum is positively homogeneous
 but not linear.  Constant padding with a nonzero value blocks scaling.

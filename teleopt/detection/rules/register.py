@@ -84,7 +84,7 @@ def register_op_rule(target: Any, rule: str | OpRule, *, overwrite: bool = False
         How axes flow through it.  A built-in rule by op name, for an op that computes
         what that op computes with the same arguments (functions) or attributes
         (modules): ``"pointwise"`` (elementwise, not homogeneous: only permutations
-        pass, papers/001 Ex. 1.2.9), ``"relu"`` (positively homogeneous of degree 1,
+        pass, Zhao 2026, Ex. 1.2.9), ``"relu"`` (positively homogeneous of degree 1,
         Ex. 1.2.4), ``"identity"`` (passes every group), ``"linear"``,
         ``"layer_norm"``, ... (the keys of ``teleopt.detection.rules.BUILTIN_RULES``).
         Or ``pointwise_rule(degree=..., linear=..., arg=...)``.  Or any callable
