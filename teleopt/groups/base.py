@@ -79,14 +79,14 @@ class Group(ABC):
 
     # -- elements ---------------------------------------------------------
     @property
-    @abstractmethod
     def element_shape(self) -> tuple[int, ...]:
-        """Shape of a group element tensor."""
+        """Shape of a group element tensor: a vector over the axis unless the group says otherwise."""
+        return (self.dim,)
 
     @property
     def coord_shape(self) -> tuple[int, ...] | None:
-        """Shape of Lie algebra coordinates (``None`` for discrete groups)."""
-        return None
+        """Shape of Lie algebra coordinates: ``element_shape`` for continuous groups, ``None`` for discrete ones."""
+        return self.element_shape if self.continuous else None
 
     @abstractmethod
     def identity(self, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None) -> Tensor:

@@ -23,14 +23,6 @@ class PositiveScaling(Group):
     kind: GroupKind = "diagonal"
     continuous = True
 
-    @property
-    def element_shape(self) -> tuple[int, ...]:
-        return (self.dim,)
-
-    @property
-    def coord_shape(self) -> tuple[int, ...]:
-        return (self.dim,)
-
     def identity(self, dtype=torch.float64, device=None) -> Tensor:
         return torch.ones(self.dim, dtype=dtype, device=device)
 
@@ -47,7 +39,7 @@ class PositiveScaling(Group):
         return torch.exp(coords)
 
     def random(self, generator=None, scale=1.0, dtype=torch.float64, device=None) -> Tensor:
-        coords = torch.randn(self.coord_shape, generator=generator, dtype=torch.float64) * scale
+        coords = torch.randn(self.element_shape, generator=generator, dtype=torch.float64) * scale
         return self.exp(coords).to(dtype=dtype, device=device)
 
     def validate(self, g: Tensor) -> None:
@@ -127,10 +119,6 @@ class SignFlip(Group):
 
     kind: GroupKind = "sign"
     continuous = False
-
-    @property
-    def element_shape(self) -> tuple[int, ...]:
-        return (self.dim,)
 
     def identity(self, dtype=torch.float64, device=None) -> Tensor:
         return torch.ones(self.dim, dtype=dtype, device=device)

@@ -84,14 +84,6 @@ class Translation(Group):
     kind: GroupKind = "translation"
     continuous = True
 
-    @property
-    def element_shape(self) -> tuple[int, ...]:
-        return (self.dim,)
-
-    @property
-    def coord_shape(self) -> tuple[int, ...]:
-        return (self.dim,)
-
     def identity(self, dtype=torch.float64, device=None) -> Tensor:
         return torch.zeros(self.dim, dtype=dtype, device=device)
 
@@ -108,7 +100,7 @@ class Translation(Group):
         return coords
 
     def random(self, generator=None, scale=1.0, dtype=torch.float64, device=None) -> Tensor:
-        return (torch.randn(self.coord_shape, generator=generator, dtype=torch.float64) * scale).to(dtype=dtype, device=device)
+        return (torch.randn(self.element_shape, generator=generator, dtype=torch.float64) * scale).to(dtype=dtype, device=device)
 
     def validate(self, g: Tensor) -> None:
         self._check_shape(g)

@@ -35,10 +35,6 @@ class _MatrixGroup(Group):
     def element_shape(self) -> tuple[int, ...]:
         return (self.n, self.n) if self.blocks is None else (self.blocks, self.n, self.n)
 
-    @property
-    def coord_shape(self) -> tuple[int, ...]:
-        return self.element_shape
-
     def identity(self, dtype=torch.float64, device=None) -> Tensor:
         eye = torch.eye(self.n, dtype=dtype, device=device)
         return eye if self.blocks is None else eye.expand(self.blocks, self.n, self.n).clone()
@@ -48,7 +44,7 @@ class _MatrixGroup(Group):
         return a @ b
 
     def random(self, generator=None, scale=1.0, dtype=torch.float64, device=None) -> Tensor:
-        coords = torch.randn(self.coord_shape, generator=generator, dtype=torch.float64) * (scale / math.sqrt(self.n))
+        coords = torch.randn(self.element_shape, generator=generator, dtype=torch.float64) * (scale / math.sqrt(self.n))
         return self.exp(coords.to(dtype=dtype, device=device))
 
     def _blocked(self, g: Tensor) -> Tensor:
