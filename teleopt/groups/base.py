@@ -147,6 +147,11 @@ class Group(ABC):
         """Per-coordinate step of a normalised (Adam-like) ascent moving the element by about ``lr``."""
         return lr
 
+    def exact_coordinates(self, xi: Tensor, dtype: torch.dtype) -> Tensor:
+        """Coordinates near ``xi``, no farther from the identity, whose element acts on tensors of ``dtype``
+        without round-off; ``xi`` itself when the group has no such elements (round-off then stays)."""
+        return xi
+
     def algebra_action(self, M: Tensor, x: Tensor, axis: int, power: float) -> Tensor:
         """d/dt act_on_axis(exp(t M), x, axis, power) at t = 0, for ``x`` (k, ...) and k Lie algebra
         elements ``M`` (k, *coord_shape) batched on a leading axis."""

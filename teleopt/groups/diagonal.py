@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import ClassVar
 
@@ -65,6 +66,14 @@ class PositiveScaling(Group):
     def project_coordinates(self, xi: Tensor, radius: float) -> None:
         """Every log-scale |xi_i| <= radius: each scale lies in [e^-radius, e^radius]."""
         xi.clamp_(-radius, radius)
+
+    def exact_coordinates(self, xi: Tensor, dtype: torch.dtype) -> Tensor:
+        """For 16-bit floats, each scale rounded toward 1 to a power of two: multiplying a binary float by
+        2^k only changes its exponent, so the element and its inverse act without round-off (barring
+        overflow, which the teleport's check catches).  Other dtypes keep ``xi``: their round-off is small."""
+        if dtype not in (torch.bfloat16, torch.float16):
+            return xi
+        return torch.trunc(xi / math.log(2)) * math.log(2)
 
     def algebra_action(self, M: Tensor, x: Tensor, axis: int, power: float) -> Tensor:
         shape = [x.shape[0]] + [1] * (x.ndim - 1)

@@ -302,3 +302,15 @@ def float64_rerun(
     for n in names:
         live[n].copy_(moved[n])
     return check64.error(output_leaves(check64.run(copy64)))
+
+
+@contextmanager
+def buffers_restored(module: nn.Module) -> Iterator[None]:
+    """Snapshot the module's buffers and restore them on exit (extra closure passes)."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -39,7 +38,7 @@ from teleopt.numerics import default_rtol
 from teleopt.sharding import local, reshard, square_sum
 from teleopt.site import Site
 from teleopt.teleport.ascent import shrink_to_feasible
-from teleopt.teleport.check import OutputCapture, OutputCheck, float64_rerun, forward, seeded
+from teleopt.teleport.check import OutputCapture, OutputCheck, buffers_restored, float64_rerun, forward, seeded
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.coordinates import zero_coordinates
 from teleopt.teleport.distributed import any_rank, broadcast_, broadcast_batch, check_identical
@@ -62,6 +61,10 @@ from teleopt.teleport.watch import TeleportRecord, Watch
 from teleopt.wrapper import OptimizerWrapper
 
 __all__ = ["EngineConfig", "TeleportRequest", "Plan", "TeleportEngine"]
+
+
+#: 16-bit float dtypes, whose round-off a teleport avoids where the group allows (:meth:`Group.exact_coordinates`).
+_HALF = (torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -320,6 +323,7 @@ class TeleportEngine:
         report.objective_before = self._objective_before(start, result)
         caps = self._caps(plan, start)
         coords, shrink = shrink_to_feasible(result.coords, caps.feasible)
+        coords = self._exact_in_dtype(plan, start, coords)
         broadcast_(coords)
         report.shrink = shrink
         report.coordinate_norms = {s.name: float(c.abs().max()) if c.numel() else 0.0 for s, c in zip(plan.sites, coords)}
@@ -327,6 +331,15 @@ class TeleportEngine:
             report.reason = "declined: the caps allow no move" if shrink == 0.0 else "declined: no improvement found"
             return None
         return self._chosen(plan, start, coords)
+
+    def _exact_in_dtype(self, plan: Plan, start: _Start, coords: list[Tensor]) -> list[Tensor]:
+        """Each site's coordinates moved to an element that acts on its 16-bit members without round-off
+        (:meth:`Group.exact_coordinates`: powers of two for scalings); other sites' unchanged."""
+        out = []
+        for site, group, xi in zip(plan.sites, start.problem.groups, coords):
+            half = [plan.ctx.tensors[n].dtype for n in site.tensor_names if plan.ctx.tensors[n].dtype in _HALF]
+            out.append(group.exact_coordinates(xi, half[0]) if half and xi.numel() else xi)
+        return out
 
     def _trust_region(self, site: Site, ctx: TeleportContext) -> float | None:
         radii = [ctx.groups[n][self.config.trust_key] for n in site.tensor_names if n in ctx.groups]
@@ -498,7 +511,7 @@ class TeleportEngine:
         """Run the closure again at g . w with the module's buffers restored afterwards; with the
         ``plan`` of a closure check, under its RNG seed, recording the model's outputs as ``plan.after``."""
         module = self.config.module
-        with _buffers_restored(module):
+        with buffers_restored(module):
             if plan is None or plan.check is None:
                 loss = OptimizerWrapper._run_closure(closure)
             else:
@@ -581,15 +594,3 @@ class TeleportEngine:
         if safety.watch_steps > 0:
             grad_ref = max(report.grad_norm_before or 0.0, report.grad_norm_after or 0.0) ** 2
             record.watch = Watch(snapshot, record.step + safety.watch_steps, record.step, grad_ref, report.loss_before)
-
-
-@contextmanager
-def _buffers_restored(module: nn.Module) -> Iterator[None]:
-    """Snapshot the module's buffers and restore them on exit (extra closure passes)."""
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, v in saved:
-                b.copy_(v)
