@@ -63,6 +63,14 @@ def test_contragredient_pairs_to_identity(group, seed):
     assert_close(lhs, (x * y).sum(0), RTOL)
 
 
+def test_orthogonal_elements_are_orthogonal_to_round_off():
+    """torch.linalg.matrix_exp alone left Orthogonal(3) at this seed orthogonal to 1.3e-12 only (the pairing above failed)."""
+    for group in (Orthogonal(3), Orthogonal(2, blocks=3)):
+        g = _element(group, 8108872)
+        eye = torch.eye(group.n, dtype=g.dtype)
+        assert float((g.mT @ g - eye).abs().max()) < 1e-15
+
+
 @settings(deadline=None, max_examples=30)
 @given(coords=lie_algebra_coordinates((4, 4), max_norm=default_max_norm(GeneralLinear(4))))
 @example(coords=torch.zeros(4, 4, dtype=torch.float64))
