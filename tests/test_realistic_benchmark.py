@@ -27,6 +27,7 @@ ARMS = [
     "teleport_once_allsites",
     "teleport_every200",
     "balance_every",
+    "balance_every200",
     "balance_every_allsites",
     "weight_decay",
     "syre_default",

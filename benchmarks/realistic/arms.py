@@ -83,6 +83,8 @@ ARMS: dict[str, Callable[[ArmContext], Optimizer]] = {
     # least weight norm on the orbit (closed form) on its default schedule, every 50 steps from step 50, with the
     # baseline's weight decay
     "balance_every": lambda c: Teleport(c.optimizer(), c.model, "auto", objective="balance", **c.teleport_kwargs()),
+    # the same, 4x less often: 10 teleports in 2000 steps, each costing ~10 iterations on the MLPs
+    "balance_every200": lambda c: Teleport(c.optimizer(), c.model, "auto", objective="balance", every=200, **c.teleport_kwargs()),
     # the same on every exact site, normalisation-affine rescalings included
     "balance_every_allsites": lambda c: Teleport(c.optimizer(), c.model, c.all_sites(), objective="balance", **c.teleport_kwargs()),
     # the decay comparison (Ziyin et al. 2025): plain decay towards zero vs towards a random static anchor, same strength
