@@ -178,6 +178,17 @@ def test_global_step_hooks_fire_once_per_step_and_base_instance_hooks_still_fire
     assert seen == [("pre", outer), ("base pre", "SGD"), ("base post", "SGD"), ("post", outer)] * 2
 
 
+def test_the_profiler_sees_the_wrapper_step_and_the_base_step():
+    """The base's step keeps torch's profiler label; without a profiler the wrapper skips making it."""
+    model, x, y = problem()
+    syre = Syre(torch.optim.SGD(model.parameters(), lr=0.1), gamma=0.1, exclude_1d=True)
+    closure_of(syre, model, x, y)()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        syre.step()
+    names = [e.name for e in prof.events()]
+    assert names.count("Optimizer.step#Syre.step") == 1 and names.count("Optimizer.step#SGD.step") == 1
+
+
 def test_a_base_step_patched_by_a_scheduler_still_counts():
     model, x, y = problem()
     base = torch.optim.SGD(model.parameters(), lr=0.1)
