@@ -67,7 +67,15 @@ class Permutation(Group):
 
     def act_on_axis(self, g: Tensor, x: Tensor, axis: int, power: float = 1) -> Tensor:
         self._check_axis(x, axis)
-        return x.index_select(axis, self._expanded(g).to(x.device))
+        index = self._expanded(g).to(x.device)
+        axis %= x.ndim
+        if axis == 0 or x.ndim == 1:
+            return x.index_select(axis, index)
+        # columns of a row-major tensor: index_select gathers them on one thread, gather uses all (on 2
+        # cores 5x faster for a 768 x 3072 weight, the bulk of certifying a ViT's permutation sites)
+        shape = [1] * x.ndim
+        shape[axis] = -1
+        return torch.gather(x, axis, index.view(shape).expand(x.shape))
 
     def second_moment_power(self, power: float) -> float | None:
         return 1
