@@ -178,6 +178,61 @@ def test_post_condition_rolls_back_a_non_invariant_teleport():
             assert torch.equal(after[i][k], v), (i, k)
 
 
+def _rolled_back_without_watch(monkeypatch, **kwargs):
+    """A wrong rescaling teleported with the watch off, on the fast path (no closure): which restores the
+    rollback ran by kind, and the parameters, gradients and Adam state before and after."""
+    from teleopt.teleport.safety import InverseSnapshot, Snapshot
+
+    ran = []
+    for cls in (InverseSnapshot, Snapshot):
+        original = cls.restore
+        monkeypatch.setattr(cls, "restore", lambda self, _o=original, _c=cls: (ran.append(_c.__name__), _o(self))[1])
+    model = mlp()
+    x, y = batch()
+    base = torch.optim.Adam(model.parameters(), lr=1e-3)
+    site = Site(_wrong_rescaling(), ("0.weight", "0.bias", "2.weight"))
+    opt = Teleport(base, model, [site], loss_fn=mse, safety=SafetyConfig(watch_steps=0), **kwargs)
+    train(opt, model, x, y, 2)
+    opt.zero_grad()
+    mse(model(x), y).backward()
+    before = (copy.deepcopy(model.state_dict()), [p.grad.clone() for p in model.parameters()], copy.deepcopy(base.state_dict()))
+    report = opt.teleport(batch=(x, y))
+    assert not report.accepted and report.reason.startswith("rolled back")
+    after = (model.state_dict(), [p.grad for p in model.parameters()], base.state_dict())
+    return ran, before, after
+
+
+def test_a_rollback_without_watch_undoes_gradients_and_state_by_the_inverse(monkeypatch):
+    """With the watch off, the rollback copies only the site's parameters: they come back bit for bit
+    (the model computes exactly what it did), and .grad and Adam's moments are moved back by the
+    inverse element, exact up to round-off: one multiplication by c and one by 1/c (c^2 and c^-2 for
+    the second moment) in float64, a few units in the last place."""
+    ran, (params, grads, state), (params_after, grads_after, state_after) = _rolled_back_without_watch(monkeypatch)
+    assert ran == ["InverseSnapshot"]
+    for n, t in params_after.items():
+        assert torch.equal(t, params[n]), n
+    for g_after, g in zip(grads_after, grads):
+        torch.testing.assert_close(g_after, g, rtol=1e-14, atol=0)
+    for i, st in state["state"].items():
+        for k, v in st.items():
+            torch.testing.assert_close(state_after["state"][i][k], v, rtol=1e-14, atol=0)
+
+
+def test_a_state_policy_that_resets_keeps_a_full_snapshot(monkeypatch):
+    """A reset cannot be undone by an inverse element: the rollback restores copies, bit for bit."""
+    ran, (params, grads, state), (params_after, grads_after, state_after) = _rolled_back_without_watch(
+        monkeypatch, state_policy={"first_moment": "reset"}
+    )
+    assert ran == ["Snapshot"]
+    for n, t in params_after.items():
+        assert torch.equal(t, params[n]), n
+    for g_after, g in zip(grads_after, grads):
+        assert torch.equal(g_after, g)
+    for i, st in state["state"].items():
+        for k, v in st.items():
+            assert torch.equal(state_after["state"][i][k], v), (i, k)
+
+
 def _paper_mlp(seed):
     torch.manual_seed(seed)
     W = [torch.rand(6, 5), torch.rand(7, 6), torch.rand(8, 7)]

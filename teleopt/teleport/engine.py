@@ -47,13 +47,7 @@ from teleopt.teleport.fast_path import FastEvaluator, fast_path_eligible, member
 from teleopt.teleport.general_path import GeneralEvaluator
 from teleopt.teleport.objectives import Objective
 from teleopt.teleport.report import TeleportReport
-from teleopt.teleport.safety import (
-    Caps,
-    SafetyConfig,
-    Snapshot,
-    StabilityCap,
-    preconditioned_sharpness,
-)
+from teleopt.teleport.safety import Caps, InverseSnapshot, SafetyConfig, Snapshot, StabilityCap, preconditioned_sharpness
 from teleopt.teleport.search import SearchConfig, SearchProblem, SearchResult
 from teleopt.teleport.state_policy import StatePolicy
 from teleopt.teleport.verdict import Failure, loss_failures, non_finite_gradient, output_failures
@@ -432,13 +426,16 @@ class TeleportEngine:
         return elements
 
     # ------------------------------------------------------------------ apply
-    def snapshot(self, plan: Plan) -> Snapshot:
-        """Everything a rollback restores: all tensors and state with the watch on, else the site members."""
-        ctx = plan.ctx
+    def snapshot(self, plan: Plan, elements: list[Tensor]) -> Snapshot | InverseSnapshot:
+        """Everything a rollback restores: all tensors and state with the watch on, else the site members
+        (their gradients and state by the inverse elements where the evaluator can undo, no closure reruns)."""
+        ctx, evaluator = plan.ctx, plan.need_evaluator()
         params = [p for g in self.config.optimizer.param_groups for p in g["params"]]
         if self.config.safety.watch_steps > 0:
             return Snapshot(dict(ctx.tensors), self.config.optimizer, params, grads=True)
         names = {n for s in plan.sites for n in s.tensor_names}
+        if plan.request.closure is None and evaluator.can_undo():
+            return InverseSnapshot({n: ctx.tensors[n] for n in names}, lambda: evaluator.undo(elements))
         member_ids = {id(ctx.tensors[n]) for n in names}
         return Snapshot(
             {n: ctx.tensors[n] for n in names},
@@ -447,14 +444,14 @@ class TeleportEngine:
             grads=True,
         )
 
-    def apply(self, plan: Plan, elements: list[Tensor]) -> Snapshot:
+    def apply(self, plan: Plan, elements: list[Tensor]) -> Snapshot | InverseSnapshot:
         """The apply phase: snapshot, then move parameters, gradients and optimizer state to g . w."""
-        snapshot = self.snapshot(plan)
+        snapshot = self.snapshot(plan, elements)
         plan.report.state_decisions = dict(plan.need_evaluator().apply(elements))
         return snapshot
 
     # ------------------------------------------------------------------ verify
-    def verify(self, plan: Plan, snapshot: Snapshot) -> Any:
+    def verify(self, plan: Plan, snapshot: Snapshot | InverseSnapshot) -> Any:
         """The verify phase: accept the teleport (and watch it) or roll it back; returns the loss."""
         names = {n for s in plan.sites for n in s.tensor_names}
         ctx = plan.ctx
@@ -550,7 +547,7 @@ class TeleportEngine:
         assert plan.check is not None, "every teleport is planned with a check"
         return output_failures(plan.check, plan.after or [], plan.report, plan.sites, self.config.safety.loss_tol)
 
-    def _settle_inconclusive(self, plan: Plan, snapshot: Snapshot, failures: list[Failure]) -> list[Failure]:
+    def _settle_inconclusive(self, plan: Plan, snapshot: Snapshot | InverseSnapshot, failures: list[Failure]) -> list[Failure]:
         """Re-run inconclusive failures (:mod:`~teleopt.teleport.check`) in float64; the failures that stand."""
         check, report, request = plan.check, plan.report, plan.request
         assert check is not None
@@ -585,12 +582,12 @@ class TeleportEngine:
         if grads:
             plan.report.grad_norm_after = math.sqrt(square_sum(grads))
 
-    def accept(self, plan: Plan, snapshot: Snapshot) -> None:
+    def accept(self, plan: Plan, snapshot: Snapshot | InverseSnapshot) -> None:
         """Count the teleport as accepted and put it under watch (``SafetyConfig.watch_steps``)."""
         report, record, safety = plan.report, self.record, self.config.safety
         report.accepted = True
         report.reason = "accepted"
         record.accepted += 1
-        if safety.watch_steps > 0:
+        if safety.watch_steps > 0 and isinstance(snapshot, Snapshot):  # the watch keeps a full snapshot
             grad_ref = max(report.grad_norm_before or 0.0, report.grad_norm_after or 0.0) ** 2
             record.watch = Watch(snapshot, record.step + safety.watch_steps, record.step, grad_ref, report.loss_before)

@@ -67,6 +67,16 @@ class Evaluator(Protocol):
         g . w in place; returns the count of each state-policy decision."""
         ...
 
+    def can_undo(self) -> bool:
+        """Whether :meth:`undo` will move ``.grad`` and the optimizer state back after :meth:`apply`
+        (decided before it: where not, the rollback snapshot must hold copies of them)."""
+        ...
+
+    def undo(self, elements: Sequence[Tensor]) -> None:
+        """Move ``.grad`` and the optimizer state of the site members back from g . w to w by the
+        inverse elements (only when :meth:`can_undo`); the parameters are restored from copies."""
+        ...
+
 
 @runtime_checkable
 class BatchEvaluator(Evaluator, Protocol):

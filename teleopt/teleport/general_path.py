@@ -111,6 +111,13 @@ class GeneralEvaluator:
         StatePolicy.write(states, moved_state)
         return Counter(d for dec in moved_state.decisions.values() for d in dec.values())
 
+    def can_undo(self) -> bool:
+        """Never: ``.grad`` is recomputed at g . w, so only a snapshot restores it."""
+        return False
+
+    def undo(self, elements: Sequence[Tensor]) -> None:
+        raise RuntimeError("the general path cannot undo a teleport by its inverse; restore a snapshot")
+
     def loss(self, params: Mapping[str, Tensor]) -> Tensor:
         """The batch loss at ``params``."""
         return self.fmodel.loss(params, self.batch)

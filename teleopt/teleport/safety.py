@@ -38,8 +38,11 @@ inputs; with none of them the teleport is declined) must change by at most
 float64 copy), the loss on the teleport batch (and on a held-out batch when
 given) likewise, and every moved tensor must be finite.  Approximate sites are
 decided by the loss alone (their outputs are measured and reported).  Otherwise
-the teleport is rolled back from a snapshot of the moved tensors and the report
-says why.  A non-finite gradient declines the teleport before anything moves.
+the teleport is rolled back and the report says why: from copies of everything it
+moved, or, with the watch off on the fast path (no closure) and a state policy
+that resets nothing, from copies of the site members alone, ``.grad`` and the
+optimizer state being moved back by the inverse elements (:class:`InverseSnapshot`:
+the parameters come back bit for bit, the rest up to round-off).  A non-finite gradient declines the teleport before anything moves.
 
 **Watch (after).**  For ``watch_steps`` steps after an accepted teleport a
 snapshot of all parameters, buffers and optimizer state is kept.  If within that
@@ -211,6 +214,30 @@ def preconditioned_sharpness(
         lam = float(sum((a.to(torch.float64) * b.to(torch.float64)).sum() for a, b in zip(v, w)))
         v = [x.detach() for x in w]
     return lam, dict(zip(names, v))
+
+
+class InverseSnapshot:
+    """A rollback that copies only the named tensors (the site members) and moves ``.grad`` and the
+    optimizer state back with the inverse elements (``undo``, e.g.
+    :meth:`FastEvaluator.undo <teleopt.teleport.fast_path.FastEvaluator.undo>`).
+
+    The parameters come back bit for bit, so the model computes exactly what it did; gradients and
+    moments come back up to round-off.  It holds one copy of the site members instead of four under
+    Adam (parameters, gradients, two moments).
+    """
+
+    def __init__(self, tensors: dict[str, Tensor], undo: Callable[[], None]) -> None:
+        self.live = tensors
+        self.saved = {n: t.detach().clone() for n, t in tensors.items()}
+        self._undo = undo
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Undo the gradients and state (while the parameters still sit at g . w), then copy the
+        parameters back in place."""
+        self._undo()
+        for n, t in self.live.items():
+            t.copy_(self.saved[n])
 
 
 class Snapshot:

@@ -139,6 +139,26 @@ class StatePolicy:
         return {role: self.resolve(role, role) for role in _ROLES}
 
     # ------------------------------------------------------------------------------
+    def invertible(self, optimizer: Optimizer, states: Mapping[str, Mapping[str, Any]], like: Mapping[str, Tensor]) -> bool:
+        """Whether :meth:`move` will transport or keep every entry of ``states`` on the fast path (no
+        reset, whichever rule exists), so that moving by the inverse elements undoes it.
+
+        First moments of their parameter's shape always have the covector rule on the fast path; a
+        second moment or a differently shaped moment may have none and then takes the fallback.
+        """
+        for name, st in states.items():
+            for key, value in st.items():
+                role = state_role(optimizer, key)
+                policy = self.resolve(key, role, optimizer)
+                if policy == "reset":
+                    return False
+                if policy != "transport" or self.resolve_fallback(key, role) != "reset":
+                    continue
+                has_rule = role == "first_moment" and isinstance(value, Tensor) and value.shape == like[name].shape
+                if role in ("first_moment", "second_moment", "update", "unknown") and not has_rule:
+                    return False
+        return True
+
     def move(
         self,
         optimizer: Optimizer,
