@@ -24,8 +24,8 @@ Also measured: the policy trained on 20 x 20 problems applied unchanged to
 of a policy teleport vs one training step, and the loss preserved by a policy
 teleport in float64.
 
-Measured (shared 2-core machine, step-100 test-loss medians [min-max over seeds]; the
-runs are in ``benchmarks/results/learn_to_teleport_*``):
+Measured (shared 2-core machine, step-100 test-loss medians [min-max over seeds];
+``--json PATH`` writes the full curves):
 
 * default full run (``--transfer-size 30``: 5 seeds x 30 trajectories): GD 235.97,
   LSTM(update) 6.90 [6.13-7.20], LSTM(lr, tele) 30.63, LSTM(update, tele) 11.29

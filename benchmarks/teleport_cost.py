@@ -1,15 +1,22 @@
-"""What teleporting costs: the three ratios of issue 4, measured in one run on three models.
+"""What teleporting costs: step overhead, one teleport, autograd vs fast path and peak memory, on four models.
 
 Models (CPU, float32, Adam as the base optimizer):
 
 * ``mlp-5678``: the papers' 5-6-7-8 MLP (LeakyReLU 0.1, no biases), batch 4;
 * ``mlp-10M``: a ReLU MLP 1024-2048-2048-1536-10 (9.4M parameters), batch 64;
-* ``resnet18``: timm resnet18 (``pretrained=False``), batch 8 at 224x224 (``--quick``: 64x64).
+* ``resnet18``: timm resnet18 (``pretrained=False``), batch 8 at 224x224 (``--quick``: 64x64);
+* ``vit_tiny``: timm vit_tiny_patch16_224 (``pretrained=False``, 10 classes), batch 8 at
+  224x224 (``--quick``: batch 4 at 64x64); its sites are ``find_symmetries``' attention
+  Q/K and V/O GL sites (24: 12 blocks x 2, each GL(64) per head), the normalisation
+  gains being left out under Adam by ``sites="auto"``.  Attention runs unfused (timm's
+  ``fused_attn=False``) in this row: torch's fused CPU attention kernel has no double
+  backward, which the autograd path of ratio 3 needs.
 
-Sites: positive rescalings of every hidden layer of the MLPs; for resnet18
-``teleopt.find_symmetries`` when the detection package is available, else the
+Sites: positive rescalings of every hidden layer of the MLPs; for resnet18 the
 exact BatchNorm-output rescaling of every BasicBlock (bn1 weight and bias by c,
-conv2's input channels by 1/c through the ReLU), made by hand.
+conv2's input channels by 1/c through the ReLU), made by hand: ``sites="auto"``
+leaves normalisation gains out under Adam, which leaves resnet18 no continuous
+site (``--auto-sites`` measures that).
 
 Ratios of repeated, interleaved measurements within this run; each time is the
 median over the repetitions, and the step overhead is the median of the paired
@@ -21,12 +28,20 @@ alternating the order cancel most of the drift):
    shown relative to a whole training iteration (forward, backward, step).
 2. ``fast / base``: one fast-path teleport (library defaults: up to 100 ascent
    steps, trust region log 4, no batch: checked on probe inputs, the 2 example
-   inputs for resnet18, else the first 8 rows of the last forward's inputs) vs one
-   training iteration of the base optimizer; goal <= 1x.  Also vs ``optimizer.step()`` alone.
+   inputs for vit_tiny, else the first 8 rows of the last forward's inputs) vs one
+   training iteration of the base optimizer and vs ``optimizer.step()`` alone; goals <= 1.5x a
+   step on mlp-10M, <= 0.5x an iteration on resnet18 and vit_tiny.
 3. ``autograd / fast``: the same objective (gradient norm) and the same number of
    ascent steps (10, no trust region so no early stop) through the model with
    autograd (the general path, double backward on the batch) vs the fast path;
    goal >= 50x.
+4. ``peak extra``: the peak of the bytes a teleport allocates on top of what was alive
+   when it began (parameters, gradients, optimizer state), as a multiple of the
+   parameters' bytes, measured by :class:`LiveBytes` (a dispatch mode that counts every
+   new tensor storage until it is freed) with the watch off (``watch_steps=0``, as in
+   ratio 2) and with the library default (``watch_steps=10``: a snapshot of every
+   parameter, gradient and optimizer state entry is kept for the watch, in the
+   checkpoint too); goal <= 1x.  ``kept`` is what stays allocated after the teleport.
 
 Run: ``python benchmarks/teleport_cost.py [--quick] [--json out.json]``.
 
@@ -38,17 +53,21 @@ MLP 64-256-256-10 and on ``mlp-10M``.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
 import platform
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from teleopt import AxisAction, Member, Site, get_action
 from teleopt.teleport import SafetyConfig, Teleport
@@ -72,9 +91,9 @@ def mlp_5678() -> tuple[nn.Module, list[Site], tuple[torch.Tensor, torch.Tensor]
     return model, sites, (torch.rand(4, 5), torch.rand(4, 8))
 
 
-def mlp_10m(batch: int) -> tuple[nn.Module, list[Site], tuple[torch.Tensor, torch.Tensor]]:
+def mlp_10m(batch: int, widths: list[int] | None = None) -> tuple[nn.Module, list[Site], tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(0)
-    widths = [1024, 2048, 2048, 1536, 10]
+    widths = widths or [1024, 2048, 2048, 1536, 10]
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
         layers.append(nn.Linear(a, b))
@@ -82,7 +101,7 @@ def mlp_10m(batch: int) -> tuple[nn.Module, list[Site], tuple[torch.Tensor, torc
             layers.append(nn.ReLU())
     model = nn.Sequential(*layers)
     sites = [Site(RELU, (f"{2 * i}.weight", f"{2 * i}.bias", f"{2 * i + 2}.weight")) for i in range(len(widths) - 2)]
-    return model, sites, (torch.randn(batch, 1024), torch.randn(batch, 10))
+    return model, sites, (torch.randn(batch, widths[0]), torch.randn(batch, widths[-1]))
 
 
 def resnet18(batch: int, size: int, auto: bool) -> tuple[nn.Module, list[Site] | str, tuple[torch.Tensor, torch.Tensor], str]:
@@ -105,6 +124,77 @@ def resnet18(batch: int, size: int, auto: bool) -> tuple[nn.Module, list[Site] |
     return model, sites, (x, y), f"{len(sites)} hand-made BatchNorm-output rescalings"
 
 
+def vit_tiny(batch: int, size: int) -> tuple[nn.Module, str, tuple[torch.Tensor, torch.Tensor]]:
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10, img_size=size)
+    for module in model.modules():  # the autograd path differentiates twice; torch's fused CPU attention
+        if hasattr(module, "fused_attn"):  # kernel has no double backward, so both paths use timm's plain one
+            module.fused_attn = False
+    return model, "auto", (torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,)))
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storages created under this mode and still alive: ``live`` now, ``peak`` the most.
+
+    Every op output whose storage is new (not one of the op's inputs, e.g. an in-place op or a
+    view) is counted until the storage is freed (a ``weakref.finalize`` on it).  Tensors alive
+    before the mode was entered are not counted, so ``peak`` is the extra memory of what ran
+    inside.  Works on any device, the CPU included, where torch keeps no allocator statistics.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or key in inputs or key in self._seen:
+                continue
+            self._seen.add(key)
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key, nbytes)
+        return out
+
+
+def peak_extra_memory(
+    model: nn.Module, sites: Any, batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable, watch: int
+) -> dict[str, float]:
+    """One teleport (after one Adam step) under :class:`LiveBytes`: its peak extra bytes and the
+    bytes it leaves allocated, as multiples of the parameters' bytes."""
+    x, y = batch
+    example = x[:2] if sites == "auto" else None
+    wrapper = Teleport(
+        torch.optim.Adam(model.parameters(), lr=1e-4), model, sites, example_inputs=example, safety=SafetyConfig(watch_steps=watch)
+    )
+    for _ in range(2):  # one step so that Adam's state exists, then the gradient the teleport reads
+        wrapper.zero_grad()
+        loss_fn(model(x), y).backward()
+        if not _:
+            wrapper.step()
+    counter = LiveBytes()
+    with counter:
+        report = wrapper.teleport()
+    if not report.accepted:
+        raise RuntimeError(f"the teleport whose memory is measured was not accepted: {report.reason}")
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"peak": counter.peak / param_bytes, "kept": counter.live / param_bytes}
+
+
 def regression(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out - y) ** 2).mean()
 
@@ -119,6 +209,7 @@ def measure(
     name: str, model: nn.Module, sites: Any, batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable, reps: int, general_reps: int
 ) -> dict[str, Any]:
     x, y = batch
+    untouched = copy.deepcopy(model)  # the memory of a teleport is measured from the initial weights
     example = x[:2] if sites == "auto" else None
     bare = torch.optim.Adam(model.parameters(), lr=1e-4)
     wrapper = Teleport(
@@ -213,6 +304,7 @@ def measure(
         "fast10_ms": 1e3 * t_f10,
         "general10_ms": 1e3 * t_g10,
         "general_over_fast": t_g10 / t_f10,
+        **{f"{k}_watch{w}": v for w in (0, 10) for k, v in peak_extra_memory(copy.deepcopy(untouched), sites, batch, loss_fn, w).items()},
     }
 
 
@@ -301,7 +393,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller batches and images, fewer repetitions")
     parser.add_argument("--json", type=str, default=None)
-    parser.add_argument("--manual-sites", action="store_true", help="hand-made resnet18 sites even if detection exists")
+    parser.add_argument(
+        "--auto-sites",
+        action="store_true",
+        help="resnet18 with sites='auto' (under Adam it leaves out the BatchNorm gains: no sites)",
+    )
     parser.add_argument("--balance", action="store_true", help="only: one balance teleport vs one step, MLP 64-256-256-10 and mlp-10M")
     args = parser.parse_args()
     if args.balance:
@@ -314,11 +410,13 @@ def main() -> None:
     rows.append(measure("mlp-5678", model, sites, batch, regression, reps * 20, general_reps * 10))
     model, sites, batch = mlp_10m(16 if args.quick else 64)
     rows.append(measure("mlp-10M", model, sites, batch, regression, reps, general_reps))
-    model, sites, batch, how = resnet18(4 if args.quick else 8, 64 if args.quick else 224, auto=not args.manual_sites)
+    model, sites, batch, how = resnet18(4 if args.quick else 8, 64 if args.quick else 224, auto=args.auto_sites)
     rows.append(measure("resnet18", model, sites, batch, nn.functional.cross_entropy, reps, general_reps))
     rows[-1]["site_source"] = how
+    model, sites, batch = vit_tiny(4 if args.quick else 8, 64 if args.quick else 224)
+    rows.append(measure("vit_tiny", model, sites, batch, nn.functional.cross_entropy, max(3, reps // 2), general_reps))
 
-    head = f"{'model':9} {'params':>9} {'sites':>5} {'step ms':>9} {'wrapped':>9} {'overhead':>9} {'of iter':>8} {'iter ms':>9} {'fast ms':>9} {'fast/iter':>9} {'fast/step':>9} {'10-step fast':>12} {'10-step autograd':>16} {'autograd/fast':>13}"
+    head = f"{'model':9} {'params':>9} {'sites':>5} {'step ms':>9} {'wrapped':>9} {'overhead':>9} {'of iter':>8} {'iter ms':>9} {'fast ms':>9} {'fast/iter':>9} {'fast/step':>9} {'10-step fast':>12} {'10-step autograd':>16} {'autograd/fast':>13} {'peak extra':>10} {'kept':>5} {'default peak':>12} {'kept':>5}"
     print(
         f"Teleport cost, {datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
     )
@@ -327,9 +425,11 @@ def main() -> None:
     for r in rows:
         print(
             f"{r['model']:9} {r['params']:>9} {r['sites']:>5} {r['step_bare_ms']:>9.3f} {r['step_wrapped_ms']:>9.3f} {r['step_overhead_pct']:>8.1f}% {r['step_overhead_pct_of_iteration']:>7.2f}% "
-            f"{r['iteration_ms']:>9.2f} {r['fast_teleport_ms']:>9.2f} {r['fast_over_iteration']:>9.2f} {r['fast_over_step']:>9.1f} {r['fast10_ms']:>12.2f} {r['general10_ms']:>16.1f} {r['general_over_fast']:>13.0f}"
+            f"{r['iteration_ms']:>9.2f} {r['fast_teleport_ms']:>9.2f} {r['fast_over_iteration']:>9.2f} {r['fast_over_step']:>9.1f} {r['fast10_ms']:>12.2f} {r['general10_ms']:>16.1f} {r['general_over_fast']:>13.0f} "
+            f"{r['peak_watch0']:>9.2f}x {r['kept_watch0']:>4.1f}x {r['peak_watch10']:>11.2f}x {r['kept_watch10']:>4.1f}x"
         )
-    print(f"resnet18 sites: {rows[-1]['site_source']}")
+    print(f"resnet18 sites: {rows[2]['site_source']}; vit_tiny sites: find_symmetries (attention GL)")
+    print("peak extra / kept: memory of one teleport in multiples of the parameters' bytes (watch off; default watch on)")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

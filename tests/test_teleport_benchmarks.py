@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import load_benchmark
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -42,3 +43,37 @@ def test_quick_path_runs(script, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert out.exists() and out.stat().st_size > 0
+
+
+def test_live_bytes_counts_new_storages_until_freed():
+    """The cost benchmark's memory counter: a clone and a product are counted while both are alive,
+    an in-place op and a view add nothing, and every byte is given back when they are freed."""
+    bench = load_benchmark("teleport_cost")
+    w = torch.randn(100, 100)
+    nbytes = w.numel() * w.element_size()
+    counter = bench.LiveBytes()
+    with counter:
+        a = w.clone()
+        b = w * 2
+        b.add_(1)
+        v = b[0]
+        del a
+        c = b + 1
+        assert counter.live == 2 * nbytes
+        del b, c, v
+    assert counter.peak == 2 * nbytes
+    assert counter.live == 0
+
+
+def test_a_fast_teleport_without_watch_holds_a_few_copies_of_the_parameters_at_most():
+    """Peak extra memory of one teleport with the watch off, on a wide MLP under Adam, in multiples of
+    the parameters' bytes: the evaluator's statistics (1.33x: the float64 squared gradient of the middle
+    layer), the rollback's copy of the site members (1x: gradients and moments are undone by the
+    inverse element, not copied) and the apply phase, which moves one kind of tensor at a time (at
+    most the two moments' moved copies, 2x, plus the chain's intermediates).  Copying gradients and
+    moments for the rollback and moving every kind at once peaked at 10x."""
+    bench = load_benchmark("teleport_cost")
+    model, sites, batch = bench.mlp_10m(4, widths=[64, 128, 128, 96, 10])
+    memory = bench.peak_extra_memory(model, sites, batch, bench.regression, watch=0)
+    assert memory["peak"] <= 5.5, memory
+    assert memory["kept"] <= 0.05, memory  # nothing but the report stays allocated
