@@ -451,6 +451,25 @@ def test_a_non_finite_gradient_declines_the_teleport():
     assert_bitwise(model, saved)
 
 
+def test_the_non_finite_gradient_test_reads_each_gradient_once_and_is_exact():
+    """The test sums each gradient (NaN and inf propagate) and only tests elementwise when the sum is
+    not finite: a finite gradient whose float32 sum overflows is finite, an inf anywhere is not."""
+    from teleopt.teleport.context import TeleportContext
+    from teleopt.teleport.state_policy import StatePolicy
+    from teleopt.teleport.verdict import non_finite_gradient
+
+    model = mlp()
+    backward(model, *data())
+    ctx = TeleportContext.build(model, torch.optim.SGD(model.parameters(), lr=1e-2), StatePolicy())
+    assert non_finite_gradient(ctx) is None
+    big = torch.finfo(model[3].weight.dtype).max / 2
+    model[3].weight.grad.fill_(big)  # every entry finite, the sum overflows to inf
+    assert not math.isfinite(float(model[3].weight.grad.sum()))
+    assert non_finite_gradient(ctx) is None
+    model[3].weight.grad[1, 2] = -math.inf
+    assert non_finite_gradient(ctx) == "3.weight"
+
+
 def test_probe_inputs_the_model_does_not_take_decline_the_teleport():
     model, (x, y) = mlp(), data()
     opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), example_inputs=torch.zeros(2, 4, dtype=F64))

@@ -113,6 +113,11 @@ def non_finite_gradient(ctx: TeleportContext) -> str | None:
         g = p.grad
         if g is not None and g.is_sparse:
             g = g.coalesce().values()
-        if g is not None and g.numel() and not bool(torch.isfinite(local(g)).all()):
+        if g is None or not g.numel():
+            continue
+        t = local(g)
+        # one read of the gradient; NaN and inf propagate through the sum, and only a sum that
+        # is not finite (or overflowed) pays for the elementwise test
+        if not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
             return name
     return None
