@@ -205,6 +205,13 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def timed_teleport(wrapper: Teleport) -> tuple[float, Any]:
+    """Seconds of one ``wrapper.teleport()`` and its report."""
+    start = time.perf_counter()
+    report = wrapper.teleport()
+    return time.perf_counter() - start, report
+
+
 def measure(
     name: str, model: nn.Module, sites: Any, batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable, reps: int, general_reps: int
 ) -> dict[str, Any]:
@@ -246,18 +253,12 @@ def measure(
     t_bare, t_wrapped, t_iter = (statistics.median(v) for v in (step_bare, step_wrapped, iters))
     overhead = statistics.median(w - b for w, b in zip(step_wrapped, step_bare))
 
-    fast_times, _evaluations = [], []
+    fast_times, fast_report = [], None
     for _ in range(reps):
         backward()
-        report = None
-
-        def tele() -> None:
-            nonlocal report
-            report = wrapper.teleport()
-
-        fast_times.append(timed(tele))
+        seconds, fast_report = timed_teleport(wrapper)
+        fast_times.append(seconds)
     t_fast = statistics.median(fast_times)
-    fast_report = report
 
     # same objective and number of ascent steps, no trust region (no early stop): fast vs autograd
     steps = 10
@@ -344,14 +345,9 @@ def measure_balance(
             for m in linears:
                 m.weight.mul_(float(torch.exp(torch.randn((), generator=gen))))
         backward()
-        report = None
-
-        def tele() -> None:
-            nonlocal report
-            report = wrapper.teleport()
-
-        teleports.append(timed(tele))
-        assert report is not None and report.accepted, report
+        seconds, report = timed_teleport(wrapper)
+        teleports.append(seconds)
+        assert report.accepted, report
         ratios.append(report.objective_after / report.objective_before)
     t_step, t_iter, t_tele = (statistics.median(v) for v in (steps, iters, teleports))
     return {
