@@ -143,6 +143,20 @@ class Group(ABC):
         if float(norm) > radius:
             xi.mul_(radius / norm)
 
+    #: whether the default search of a fast-path teleport steps straight to the trust region's boundary
+    #: (:class:`~teleopt.teleport.search.BoundaryStep`) instead of ascending: for groups whose ascent is
+    #: costly and whose gradient-norm maximum lies on the boundary (GL)
+    boundary_search: ClassVar[bool] = False
+
+    def boundary_point(self, direction: Tensor, radius: float) -> Tensor | None:
+        """The coordinates in the trust region of ``radius`` that maximise <direction, xi> (the linear
+        maximisation oracle of the Frank-Wolfe method over :meth:`project_coordinates`' region): by
+        default r d / ||d|| on the Euclidean ball; ``None`` for a zero direction."""
+        norm = direction.norm()
+        if not float(norm) > 0:
+            return None
+        return direction * (radius / norm)
+
     def ascent_step_size(self, lr: float) -> float:
         """Per-coordinate step of a normalised (Adam-like) ascent moving the element by about ``lr``."""
         return lr

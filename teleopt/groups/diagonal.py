@@ -67,6 +67,12 @@ class PositiveScaling(Group):
         """Every log-scale |xi_i| <= radius: each scale lies in [e^-radius, e^radius]."""
         xi.clamp_(-radius, radius)
 
+    def boundary_point(self, direction: Tensor, radius: float) -> Tensor | None:
+        """r sign(d): the corner of the box |xi_i| <= r that maximises <d, xi> (zero where d is)."""
+        if not bool((direction != 0).any()):
+            return None
+        return radius * torch.sign(direction)
+
     def exact_coordinates(self, xi: Tensor, dtype: torch.dtype) -> Tensor:
         """For 16-bit floats, each scale rounded toward 1 to a power of two: multiplying a binary float by
         2^k only changes its exponent, so the element and its inverse act without round-off (barring

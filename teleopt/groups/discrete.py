@@ -122,3 +122,9 @@ class Translation(Group):
     def project_coordinates(self, xi: Tensor, radius: float) -> None:
         """Every |xi_i| <= radius."""
         xi.clamp_(-radius, radius)
+
+    def boundary_point(self, direction: Tensor, radius: float) -> Tensor | None:
+        """r sign(d): the corner of the box |xi_i| <= r that maximises <d, xi>."""
+        if not bool((direction != 0).any()):
+            return None
+        return radius * torch.sign(direction)

@@ -107,6 +107,9 @@ class GeneralLinear(_MatrixGroup):
 
     kind: GroupKind = "general"
     continuous = True
+    # the gradient norm of a GL site is convex in g^T g: its maximum over the trust region is on the
+    # boundary, where one BoundaryStep lands at a fraction of the cost of 100 steps through matrix_exp
+    boundary_search: ClassVar[bool] = True
 
     def exp(self, coords: Tensor) -> Tensor:
         self._check_coords(coords)
@@ -129,6 +132,17 @@ class GeneralLinear(_MatrixGroup):
         U, S, Vh = torch.linalg.svd(xi, full_matrices=False)
         if bool((S > radius).any()):
             xi.copy_(U @ torch.diag_embed(S.clamp(max=radius)) @ Vh)
+
+    def boundary_point(self, direction: Tensor, radius: float) -> Tensor | None:
+        """r U V^T per block, from the SVD U S V^T of d: the point of the spectral ball ||xi||_2 <= r that
+        maximises <d, xi> = tr(d^T xi) (the dual norm of the spectral norm is the nuclear norm, attained
+        at the polar factor).  When the objective depends on g only through g^T g, as the gradient norm
+        of a GL site does (tr(A (g^T g)^-1) + tr(B g^T g)), d = 2 (B - A) is symmetric and the point is
+        r U sign(Lambda) U^T: every eigen-direction of B - A stretched or shrunk by e^r."""
+        if not bool((direction != 0).any()):
+            return None
+        U, _, Vh = torch.linalg.svd(direction, full_matrices=False)
+        return radius * (U @ Vh)
 
     def balance(self, stats: Mapping[float, Tensor], radius: float | None, rcond: float = BALANCE_RCOND) -> Tensor:
         """The element equalising the two sides' Gram matrices, g A g^T = g^-T B g^-1.
@@ -221,6 +235,10 @@ class Orthogonal(_MatrixGroup):
 
     def project_coordinates(self, xi: Tensor, radius: float) -> None:
         """O(n) is compact: no bound needed."""
+
+    def boundary_point(self, direction: Tensor, radius: float) -> Tensor | None:
+        """None: O(n) has no trust region, so no boundary to step to (search it by ascent)."""
+        return None
 
     def validate(self, g: Tensor) -> None:
         self._check_shape(g)

@@ -53,6 +53,7 @@ from teleopt.teleport.report import TeleportReport
 from teleopt.teleport.safety import SafetyConfig
 from teleopt.teleport.schedule import Schedule
 from teleopt.teleport.search import (
+    BoundaryStep,
     ClosedForm,
     GradientAscent,
     SearchConfig,
@@ -73,6 +74,7 @@ __all__ = [
     "SearchProblem",
     "SearchResult",
     "GradientAscent",
+    "BoundaryStep",
     "ClosedForm",
     "Evaluator",
     "Objective",

