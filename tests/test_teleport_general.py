@@ -271,3 +271,35 @@ def test_closed_form_curvature_matches_autograd_through_act():
     v2, a2 = objective._autograd(evaluator, elements, prepared)
     assert_close(v1, v2, 1e-10, "gamma'")
     assert_close(a1, a2, 1e-10, "gamma''")
+
+
+def test_an_op_without_double_backward_fails_with_what_to_do_and_moves_nothing():
+    """torch's fused CPU attention kernel has no double backward, which the general path's search
+    needs (it differentiates the gradient): the error says so and names the fast path and timm's
+    unfused attention; nothing moved. With the unfused attention the same teleport runs."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=3, img_size=16, patch_size=8, depth=1).double()
+    x, y = torch.randn(4, 3, 16, 16, dtype=torch.float64), torch.randint(0, 3, (4,))
+
+    def teleport(m):
+        opt = Teleport(
+            torch.optim.SGD(m.parameters(), lr=1e-3),
+            m,
+            "auto",
+            example_inputs=x[:2],
+            path="general",
+            loss_fn=nn.functional.cross_entropy,
+            ascent_steps=2,
+        )
+        opt.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        return opt.teleport(batch=(x, y))
+
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match="double backward.*path='fast'.*fused_attn = False"):
+        teleport(model)
+    for n, t in model.state_dict().items():
+        assert torch.equal(t, before[n]), n
+    model.blocks[0].attn.fused_attn = False
+    assert teleport(model).reason != ""

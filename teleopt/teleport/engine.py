@@ -44,7 +44,7 @@ from teleopt.teleport.coordinates import zero_coordinates
 from teleopt.teleport.distributed import any_rank, broadcast_, broadcast_batch, check_identical
 from teleopt.teleport.evaluator import Evaluator
 from teleopt.teleport.fast_path import FastEvaluator, fast_path_eligible, member_tensors
-from teleopt.teleport.general_path import GeneralEvaluator
+from teleopt.teleport.general_path import GeneralEvaluator, double_backward_hint
 from teleopt.teleport.objectives import Objective
 from teleopt.teleport.report import TeleportReport
 from teleopt.teleport.safety import Caps, InverseSnapshot, SafetyConfig, Snapshot, StabilityCap, preconditioned_sharpness
@@ -313,7 +313,8 @@ class TeleportEngine:
         """The search phase: the elements to apply, or ``None`` when the teleport is declined."""
         report = plan.report
         start = self._start(plan)
-        result = self.config.search.strategy_for(self.config.objective, start.problem).search(start.problem)
+        with double_backward_hint():
+            result = self.config.search.strategy_for(self.config.objective, start.problem).search(start.problem)
         report.objective_before = self._objective_before(start, result)
         caps = self._caps(plan, start)
         coords, shrink = shrink_to_feasible(result.coords, caps.feasible)

@@ -20,7 +20,8 @@ Every site acts through ``GroupAction.act`` only.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -189,3 +190,20 @@ class GeneralEvaluator:
         for name, d in direction.items():
             moved[name] = params[name] + t * d
         return self.loss(moved)
+
+
+@contextmanager
+def double_backward_hint() -> Iterator[None]:
+    """Re-raise the error of an op without a double backward (torch's fused CPU attention kernel) with
+    what to do: the general path differentiates the model's gradient, the fast path does not."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "derivative for" not in str(e) or "is not implemented" not in str(e):
+            raise
+        raise RuntimeError(
+            f"{e}. The general teleport path differentiates the model's gradient (a double backward), "
+            "which this op does not support: use path='fast' (exact linear sites need no model pass), or "
+            "an implementation of the op that has one (timm attention: set each block's "
+            "attn.fused_attn = False)"
+        ) from e
