@@ -45,6 +45,13 @@ def apply_on_axis(x: Tensor, axis: int, fn: Callable[[Tensor], Tensor]) -> Tenso
     return out.reshape(moved.shape).movedim(0, axis)
 
 
+def box_boundary_point(direction: Tensor, radius: float) -> Tensor | None:
+    """r sign(d): the corner of the box |xi_i| <= r that maximises <d, xi> (``None`` for d = 0)."""
+    if not bool((direction != 0).any()):
+        return None
+    return radius * torch.sign(direction)
+
+
 class Group(ABC):
     """A group acting linearly on an axis of length ``dim``.
 

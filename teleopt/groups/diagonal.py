@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from teleopt.groups.base import BALANCE_RCOND, Group, GroupKind, _check_finite
+from teleopt.groups.base import BALANCE_RCOND, Group, GroupKind, _check_finite, box_boundary_point
 
 __all__ = ["PositiveScaling", "SignFlip"]
 
@@ -68,10 +68,8 @@ class PositiveScaling(Group):
         xi.clamp_(-radius, radius)
 
     def boundary_point(self, direction: Tensor, radius: float) -> Tensor | None:
-        """r sign(d): the corner of the box |xi_i| <= r that maximises <d, xi> (zero where d is)."""
-        if not bool((direction != 0).any()):
-            return None
-        return radius * torch.sign(direction)
+        """r sign(d), the corner of the box trust region (:func:`box_boundary_point`)."""
+        return box_boundary_point(direction, radius)
 
     def exact_coordinates(self, xi: Tensor, dtype: torch.dtype) -> Tensor:
         """For 16-bit floats, each scale rounded toward 1 to a power of two: multiplying a binary float by

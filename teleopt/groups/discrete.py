@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from teleopt.groups.base import Group, GroupKind, _check_finite, _check_size
+from teleopt.groups.base import Group, GroupKind, _check_finite, _check_size, box_boundary_point
 
 __all__ = ["Permutation", "Translation"]
 
@@ -124,7 +124,5 @@ class Translation(Group):
         xi.clamp_(-radius, radius)
 
     def boundary_point(self, direction: Tensor, radius: float) -> Tensor | None:
-        """r sign(d): the corner of the box |xi_i| <= r that maximises <d, xi>."""
-        if not bool((direction != 0).any()):
-            return None
-        return radius * torch.sign(direction)
+        """r sign(d), the corner of the box trust region (:func:`box_boundary_point`)."""
+        return box_boundary_point(direction, radius)
