@@ -451,6 +451,34 @@ def test_a_non_finite_gradient_declines_the_teleport():
     assert_bitwise(model, saved)
 
 
+def test_a_search_that_returns_non_finite_coordinates_declines_and_moves_nothing():
+    """A strategy (a learned policy, say) whose coordinates overflow: the teleport is declined in the
+    search phase, before anything moves (parameters, gradients and optimizer state bit for bit)."""
+    from teleopt.teleport import SearchConfig, SearchResult
+
+    class Overflowing:
+        def search(self, problem):
+            return SearchResult([torch.full_like(c, math.nan) for c in problem.start], None, 0)
+
+    model, (x, y) = mlp(), data()
+    base = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = Teleport(base, model, mlp_sites(), search=SearchConfig(strategy=Overflowing()))
+    for _ in range(2):
+        opt.zero_grad()
+        backward(model, x, y)
+        opt.base.step()
+    saved, grads = params_of(model), [p.grad.clone() for p in model.parameters()]
+    state = copy.deepcopy(base.state_dict())
+    report = opt.teleport()
+    assert not report.accepted and report.reason == "declined: the search returned non-finite coordinates"
+    assert_bitwise(model, saved)
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g)
+    for i, st in state["state"].items():
+        for k, v in st.items():
+            assert torch.equal(base.state_dict()["state"][i][k], v), (i, k)
+
+
 def test_the_non_finite_gradient_test_reads_each_gradient_once_and_is_exact():
     """The test sums each gradient (NaN and inf propagate) and only tests elementwise when the sum is
     not finite: a finite gradient whose float32 sum overflows is finite, an inf anywhere is not."""

@@ -322,6 +322,9 @@ class TeleportEngine:
         broadcast_(coords)
         report.shrink = shrink
         report.coordinate_norms = {s.name: float(c.abs().max()) if c.numel() else 0.0 for s, c in zip(plan.sites, coords)}
+        if not all(bool(torch.isfinite(c).all()) for c in coords):
+            report.reason = "declined: the search returned non-finite coordinates"
+            return None
         if all(float(c.abs().max()) == 0.0 for c in coords if c.numel()):
             report.reason = "declined: the caps allow no move" if shrink == 0.0 else "declined: no improvement found"
             return None

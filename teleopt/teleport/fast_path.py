@@ -296,6 +296,8 @@ class FastEvaluator:
         to about 1x the parameters).
         """
         ctx, sites, like = self.ctx, self.sites, self.like
+        for site, g in zip(sites, elements):  # before anything is written: an invalid element moves nothing
+            site.action.validate_element(g, member_tensors(site, like))
         moved_grads, _ = transport(sites, elements, self.grads, like, "covector")
         for n, g in moved_grads.items():
             grad = ctx.trainable[n].grad
