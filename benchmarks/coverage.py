@@ -1,7 +1,9 @@
 """Coverage and detection time of ``teleopt.find_symmetries`` on a pinned timm zoo.
 
 For every model (``pretrained=False``, float32, CPU, one example image at the
-model's default resolution), one table row: parameters, sites found (continuous /
+model's default resolution; the ``hf:`` rows are Hugging Face transformers roots, BERT,
+GPT-2 and Llama with 2 layers of width 128, built from configs and called on 16 tokens
+through ``example_kwargs``), one table row: parameters, sites found (continuous /
 discrete / approximate), the fraction of parameter entries acted on by at least one
 continuous site (all sites, and exact sites only, i.e. without the eps-approximate
 BatchNorm input scaling), and the median detection time over repeated runs, with
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -29,6 +32,23 @@ from typing import Any
 import torch
 
 from teleopt.detection import find_symmetries
+
+# Hugging Face transformers roots built from small configs (never downloaded): name -> (config class,
+# model class, config kwargs); they take input_ids and an attention mask through example_kwargs
+HF_ZOO = {
+    "hf:bert": (
+        "BertConfig",
+        "BertModel",
+        {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 512},
+    ),
+    "hf:gpt2": ("GPT2Config", "GPT2Model", {"n_embd": 128, "n_layer": 2, "n_head": 4}),
+    "hf:llama": (
+        "LlamaConfig",
+        "LlamaModel",
+        {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 344},
+    ),
+}
+
 
 ZOO = [
     ("resnet18", {}),
@@ -41,24 +61,39 @@ ZOO = [
     ("efficientnet_b0", {}),
     ("mobilenetv3_small_050", {}),
     ("regnetx_002", {}),
+    *((name, {}) for name in HF_ZOO),
 ]
 QUICK = [("resnet18", {}), ("vit_tiny_patch16_224", {"img_size": 32}), ("convnext_atto", {})]
 TIME_GOAL = ("vit_base_patch16_224", 5.0)
 
 
-def measure(name: str, kwargs: dict[str, Any], size: int, repeats: int) -> dict[str, Any]:
+def build(name: str, kwargs: dict[str, Any], size: int) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any] | None]:
+    """The model and its example inputs: a timm model on one image, or an ``hf:`` root on 16 tokens."""
+    if name in HF_ZOO:
+        import transformers
+
+        config_cls, model_cls, config = HF_ZOO[name]
+        cfg = getattr(transformers, config_cls)(vocab_size=1000, max_position_embeddings=64, **config)
+        ids = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
+        call: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if name != "hf:bert":
+            call["use_cache"] = False
+        return getattr(transformers, model_cls)(cfg), (), call
     import timm
 
-    model = timm.create_model(name, pretrained=False, **kwargs)
-    x = torch.randn(1, 3, size, size)
+    return timm.create_model(name, pretrained=False, **kwargs), (torch.randn(1, 3, size, size),), None
+
+
+def measure(name: str, kwargs: dict[str, Any], size: int, repeats: int) -> dict[str, Any]:
+    model, args, call = build(name, kwargs, size)
     times, certify_times = [], []
     for _ in range(repeats):
         start = time.perf_counter()
-        report = find_symmetries(model, x)
+        report = find_symmetries(model, *args, example_kwargs=call)
         times.append(time.perf_counter() - start)
         certify_times.append(report.certify_seconds)
     start = time.perf_counter()
-    find_symmetries(model, x, certify=False)
+    find_symmetries(model, *args, example_kwargs=call, certify=False)
     unchecked = time.perf_counter() - start
     kinds = [s.action for s in report.sites]
     return {
@@ -154,6 +189,9 @@ def main() -> None:
     repeats = 1 if args.quick else args.repeats
     rows = []
     for name, kwargs in zoo:
+        if name in HF_ZOO and importlib.util.find_spec("transformers") is None:
+            print(f"{name}: skipped (transformers is not installed: pip install -e '.[hf]')", flush=True)
+            continue
         rows.append(measure(name, kwargs, size, repeats))
         print(
             f"{name}: {rows[-1]['sites']} sites, coverage {100 * rows[-1]['coverage']:.1f}%, {rows[-1]['seconds_median']:.2f} s", flush=True
@@ -161,7 +199,9 @@ def main() -> None:
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
     date = datetime.date.today().isoformat()
     print()
-    print(f"# find_symmetries coverage ({date}; {machine}; CPU, float32, batch 1 at {size}x{size}, median of {repeats})")
+    print(
+        f"# find_symmetries coverage ({date}; {machine}; CPU, float32, timm: batch 1 at {size}x{size}, hf: 16 tokens; median of {repeats})"
+    )
     print(table(rows))
     goal_name, goal_s = TIME_GOAL
     for r in rows:
