@@ -302,4 +302,5 @@ def test_an_op_without_double_backward_fails_with_what_to_do_and_moves_nothing()
     for n, t in model.state_dict().items():
         assert torch.equal(t, before[n]), n
     model.blocks[0].attn.fused_attn = False
-    assert teleport(model).reason != ""
+    report = teleport(model)
+    assert report.accepted and report.check_error <= 1e-10  # float64: outputs unchanged to round-off

@@ -135,6 +135,7 @@ class BoundaryStep:
         start = float(score.detach())
         points = []
         for grp, g, radius, x0 in zip(problem.groups, grads, problem.trust_regions, problem.start):
+            # every radius is finite here (checked above); the test narrows the type
             point = None if g is None or radius is None else grp.boundary_point(g.detach(), radius)
             if point is None and g is not None and bool((g != 0).any()):
                 return self.fallback.search(problem)  # a group without a boundary point
