@@ -121,6 +121,51 @@ def teleport_cost(policy: TeleportPolicy, size: int, reps: int) -> dict[str, flo
     }
 
 
+def teleport_in_teleport_cost(policy: TeleportPolicy, width: int, reps: int) -> dict[str, Any]:
+    """A policy teleport inside ``Teleport`` (plan, policy, apply, output check) vs one training iteration.
+
+    The policy, meta-trained on the small problems, chooses the per-unit scales of the
+    LeakyReLU rescaling site of a 784-``width``-10 MLP (batch 256, SGD, float32); the
+    training iteration is forward, backward and the SGD step.  Medians over ``reps``,
+    interleaved.
+    """
+    from torch import nn
+
+    from teleopt import Site
+    from teleopt.actions import PositiveRescaling
+    from teleopt.learned_teleport import PolicySearch
+    from teleopt.teleport import SearchConfig, Teleport
+
+    gen = torch.Generator().manual_seed(7)
+    model = nn.Sequential(nn.Linear(784, width, bias=False), nn.LeakyReLU(0.1), nn.Linear(width, 10, bias=False))
+    x, y = torch.randn(256, 784, generator=gen), torch.randn(256, 10, generator=gen)
+    site = Site(PositiveRescaling("leaky_relu", negative_slope=0.1), ("0.weight", None, "2.weight"))
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, [site], search=SearchConfig(strategy=PolicySearch(policy)))
+
+    def backward() -> None:
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+
+    t_step, t_tele, accepted = [], [], 0
+    for _ in range(reps):
+        a = time.perf_counter()
+        backward()
+        opt.base.step()
+        t_step.append(time.perf_counter() - a)
+        backward()
+        a = time.perf_counter()
+        accepted += opt.teleport().accepted
+        t_tele.append(time.perf_counter() - a)
+    return {
+        "model": f"784-{width}-10 MLP, batch 256, SGD, float32",
+        "iteration_ms": 1e3 * statistics.median(t_step),
+        "teleport_ms": 1e3 * statistics.median(t_tele),
+        "teleport_over_iteration": statistics.median(t_tele) / statistics.median(t_step),
+        "accepted": accepted,
+        "reps": reps,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 seeds, 4 trajectories of 30 steps, sizes 10 / 16")
@@ -131,6 +176,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--size", type=int, default=None, help="n = h = m = k of the problems (default 20, quick 10)")
     parser.add_argument(
         "--transfer-size", type=int, default=None, help="larger test problems for the trained policies (default 40, quick 16)"
+    )
+    parser.add_argument(
+        "--mlp-width", type=int, default=1024, help="hidden width of the MLP the policy teleports inside Teleport (cost only)"
     )
     parser.add_argument("--test", type=int, default=5, help="held-out test problems")
     parser.add_argument("--gd-lr", type=float, default=3e-4)
@@ -194,6 +242,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "transfer_final_per_seed": [c[-1] for c in big_curves],
         }
     cost = teleport_cost(trained_tele, args.size, reps=20 if args.quick else 200)
+    in_teleport = teleport_in_teleport_cost(trained_tele, args.mlp_width, reps=10 if args.quick else 50)
 
     print(
         f"Learning to teleport (Zhao 2026 Sec. 5.5, Fig. 5.12): {s}x{s} problems, {args.test} held-out, "
@@ -215,12 +264,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"policy teleport {cost['teleport_ms']:.3f} ms vs training step {cost['train_step_ms']:.3f} ms "
         f"(ratio {cost['teleport_over_step']:.2f}); loss change in float64 {cost['loss_rel_change_float64']:.1e}"
     )
+    print(
+        f"inside Teleport on a {in_teleport['model']}: teleport {in_teleport['teleport_ms']:.2f} ms vs training "
+        f"iteration {in_teleport['iteration_ms']:.2f} ms (ratio {in_teleport['teleport_over_iteration']:.2f}); "
+        f"accepted {in_teleport['accepted']}/{in_teleport['reps']}"
+    )
 
     result = {
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
         "arms": arms,
         "ordering_reproduced": reproduced,
         "teleport_cost": cost,
+        "teleport_in_teleport_cost": in_teleport,
     }
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -261,3 +261,44 @@ def test_a_policy_chooses_teleport_elements_inside_teleport_exactly_and_cheaply(
         opt.base.step()
     step_s = (time.perf_counter() - start) / 5
     assert teleport_s < 20 * step_s + 0.05, (teleport_s, step_s)
+
+
+def test_policy_search_reads_its_inputs_from_the_fast_path_statistics():
+    """PolicySearch's features (one backward over the reduced gradient statistics) equal the policy's own
+    per-site features through each action's gradient transport, also for two sites sharing a tensor."""
+    from teleopt.learned_teleport import PolicySearch
+    from teleopt.learned_teleport.policy import _norm_gradient
+    from teleopt.learned_teleport.search import _fast_features
+    from teleopt.teleport import SearchConfig, Teleport
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(6, 9, bias=False), nn.LeakyReLU(0.1), nn.Linear(9, 7, bias=False), nn.LeakyReLU(0.1), nn.Linear(7, 3, bias=False)
+    ).double()
+    sites = [
+        Site(PositiveRescaling("leaky_relu", negative_slope=0.1), ("0.weight", None, "2.weight")),
+        Site(PositiveRescaling("leaky_relu", negative_slope=0.1), ("2.weight", None, "4.weight")),
+    ]
+    seen = []
+
+    class Recording(PolicySearch):
+        def search(self, problem):
+            seen.append(problem)
+            return super().search(problem)
+
+    policy = randomised_policy(5, teleport_scale=0.2)
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, sites, search=SearchConfig(strategy=Recording(policy)))
+    x = torch.randn(32, 6, dtype=torch.float64)
+    opt.zero_grad()
+    (model(x) ** 2).sum().backward()
+    tensors = dict(model.named_parameters())
+    grads = {n: p.grad.clone() for n, p in tensors.items()}
+    own = [
+        _norm_gradient(s, tuple(None if m is None else tensors[m].detach() for m in s.members), grads, torch.Size([n]))
+        for s, n in zip(sites, (9, 7))
+    ]
+    assert opt.teleport().accepted
+    fast = _fast_features(seen[0])
+    for a, b in zip(fast, own):
+        assert a.shape == b.shape and b.abs().max() > 0
+        torch.testing.assert_close(a.to(b.dtype), b, rtol=1e-12, atol=1e-12 * float(b.abs().max()))

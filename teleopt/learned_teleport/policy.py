@@ -109,6 +109,21 @@ def _site_params(site: Site, tensors: Mapping[str, Tensor]) -> tuple[Tensor | No
     return tuple(out)
 
 
+def _norm_gradient(site: Site, params: tuple[Tensor | None, ...], grads: Mapping[str, Tensor], shape: tuple[int, ...]) -> Tensor:
+    """d/dxi ||grad L(exp(xi) . w)||^2 at xi = 0 for one site, through its action's gradient transport."""
+    ref = next(p for p in params if p is not None)
+    grad = tuple(
+        None if m is None or p is None else (torch.zeros_like(p) if m not in grads or grads[m] is None else grads[m].detach())
+        for m, p in zip(site.members, params)
+    )
+    with torch.enable_grad():
+        xi0 = torch.zeros(shape, dtype=ref.dtype, device=ref.device, requires_grad=True)
+        moved = site.action.transport_gradient(site.action.exp(xi0, params), grad)
+        squares = [(t**2).sum() for t in moved if t is not None]
+        (feat,) = torch.autograd.grad(sum(squares[1:], squares[0]), xi0)
+    return feat
+
+
 def _detached(site: Site, tensors: Mapping[str, Tensor]) -> tuple[Tensor | None, ...]:
     return tuple(None if p is None else p.detach() for p in _site_params(site, tensors))
 
@@ -214,17 +229,24 @@ class TeleportPolicy(nn.Module):
         tensors: Mapping[str, Tensor],
         grads: Mapping[str, Tensor],
         state: dict[str, Any] | None = None,
+        features: Sequence[Tensor] | None = None,
     ) -> list[Tensor]:
         """For each site, the Lie algebra coordinates xi of the element (zeros without teleport).
 
         The group network reads the gradient of ||grad L(exp(xi) . w)||^2 at xi = 0
         (coordinate-wise, so one policy serves any layer width) and outputs xi; this is
         what :class:`PolicySearch` hands to :class:`~teleopt.teleport.Teleport`.
+        ``features``, when given, are those gradients per site, computed by the caller
+        (``PolicySearch`` takes them from the fast path's reduced gradient statistics,
+        one backward over O(units) numbers instead of one through every member); by
+        default they are computed here through the action's gradient transport.
         """
         sites = as_sites(sites)
         state = self.new_state() if state is None else state
+        if features is not None and len(features) != len(sites):
+            raise ValueError(f"features: one tensor per site expected, got {len(features)} for {len(sites)} sites")
         out = []
-        for site in sites:
+        for index, site in enumerate(sites):
             _check_site(site)
             params = _detached(site, tensors)
             ref = next(p for p in params if p is not None)
@@ -233,16 +255,7 @@ class TeleportPolicy(nn.Module):
             if self.group_net is None:
                 out.append(torch.zeros(shape, dtype=ref.dtype, device=ref.device))
                 continue
-            grad = tuple(
-                None if m is None or p is None else (torch.zeros_like(p) if m not in grads or grads[m] is None else grads[m].detach())
-                for m, p in zip(site.members, params)
-            )
-            with torch.enable_grad():
-                xi0 = torch.zeros(shape, dtype=ref.dtype, device=ref.device, requires_grad=True)
-                moved = site.action.transport_gradient(site.action.exp(xi0, params), grad)
-                squares = [(t**2).sum() for t in moved if t is not None]
-                obj = sum(squares[1:], squares[0])
-                (feat,) = torch.autograd.grad(obj, xi0)
+            feat = _norm_gradient(site, params, grads, shape) if features is None else features[index].detach().reshape(shape)
             raw, state["group"][site.name] = self.group_net(preprocess_gradient(feat), state["group"].get(site.name))
             out.append((self.config["teleport_scale"] * raw).reshape(shape).to(ref.dtype))
         return out

@@ -12,8 +12,10 @@ whatever the policy learned.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from teleopt.learned_teleport.policy import TeleportPolicy
+from teleopt.teleport.fast_path import FastEvaluator
 from teleopt.teleport.search import SearchProblem, SearchResult
 
 __all__ = ["PolicySearch"]
@@ -36,7 +38,8 @@ class PolicySearch:
     def search(self, problem: SearchProblem) -> SearchResult:
         ctx = problem.evaluator.ctx
         grads = {n: t.grad for n, t in ctx.trainable.items() if t.grad is not None}
-        coords = self.policy.coordinates(problem.sites, ctx.tensors, grads, self.state)
+        features = _fast_features(problem) if isinstance(problem.evaluator, FastEvaluator) else None
+        coords = self.policy.coordinates(problem.sites, ctx.tensors, grads, self.state, features=features)
         self.policy.detach_state(self.state)
         out = []
         for xi, start, group, radius in zip(coords, problem.start, problem.groups, problem.trust_regions):
@@ -45,3 +48,16 @@ class PolicySearch:
                 group.project_coordinates(xi, radius)
             out.append(xi)
         return SearchResult(out)
+
+
+def _fast_features(problem: SearchProblem) -> list[Tensor]:
+    """The policy's inputs, d/dxi ||grad L(exp(xi) . w)||^2 at xi = 0 per site, from the fast path's
+    gradient statistics (already reduced to the groups' sizes when the evaluator was built): one
+    backward over O(units) numbers.  At xi = 0 the derivative for one site involves only the
+    tensors it acts on, so it equals :meth:`TeleportPolicy.coordinates`' own per-site feature."""
+    evaluator = problem.evaluator
+    assert isinstance(evaluator, FastEvaluator)  # the caller checked
+    with torch.enable_grad():
+        coords = [xi.detach().clone().requires_grad_(True) for xi in problem.start]
+        value = evaluator.norm_model.value(evaluator.elements(coords))
+        return list(torch.autograd.grad(value, coords, allow_unused=True, materialize_grads=True))

@@ -185,7 +185,12 @@ def seeded(module: nn.Module, seed: int) -> Iterator[None]:
     """Run inside with the RNG forked (CPU and the model's CUDA devices) and seeded by ``seed``."""
     devices = _cuda_devices(module)
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
+        # the CPU generator and the model's CUDA devices only: ``torch.manual_seed`` would also
+        # queue a lazy seeding of every CUDA device, which records a stack trace (about 1 ms)
+        torch.default_generator.manual_seed(seed)
+        for index in devices:
+            with torch.cuda.device(index):
+                torch.cuda.manual_seed(seed)
         yield
 
 
