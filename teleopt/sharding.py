@@ -27,7 +27,20 @@ from typing import Any, TypeGuard
 import torch
 from torch import Tensor, nn
 
-__all__ = ["is_sharded", "local", "full", "shard_like", "from_local_like", "write_", "total_sum", "square_sum", "sharded_module", "reshard"]
+__all__ = [
+    "is_sharded",
+    "local",
+    "full",
+    "shard_like",
+    "replicate_like",
+    "from_local_like",
+    "write_",
+    "total_sum",
+    "square_sum",
+    "sharded_module",
+    "reshard",
+    "CommunicatedBytes",
+]
 
 try:  # torch built without distributed support has no DTensor
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -81,10 +94,25 @@ def from_local_like(value: Tensor, like: Tensor) -> Tensor:
     return value
 
 
+def replicate_like(value: Tensor, like: Tensor) -> Tensor:
+    """``value`` (identical on every rank) as a replicated ``DTensor`` on ``like``'s mesh, so that
+    arithmetic with ``like``'s shards stays local; ``value`` itself when ``like`` is not sharded."""
+    if is_sharded(like):
+        from torch.distributed.tensor import Replicate
+
+        mesh = like.device_mesh
+        return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return value
+
+
 @torch.no_grad()
 def write_(dst: Tensor, value: Tensor) -> None:
-    """Copy the whole tensor ``value`` into ``dst`` in place; a sharded ``dst`` takes only its shard."""
+    """Copy the whole tensor ``value`` into ``dst`` in place; a sharded ``dst`` takes only its shard
+    (with no communication when ``value`` is laid out like ``dst`` already)."""
     if is_sharded(dst):
+        if is_sharded(value) and value.placements == dst.placements and value.device_mesh == dst.device_mesh:
+            local(dst).copy_(local(value))
+            return
         local(dst).copy_(local(shard_like(full(value), dst)))
     else:
         dst.copy_(value)
@@ -132,6 +160,20 @@ def sharded_module(module: nn.Module) -> bool:
     return any(is_sharded(p) for p in module.parameters())
 
 
+def unsupported_layout(module: nn.Module) -> str | None:
+    """Why ``module``'s ``DTensor`` parameters are laid out in a way a teleport does not support (``None``:
+    supported).  Supported: FSDP2's default, a 1-D mesh with ``Shard(0)``; refused: 2-D meshes (HSDP,
+    FSDP with tensor parallelism) and other placements (tensor-parallel ``Shard(1)``, ``Replicate``)."""
+    for name, p in module.named_parameters():
+        if not is_sharded(p):
+            continue
+        if p.device_mesh.ndim != 1:
+            return f"{name!r} on a {p.device_mesh.ndim}-D device mesh (HSDP or tensor parallelism); 1-D FSDP2 meshes only"
+        if not (p.placements[0].is_shard() and getattr(p.placements[0], "dim", None) == 0):
+            return f"{name!r} placed {p.placements} (tensor parallelism?); FSDP2's Shard(0) only"
+    return None
+
+
 def reshard(module: nn.Module) -> None:
     """Reshard every FSDP2 submodule of ``module`` (no-op elsewhere).
 
@@ -148,3 +190,59 @@ def reshard(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
+
+
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+_SENT_ARGUMENTS = ("tensors", "input_tensors", "input_tensor", "input", "inputs", "tensor")
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+class CommunicatedBytes:
+    """Count the bytes this rank hands to collectives while inside (``with CommunicatedBytes() as c``).
+
+    Every ``torch.distributed`` collective (``all_reduce``, ``broadcast``, ``all_gather``, ...)
+    and every functional collective (what ``DTensor`` redistributions use) goes through the
+    dispatcher; a dispatch mode adds the sizes of the tensors each call sends (its input
+    arguments, not its output buffers; ``wait_tensor`` is not a transfer).  ``bytes`` is the
+    total, ``calls`` the count per operator.  What a collective moves over the wire depends
+    on the algorithm (a ring all-reduce sends about twice its input); this counts the input.
+    """
+
+    def __init__(self) -> None:
+        from collections import Counter
+
+        self.bytes = 0
+        self.calls: Counter[str] = Counter()
+        self._mode: Any = None
+
+    def __enter__(self) -> CommunicatedBytes:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                kwargs = kwargs or {}
+                if func.namespace in _COLLECTIVE_NAMESPACES and "wait" not in func.__name__:
+                    sent = 0
+                    for i, arg in enumerate(func._schema.arguments):
+                        value = args[i] if i < len(args) else kwargs.get(arg.name)
+                        if arg.name in _SENT_ARGUMENTS:
+                            sent += _tensor_bytes(value)
+                    counter.bytes += sent
+                    counter.calls[str(func.overloadpacket.__name__)] += 1
+                return func(*args, **kwargs)
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)

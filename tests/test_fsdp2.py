@@ -179,6 +179,19 @@ def _teleport_worker(rank: int, _: str) -> dict[str, Any]:
             refused[what] = "no error"
         except ValueError as error:
             refused[what] = str(error)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    hsdp = fully_shard(_mlp(), mesh=init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("replicate", "shard")))  # HSDP
+    tensor_parallel = nn.Linear(6, 4)
+    tensor_parallel.weight = nn.Parameter(distribute_tensor(tensor_parallel.weight.detach(), init_device_mesh("cpu", (WORLD,)), [Shard(1)]))
+    for what, layout in {"hsdp": hsdp, "tensor_parallel": tensor_parallel}.items():
+        try:
+            Teleport(torch.optim.SGD(layout.parameters(), lr=0.1), layout, [])
+            refused[what] = "no error"
+        except ValueError as error:
+            refused[what] = str(error)
     from teleopt.teleport.distributed import check_identical
 
     try:  # the guard the engine runs on the elements notices ranks that disagree
@@ -210,7 +223,11 @@ def test_teleport_on_fsdp2_moves_every_shard_consistently(tmp_path):
     out = _spawn("teleport", str(tmp_path))
     for rank_out in out:
         # what needs the functional (unsharded) model is refused clearly
-        assert all("FSDP2" in why and "fast path only" in why for why in rank_out["refused"].values()), rank_out["refused"]
+        refused = rank_out["refused"]
+        assert all("FSDP2" in refused[what] and "fast path only" in refused[what] for what in ("auto", "general")), refused
+        # layouts other than FSDP2's are refused, naming what is supported
+        assert "2-D device mesh" in refused["hsdp"] and "1-D mesh, Shard(0)" in refused["hsdp"], refused
+        assert "Shard(dim=1)" in refused["tensor_parallel"] and "Shard(0)" in refused["tensor_parallel"], refused
         assert "differ across ranks" in rank_out["mismatch"]
         assert [accepted for _, accepted, _ in rank_out["scheduled"]] == [True, True], rank_out["scheduled"]
         assert rank_out["accepted"], rank_out["reason"]
@@ -229,8 +246,11 @@ def test_teleport_on_fsdp2_moves_every_shard_consistently(tmp_path):
             p.copy_(value)
             p.grad = grad.clone()
             opt.state[p] = {k: v.clone() for k, v in state.items()}
-    report = opt.teleport(batch=out[0]["batch"])
+    # on the global batch: the sharded teleport's caps compare with the loss averaged over ranks
+    global_batch = tuple(torch.cat([rank_out["batch"][i] for rank_out in out]) for i in range(2))
+    report = opt.teleport(batch=global_batch)
     assert report.accepted, report.reason
+    assert all(torch.equal(report.elements[k], out[0]["elements"][k]) for k in report.elements)
     after = out[0]["after"]
     errors = {
         "params": max(float((a - p.detach()).abs().max()) for a, p in zip(after["params"], model.parameters())),
@@ -325,16 +345,193 @@ def test_dcp_checkpoint_of_the_wrappers_resumes_exactly_on_two_ranks_and_on_one(
     assert max(errors) <= 1e-6, errors
 
 
+# ---------------------------------------------------------------------------- a CNN and a transformer, 2 and 4 ranks
+
+
+class _Block(nn.Module):
+    """A pre-norm transformer block: two-head attention with separate q, k, v, o and a ReLU MLP."""
+
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        # no key bias: its gradient is zero up to round-off (softmax over keys ignores q . b_k), and AdamW turns
+        # that round-off into lr-sized steps that differ between a sharded and an unsharded run
+        self.q, self.k, self.v, self.o = nn.Linear(dim, dim), nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.norm1(x)
+        q, k, v = (f(h).reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
+        att = torch.softmax(q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5, dim=-1)
+        x = x + self.o((att @ v).transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(torch.relu(self.fc1(self.norm2(x))))
+
+
+class _TinyTransformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 16)
+        self.block = _Block()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(x)).mean(dim=1))
+
+
+def _model(kind: str) -> tuple[nn.Module, list[Site], Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]]:
+    """A seeded model, its exact fast-path sites (detected on the unsharded model) and its data."""
+    from teleopt import find_symmetries
+    from teleopt.teleport.fast_path import fast_path_eligible
+
+    torch.manual_seed(0)
+    if kind == "cnn":
+        model: nn.Module = nn.Sequential(
+            nn.Conv2d(2, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 24, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(24, 3),
+        )
+        shape: tuple[int, ...] = (2, 4, 4)
+    else:
+        model = _TinyTransformer()
+        shape = (5, 4)
+
+    def data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        return torch.randn(4, *shape, generator=gen), torch.randn(4, 3, generator=gen)
+
+    sites = [s for s in find_symmetries(model, (data(0, 0)[0],)).sites if fast_path_eligible(s)]
+    return model, sites, data
+
+
+def _shard_all(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for m in model.children():  # each layer / transformer block its own unit (attention reads out_proj's weight itself)
+        if any(p.requires_grad for p in m.parameters()):
+            fully_shard(m)
+    fully_shard(model)
+    return model
+
+
+def _models_teleport(model: nn.Module, sites: list[Site], batch_fn: Callable[[], Any]) -> Teleport:
+    base = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    return Teleport(base, model, sites, loss_fn=_mse, every=2, ascent_steps=10, batch_fn=batch_fn)
+
+
+def _models_worker(rank: int, _: str) -> dict[str, Any]:
+    from teleopt.sharding import CommunicatedBytes
+
+    world = dist.get_world_size()
+    result: dict[str, Any] = {}
+    for kind in ("cnn", "transformer"):
+        model, sites, data = _model(kind)
+        n_params = sum(p.numel() for p in model.parameters())
+        model = _shard_all(model)
+        calls = iter(range(100))
+        opt = _models_teleport(model, sites, lambda data=data, calls=calls: data(rank, 50 + next(calls)))
+        after_teleports = []
+        for step in range(4):  # teleports at steps 0 and 2
+            x, y = data(rank, step)
+            opt.zero_grad()
+            _mse(model(x), y).backward()
+            opt.step()
+            if opt.reports and opt.reports[-1].step == step:
+                after_teleports.append([_full(p) for p in model.parameters()])
+        final = [_full(p) for p in model.parameters()]
+        x, y = data(rank, 10)
+        opt.zero_grad()
+        _mse(model(x), y).backward()
+        reshard(model)
+        with CommunicatedBytes() as forward_bytes:  # what one check forward costs (FSDP's own all-gathers)
+            with torch.no_grad():
+                model(x)
+            reshard(model)
+        with CommunicatedBytes() as teleport_bytes:
+            report = opt.teleport(batch=(x, y))
+        result[kind] = {
+            "sites": [s.name for s in sites],
+            "reports": [(r.step, r.accepted, r.reason) for r in opt.reports],
+            "after_teleports": after_teleports,
+            "final": final,
+            "accepted": report.accepted,
+            "reason": report.reason,
+            "teleport_bytes": teleport_bytes.bytes,
+            "forward_bytes": forward_bytes.bytes,
+            "param_bytes": 4 * n_params,
+            "calls": dict(teleport_bytes.calls),
+            "world": world,
+        }
+    return result
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_sharded_cnn_and_transformer_teleport_like_one_process(tmp_path, world):
+    """FSDP2 on every layer of a small CNN and a one-block transformer, 2 and 4 gloo ranks: sites detected on the
+    unsharded model, scheduled teleports at steps 0 and 2 under AdamW; every rank identical after each teleport,
+    the run matches one process on the global batches, and a teleport's own communication is measured.
+
+    Measured: the CNN (1 rescaling site between its convolutions, on the shards) and the transformer
+    (its exact sites, gathered) match one process to 1e-6; see the assertions for the bytes."""
+    out = _spawn("models", str(tmp_path), world)
+    for kind in ("cnn", "transformer"):
+        runs = [rank_out[kind] for rank_out in out]
+        assert runs[0]["sites"], f"{kind}: no site detected"
+        scheduled = [(step, accepted) for step, accepted, _ in runs[0]["reports"][:-1]]  # the last: the explicit one
+        assert (0, True) in scheduled, runs[0]["reports"]
+        for run in runs:
+            assert [(step, accepted) for step, accepted, _ in run["reports"]] == [
+                (step, accepted) for step, accepted, _ in runs[0]["reports"]
+            ]
+            assert run["accepted"], run["reason"]
+        for i in range(len(runs[0]["after_teleports"])):  # every rank holds identical full parameters, bitwise
+            assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0]["after_teleports"][i], run["after_teleports"][i]))
+        # one process, the same model, sites and schedule, on the global batches
+        model, sites, data = _model(kind)
+
+        def global_batch(
+            step: int, data: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] = data
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            parts = [data(rank, step) for rank in range(world)]
+            return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+
+        calls = iter(range(100))
+        opt = _models_teleport(model, sites, lambda global_batch=global_batch, calls=calls: global_batch(50 + next(calls)))
+        for step in range(4):
+            x, y = global_batch(step)
+            opt.zero_grad()
+            _mse(model(x), y).backward()
+            opt.step()
+        assert [(r.step, r.accepted) for r in opt.reports] == scheduled  # the same teleports, watch and rollbacks
+        errors = [float((a - p.detach()).abs().max()) for a, p in zip(runs[0]["final"], model.parameters())]
+        assert max(errors) <= 1e-5, (kind, errors)  # float32: the reductions add in another order over ranks
+        # a teleport's own communication: everything it sends but its two check forwards (FSDP's all-gathers)
+        own = [run["teleport_bytes"] - 2 * run["forward_bytes"] for run in runs]
+        if kind == "cnn":  # diagonal sites on the shards: per-unit statistics, never the parameters
+            assert max(own) <= 0.25 * runs[0]["param_bytes"], (own, runs[0]["param_bytes"], runs[0]["calls"])
+        else:  # GL attention sites: the site members, gradients and AdamW moments gathered whole
+            assert min(own) >= runs[0]["param_bytes"] // world, (own, runs[0]["param_bytes"])
+
+
 # ---------------------------------------------------------------------------- spawning
 
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "syre": _syre_worker,
     "teleport": _teleport_worker,
     "checkpoint": _checkpoint_worker,
+    "models": _models_worker,
 }
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str, scenario: str) -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(300, exit=True)  # a collective one rank never joins fails the test, not CI
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
@@ -350,7 +547,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, scenario: str) 
     os._exit(0)
 
 
-def _spawn(scenario: str, out_dir: str) -> list[dict[str, Any]]:
-    """Run ``SCENARIOS[scenario](rank, out_dir)`` on 2 gloo ranks (rendezvous file in ``out_dir``); results by rank."""
-    mp.spawn(_worker, args=(WORLD, os.path.join(out_dir, "init"), out_dir, scenario), nprocs=WORLD, join=True)
-    return [torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False) for rank in range(WORLD)]
+def _spawn(scenario: str, out_dir: str, world: int = WORLD) -> list[dict[str, Any]]:
+    """Run ``SCENARIOS[scenario](rank, out_dir)`` on ``world`` gloo ranks (rendezvous file in ``out_dir``); results by rank."""
+    mp.spawn(_worker, args=(world, os.path.join(out_dir, "init"), out_dir, scenario), nprocs=world, join=True)
+    return [torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False) for rank in range(world)]

@@ -16,13 +16,17 @@ rank-consistent by
 * taking the accept/rollback decision jointly (any rank rejects: all roll back).
 
 FSDP2 (``fully_shard``) shards every parameter across ranks (``DTensor``), so no
-rank holds the whole tensors a group action transforms.  A teleport of a sharded
-model gathers the site members, their gradients and optimizer state whole on
-every rank (``DTensor.full_tensor()``; transiently the full size of the site
-members, :class:`~teleopt.teleport.fast_path.FastEvaluator`), searches and moves
-them identically on every rank (the inputs are identical after the all-gather and
-the coordinates are broadcast; :func:`check_identical` verifies the elements),
-and each rank writes its own shard of the moved tensors back in place.  The
+rank holds the whole tensors a group action transforms.  A teleport of diagonal
+sites stays on the shards: the search reads per-unit gradient statistics reduced
+on each shard and communicated (O(units)), and each rank moves its own shards by
+the replicated elements.  Other sites are gathered whole on every rank
+(``DTensor.full_tensor()``; transiently the full size of the site members), moved
+identically there, and each rank writes its own shard back
+(:class:`~teleopt.teleport.fast_path.FastEvaluator`).  Either way the search runs
+on identical inputs everywhere, the coordinates are broadcast and
+:func:`check_identical` verifies the elements; the caps use the loss averaged
+over ranks (:func:`rank_mean`), so their decisions, and the collectives they
+make, agree on every rank.  The
 invariance check runs the sharded model's forward pass, on every rank.  FSDP1's
 ``FullyShardedDataParallel`` flattens parameters into one buffer, so site
 members have no names: :func:`check_supported_sharding` refuses it.
@@ -41,6 +45,7 @@ from teleopt.functional import Batch
 
 __all__ = [
     "is_distributed",
+    "rank_mean",
     "check_supported_sharding",
     "broadcast_",
     "broadcast_batch",
@@ -126,6 +131,15 @@ def any_rank(flag: bool, device: torch.device | str | None = None) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)
+
+
+def rank_mean(value: float, device: torch.device | str | None = None) -> float:
+    """The mean of ``value`` over ranks (``value`` itself outside ``torch.distributed``), in float64."""
+    if not is_distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item()) / dist.get_world_size()
 
 
 @torch.no_grad()

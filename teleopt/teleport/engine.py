@@ -41,7 +41,7 @@ from teleopt.teleport.ascent import shrink_to_feasible
 from teleopt.teleport.check import OutputCapture, OutputCheck, buffers_restored, float64_rerun, forward, seeded
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.coordinates import zero_coordinates
-from teleopt.teleport.distributed import any_rank, broadcast_, broadcast_batch, check_identical
+from teleopt.teleport.distributed import any_rank, broadcast_, broadcast_batch, check_identical, rank_mean
 from teleopt.teleport.evaluator import Evaluator
 from teleopt.teleport.fast_path import FastEvaluator, fast_path_eligible, member_tensors
 from teleopt.teleport.general_path import GeneralEvaluator, double_backward_hint
@@ -376,6 +376,8 @@ class TeleportEngine:
             plan.report.loss_before,
         )
         dec0 = None
+        if self.config.sharded and loss0 is not None:  # the global loss: the caps' bisection communicates
+            loss0 = rank_mean(loss0)
         if safety.max_predicted_decrease is not None and loss0 is not None and plan.ctx.model.supported and loss0 > safety.loss_floor:
             with torch.enable_grad():
                 dec0 = float(evaluator.first_order_decrease(evaluator.elements(start.identity)).detach())

@@ -34,7 +34,7 @@ from torch import Tensor
 from teleopt.actions.axis import AxisAction, Member
 from teleopt.actions.base import GroupAction
 from teleopt.groups import Group
-from teleopt.sharding import full, is_sharded, write_
+from teleopt.sharding import full, is_sharded, replicate_like, write_
 from teleopt.site import Site
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.state_policy import StatePolicy
@@ -93,7 +93,8 @@ class _Reduced:
         if all(_diagonal(grp) for _, _, grp in entries):
             self.kind = "scaling"
             other = [d for d in range(grad.ndim) if d not in axes]
-            S = (g.square().sum(dim=other) if other else g.square()).to(torch.float64)
+            # a sharded (FSDP2) gradient reduces on its shards; gathering S costs O(units), not O(parameters)
+            S = full(g.square().sum(dim=other) if other else g.square()).to(torch.float64)
             # S has the acted axes in increasing order; remember where each entry's axis went
             order = sorted(axes)
             self.positions = [order.index(a) for a in axes]
@@ -101,7 +102,7 @@ class _Reduced:
         else:
             self.kind = "matrix"
             (_, member, grp) = entries[0]
-            flat = g.to(torch.float64).movedim(axes[0], 0).reshape(grad.shape[axes[0]], -1)
+            flat = full(g).to(torch.float64).movedim(axes[0], 0).reshape(grad.shape[axes[0]], -1)
             self.K = flat @ flat.T
             self.eye = torch.eye(grp.dim, dtype=torch.float64, device=grad.device)
         self.identity_value = float(self.S.sum() if self.kind == "scaling" else self.K.trace())
@@ -145,6 +146,30 @@ def _square_factor(group: Group, g: Tensor, power: float) -> Tensor:
     return factor
 
 
+_Entries = dict[str, list[tuple[int, Member, Group]]]
+
+
+def _plan(
+    sites: Sequence[Site], groups: Sequence[Group], grads: Mapping[str, Tensor]
+) -> list[tuple[list[int], list[str], _Entries | None]]:
+    """Connected components of the sites over the tensors in ``grads``: (site indices, tensor names,
+    entries per tensor when every tensor reduces to its group axes, else ``None``)."""
+    out: list[tuple[list[int], list[str], _Entries | None]] = []
+    for site_ids, names in _components(sites, set(grads)):
+        entries: _Entries = {n: [] for n in names}
+        axis_only = all(isinstance(sites[i].action, AxisAction) for i in site_ids)
+        if axis_only:
+            for i in site_ids:
+                action = sites[i].action
+                assert isinstance(action, AxisAction)  # axis_only
+                for member, n in zip(action.members, sites[i].members):
+                    if n in entries:
+                        entries[n].append((i, member, groups[i]))
+        reducible = axis_only and all(_reducible(entries[n], grads[n].ndim) for n in names)
+        out.append((site_ids, names, entries if reducible else None))
+    return out
+
+
 class GradientNormModel:
     """||grad L(g . w)||^2 over the sites' tensors as a function of the elements (no model pass).
 
@@ -163,17 +188,8 @@ class GradientNormModel:
         self.groups = [site.action.group(member_tensors(site, like)) for site in self.sites]
         self.reduced: list[_Reduced] = []
         self.explicit: list[tuple[list[int], dict[str, Tensor]]] = []
-        for site_ids, names in _components(self.sites, set(grads)):
-            entries: dict[str, list[tuple[int, Member, Group]]] = {n: [] for n in names}
-            axis_only = all(isinstance(self.sites[i].action, AxisAction) for i in site_ids)
-            if axis_only:
-                for i in site_ids:
-                    action = self.sites[i].action
-                    assert isinstance(action, AxisAction)  # axis_only
-                    for member, n in zip(action.members, self.sites[i].members):
-                        if n in entries:
-                            entries[n].append((i, member, self.groups[i]))
-            if axis_only and all(_reducible(entries[n], grads[n].ndim) for n in names):
+        for site_ids, names, entries in _plan(self.sites, self.groups, grads):
+            if entries is not None:
                 self.reduced.extend(_Reduced(n, grads[n], entries[n]) for n in names)
             else:
                 self.explicit.append((site_ids, {n: grads[n] for n in names}))
@@ -224,12 +240,23 @@ class FastEvaluator:
         Whether :meth:`first_order_decrease` will be needed (precomputes the
         constant part over parameters no site touches).
 
-    Sharded (FSDP2 ``DTensor``) site members, their gradients and optimizer state
-    are gathered whole on every rank here (``full_tensor()``, a collective: every
-    rank builds the evaluator), so the search and the transport run on identical
-    whole tensors everywhere; :meth:`apply` writes each rank's shard of the moved
-    tensors back in place.  The extra memory is the whole size of the site members,
-    their gradients and their optimizer state, for the duration of the teleport.
+    Sharded (FSDP2 ``DTensor``) site members take one of two routes (every rank
+    builds the evaluator: both are collective):
+
+    * **on the shards** (:attr:`on_shards`), when every site is a diagonal axis
+      action (positive scalings, BatchNorm/LayerScale outputs, signs) on whole axes
+      of sharded members: the gradient statistics are reduced on each rank's shard
+      and only the reductions are communicated (O(units) per tensor acted on one
+      axis; a tensor acted on two axes, between two chained sites, sends its
+      squared gradient, the tensor's size once), and :meth:`apply` moves each
+      rank's shards of the parameters, gradients and optimizer state by the
+      replicated elements with no communication (``DTensor`` arithmetic);
+    * **gathered** otherwise (matrix groups, slices of fused tensors): the site
+      members, their gradients and optimizer state are gathered whole on every rank
+      (``full_tensor()``), searched and moved identically everywhere, and each rank
+      writes its own shard back; extra memory and communication are the whole size
+      of those tensors.
+
     Parameters outside the sites stay sharded (their constant terms are summed over
     ranks).  Unsharded tensors are used as they are, without copies.
     """
@@ -242,9 +269,16 @@ class FastEvaluator:
         self.ctx = ctx
         names = sorted({n for site in self.sites for n in site.tensor_names})  # the same gather order on every rank
         self.live = {n: ctx.tensors[n] for n in names}
-        self.like = {n: full(t) for n, t in self.live.items()}
-        self.grads = {n: full(g) for n, g in ctx.grads(names).items()}
-        self.states = {n: {k: full(v) if isinstance(v, Tensor) else v for k, v in st.items()} for n, st in ctx.states(names).items()}
+        grads = ctx.grads(names)
+        self.on_shards = _on_shards(self.sites, self.live, grads)
+        if self.on_shards:  # FSDP2, diagonal sites: everything stays sharded (see the class docs)
+            self.like = {n: t.detach() for n, t in self.live.items()}
+            self.grads = dict(grads)
+            self.states = ctx.states(names)
+        else:
+            self.like = {n: full(t) for n, t in self.live.items()}
+            self.grads = {n: full(g) for n, g in grads.items()}
+            self.states = {n: {k: full(v) if isinstance(v, Tensor) else v for k, v in st.items()} for n, st in ctx.states(names).items()}
         self.norm_model = GradientNormModel(self.sites, self.grads, self.like)
         self.groups = self.norm_model.groups
         self._own_exp = [type(site.action).exp is not GroupAction.exp for site in self.sites]
@@ -284,6 +318,13 @@ class FastEvaluator:
             return {s.name: None for s in self.sites}
         return {s.name: self.site_gain(i, e, n0) for i, (s, e) in enumerate(zip(self.sites, elements))}
 
+    def _placed(self, elements: Sequence[Tensor]) -> list[Tensor]:
+        """The elements as the sharded members need them: replicated ``DTensor``s on each site's mesh
+        when working on the shards (so ``DTensor`` arithmetic moves each rank's shard locally)."""
+        if not self.on_shards:
+            return list(elements)
+        return [replicate_like(g, next(self.like[n] for n in site.tensor_names)) for site, g in zip(self.sites, elements)]
+
     @torch.no_grad()
     def apply(self, elements: Sequence[Tensor]) -> Counter[str]:
         """Move the site members, their ``.grad`` and optimizer state to g . w in place (closed form).
@@ -298,6 +339,7 @@ class FastEvaluator:
         ctx, sites, like = self.ctx, self.sites, self.like
         for site, g in zip(sites, elements):  # before anything is written: an invalid element moves nothing
             site.action.validate_element(g, member_tensors(site, like))
+        elements = self._placed(elements)
         moved_grads, _ = transport(sites, elements, self.grads, like, "covector")
         for n, g in moved_grads.items():
             grad = ctx.trainable[n].grad
@@ -317,7 +359,7 @@ class FastEvaluator:
         """Whether :meth:`undo` restores ``.grad`` and the optimizer state after :meth:`apply`: the
         tensors are not sharded (the evaluator's copies of sharded ones would be stale) and the state
         policy transports or keeps every entry (:meth:`StatePolicy.invertible`; a reset is not undone)."""
-        if any(is_sharded(t) for t in self.live.values()):
+        if any(is_sharded(t) for t in self.live.values()):  # a rollback on shards restores local copies instead
             return False
         return self.ctx.policy.invertible(self.ctx.optimizer, self.states, self.like)
 
@@ -340,11 +382,11 @@ class FastEvaluator:
 
     def transported_grads(self, elements: Sequence[Tensor]) -> dict[str, Tensor]:
         """Gradients of the site members at g . w."""
-        return transport(self.sites, elements, self.grads, self.like, "covector")[0]
+        return transport(self.sites, self._placed(elements), self.grads, self.like, "covector")[0]
 
     def site_params(self, elements: Sequence[Tensor]) -> dict[str, Tensor]:
         """Site members at g . w."""
-        return transport(self.sites, elements, self.like, self.like, "params")[0]
+        return transport(self.sites, self._placed(elements), self.like, self.like, "params")[0]
 
     @torch.no_grad()
     def next_step_point(self, elements: Sequence[Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -378,10 +420,23 @@ class FastEvaluator:
         grads = self.transported_grads(elements)
         params = self.site_params(elements)
         states = {n: self.states[n] for n in grads if n in self.states}
-        moved = ctx.policy.move(ctx.optimizer, self.sites, elements, states, self.like, ctx.groups)
+        moved = ctx.policy.move(ctx.optimizer, self.sites, self._placed(elements), states, self.like, ctx.groups)
         total = torch.zeros((), dtype=torch.float64) + self.other_decrease
         for name, g in grads.items():
             state = moved.values.get(name, {})
             u = ctx.model.update(ctx.groups[name], params[name], g, state)
-            total = total + (g.to(torch.float64) * u.to(torch.float64)).sum()
+            total = total + full((g.to(torch.float64) * u.to(torch.float64)).sum())  # sharded: one scalar all-reduce
         return total
+
+
+def _on_shards(sites: Sequence[Site], live: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> bool:
+    """Whether a sharded teleport can stay on the shards (:class:`FastEvaluator`): every member is a
+    ``DTensor``, every site a diagonal axis action on whole axes, every gradient reducible."""
+    if not live or not all(is_sharded(t) for t in live.values()):
+        return False
+    if not all(isinstance(site.action, AxisAction) for site in sites):
+        return False
+    groups = [site.action.group(member_tensors(site, live)) for site in sites]
+    if not all(_diagonal(g) for g in groups):
+        return False
+    return all(entries is not None for _, _, entries in _plan(sites, groups, grads))

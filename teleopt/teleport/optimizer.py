@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from teleopt.functional import Batch, LossFn, as_batch
-from teleopt.sharding import reshard, sharded_module
+from teleopt.sharding import reshard, sharded_module, unsupported_layout
 from teleopt.site import Site
 from teleopt.teleport.check import OutputCapture, ProbeRecorder, seeded
 from teleopt.teleport.config import (
@@ -239,6 +239,9 @@ class Teleport(OptimizerWrapper):
 
     def _check_sharded(self, paper_compat: bool) -> None:
         """What an FSDP2 (``fully_shard``) model supports: explicit fast-path sites and objectives without a batch."""
+        layout = unsupported_layout(self._module)
+        if layout is not None:
+            raise ValueError(f"Teleport on a sharded model supports FSDP2's layout (a 1-D mesh, Shard(0)); not {layout}")
         why = None
         if self._sites is None:
             why = "sites='auto' (detection traces the model): detect on the unsharded model and pass the sites"
