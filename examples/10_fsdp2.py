@@ -1,0 +1,228 @@
+"""Example 10: Teleport and Syre on an FSDP2 (``fully_shard``) model, launched with torchrun.
+
+Every rank runs this script.  The sites are found on the unsharded model
+(``teleopt.find_symmetries``: detection traces the module, which a sharded model cannot
+give it), then every layer and the root are wrapped with ``fully_shard`` and
+``Syre(Teleport(AdamW))`` trains as usual: each rank computes on its own slice of every
+batch, FSDP2 averages the gradients, a scheduled teleport moves each rank's shards
+(the CNN's sites are channel rescalings, so only per-channel statistics are
+communicated; ``teleopt.sharding.CommunicatedBytes`` counts them) and Syre decays each
+shard towards its slice of the same whole-tensor anchor.  At the end the example checks
+that every rank holds identical full parameters, saves a distributed checkpoint
+(``torch.distributed.checkpoint``), loads it into a fresh model and optimizer and checks
+that the resumed run continues exactly.
+
+Data: scikit-learn's bundled digits (8x8 images, no download); a small CNN
+(conv-ReLU-max pool-conv-ReLU-average pool-linear).
+
+Run::
+
+    torchrun --nproc_per_node 2 examples/10_fsdp2.py     # gloo on CPU, NCCL on GPUs
+    python examples/10_fsdp2.py [--steps N] [--quick]    # runs the torchrun command above itself
+
+Needs: the ``demo`` extra (scikit-learn): ``pip install -e ".[demo]"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import teleopt  # noqa: E402
+from teleopt.checkpoint import load_optimizer_state_dict, optimizer_state_dict  # noqa: E402
+from teleopt.sharding import CommunicatedBytes, full  # noqa: E402
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
+
+
+def shard(model: nn.Module, device: torch.device) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def make_optimizer(model: nn.Module, sites: list[teleopt.Site], every: int) -> teleopt.Syre:
+    base = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    return teleopt.Syre(teleopt.Teleport(base, model, sites, every=every, warmup=every), gamma=1e-3, decoupled=True, seed=0)
+
+
+def digits(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(data.target)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm].to(device), y[perm].to(device)
+    return x[:1500], y[:1500], x[1500:], y[1500:]
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, steps: range, batch: int) -> float:
+    """Steps on the rank's slice of each global batch (FSDP2 averages the ranks' gradients)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loss = torch.zeros(())
+    for step in steps:
+        start = (step * batch * world) % (len(y) - batch * world)
+        idx = slice(start + rank * batch, start + (rank + 1) * batch)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        opt.step()
+    return float(loss.detach())
+
+
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if dist.get_backend() == "nccl" else torch.device("cpu")
+    x, y, x_test, y_test = digits(device)
+    model = make_model().to(device)
+    found = teleopt.find_symmetries(model, (x[:4],))  # on the unsharded model
+    sites = found.continuous_sites  # exact rescalings here; FSDP2 takes fast-path sites only
+    n_params = sum(p.numel() for p in model.parameters())
+    model = shard(model, device)
+    opt = make_optimizer(model, sites, args.every)
+    teleport = opt.base
+    assert isinstance(teleport, teleopt.Teleport)
+    half = args.steps // 2
+    train(model, opt, x, y, range(half), args.batch)
+
+    # one teleport more, counting what this rank sends (two check forwards gather the shards, as any forward does)
+    with CommunicatedBytes() as forward_bytes:
+        with torch.no_grad():
+            model(x[:32])
+    teleopt.sharding.reshard(model)
+    opt.zero_grad()
+    F.cross_entropy(model(x[:32]), y[:32]).backward()
+    with CommunicatedBytes() as teleport_bytes:
+        extra = teleport.teleport(batch=(x[:32], y[:32]))
+
+    # checkpoint, then keep training; a fresh model and optimizer resumed from the checkpoint must follow exactly
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    path = args.checkpoint
+    dcp.save({"model": get_model_state_dict(model), "optim": optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    final_loss = train(model, opt, x, y, range(half, args.steps), args.batch)
+    fresh = shard(make_model(seed=1).to(device), device)
+    resumed = make_optimizer(fresh, sites, args.every)
+    state = {"model": get_model_state_dict(fresh), "optim": optimizer_state_dict(fresh, resumed)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(fresh, state["model"])
+    load_optimizer_state_dict(fresh, resumed, state["optim"])
+    train(fresh, resumed, x, y, range(half, args.steps), args.batch)
+
+    params = [full(p).detach() for p in model.parameters()]
+    resumed_params = [full(p).detach() for p in fresh.parameters()]
+    # identical on every rank: the spread over ranks of every entry is zero
+    spread = 0.0
+    for p in params:
+        hi, lo = p.clone(), p.clone()
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        spread = max(spread, float((hi - lo).abs().max()))
+    with torch.no_grad():
+        accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
+    teleopt.sharding.reshard(model)
+    reports = teleport.reports
+    return {
+        "sites": [s.name for s in sites],
+        "teleports": [(r.step, r.accepted, r.reason) for r in reports],
+        "extra_accepted": extra.accepted,
+        "extra_gain": extra.gain,
+        "extra_elements": {k: (float(v.min()), float(v.max())) for k, v in extra.elements.items()},
+        "teleport_bytes": teleport_bytes.bytes - 2 * forward_bytes.bytes,
+        "param_bytes": 4 * n_params,
+        "rank_spread": spread,
+        "resumed_exactly": all(torch.equal(a, b) for a, b in zip(params, resumed_params)),
+        "final_loss": final_loss,
+        "accuracy": accuracy,
+        "world": dist.get_world_size(),
+    }
+
+
+def _report(result: dict[str, Any]) -> None:
+    print(f"FSDP2 on {result['world']} ranks; sites (found unsharded): {', '.join(result['sites'])}")
+    for step, accepted, reason in result["teleports"]:
+        print(f"  step {step:4d}: {reason if not accepted else 'teleport accepted'}")
+    print(
+        f"one teleport sent {result['teleport_bytes']} bytes per rank (its two check forwards excluded); "
+        f"the parameters are {result['param_bytes']} bytes"
+    )
+    print(f"ranks identical: {result['rank_spread'] == 0.0}; DCP resume continued exactly: {result['resumed_exactly']}")
+    print(f"final train loss {result['final_loss']:.4f}, test accuracy {result['accuracy']:.3f}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--every", type=int, default=100, help="teleport every this many steps (after as many warm-up steps)")
+    parser.add_argument("--batch", type=int, default=32, help="examples per rank and step")
+    parser.add_argument("--world", type=int, default=2, help="processes to start when not launched by torchrun")
+    parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "teleopt_example_10"), help="DCP directory")
+    parser.add_argument("--quick", action="store_true", help="200 steps, a teleport every 50")
+    raw = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(raw)
+    if args.quick:
+        args.steps, args.every = 200, 50
+    if "RANK" not in os.environ:  # not under torchrun: launch it, exactly as a user would
+        return _launch(args, raw)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    torch.set_num_threads(1)
+    result = worker(args)
+    if dist.get_rank() == 0:
+        _report(result)
+        if os.environ.get("TELEOPT_EXAMPLE_RESULT"):
+            torch.save(result, os.environ["TELEOPT_EXAMPLE_RESULT"])
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+def _launch(args: argparse.Namespace, raw: list[str]) -> dict[str, Any]:
+    """``torchrun --standalone --nproc_per_node WORLD`` this script (a free port on localhost); rank 0's result."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.pt")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world}", __file__]
+        command += raw + ["--checkpoint", os.path.join(tmp, "checkpoint")]
+        env = {**os.environ, "TELEOPT_EXAMPLE_RESULT": out, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"torchrun failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        print(done.stdout, end="")
+        return torch.load(out, weights_only=False)
+
+
+if __name__ == "__main__":
+    main()
