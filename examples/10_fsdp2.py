@@ -1,9 +1,9 @@
 """Example 10: Teleport and Syre on an FSDP2 (``fully_shard``) model, launched with torchrun.
 
-Every rank runs this script.  The sites are found on the unsharded model
-(``teleopt.find_symmetries``: detection traces the module, which a sharded model cannot
-give it), then every layer and the root are wrapped with ``fully_shard`` and
-``Syre(Teleport(AdamW))`` trains as usual: each rank computes on its own slice of every
+Every rank runs this script.  Every layer and the root are wrapped with ``fully_shard``,
+``Teleport(..., "auto", example_inputs=...)`` finds the model's exact symmetries on an
+unsharded copy (gathered once, when it is built), and ``Syre(Teleport(AdamW))`` trains
+as usual: each rank computes on its own slice of every
 batch, FSDP2 averages the gradients, a scheduled teleport moves each rank's shards
 (the CNN's sites are channel rescalings, so only per-channel statistics are
 communicated; ``teleopt.sharding.CommunicatedBytes`` counts them) and Syre decays each
@@ -69,9 +69,11 @@ def shard(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
-def make_optimizer(model: nn.Module, sites: list[teleopt.Site], every: int) -> teleopt.Syre:
+def make_optimizer(model: nn.Module, example: torch.Tensor, every: int) -> teleopt.Syre:
+    """``sites="auto"`` on the sharded model: detection runs once on an unsharded copy (gathered on every rank)."""
     base = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    return teleopt.Syre(teleopt.Teleport(base, model, sites, every=every, warmup=every), gamma=1e-3, decoupled=True, seed=0)
+    teleport = teleopt.Teleport(base, model, "auto", example_inputs=(example,), every=every, warmup=every)
+    return teleopt.Syre(teleport, gamma=1e-3, decoupled=True, seed=0)
 
 
 def digits(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -103,13 +105,11 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if dist.get_backend() == "nccl" else torch.device("cpu")
     x, y, x_test, y_test = digits(device)
     model = make_model().to(device)
-    found = teleopt.find_symmetries(model, (x[:4],))  # on the unsharded model
-    sites = found.continuous_sites  # exact rescalings here; FSDP2 takes fast-path sites only
     n_params = sum(p.numel() for p in model.parameters())
     model = shard(model, device)
-    opt = make_optimizer(model, sites, args.every)
+    opt = make_optimizer(model, x[:4], args.every)
     teleport = opt.base
-    assert isinstance(teleport, teleopt.Teleport)
+    assert isinstance(teleport, teleopt.Teleport) and teleport.sites is not None
     half = args.steps // 2
     train(model, opt, x, y, range(half), args.batch)
 
@@ -131,7 +131,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     dcp.save({"model": get_model_state_dict(model), "optim": optimizer_state_dict(model, opt)}, checkpoint_id=path)
     final_loss = train(model, opt, x, y, range(half, args.steps), args.batch)
     fresh = shard(make_model(seed=1).to(device), device)
-    resumed = make_optimizer(fresh, sites, args.every)
+    resumed = make_optimizer(fresh, x[:4], args.every)
     state = {"model": get_model_state_dict(fresh), "optim": optimizer_state_dict(fresh, resumed)}
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(fresh, state["model"])
@@ -152,7 +152,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     teleopt.sharding.reshard(model)
     reports = teleport.reports
     return {
-        "sites": [s.name for s in sites],
+        "sites": [s.name for s in teleport.sites],
         "teleports": [(r.step, r.accepted, r.reason) for r in reports],
         "extra_accepted": extra.accepted,
         "extra_gain": extra.gain,
@@ -168,7 +168,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _report(result: dict[str, Any]) -> None:
-    print(f"FSDP2 on {result['world']} ranks; sites (found unsharded): {', '.join(result['sites'])}")
+    print(f"FSDP2 on {result['world']} ranks; sites ('auto'): {', '.join(result['sites'])}")
     for step, accepted, reason in result["teleports"]:
         print(f"  step {step:4d}: {reason if not accepted else 'teleport accepted'}")
     print(

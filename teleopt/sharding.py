@@ -22,7 +22,7 @@ callers need no branch for the unsharded case.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, cast
 
 import torch
 from torch import Tensor, nn
@@ -158,6 +158,50 @@ def square_sum(tensors: Iterable[Tensor]) -> float:
 def sharded_module(module: nn.Module) -> bool:
     """Whether ``module`` has ``DTensor`` parameters (``fully_shard``, FSDP2)."""
     return any(is_sharded(p) for p in module.parameters())
+
+
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+@torch.no_grad()
+def unsharded_copy(module: nn.Module) -> nn.Module:
+    """An unsharded twin of an FSDP2 ``module`` for work that needs the whole module once (symmetry detection).
+
+    Every submodule becomes an instance of its own class again (``fully_shard`` swaps in
+    an ``FSDP<Class>`` subclass), with the same attributes, no hooks, whole copies of
+    its parameters (gathered: a collective, every rank must call this) and clones of its
+    buffers; parameter and module names are the original's.  Costs the model's full size
+    in memory and one all-gather of it; the original is not touched.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        FSDPModule = ()  # type: ignore[assignment,misc]
+    cls = next(c for c in type(module).__mro__ if not (isinstance(FSDPModule, type) and issubclass(c, FSDPModule)))
+    twin = cast(nn.Module, object.__new__(cls))  # FSDP's classes re-run __init__ in __new__; the state is copied below
+    twin.__dict__.update(module.__dict__)
+    for key in _HOOK_DICTS:
+        if key in twin.__dict__:
+            twin.__dict__[key] = type(module.__dict__[key])()
+    twin.__dict__["_parameters"] = {
+        n: None if p is None else nn.Parameter(full(p).detach().clone(), requires_grad=p.requires_grad)
+        for n, p in module._parameters.items()
+    }
+    twin.__dict__["_buffers"] = {n: None if b is None else full(b).clone() for n, b in module._buffers.items()}
+    twin.__dict__["_modules"] = {n: None if c is None else unsharded_copy(c) for n, c in module._modules.items()}
+    return twin
 
 
 def unsupported_layout(module: nn.Module) -> str | None:

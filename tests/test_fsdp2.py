@@ -11,7 +11,9 @@ compares.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -433,6 +435,9 @@ def _models_worker(rank: int, _: str) -> dict[str, Any]:
         model, sites, data = _model(kind)
         n_params = sum(p.numel() for p in model.parameters())
         model = _shard_all(model)
+        with pytest.warns(UserWarning) if kind == "transformer" else contextlib.nullcontext():  # LayerNorm sites left out
+            auto = Teleport(torch.optim.AdamW(model.parameters()), model, "auto", example_inputs=(data(rank, 0)[0],))
+        auto_sites = [s.name for s in auto.sites or []]
         calls = iter(range(100))
         opt = _models_teleport(model, sites, lambda data=data, calls=calls: data(rank, 50 + next(calls)))
         after_teleports = []
@@ -456,6 +461,7 @@ def _models_worker(rank: int, _: str) -> dict[str, Any]:
             report = opt.teleport(batch=(x, y))
         result[kind] = {
             "sites": [s.name for s in sites],
+            "auto_sites": auto_sites,
             "reports": [(r.step, r.accepted, r.reason) for r in opt.reports],
             "after_teleports": after_teleports,
             "final": final,
@@ -493,6 +499,12 @@ def test_a_sharded_cnn_and_transformer_teleport_like_one_process(tmp_path, world
             assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0]["after_teleports"][i], run["after_teleports"][i]))
         # one process, the same model, sites and schedule, on the global batches
         model, sites, data = _model(kind)
+        # sites="auto" on the sharded model (detected on an unsharded copy) picks what it picks unsharded
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            auto = Teleport(torch.optim.AdamW(model.parameters()), model, "auto", example_inputs=(data(0, 0)[0],))
+        assert all(run["auto_sites"] == [s.name for s in auto.sites or []] for run in runs), (runs[0]["auto_sites"], auto.sites)
+        assert runs[0]["auto_sites"]
 
         def global_batch(
             step: int, data: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] = data

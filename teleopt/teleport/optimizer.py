@@ -61,6 +61,7 @@ from teleopt.teleport.sites import (
     detect_sites,
     normalization_affine,
     scale_free_updates,
+    unsharded_twin,
     unusable,
     validate_sites,
 )
@@ -244,7 +245,7 @@ class Teleport(OptimizerWrapper):
             raise ValueError(f"Teleport on a sharded model supports FSDP2's layout (a 1-D mesh, Shard(0)); not {layout}")
         why = None
         if self._sites is None:
-            why = "sites='auto' (detection traces the model): detect on the unsharded model and pass the sites"
+            why = "sites='auto' without example_inputs (detection runs on an unsharded copy, built when Teleport is)"
         elif paper_compat:
             why = "paper_compat (its engine evaluates the model functionally)"
         elif self._objective.needs_batch:
@@ -264,8 +265,6 @@ class Teleport(OptimizerWrapper):
         if isinstance(sites, str):
             if sites != "auto":
                 raise ValueError(f"sites must be 'auto' or a list of Site, got {sites!r}")
-            if self._sharded:
-                return None  # refused by _check_sharded
             if self._example is not None:
                 found = self._detect(self._example)
         else:
@@ -288,8 +287,15 @@ class Teleport(OptimizerWrapper):
         Under a base optimizer whose steps are scale-free (Adam family, Adagrad, RMSprop, unmodelled
         ones) the normalisation-affine rescalings are left out as well: rescaling a norm's gain changes
         its effective learning rate there (it collapsed a ViT under AdamW in benchmarks/realistic)."""
-        found, skipped = detect_sites(self._module, self.param_groups, batch.inputs, batch.kwargs)
-        norm = [s.name for s in found if normalization_affine(s, self._module)] if scale_free_updates(self.innermost) else []
+        module, groups = self._module, self.param_groups
+        if self._sharded:  # detection traces the whole module: an unsharded twin, gathered once (same names)
+            module, groups = unsharded_twin(module, groups)
+        found, skipped = detect_sites(module, groups, batch.inputs, batch.kwargs)
+        if self._sharded:
+            for site in [s for s in found if not fast_path_eligible(s)]:
+                skipped[site.name] = "not a fast-path site (an FSDP2 teleport takes the fast path only)"
+            found = [s for s in found if fast_path_eligible(s)]
+        norm = [s.name for s in found if normalization_affine(s, module)] if scale_free_updates(self.innermost) else []
         if norm:
             shown = ", ".join(norm[:3]) + (f" and {len(norm) - 3} more" if len(norm) > 3 else "")
             warnings.warn(

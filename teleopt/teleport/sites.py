@@ -29,6 +29,7 @@ __all__ = [
     "unusable",
     "normalization_affine",
     "scale_free_updates",
+    "unsharded_twin",
 ]
 
 _NORMS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm) + (
@@ -180,6 +181,20 @@ def detect_sites(
         skipped=skipped,
     )
     return sites, skipped
+
+
+def unsharded_twin(module: nn.Module, param_groups: Sequence[dict[str, Any]]) -> tuple[nn.Module, list[dict[str, Any]]]:
+    """For ``sites="auto"`` on an FSDP2 model: an unsharded copy to detect on
+    (:func:`teleopt.sharding.unsharded_copy`, a collective) and ``param_groups`` with each
+    parameter replaced by the copy's parameter of the same name; detected sites name the
+    original's tensors."""
+    from teleopt.sharding import unsharded_copy
+
+    twin = unsharded_copy(module)
+    names = {id(p): n for n, p in module.named_parameters()}
+    params = dict(twin.named_parameters())
+    groups = [{**g, "params": [params[names[id(p)]] for p in g["params"] if id(p) in names]} for g in param_groups]
+    return twin, groups
 
 
 def _is_norm(module: nn.Module) -> bool:
