@@ -220,6 +220,49 @@ def test_overlapping_sites_compose_in_list_order():
         assert_close(a[n], b[n], RTOL, f"{n}: scalings of rows and columns commute")
 
 
+@pytest.mark.parametrize("kind", ["params", "covector", "second_moment"])
+def test_in_place_transport_is_bitwise_the_out_of_place_one(kind):
+    """transport_ (the apply phase of diagonal sites: no copies) multiplies each tensor in place by exactly the
+    factors transport() uses, in the same order; it touches nothing when a site is not diagonal."""
+    from teleopt.teleport.transport import transport_
+
+    gen = torch.Generator().manual_seed(11)
+    sites = rescaling_sites()  # two chained rescalings with biases: w2 is scaled on both axes
+    live = {n: p.detach() for n, p in mlp().named_parameters()}
+    elements = [torch.exp(torch.randn(n, generator=gen, dtype=torch.float64)) for n in (6, 7)]
+    values = {n: t.clone().float() for n, t in live.items()}  # float32: the factors are cast as act_on_axis casts them
+    expected, missing = transport(sites, elements, values, live, kind)
+    assert not missing
+    ids = {n: id(t) for n, t in values.items()}
+    assert transport_(sites, elements, values, live, kind)
+    for n, t in values.items():
+        assert id(t) == ids[n] and torch.equal(t, expected[n]), n  # the same tensor, bitwise the same values
+    gl = Site(get_action("gl_linear"), ("0.weight", "0.bias", "2.weight"))
+    before = {n: t.clone() for n, t in values.items()}
+    g = get_action("gl_linear").exp(0.1 * torch.randn(6, 6, generator=gen, dtype=torch.float64), (live["0.weight"], None, live["2.weight"]))
+    assert not transport_([gl], [g], values, live, kind)
+    assert all(torch.equal(values[n], before[n]) for n in values)  # untouched
+
+
+def test_a_diagonal_teleport_moves_the_live_tensors_in_place():
+    """After a fast-path teleport of rescaling sites under Adam the parameters, .grad and moments are the same
+    tensor objects as before (moved in place), with the values the out-of-place transport gives."""
+    sites = rescaling_sites()
+    model, base, opt = _adam_setup(sites)
+    params = dict(model.named_parameters())
+    ids = {n: (id(p.grad), id(base.state[p]["exp_avg"]), id(base.state[p]["exp_avg_sq"])) for n, p in params.items()}
+    like = {n: p.detach().clone() for n, p in params.items()}
+    grads = {n: p.grad.clone() for n, p in params.items()}
+    report = opt.teleport()
+    assert report.accepted
+    elements = [report.elements[s.name] for s in sites]
+    moved_params, _ = transport(sites, elements, like, like, "params")
+    moved_grads, _ = transport(sites, elements, grads, like, "covector")
+    for n, p in params.items():
+        assert (id(p.grad), id(base.state[p]["exp_avg"]), id(base.state[p]["exp_avg_sq"])) == ids[n]
+        assert torch.equal(p.detach(), moved_params[n].to(p.dtype)) and torch.equal(p.grad, moved_grads[n].to(p.dtype)), n
+
+
 def _adam_setup(action_sites, state_policy=None):
     model = mlp()
     x, y = data()

@@ -132,6 +132,11 @@ class Group(ABC):
     def act_on_axis(self, g: Tensor, x: Tensor, axis: int, power: float = 1) -> Tensor:
         """Transform ``x`` along ``axis`` (length ``dim``) by the representation ``power``."""
 
+    def act_on_axis_(self, g: Tensor, x: Tensor, axis: int, power: float = 1) -> bool:
+        """:meth:`act_on_axis` in place, when the representation is elementwise (diagonal groups); returns
+        whether it did (``False``: ``x`` untouched, use :meth:`act_on_axis`).  Bitwise the out-of-place result."""
+        return False
+
     def second_moment_power(self, power: float) -> float | None:
         """How elementwise second moments (Adam's exp_avg_sq) transform, if exactly.
 

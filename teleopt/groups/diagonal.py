@@ -58,6 +58,14 @@ class PositiveScaling(Group):
         shape[axis] = self.dim
         return x * factor.reshape(shape)
 
+    def act_on_axis_(self, g: Tensor, x: Tensor, axis: int, power: float = 1) -> bool:
+        self._check_axis(x, axis)
+        factor = g.to(x.dtype) if power == 1 else g.to(x.dtype) ** power  # as act_on_axis: bitwise the same
+        shape = [1] * x.ndim
+        shape[axis] = self.dim
+        x.mul_(factor.reshape(shape))
+        return True
+
     def second_moment_power(self, power: float) -> float | None:
         return 2 * power
 
@@ -162,6 +170,16 @@ class SignFlip(Group):
         shape = [1] * x.ndim
         shape[axis] = self.dim
         return x * g.to(x.dtype).reshape(shape)
+
+    def act_on_axis_(self, g: Tensor, x: Tensor, axis: int, power: float = 1) -> bool:
+        self._check_axis(x, axis)
+        if float(power) != int(power):
+            raise ValueError(f"sign flips need an integer power, got {power}")
+        if int(power) % 2:
+            shape = [1] * x.ndim
+            shape[axis] = self.dim
+            x.mul_(g.to(x.dtype).reshape(shape))
+        return True
 
     def second_moment_power(self, power: float) -> float | None:
         return 2 * power

@@ -38,7 +38,7 @@ from teleopt.sharding import full, is_sharded, replicate_like, write_
 from teleopt.site import Site
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.state_policy import StatePolicy
-from teleopt.teleport.transport import transport
+from teleopt.teleport.transport import transport, transport_
 
 __all__ = ["GradientNormModel", "FastEvaluator", "fast_path_eligible", "member_tensors"]
 
@@ -329,30 +329,34 @@ class FastEvaluator:
     def apply(self, elements: Sequence[Tensor]) -> Counter[str]:
         """Move the site members, their ``.grad`` and optimizer state to g . w in place (closed form).
 
-        The moved tensors are computed whole and written into the live ones (a
-        sharded live tensor takes its own shard), one kind at a time: gradients,
-        then optimizer state, then the parameters (which the other two read as
-        ``like``), so at most one kind's moved copies are alive at once (on
-        ``mlp-10M`` under Adam the peak extra memory of this phase fell from 4.7x
-        to about 1x the parameters).
+        Diagonal sites on whole axes of unsharded tensors are applied in place
+        (:func:`~teleopt.teleport.transport.transport_`: each tensor multiplied by its
+        factors, bitwise the out-of-place result, no copies).  Otherwise the moved
+        tensors are computed whole and written into the live ones (a sharded live
+        tensor takes its own shard), one kind at a time: gradients, then optimizer
+        state, then the parameters (which the other two read as ``like``), so at most
+        one kind's moved copies are alive at once.
         """
         ctx, sites, like = self.ctx, self.sites, self.like
         for site, g in zip(sites, elements):  # before anything is written: an invalid element moves nothing
             site.action.validate_element(g, member_tensors(site, like))
         elements = self._placed(elements)
-        moved_grads, _ = transport(sites, elements, self.grads, like, "covector")
-        for n, g in moved_grads.items():
-            grad = ctx.trainable[n].grad
-            assert grad is not None  # ctx.grads returned only parameters that have one
-            write_(grad, g)
-        del moved_grads
-        moved_state = ctx.policy.move(ctx.optimizer, sites, elements, self.states, like, ctx.groups)
+        in_place = not any(is_sharded(t) for t in self.live.values())  # unsharded: grads, state and like are live
+        if not (in_place and transport_(sites, elements, self.grads, like, "covector")):
+            moved_grads, _ = transport(sites, elements, self.grads, like, "covector")
+            for n, g in moved_grads.items():
+                grad = ctx.trainable[n].grad
+                assert grad is not None  # ctx.grads returned only parameters that have one
+                write_(grad, g)
+            del moved_grads
+        moved_state = ctx.policy.move(ctx.optimizer, sites, elements, self.states, like, ctx.groups, in_place=in_place)
         StatePolicy.write(ctx.states(self.live), moved_state)
         decisions = Counter(d for dec in moved_state.decisions.values() for d in dec.values())
         del moved_state
-        new_params, _ = transport(sites, elements, like, like, "params")
-        for n, t in self.live.items():
-            write_(t, new_params[n])
+        if not (in_place and transport_(sites, elements, self.live, like, "params")):
+            new_params, _ = transport(sites, elements, like, like, "params")
+            for n, t in self.live.items():
+                write_(t, new_params[n])
         return decisions
 
     def can_undo(self) -> bool:

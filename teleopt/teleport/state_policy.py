@@ -51,7 +51,7 @@ from torch.optim import Adagrad, Optimizer
 from teleopt.sharding import write_
 from teleopt.site import Site
 from teleopt.teleport.optimizer_model import StateRole, state_role
-from teleopt.teleport.transport import TensorKind, transport
+from teleopt.teleport.transport import TensorKind, transport, transport_
 
 __all__ = ["StatePolicy", "POLICIES", "MovedState"]
 
@@ -167,11 +167,15 @@ class StatePolicy:
         states: Mapping[str, Mapping[str, Any]],
         like: Mapping[str, Tensor],
         groups: Mapping[str, dict[str, Any]],
+        in_place: bool = False,
     ) -> MovedState:
         """The state of every site parameter at g . w (differentiable in the elements).
 
         ``states`` maps parameter names to their optimizer state (names without
-        state are skipped), ``groups`` parameter names to their param group.
+        state are skipped), ``groups`` parameter names to their param group.  With
+        ``in_place``, moments of diagonal sites are moved in the given tensors
+        themselves (:func:`~teleopt.teleport.transport.transport_`; the result holds
+        the same tensors), others as without it.
         """
         roles: dict[str, dict[str, StateRole]] = {}
         by_role: dict[str, dict[str, Tensor]] = {"first_moment": {}, "second_moment": {}}
@@ -206,7 +210,10 @@ class StatePolicy:
             keys = {k.split("\x00", 1)[1] for k in by_role[moment]}
             for key in keys:
                 values = {k.split("\x00", 1)[0]: v for k, v in by_role[moment].items() if k.endswith("\x00" + key)}
-                out, missing = transport(sites, elements, values, like, kind)
+                if in_place and transport_(sites, elements, values, like, kind):
+                    out, missing = dict(values), set[str]()
+                else:
+                    out, missing = transport(sites, elements, values, like, kind)
                 moved[key] = out
                 no_rule[key] = no_rule.get(key, set()) | missing
         result = MovedState()
