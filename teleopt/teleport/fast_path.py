@@ -341,7 +341,8 @@ class FastEvaluator:
         for site, g in zip(sites, elements):  # before anything is written: an invalid element moves nothing
             site.action.validate_element(g, member_tensors(site, like))
         elements = self._placed(elements)
-        in_place = not any(is_sharded(t) for t in self.live.values())  # unsharded: grads, state and like are live
+        # grads, state and like are the live tensors (unsharded, or FSDP2 on the shards: local DTensor arithmetic)
+        in_place = self.on_shards or not any(is_sharded(t) for t in self.live.values())
         if not (in_place and transport_(sites, elements, self.grads, like, "covector")):
             moved_grads, _ = transport(sites, elements, self.grads, like, "covector")
             for n, g in moved_grads.items():
