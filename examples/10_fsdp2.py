@@ -155,8 +155,6 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         "sites": [s.name for s in teleport.sites],
         "teleports": [(r.step, r.accepted, r.reason) for r in reports],
         "extra_accepted": extra.accepted,
-        "extra_gain": extra.gain,
-        "extra_elements": {k: (float(v.min()), float(v.max())) for k, v in extra.elements.items()},
         "teleport_bytes": teleport_bytes.bytes - 2 * forward_bytes.bytes,
         "param_bytes": 4 * n_params,
         "rank_spread": spread,

@@ -17,6 +17,12 @@ three ways, each with one helper here:
 
 Every function is the identity (or plain arithmetic) on ordinary tensors, so
 callers need no branch for the unsharded case.
+
+Besides: :func:`replicate_like` lays a value identical on every rank out as a
+replicated ``DTensor`` (so arithmetic with shards stays local), :func:`unsharded_copy`
+builds a whole copy of an FSDP2 module once (symmetry detection),
+:func:`unsupported_layout` names layouts the wrappers refuse (HSDP, tensor
+parallelism), and :class:`CommunicatedBytes` counts what a rank sends to collectives.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ __all__ = [
     "total_sum",
     "square_sum",
     "sharded_module",
+    "unsharded_copy",
+    "unsupported_layout",
     "reshard",
     "CommunicatedBytes",
 ]
