@@ -202,7 +202,15 @@ def _teleport_worker(rank: int, _: str) -> dict[str, Any]:
     except RuntimeError as error:
         mismatch = str(error)
     check_identical([torch.ones(3), torch.zeros(2)], "test tensors")  # and passes identical ones
+    # the balance objective (weight norms: no gradient) on the shards: its statistics are reduced there too
+    balanced = _shard(_mlp(seed=2))
+    bal = Teleport(torch.optim.AdamW(balanced.parameters(), lr=1e-2), balanced, SITES, objective="balance", loss_fn=_mse)
+    bal_before = [_full(p) for p in balanced.parameters()]
+    bal_batch = _batch(rank, 20)
+    _mse(balanced(bal_batch[0]), bal_batch[1]).backward()  # FSDP2 teleports read .grad (the caps use it)
+    bal_report = bal.teleport(batch=bal_batch)
     return {
+        "balance": (bal_report.accepted, bal_report.reason, bal_report.elements, bal_before, [_full(p) for p in balanced.parameters()]),
         "mismatch": mismatch,
         "refused": refused,
         "scheduled": [(r.step, r.accepted, r.reason) for r in opt.reports[:-1]],
@@ -260,6 +268,21 @@ def test_teleport_on_fsdp2_moves_every_shard_consistently(tmp_path):
         "state": max(float((v - opt.state[p][k]).abs().max()) for s, p in zip(after["state"], model.parameters()) for k, v in s.items()),
     }
     assert max(errors.values()) <= 1e-6, errors
+    # balance: the same elements and weights as one process balancing the same whole weights
+    accepted, reason, elements, bal_before, bal_after = out[0]["balance"]
+    assert accepted, reason
+    assert all(torch.equal(a, b) for a, b in zip(bal_after, out[1]["balance"][4]))  # ranks identical
+    model = _mlp(seed=2)
+    assert all(torch.equal(a, p.detach()) for a, p in zip(bal_before, model.parameters()))
+    single = Teleport(torch.optim.AdamW(model.parameters(), lr=1e-2), model, SITES, objective="balance", loss_fn=_mse)
+    x, y = _global_batch(20)
+    _mse(model(x), y).backward()
+    report = single.teleport(batch=(x, y))
+    assert report.accepted, report.reason
+    for k in elements:
+        torch.testing.assert_close(elements[k], report.elements[k], rtol=1e-6, atol=0)
+    assert max(_rel(a, p.detach()) for a, p in zip(bal_after, model.parameters())) <= 1e-6
+    assert max(_rel(a, b) for a, b in zip(bal_after, bal_before)) > 1e-2  # it moved
 
 
 # ---------------------------------------------------------------------------- checkpoints

@@ -56,6 +56,7 @@ from torch import Tensor
 
 from teleopt.actions.axis import AxisAction, Member
 from teleopt.groups import BALANCE_RCOND, Group
+from teleopt.sharding import full, square_sum
 from teleopt.site import Site
 
 __all__ = ["BalanceResult", "WeightNormModel", "balance_coordinates"]
@@ -101,7 +102,7 @@ class _Reduced:
         # in the tensor's own precision (float32 at least): the statistics it yields are read in float64
         t = tensor.detach()
         sq = (t if t.dtype in (torch.float32, torch.float64) else t.float()).square()
-        self.S = sq.sum(dim=other) if other else sq
+        self.S = full(sq.sum(dim=other) if other else sq)  # sharded (FSDP2): reduced on the shards, then gathered
         order = sorted(axes)
         self.letters = "abcdefghij"[: self.S.ndim]
         self.positions = [order.index(a) for a in axes]
@@ -134,7 +135,7 @@ class _Explicit:
     """Any other tensor: moved by the other sites' current elements, then read by the site's group."""
 
     def __init__(self, tensor: Tensor, entries: list[_Entry]) -> None:
-        self.tensor = tensor.detach().to(torch.float64)
+        self.tensor = full(tensor.detach()).to(torch.float64)
         self.entries = sorted(entries, key=lambda e: e[0])  # sites act in list order
 
     def moved(self, elements: Sequence[Tensor], skip: int | None = None) -> Tensor:
@@ -219,7 +220,7 @@ class WeightNormModel:
                 self.terms_of.setdefault(i, []).append(term)
         self.neighbours = {i: {j for t in ts for j, _, _ in t.entries} - {i} for i, ts in self.terms_of.items()}
         others = {n for s in sites for n in s.tensor_names if n in counted} - set(entries)
-        self.still = sum(float(tensors[n].detach().to(torch.float64).square().sum()) for n in others)
+        self.still = square_sum(tensors[n] for n in sorted(others))  # sharded: summed over ranks (same order everywhere)
 
     def value(self, elements: Sequence[Tensor]) -> Tensor:
         """N at the elements (float64)."""
