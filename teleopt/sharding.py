@@ -184,31 +184,46 @@ _HOOK_DICTS = (
 
 
 @torch.no_grad()
-def unsharded_copy(module: nn.Module) -> nn.Module:
+def unsharded_copy(module: nn.Module, _memo: dict[int, Any] | None = None) -> nn.Module:
     """An unsharded twin of an FSDP2 ``module`` for work that needs the whole module once (symmetry detection).
 
     Every submodule becomes an instance of its own class again (``fully_shard`` swaps in
-    an ``FSDP<Class>`` subclass), with the same attributes, no hooks, whole copies of
-    its parameters (gathered: a collective, every rank must call this) and clones of its
-    buffers; parameter and module names are the original's.  Costs the model's full size
-    in memory and one all-gather of it; the original is not touched.
+    an ``FSDP<Class>`` subclass), with the same attributes, whole copies of its parameters
+    (gathered: a collective, every rank must call this) and clones of its buffers;
+    parameter and module names are the original's, and a parameter or module that
+    appears twice (tied weights) is one object in the copy too.  Hooks are not copied
+    (FSDP2's own are hooks; a user hook that changes what a module computes is not seen).
+    Costs the model's full size in memory and one all-gather of it; the original is not
+    touched.
     """
+    memo: dict[int, Any] = {} if _memo is None else _memo
+    if id(module) in memo:
+        return cast(nn.Module, memo[id(module)])
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover
         FSDPModule = ()  # type: ignore[assignment,misc]
     cls = next(c for c in type(module).__mro__ if not (isinstance(FSDPModule, type) and issubclass(c, FSDPModule)))
     twin = cast(nn.Module, object.__new__(cls))  # FSDP's classes re-run __init__ in __new__; the state is copied below
+    memo[id(module)] = twin
     twin.__dict__.update(module.__dict__)
     for key in _HOOK_DICTS:
         if key in twin.__dict__:
             twin.__dict__[key] = type(module.__dict__[key])()
-    twin.__dict__["_parameters"] = {
-        n: None if p is None else nn.Parameter(full(p).detach().clone(), requires_grad=p.requires_grad)
-        for n, p in module._parameters.items()
-    }
-    twin.__dict__["_buffers"] = {n: None if b is None else full(b).clone() for n, b in module._buffers.items()}
-    twin.__dict__["_modules"] = {n: None if c is None else unsharded_copy(c) for n, c in module._modules.items()}
+    if "_non_persistent_buffers_set" in twin.__dict__:
+        twin.__dict__["_non_persistent_buffers_set"] = set(module.__dict__["_non_persistent_buffers_set"])
+
+    def whole(t: Tensor | None, parameter: bool) -> Tensor | None:
+        if t is None:
+            return None
+        if id(t) not in memo:
+            value = full(t).detach().clone()
+            memo[id(t)] = nn.Parameter(value, requires_grad=t.requires_grad) if parameter else value
+        return cast(Tensor, memo[id(t)])
+
+    twin.__dict__["_parameters"] = {n: whole(p, True) for n, p in module._parameters.items()}
+    twin.__dict__["_buffers"] = {n: whole(b, False) for n, b in module._buffers.items()}
+    twin.__dict__["_modules"] = {n: None if c is None else unsharded_copy(c, memo) for n, c in module._modules.items()}
     return twin
 
 
@@ -244,7 +259,34 @@ def reshard(module: nn.Module) -> None:
             m.reshard()
 
 
-_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+#: operators that send data (not waits, receives, barriers or the functional collectives' autograd wrapper)
+_SENDING = {
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_gather_into_tensor",
+    "all_gather_into_tensor_coalesced",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced",
+    "all_to_all_single",
+    "broadcast",
+    "allreduce_",
+    "allreduce_coalesced_",
+    "allgather_",
+    "_allgather_base_",
+    "allgather_coalesced_",
+    "allgather_into_tensor_coalesced_",
+    "reduce_scatter_",
+    "_reduce_scatter_base_",
+    "reduce_scatter_tensor_coalesced_",
+    "alltoall_",
+    "alltoall_base_",
+    "broadcast_",
+    "reduce_",
+    "gather_",
+    "scatter_",
+    "send",
+}
 _SENT_ARGUMENTS = ("tensors", "input_tensors", "input_tensor", "input", "inputs", "tensor")
 
 
@@ -262,9 +304,12 @@ class CommunicatedBytes:
     Every ``torch.distributed`` collective (``all_reduce``, ``broadcast``, ``all_gather``, ...)
     and every functional collective (what ``DTensor`` redistributions use) goes through the
     dispatcher; a dispatch mode adds the sizes of the tensors each call sends (its input
-    arguments, not its output buffers; ``wait_tensor`` is not a transfer).  ``bytes`` is the
-    total, ``calls`` the count per operator.  What a collective moves over the wire depends
-    on the algorithm (a ring all-reduce sends about twice its input); this counts the input.
+    arguments, not its output buffers; waits, receives and barriers are not counted).
+    ``bytes`` is the total, ``calls`` the count per operator.  What a collective moves over
+    the wire depends on the algorithm (a ring all-reduce sends about twice its input); this
+    counts the input.  Collectives a ``DTensor`` operator runs inside its own dispatch (an
+    implicit redistribution in ``x + y``) are not seen (a dispatch mode is off there);
+    explicit ones (``full_tensor()``, ``redistribute()``) are.
     """
 
     def __init__(self) -> None:
@@ -282,7 +327,7 @@ class CommunicatedBytes:
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
                 kwargs = kwargs or {}
-                if func.namespace in _COLLECTIVE_NAMESPACES and "wait" not in func.__name__:
+                if func.namespace in _COLLECTIVE_NAMESPACES and func.overloadpacket.__name__ in _SENDING:
                     sent = 0
                     for i, arg in enumerate(func._schema.arguments):
                         value = args[i] if i < len(args) else kwargs.get(arg.name)

@@ -209,7 +209,13 @@ def _teleport_worker(rank: int, _: str) -> dict[str, Any]:
     bal_batch = _batch(rank, 20)
     _mse(balanced(bal_batch[0]), bal_batch[1]).backward()  # FSDP2 teleports read .grad (the caps use it)
     bal_report = bal.teleport(batch=bal_batch)
+    # an objective differentiated through the shards: the SGD-momentum step's predicted decrease
+    pre_model = _shard(_mlp(seed=3))
+    pre = Teleport(torch.optim.SGD(pre_model.parameters(), lr=1e-2, momentum=0.9), pre_model, SITES, objective="preconditioned_norm")
+    _mse(pre_model(bal_batch[0]), bal_batch[1]).backward()
+    pre_report = pre.teleport(batch=bal_batch)
     return {
+        "preconditioned": (pre_report.accepted, pre_report.reason, pre_report.elements),
         "balance": (bal_report.accepted, bal_report.reason, bal_report.elements, bal_before, [_full(p) for p in balanced.parameters()]),
         "mismatch": mismatch,
         "refused": refused,
@@ -283,6 +289,16 @@ def test_teleport_on_fsdp2_moves_every_shard_consistently(tmp_path):
         torch.testing.assert_close(elements[k], report.elements[k], rtol=1e-6, atol=0)
     assert max(_rel(a, p.detach()) for a, p in zip(bal_after, model.parameters())) <= 1e-6
     assert max(_rel(a, b) for a, b in zip(bal_after, bal_before)) > 1e-2  # it moved
+    # preconditioned_norm under SGD momentum: its search differentiates the decrease summed over the shards
+    accepted, reason, elements = out[0]["preconditioned"]
+    assert accepted, reason
+    model = _mlp(seed=3)
+    single = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9), model, SITES, objective="preconditioned_norm")
+    _mse(model(x), y).backward()
+    report = single.teleport(batch=(x, y))
+    assert report.accepted, report.reason
+    for k in elements:
+        torch.testing.assert_close(elements[k], report.elements[k], rtol=1e-6, atol=0)
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -509,8 +525,8 @@ def test_a_sharded_cnn_and_transformer_teleport_like_one_process(tmp_path, world
     sharded model finds what it finds unsharded; Syre(Teleport(AdamW)) with the exact fast-path sites, teleports
     scheduled every 2 steps with the default watch; every rank identical after each teleport, the run matches one
     process on the global batches (the same teleports and rollbacks, parameters within 1e-5), and a teleport's own
-    communication is measured (CNN: 6.0-6.9 kB per rank against 30.5 kB of parameters; the transformer's
-    gathered GL sites: 48-57 kB against 9.4 kB)."""
+    communication is measured (CNN: 2.4-3.3 kB per rank against 30.5 kB of parameters; the transformer's
+    gathered GL sites: 13-22 kB against 9.4 kB)."""
     out = _spawn("models", str(tmp_path), world)
     for kind in ("cnn", "transformer"):
         runs = [rank_out[kind] for rank_out in out]

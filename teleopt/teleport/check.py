@@ -185,12 +185,12 @@ def seeded(module: nn.Module, seed: int) -> Iterator[None]:
     """Run inside with the RNG forked (CPU and the model's CUDA devices) and seeded by ``seed``."""
     devices = _cuda_devices(module)
     with torch.random.fork_rng(devices=devices):
-        # the CPU generator and the model's CUDA devices only: ``torch.manual_seed`` would also
-        # queue a lazy seeding of every CUDA device, which records a stack trace (about 1 ms)
-        torch.default_generator.manual_seed(seed)
-        for index in devices:
-            with torch.cuda.device(index):
-                torch.cuda.manual_seed(seed)
+        if torch.cuda.is_initialized() or any(t.device.type != "cpu" for t in module.parameters()):
+            torch.manual_seed(seed)  # every device's generator, as the forwards may draw on any
+        else:
+            # a CPU model with CUDA untouched: ``torch.manual_seed`` would queue a lazy seeding of every
+            # CUDA device, which records a Python stack trace (1-2 ms per check)
+            torch.default_generator.manual_seed(seed)
         yield
 
 

@@ -377,7 +377,8 @@ class TeleportEngine:
         )
         dec0 = None
         if self.config.sharded and loss0 is not None:  # the global loss: the caps' bisection communicates
-            loss0 = rank_mean(loss0)
+            device = next(iter(plan.ctx.tensors.values())).device
+            loss0 = rank_mean(loss0, device if device.type != "cpu" else None)
         if safety.max_predicted_decrease is not None and loss0 is not None and plan.ctx.model.supported and loss0 > safety.loss_floor:
             with torch.enable_grad():
                 dec0 = float(evaluator.first_order_decrease(evaluator.elements(start.identity)).detach())

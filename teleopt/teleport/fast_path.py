@@ -430,7 +430,9 @@ class FastEvaluator:
         for name, g in grads.items():
             state = moved.values.get(name, {})
             u = ctx.model.update(ctx.groups[name], params[name], g, state)
-            total = total + full((g.to(torch.float64) * u.to(torch.float64)).sum())  # sharded: one scalar all-reduce
+            part = (g.to(torch.float64) * u.to(torch.float64)).sum()
+            # sharded: one scalar all-reduce, differentiable in the elements (DTensor autograd; full() is not)
+            total = total + (part.full_tensor() if is_sharded(part) else part)
         return total
 
 
