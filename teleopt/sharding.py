@@ -118,7 +118,7 @@ def write_(dst: Tensor, value: Tensor) -> None:
     """Copy the whole tensor ``value`` into ``dst`` in place; a sharded ``dst`` takes only its shard
     (with no communication when ``value`` is laid out like ``dst`` already)."""
     if is_sharded(dst):
-        if is_sharded(value) and value.placements == dst.placements and value.device_mesh == dst.device_mesh:
+        if is_sharded(value) and value.shape == dst.shape and value.placements == dst.placements and value.device_mesh == dst.device_mesh:
             local(dst).copy_(local(value))
             return
         local(dst).copy_(local(shard_like(full(value), dst)))

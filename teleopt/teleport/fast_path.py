@@ -403,7 +403,7 @@ class FastEvaluator:
         params.update({n: t for n, t in self.site_params(elements).items() if n in params})
         states = ctx.states(grads)
         moved = ctx.policy.move(
-            ctx.optimizer, self.sites, elements, {n: s for n, s in states.items() if n in self.like}, self.like, ctx.groups
+            ctx.optimizer, self.sites, self._placed(elements), {n: s for n, s in states.items() if n in self.like}, self.like, ctx.groups
         )
         P = {}
         for name, g in grads.items():

@@ -200,6 +200,9 @@ class Teleport(OptimizerWrapper):
         if self._objective.needs_optimizer_model:
             TeleportContext.build(self._module, optimizer, self._policy).model.require(f"objective {self._objective.name!r}")
         self._sharded = sharded_module(self._module)
+        layout = unsupported_layout(self._module) if self._sharded else None
+        if layout is not None:  # before "auto" detection gathers the model
+            raise ValueError(f"Teleport on a sharded model supports FSDP2's layout (a 1-D mesh, Shard(0)); not {layout}")
         self._auto_skipped: dict[str, str] = {}
         self._sites = self._initial_sites(sites, bool(paper_compat))
         if self._sharded:
@@ -240,9 +243,6 @@ class Teleport(OptimizerWrapper):
 
     def _check_sharded(self, paper_compat: bool) -> None:
         """What an FSDP2 (``fully_shard``) model supports: explicit fast-path sites and objectives without a batch."""
-        layout = unsupported_layout(self._module)
-        if layout is not None:
-            raise ValueError(f"Teleport on a sharded model supports FSDP2's layout (a 1-D mesh, Shard(0)); not {layout}")
         why = None
         if self._sites is None:
             why = "sites='auto' without example_inputs (detection runs on an unsharded copy, built when Teleport is)"
