@@ -194,6 +194,13 @@ def _teleport_worker(rank: int, _: str) -> dict[str, Any]:
             refused[what] = "no error"
         except ValueError as error:
             refused[what] = str(error)
+    from teleopt.sharding import CommunicatedBytes
+
+    with CommunicatedBytes() as counted:  # what a rank sends: the input of each collective, once
+        dist.all_reduce(torch.ones(5))
+        full_first = model[0].weight.full_tensor()  # (8, 6) over 2 ranks: 4 rows of 6 float32 each
+    assert full_first.shape == (8, 6)
+    sent = (counted.bytes, dict(counted.calls))
     from teleopt.teleport.distributed import check_identical
 
     try:  # the guard the engine runs on the elements notices ranks that disagree
@@ -215,6 +222,7 @@ def _teleport_worker(rank: int, _: str) -> dict[str, Any]:
     _mse(pre_model(bal_batch[0]), bal_batch[1]).backward()
     pre_report = pre.teleport(batch=bal_batch)
     return {
+        "sent": sent,
         "preconditioned": (pre_report.accepted, pre_report.reason, pre_report.elements),
         "balance": (bal_report.accepted, bal_report.reason, bal_report.elements, bal_before, [_full(p) for p in balanced.parameters()]),
         "mismatch": mismatch,
@@ -245,6 +253,8 @@ def test_teleport_on_fsdp2_moves_every_shard_consistently(tmp_path):
         assert "2-D device mesh" in refused["hsdp"] and "1-D mesh, Shard(0)" in refused["hsdp"], refused
         assert "Shard(dim=1)" in refused["tensor_parallel"] and "Shard(0)" in refused["tensor_parallel"], refused
         assert "differ across ranks" in rank_out["mismatch"]
+        # CommunicatedBytes: an all-reduce of 5 floats and the all-gather of a 4 x 6 shard, nothing else
+        assert rank_out["sent"] == (5 * 4 + 4 * 6 * 4, {"allreduce_": 1, "all_gather_into_tensor": 1}), rank_out["sent"]
         assert [accepted for _, accepted, _ in rank_out["scheduled"]] == [True, True], rank_out["scheduled"]
         assert rank_out["accepted"], rank_out["reason"]
         # the sharded model computes the same function after the teleport
@@ -571,6 +581,30 @@ def test_a_sharded_cnn_and_transformer_teleport_like_one_process(tmp_path, world
             assert max(own) <= 0.25 * runs[0]["param_bytes"], (own, runs[0]["param_bytes"], runs[0]["calls"])
         else:  # GL attention sites: the site members, gradients and AdamW moments gathered whole
             assert min(own) >= runs[0]["param_bytes"] // world, (own, runs[0]["param_bytes"])
+
+
+def test_unsharded_copy_keeps_names_ties_and_leaves_the_original_alone():
+    """``unsharded_copy`` (for detection on FSDP2 models) on an ordinary module: the same names, tied weights
+    and repeated modules stay one object, buffers and the non-persistent set are the copy's own."""
+    from teleopt.sharding import unsharded_copy
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(5, 4), nn.Linear(4, 5, bias=False)
+            self.head.weight = self.emb.weight
+            self.again = self.head
+            self.register_buffer("scratch", torch.zeros(2), persistent=False)
+            self.register_forward_hook(lambda *_: None)
+
+    model = Tied()
+    twin = unsharded_copy(model)
+    assert type(twin) is Tied and [n for n, _ in twin.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert twin.head.weight is twin.emb.weight and twin.again is twin.head  # ties kept
+    assert twin.emb.weight is not model.emb.weight and torch.equal(twin.emb.weight, model.emb.weight)
+    assert twin.scratch is not model.scratch and not twin._forward_hooks and model._forward_hooks
+    twin.register_buffer("extra", torch.zeros(1), persistent=False)
+    assert "extra" not in model._non_persistent_buffers_set
 
 
 # ---------------------------------------------------------------------------- spawning
