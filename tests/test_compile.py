@@ -42,11 +42,14 @@ def _syre(model: nn.Module, x: torch.Tensor) -> torch.optim.Optimizer:
     return teleopt.Syre(_adam(model), gamma=0.01, exclude_1d=True)
 
 
-def _setup(make: Factory) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))]
+
+
+def _setup(make: Factory, device: str = "cpu") -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
     """A model and optimizer after 12 eager steps (the step-0 teleport's watch window has closed)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
+    x, y = torch.randn(32, 8, device=device), torch.randint(0, 4, (32,), device=device)
     opt = make(model, x)
 
     def backward() -> None:
@@ -65,8 +68,9 @@ def _user_frames(reason) -> list[str]:
 
 
 @pytest.mark.parametrize(("make", "breaks"), [(lambda m, x: _adam(m), 0), (_teleport, 0), (_syre, 1)], ids=["adam", "teleport", "syre"])
-def test_graph_breaks_of_a_compiled_step(make, breaks):
-    _, opt, _ = _setup(make)
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_breaks_of_a_compiled_step(make, breaks, device):
+    _, opt, _ = _setup(make, device)
     torch._dynamo.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -77,8 +81,9 @@ def test_graph_breaks_of_a_compiled_step(make, breaks):
 
 
 @pytest.mark.parametrize("make", [_teleport, _syre], ids=["teleport", "syre"])
-def test_a_compiled_step_updates_as_the_eager_one(make):
-    model, opt, backward = _setup(make)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_compiled_step_updates_as_the_eager_one(make, device):
+    model, opt, backward = _setup(make, device)
     state = copy.deepcopy((model.state_dict(), opt.state_dict()))  # state_dict() holds references
     eager = []
     for _ in range(3):

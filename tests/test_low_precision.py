@@ -21,11 +21,14 @@ import teleopt
 from teleopt.groups import GeneralLinear, PositiveScaling
 from teleopt.teleport import TeleportReport
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))]
 
-def _mlp_teleport(dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor, list[torch.Tensor], TeleportReport]:
+
+def _mlp_teleport(dtype: torch.dtype, device: str = "cpu") -> tuple[nn.Module, torch.Tensor, list[torch.Tensor], TeleportReport]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(dtype)
     x, y = torch.randn(32, 8, dtype=dtype), torch.randint(0, 4, (32,))
+    model, x, y = model.to(device), x.to(device), y.to(device)
     # trust region 0.9: the search ends inside it, where scales are not powers of two by themselves
     opt = teleopt.Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, "auto", loss_fn=F.cross_entropy, trust_region=0.9)
     F.cross_entropy(model(x).float(), y).backward()
@@ -35,9 +38,10 @@ def _mlp_teleport(dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor, list[tor
     return model, x, before, report
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_a_16_bit_scaling_teleport_is_exact(dtype):
-    model, x, before, report = _mlp_teleport(dtype)
+def test_a_16_bit_scaling_teleport_is_exact(dtype, device):
+    model, x, before, report = _mlp_teleport(dtype, device)
     assert report.accepted and report.grad_norm_after > report.grad_norm_before
     (element,) = report.elements.values()
     k = torch.log2(element)

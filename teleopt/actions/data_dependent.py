@@ -136,7 +136,7 @@ class DataDependentGL(_TwoLayerDataDependent):
             )
         M = W1.T if b1 is None else torch.cat([W1, b1[:, None]], dim=1).T
         Z = Xa @ M
-        g = g.to(W1.dtype)
+        g = g.to(W1)
         H_new = self.activation(Z) @ g.T
         self.activation.check_in_range(H_new, "g sigma(W1 X)")
         inverse = self.activation.inverse
@@ -186,7 +186,7 @@ class DataDependentGLLstsq(_TwoLayerDataDependent):
                 f"{self.name}: a batch of {k} samples is too large for an exact action on a hidden layer of width {h} "
                 "(eq. 4.16 needs batch <= width); use fewer samples or strict=False for a least-squares approximation"
             )
-        g = g.to(W1.dtype)
+        g = g.to(W1)
         W1_new = g @ W1
         b1_new = None if b1 is None else g @ b1
         Z = X @ W1.T if b1 is None else X @ W1.T + b1

@@ -95,7 +95,7 @@ class NonlinearGL(GroupAction):
         x = self._sample(params, data)
         U, V, b = params
         U, V = required(U, "U"), required(V, "V")
-        g = g.to(V.dtype)
+        g = g.to(V)
         z = V @ x if b is None else V @ x + b
         y, r = self._R(z, "V x + b")
         y_new, r_new = self._R(g @ z, "g (V x + b)")

@@ -53,7 +53,7 @@ class SoftmaxTranslation(GroupAction):
         W, b = params
         W = required(W, "W")
         n = W.shape[1]
-        g = g.to(W.dtype)
+        g = g.to(W)
         return (W + g[:n], None if b is None else b + g[n])
 
     def transport_gradient(self, g: Tensor, grads: Params) -> Params:

@@ -84,7 +84,7 @@ class ConjugatedRotation(GroupAction):
         params = self.check_params(params)
         self.group(params).validate(g.detach())
         w = required(params[0], "w")
-        return (self._h_inv(g.to(w.dtype) @ self._h(w)),)
+        return (self._h_inv(g.to(w) @ self._h(w)),)
 
     def transport_gradient(self, g: Tensor, grads: Params) -> Params:
         if self.M is None:

@@ -85,7 +85,7 @@ def edge_element(site: Site, model: nn.Module, generator: torch.Generator) -> Te
                 return g
         return g
     if group.kind == "sign":
-        return torch.where(torch.rand(group.dim, generator=generator) < 0.5, -1.0, 1.0).to(ref.dtype)
+        return torch.where(torch.rand(group.dim, generator=generator) < 0.5, -1.0, 1.0).to(device=ref.device, dtype=ref.dtype)
     shape = group.coord_shape
     if shape is None:
         return group.random(generator=generator, dtype=ref.dtype, device=ref.device)
@@ -418,7 +418,7 @@ def _perturb_(model: nn.Module, gen: torch.Generator) -> list[tuple[Tensor, Tens
         else:
             sigma = 0.1 * float(p.detach().pow(2).mean().sqrt())
         saved.append((p, p.detach().clone()))
-        p.add_(sigma * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype))
+        p.add_(sigma * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(device=p.device, dtype=p.dtype))
     return saved
 
 

@@ -53,14 +53,16 @@ class PositiveScaling(Group):
 
     def act_on_axis(self, g: Tensor, x: Tensor, axis: int, power: float = 1) -> Tensor:
         self._check_axis(x, axis)
-        factor = g.to(x.dtype) if power == 1 else g.to(x.dtype) ** power
+        factor = g.to(device=x.device, dtype=x.dtype) if power == 1 else g.to(device=x.device, dtype=x.dtype) ** power
         shape = [1] * x.ndim
         shape[axis] = self.dim
         return x * factor.reshape(shape)
 
     def act_on_axis_(self, g: Tensor, x: Tensor, axis: int, power: float = 1) -> bool:
         self._check_axis(x, axis)
-        factor = g.to(x.dtype) if power == 1 else g.to(x.dtype) ** power  # as act_on_axis: bitwise the same
+        factor = (
+            g.to(device=x.device, dtype=x.dtype) if power == 1 else g.to(device=x.device, dtype=x.dtype) ** power
+        )  # as act_on_axis: bitwise the same
         shape = [1] * x.ndim
         shape[axis] = self.dim
         x.mul_(factor.reshape(shape))
@@ -90,7 +92,7 @@ class PositiveScaling(Group):
     def algebra_action(self, M: Tensor, x: Tensor, axis: int, power: float) -> Tensor:
         shape = [x.shape[0]] + [1] * (x.ndim - 1)
         shape[axis] = -1
-        return x * (power * M.to(x.dtype)).reshape(shape)
+        return x * (power * M.to(device=x.device, dtype=x.dtype)).reshape(shape)
 
     def square_factor(self, g: Tensor, power: float) -> Tensor | None:
         return g ** (2.0 * power)
@@ -169,7 +171,7 @@ class SignFlip(Group):
             return x
         shape = [1] * x.ndim
         shape[axis] = self.dim
-        return x * g.to(x.dtype).reshape(shape)
+        return x * g.to(device=x.device, dtype=x.dtype).reshape(shape)
 
     def act_on_axis_(self, g: Tensor, x: Tensor, axis: int, power: float = 1) -> bool:
         self._check_axis(x, axis)
@@ -178,7 +180,7 @@ class SignFlip(Group):
         if int(power) % 2:
             shape = [1] * x.ndim
             shape[axis] = self.dim
-            x.mul_(g.to(x.dtype).reshape(shape))
+            x.mul_(g.to(device=x.device, dtype=x.dtype).reshape(shape))
         return True
 
     def second_moment_power(self, power: float) -> float | None:

@@ -54,7 +54,7 @@ class _MatrixGroup(Group):
         self._check_axis(x, axis)
         if power not in (1, -1):
             raise ValueError(f"{type(self).__name__} representations have power +1 or -1, got {power}")
-        gb = self._blocked(g).to(x.dtype)
+        gb = self._blocked(g).to(device=x.device, dtype=x.dtype)
         nb = gb.shape[0]
 
         def fn(flat: Tensor) -> Tensor:
@@ -87,7 +87,7 @@ class _MatrixGroup(Group):
 
     def algebra_action(self, M: Tensor, x: Tensor, axis: int, power: float) -> Tensor:
         k = x.shape[0]
-        Mb = M.to(x.dtype).reshape(k, self.blocks or 1, self.n, self.n)
+        Mb = M.to(device=x.device, dtype=x.dtype).reshape(k, self.blocks or 1, self.n, self.n)
         A = self._algebra_matrix(Mb, power)
         moved = x.movedim(axis, 1)
         cols = moved.reshape(k, self.blocks or 1, self.n, -1)
