@@ -43,7 +43,9 @@ alternating the order cancel most of the drift):
    parameter, gradient and optimizer state entry is kept for the watch, in the
    checkpoint too); goal <= 1x.  ``kept`` is what stays allocated after the teleport.
 
-Run: ``python benchmarks/teleport_cost.py [--quick] [--json out.json]``.
+Run: ``python benchmarks/teleport_cost.py [--quick] [--json out.json] [--device cuda]``.  With
+``--device cuda`` models, batches and optimizer state live on the GPU and every timed interval
+waits for the device's queued kernels (``torch.cuda.synchronize``) at both ends.
 
 ``--balance`` measures instead one ``objective="balance"`` teleport (closed form)
 against one ``AdamW.step()`` and one training iteration on the realistic suite's
@@ -199,23 +201,37 @@ def regression(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out - y) ** 2).mean()
 
 
+DEVICE = torch.device("cpu")
+
+
+def _synchronize() -> None:
+    """Wait for the device's queued kernels, so a wall-clock interval covers the work it timed."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
 def timed(fn: Callable[[], Any]) -> float:
+    _synchronize()
     start = time.perf_counter()
     fn()
+    _synchronize()
     return time.perf_counter() - start
 
 
 def timed_teleport(wrapper: Teleport) -> tuple[float, Any]:
     """Seconds of one ``wrapper.teleport()`` and its report."""
+    _synchronize()
     start = time.perf_counter()
     report = wrapper.teleport()
+    _synchronize()
     return time.perf_counter() - start, report
 
 
 def measure(
     name: str, model: nn.Module, sites: Any, batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable, reps: int, general_reps: int
 ) -> dict[str, Any]:
-    x, y = batch
+    model = model.to(DEVICE)
+    x, y = batch = tuple(t.to(DEVICE) for t in batch)
     untouched = copy.deepcopy(model)  # the memory of a teleport is measured from the initial weights
     example = x[:2] if sites == "auto" else None
     bare = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -323,7 +339,8 @@ def measure_balance(
     """One ``objective="balance"`` teleport (closed form, defaults: watch snapshot on, no batch) against one
     ``AdamW.step()`` and one training iteration, interleaved; the weights are re-imbalanced before each
     teleport (random per-layer factors), so every teleport has work to do."""
-    x, y = batch
+    model = model.to(DEVICE)
+    x, y = (t.to(DEVICE) for t in batch)
     bare = torch.optim.AdamW(model.parameters(), lr=1e-4)
     wrapper = Teleport(torch.optim.AdamW(model.parameters(), lr=1e-4), model, sites, objective="balance")
     gen = torch.Generator().manual_seed(0)
@@ -367,9 +384,7 @@ def balance_main(args: argparse.Namespace) -> None:
     reps = 5 if args.quick else 11
     rows = [measure_balance("mlp-64-256", *mlp_digits(), nn.functional.cross_entropy, reps * 4)]
     rows.append(measure_balance("mlp-10M", *mlp_10m(16 if args.quick else 64), regression, reps))
-    print(
-        f"Balance teleport cost, {datetime.date.today()}, {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)"
-    )
+    print(f"Balance teleport cost, {datetime.date.today()}, {machine()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     head = f"{'model':10} {'params':>9} {'sites':>5} {'step ms':>8} {'iter ms':>8} {'balance ms':>10} {'bal/step':>8} {'bal/iter':>8} {'N after/before':>14}"
     print(head)
     print("-" * len(head))
@@ -381,8 +396,21 @@ def balance_main(args: argparse.Namespace) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__, "rows": rows}, f, indent=1
+                {
+                    "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                    "machine": machine(),
+                    "torch": torch.__version__,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
             )
+
+
+def machine() -> str:
+    """The processor and, when the benchmark runs on a GPU, its name."""
+    cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    return f"{torch.cuda.get_device_name(DEVICE)} ({cpu})" if DEVICE.type == "cuda" else cpu
 
 
 def main() -> None:
@@ -395,7 +423,10 @@ def main() -> None:
         help="resnet18 with sites='auto' (under Adam it leaves out the BatchNorm gains: no sites)",
     )
     parser.add_argument("--balance", action="store_true", help="only: one balance teleport vs one step, MLP 64-256-256-10 and mlp-10M")
+    parser.add_argument("--device", default="cpu", help="where models, batches and optimizer state live (e.g. cuda); default cpu")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
     if args.balance:
         balance_main(args)
         return
@@ -413,9 +444,7 @@ def main() -> None:
     rows.append(measure("vit_tiny", model, sites, batch, nn.functional.cross_entropy, max(3, reps // 2), general_reps))
 
     head = f"{'model':9} {'params':>9} {'sites':>5} {'step ms':>9} {'wrapped':>9} {'overhead':>9} {'of iter':>8} {'iter ms':>9} {'fast ms':>9} {'fast/iter':>9} {'fast/step':>9} {'10-step fast':>12} {'10-step autograd':>16} {'autograd/fast':>13} {'peak extra':>10} {'kept':>5} {'default peak':>12} {'kept':>5}"
-    print(
-        f"Teleport cost, {datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
-    )
+    print(f"Teleport cost, {datetime.date.today()}, {machine()}, torch {torch.__version__}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -432,7 +461,7 @@ def main() -> None:
             json.dump(
                 {
                     "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                    "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                    "machine": machine(),
                     "torch": torch.__version__,
                     "rows": rows,
                 },
