@@ -1,5 +1,6 @@
 """The boundary step: the trust region's linear maximisation oracle per group, and the search that
-steps there (``BoundaryStep``, the default search of fast-path teleports with GL sites)."""
+steps there (``BoundaryStep``, the default search of fast-path teleports with GL sites, and with
+positive-scaling sites under the gradient norm when no ascent was configured)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import nn
 from teleopt import Site, get_action
 from teleopt.groups import GeneralLinear, PositiveScaling, Translation
 from teleopt.teleport import BoundaryStep, GradientAscent, SafetyConfig, SearchConfig, Teleport
-from teleopt.teleport.objectives import get_objective
+from teleopt.teleport.objectives import GradientNorm, get_objective
 
 F64 = torch.float64
 R = math.log(4)
@@ -82,9 +83,42 @@ def test_a_gl_teleport_steps_to_the_boundary_by_default_and_gains_at_least_what_
     assert float((moved(x).detach() - before).norm() / before.norm()) <= 1e-10
 
 
-def test_the_default_search_is_a_boundary_step_only_for_fast_path_gl_problems():
-    """GL sites on the fast path with a trust region: BoundaryStep; scalings: ascent; an explicit
-    strategy always wins; without a trust region BoundaryStep itself falls back to ascent."""
+def _relu_mlp(seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 9), nn.ReLU(), nn.Linear(9, 3)).to(F64)
+    x, y = torch.randn(32, 6, dtype=F64), torch.randn(32, 3, dtype=F64)
+    return model, x, y
+
+
+def _rescaled(model, x, y, **kwargs):
+    relu = get_action("positive_rescaling", activation="relu")
+    sites = [Site(relu, ("0.weight", "0.bias", "2.weight")), Site(relu, ("2.weight", "2.bias", "4.weight"))]
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, sites, safety=SafetyConfig(watch_steps=0), **kwargs)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    return opt.teleport()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_scaling_teleport_steps_to_the_boundary_by_default_and_gains_what_ascent_does(seed):
+    """Two chained ReLU rescaling sites, gradient norm: the default boundary step (one gradient of the
+    gradient-norm model and 3 line-search points) gains at least what 100 projected-Adam steps
+    (``ascent_steps=100``, which keeps the ascent) do, and the outputs are unchanged."""
+    model, x, y = _relu_mlp(seed)
+    before = model(x).detach()
+    boundary = _rescaled(copy.deepcopy(model), x, y)
+    ascent = _rescaled(copy.deepcopy(model), x, y, ascent_steps=100)
+    assert boundary.accepted and ascent.accepted
+    assert boundary.gain >= ascent.gain * (1 - 1e-9) and boundary.gain > 1
+    moved = copy.deepcopy(model)
+    _rescaled(moved, x, y)
+    assert float((moved(x).detach() - before).norm() / before.norm()) <= 1e-10
+
+
+def test_the_default_search_is_a_boundary_step_for_fast_path_gl_and_unconfigured_scaling_problems():
+    """GL sites on the fast path with a trust region: BoundaryStep; scalings: BoundaryStep for the increasing
+    gradient norm (convex in the log-scales) unless the ascent was configured or the objective decreases; an
+    explicit strategy always wins; without a trust region BoundaryStep itself falls back to ascent."""
     from teleopt.teleport.search import SearchProblem
 
     objective = get_objective("grad_norm")
@@ -97,6 +131,12 @@ def test_the_default_search_is_a_boundary_step_only_for_fast_path_gl_problems():
 
     config = SearchConfig()
     assert isinstance(config.strategy_for(objective, problem([GeneralLinear(4), PositiveScaling(3)])), BoundaryStep)
-    assert isinstance(config.strategy_for(objective, problem([PositiveScaling(3)])), GradientAscent)
+    assert isinstance(config.strategy_for(objective, problem([PositiveScaling(3)])), BoundaryStep)
+    assert isinstance(SearchConfig(steps=10).strategy_for(objective, problem([PositiveScaling(3)])), GradientAscent)
+    configured = SearchConfig(ascent_configured=True)  # what Teleport(..., ascent_steps=100) builds
+    assert isinstance(configured.strategy_for(objective, problem([PositiveScaling(3)])), GradientAscent)
+    assert isinstance(configured.strategy_for(objective, problem([GeneralLinear(4)])), BoundaryStep)
+    decrease = GradientNorm(direction="decrease")
+    assert isinstance(config.strategy_for(decrease, problem([PositiveScaling(3)])), GradientAscent)
     assert isinstance(config.strategy_for(objective, problem([GeneralLinear(4)], radius=None)), GradientAscent)
     assert isinstance(SearchConfig(strategy=GradientAscent(5)).strategy_for(objective, problem([GeneralLinear(4)])), GradientAscent)

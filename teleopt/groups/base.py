@@ -160,6 +160,12 @@ class Group(ABC):
     #: costly and whose gradient-norm maximum lies on the boundary (GL)
     boundary_search: ClassVar[bool] = False
 
+    #: whether the default search of a fast-path teleport steps to the boundary for this group when the
+    #: objective's maximum lies there (:attr:`Objective.maximum_on_boundary
+    #: <teleopt.teleport.objectives.Objective.maximum_on_boundary>`) and no ascent was configured
+    #: (positive scalings: the gradient norm is convex in the log-scales)
+    boundary_search_when_convex: ClassVar[bool] = False
+
     def boundary_point(self, direction: Tensor, radius: float) -> Tensor | None:
         """The coordinates in the trust region of ``radius`` that maximise <direction, xi> (the linear
         maximisation oracle of the Frank-Wolfe method over :meth:`project_coordinates`' region): by

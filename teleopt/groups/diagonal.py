@@ -22,6 +22,7 @@ class PositiveScaling(Group):
     """
 
     kind: GroupKind = "diagonal"
+    boundary_search_when_convex: ClassVar[bool] = True
     continuous = True
 
     def identity(self, dtype=torch.float64, device=None) -> Tensor:

@@ -98,6 +98,7 @@ def resolve_search(search: SearchConfig | None, s: Shortcuts) -> SearchConfig:
             lr=s.get("ascent_lr", default.lr),
             trust_region=s.get("trust_region", default.trust_region),
             path=s.get("path", default.path),
+            ascent_configured="ascent_steps" in s or "ascent_lr" in s,
         )
     if not isinstance(search, SearchConfig):
         raise TypeError(f"search must be a teleopt SearchConfig, got {type(search).__name__}")

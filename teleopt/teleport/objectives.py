@@ -94,6 +94,13 @@ class Objective(ABC):
     direction: Direction = "increase"
     closed_form: bool = False  #: whether :meth:`solve` gives the optimum (then no ascent runs by default)
 
+    @property
+    def maximum_on_boundary(self) -> bool:
+        """Whether the score is convex in the log-scales of diagonal sites, so that its maximum over a box
+        trust region lies at a corner and :class:`~teleopt.teleport.search.BoundaryStep` may replace the
+        ascent for them by default (``False`` unless an objective proves it)."""
+        return False
+
     def prepare(self, evaluator: Evaluator, generator: torch.Generator) -> Any:
         """Per-teleport randomness (``None`` for deterministic objectives)."""
         return None
@@ -131,6 +138,12 @@ class GradientNorm(Objective):
 
     def __init__(self, direction: Direction = "increase") -> None:
         self.direction = _check_direction(direction)
+
+    @property
+    def maximum_on_boundary(self) -> bool:
+        """Increasing only: each gradient entry moves by a product of scales, so ||grad L(g . w)||^2 is a
+        sum of exp(linear forms in the log-scales) with nonnegative weights, a convex function."""
+        return self.direction == "increase"
 
     def value(self, evaluator: Evaluator, elements: Sequence[Tensor], prepared: Any) -> Tensor:
         return evaluator.grad_norm_sq(elements)
