@@ -93,8 +93,12 @@ class _Reduced:
         if all(_diagonal(grp) for _, _, grp in entries):
             self.kind = "scaling"
             other = [d for d in range(grad.ndim) if d not in axes]
-            # a sharded (FSDP2) gradient reduces on its shards; gathering S costs O(units), not O(parameters)
-            S = full(g.square().sum(dim=other) if other else g.square()).to(torch.float64)
+            # float64 gradients keep float64 statistics; others are squared and summed in float32, which halves
+            # the memory the search reads each evaluation (a search needs no more; the teleport's exactness
+            # comes from the group action, not from S).  A sharded (FSDP2) gradient reduces on its shards;
+            # gathering S costs O(units), not O(parameters).
+            sq = g.to(torch.float64 if g.dtype == torch.float64 else torch.float32).square()
+            S = full(sq.sum(dim=other) if other else sq)
             # S has the acted axes in increasing order; remember where each entry's axis went
             order = sorted(axes)
             self.positions = [order.index(a) for a in axes]
@@ -105,15 +109,15 @@ class _Reduced:
             flat = full(g).to(torch.float64).movedim(axes[0], 0).reshape(grad.shape[axes[0]], -1)
             self.K = flat @ flat.T
             self.eye = torch.eye(grp.dim, dtype=torch.float64, device=grad.device)
-        self.identity_value = float(self.S.sum() if self.kind == "scaling" else self.K.trace())
+        self.identity_value = float(self.S.sum(dtype=torch.float64) if self.kind == "scaling" else self.K.trace())
 
     def value(self, elements: Sequence[Tensor]) -> Tensor:
         if self.kind == "scaling":
             # sum S * prod_k c_k^{-2 p_k} as one contraction (a matrix-vector product for two axes)
             letters = "abcdefghij"[: self.S.ndim]
-            factors = [_square_factor(grp, elements[i], -member.power) for i, member, grp in self.entries]
+            factors = [_square_factor(grp, elements[i], -member.power).to(self.S.dtype) for i, member, grp in self.entries]
             spec = letters + "," + ",".join(letters[pos] for pos in self.positions) + "->"
-            return torch.einsum(spec, self.S, *factors)
+            return torch.einsum(spec, self.S, *factors).to(torch.float64)
         (i, member, grp) = self.entries[0]
         A = grp.act_on_axis(elements[i], self.eye, 0, -member.power)
         return ((A @ self.K) * A).sum()
