@@ -423,6 +423,13 @@ def main() -> None:
         help="resnet18 with sites='auto' (under Adam it leaves out the BatchNorm gains: no sites)",
     )
     parser.add_argument("--balance", action="store_true", help="only: one balance teleport vs one step, MLP 64-256-256-10 and mlp-10M")
+    parser.add_argument(
+        "--image-batch",
+        type=int,
+        default=None,
+        help="batch of the resnet18 and vit_tiny rows (default 8, --quick 4): the output check runs on up to 8 rows "
+        "whatever the batch, so at small batches its two forwards are most of a teleport",
+    )
     parser.add_argument("--device", default="cpu", help="where models, batches and optimizer state live (e.g. cuda); default cpu")
     args = parser.parse_args()
     global DEVICE
@@ -437,10 +444,11 @@ def main() -> None:
     rows.append(measure("mlp-5678", model, sites, batch, regression, reps * 20, general_reps * 10))
     model, sites, batch = mlp_10m(16 if args.quick else 64)
     rows.append(measure("mlp-10M", model, sites, batch, regression, reps, general_reps))
-    model, sites, batch, how = resnet18(4 if args.quick else 8, 64 if args.quick else 224, auto=args.auto_sites)
+    image_batch = args.image_batch or (4 if args.quick else 8)
+    model, sites, batch, how = resnet18(image_batch, 64 if args.quick else 224, auto=args.auto_sites)
     rows.append(measure("resnet18", model, sites, batch, nn.functional.cross_entropy, reps, general_reps))
     rows[-1]["site_source"] = how
-    model, sites, batch = vit_tiny(4 if args.quick else 8, 64 if args.quick else 224)
+    model, sites, batch = vit_tiny(image_batch, 64 if args.quick else 224)
     rows.append(measure("vit_tiny", model, sites, batch, nn.functional.cross_entropy, max(3, reps // 2), general_reps))
 
     head = f"{'model':9} {'params':>9} {'sites':>5} {'step ms':>9} {'wrapped':>9} {'overhead':>9} {'of iter':>8} {'iter ms':>9} {'fast ms':>9} {'fast/iter':>9} {'fast/step':>9} {'10-step fast':>12} {'10-step autograd':>16} {'autograd/fast':>13} {'peak extra':>10} {'kept':>5} {'default peak':>12} {'kept':>5}"
