@@ -147,3 +147,17 @@ def test_bad_group_construction_and_axis():
         Permutation(3).exp(torch.zeros(3))
     with pytest.raises(TypeError, match="affinely"):
         Translation(2).act_on_axis(torch.zeros(2), torch.zeros(2), 0)
+
+
+@pytest.mark.parametrize("group", [GeneralLinear(4), GeneralLinear(3, blocks=2), Orthogonal(3, blocks=2)], ids=repr)
+@pytest.mark.parametrize("power", [1, -1])
+def test_block_matrices_are_what_act_on_axis_multiplies_each_block_by(group, power):
+    """``block_matrices`` (the fast path's Gram-matrix terms use them): acting on any tensor's axis is the
+    block-diagonal matrix with these blocks; diagonal groups have none."""
+    gen = torch.Generator().manual_seed(0)
+    g = group.random(generator=gen)
+    blocks = group.block_matrices(g, power)
+    assert blocks is not None and blocks.shape == (group.blocks or 1, group.n, group.n)
+    x = torch.randn(group.dim, 5, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(group.act_on_axis(g, x, 0, power), torch.block_diag(*blocks) @ x, rtol=1e-12, atol=1e-12)
+    assert PositiveScaling(3).block_matrices(torch.ones(3, dtype=torch.float64), power) is None

@@ -133,12 +133,18 @@ def _site_configs():
         blocks=2,
     )
     tensors["qkv"] = r(12, 5)
+    vo = AxisAction("fused_vo", "general", (Member("V", 0, 1, start=8, stop=12), Member("O", 1, -1)), blocks=2)
+    tensors["o"] = r(3, 4)
+    tensors["qkv_bias"] = r(12)
+    qk_bias = AxisAction("fused_qk_bias", "general", (Member("Q", 0, 1, start=0, stop=4), Member("Qb", 0, 1, start=0, stop=4)), blocks=2)
     return [
         ("overlapping scalings", [Site(scaling, ("w1", "b1", "w2")), Site(relu_sq, ("w2", "b2", "w3"))]),
         ("scaling on conv", [Site(AxisAction("c", "diagonal", (Member("W", 0), Member("V", 1, -1))), ("conv", "w2"))]),
         ("single GL", [Site(gl, ("w1", "b1", "w2"))]),
         ("two GL on one tensor", [Site(gl, ("w1", "b1", "w2")), Site(gl, ("w2", "b2", "w3"))]),
         ("fused qkv slices", [Site(qkv, ("qkv", "qkv"))]),
+        ("fused qkv with vo", [Site(qkv, ("qkv", "qkv")), Site(vo, ("qkv", "o"))]),
+        ("sliced bias, k rows unmoved", [Site(qk_bias, ("qkv", "qkv_bias"))]),
         ("GL beside scaling", [Site(gl, ("w1", "b1", "w2")), Site(scaling, ("w2", "b2", "w3"))]),
     ], tensors
 
@@ -178,7 +184,9 @@ def test_reductions_are_used_where_they_apply():
     assert not model_for("overlapping scalings").explicit
     assert not model_for("single GL").explicit
     assert model_for("two GL on one tensor").explicit
-    assert model_for("fused qkv slices").explicit
+    assert not model_for("fused qkv slices").explicit  # each slice reduces on its own (Gram matrix per slice)
+    assert not model_for("fused qkv with vo").explicit
+    assert model_for("fused qkv slices").remainders == [("qkv", pytest.approx(float(like["qkv"][8:].square().sum())))]
 
 
 def test_fused_slices_transport_like_separate_tensors():

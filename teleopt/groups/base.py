@@ -137,6 +137,12 @@ class Group(ABC):
         whether it did (``False``: ``x`` untouched, use :meth:`act_on_axis`).  Bitwise the out-of-place result."""
         return False
 
+    def block_matrices(self, g: Tensor, power: float) -> Tensor | None:
+        """The matrices (blocks, n, n) that :meth:`act_on_axis` with ``power`` multiplies each block of an
+        axis by (block b of rows of the axis -> M_b @ rows), or ``None`` for representations that are not
+        block matrices (the default: diagonal and discrete groups act elementwise or by indexing)."""
+        return None
+
     def second_moment_power(self, power: float) -> float | None:
         """How elementwise second moments (Adam's exp_avg_sq) transform, if exactly.
 

@@ -67,6 +67,16 @@ class _MatrixGroup(Group):
 
         return apply_on_axis(x, axis, fn)
 
+    def block_matrices(self, g: Tensor, power: float) -> Tensor:
+        """rho(g) per block for ``power`` +1 (g itself), the contragredient for -1 (g^{-T} for GL, g for O(n))."""
+        if power not in (1, -1):
+            raise ValueError(f"{type(self).__name__} representations have power +1 or -1, got {power}")
+        gb = self._blocked(g)
+        if power == 1:
+            return gb
+        eye = torch.eye(self.n, dtype=gb.dtype, device=gb.device).expand(gb.shape)
+        return self._contragredient(gb, eye)
+
     has_balance: ClassVar[bool] = True
 
     def norm_statistic(self, x: Tensor, axis: int) -> Tensor:

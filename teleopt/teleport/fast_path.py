@@ -104,14 +104,27 @@ class _Reduced:
             self.positions = [order.index(a) for a in axes]
             self.S = S
         else:
-            self.kind = "matrix"
             (_, member, grp) = entries[0]
             flat = full(g).to(torch.float64).movedim(axes[0], 0).reshape(grad.shape[axes[0]], -1)
-            self.K = flat @ flat.T
-            self.eye = torch.eye(grp.dim, dtype=torch.float64, device=grad.device)
-        self.identity_value = float(self.S.sum(dtype=torch.float64) if self.kind == "scaling" else self.K.trace())
+            blocks = grp.block_matrices(grp.identity(device=grad.device), -member.power)
+            if blocks is not None:
+                # a block-diagonal representation only sees the diagonal blocks of G G^T:
+                # ||A G||^2 = sum_b tr(A_b K_b A_b^T), K_b = G_b G_b^T (blocks x n x n)
+                self.kind = "blocks"
+                rows = flat.reshape(blocks.shape[0], blocks.shape[-1], -1)
+                self.K = rows @ rows.mT
+            else:
+                self.kind = "matrix"
+                self.K = flat @ flat.T
+                self.eye = torch.eye(grp.dim, dtype=torch.float64, device=grad.device)
+        if self.kind == "scaling":
+            self.identity_value = float(self.S.sum(dtype=torch.float64))
+        else:
+            self.identity_value = float(self.K.diagonal(dim1=-2, dim2=-1).sum())
 
-    def value(self, elements: Sequence[Tensor]) -> Tensor:
+    def value(self, elements: Sequence[Tensor], cache: dict[tuple[int, float], Tensor] | None = None) -> Tensor:
+        """The term at ``elements``; ``cache`` shares each element's block matrices between the terms of one
+        evaluation (a GL site's contragredient is one solve however many tensors it acts on)."""
         if self.kind == "scaling":
             # sum S * prod_k c_k^{-2 p_k} as one contraction (a matrix-vector product for two axes)
             letters = "abcdefghij"[: self.S.ndim]
@@ -119,6 +132,15 @@ class _Reduced:
             spec = letters + "," + ",".join(letters[pos] for pos in self.positions) + "->"
             return torch.einsum(spec, self.S, *factors).to(torch.float64)
         (i, member, grp) = self.entries[0]
+        if self.kind == "blocks":
+            key = (i, -member.power)
+            A = None if cache is None else cache.get(key)
+            if A is None:
+                A = grp.block_matrices(elements[i], -member.power)
+                assert A is not None  # kind "blocks"
+                if cache is not None:
+                    cache[key] = A
+            return ((A @ self.K) * A).sum()
         A = grp.act_on_axis(elements[i], self.eye, 0, -member.power)
         return ((A @ self.K) * A).sum()
 
@@ -128,7 +150,20 @@ def _plain(member: Member) -> bool:
     return member.start is None and all(getattr(member, f, 1) == 1 for f in ("outer", "inner", "groups"))
 
 
+def _sliced(entries: list[tuple[int, Member, Group]], ndim: int) -> bool:
+    """Whether the entries act on disjoint slices ``[start, stop)`` of one axis, one group each, no other
+    layout (the q, k and v rows of a fused qkv projection): each slice then reduces on its own."""
+    if not entries or any(m.start is None or m.outer != 1 or m.inner != 1 or m.groups != 1 for _, m, _ in entries):
+        return False
+    if len({m.axis % ndim for _, m, _ in entries}) != 1:
+        return False
+    spans = sorted((m.start or 0, m.stop or 0) for _, m, _ in entries)  # every start and stop is set (checked above)
+    return all(stop <= nxt for (_, stop), (nxt, _) in zip(spans, spans[1:]))
+
+
 def _reducible(entries: list[tuple[int, Member, Group]], ndim: int) -> bool:
+    if _sliced(entries, ndim):
+        return True
     if not all(_plain(m) for _, m, _ in entries):
         return False
     axes = [m.axis % ndim for _, m, _ in entries]
@@ -192,9 +227,12 @@ class GradientNormModel:
         self.groups = [site.action.group(member_tensors(site, like)) for site in self.sites]
         self.reduced: list[_Reduced] = []
         self.explicit: list[tuple[list[int], dict[str, Tensor]]] = []
+        #: per tensor with sliced entries, the squared norm of its gradient outside every slice (no site moves it)
+        self.remainders: list[tuple[str, float]] = []
         for site_ids, names, entries in _plan(self.sites, self.groups, grads):
             if entries is not None:
-                self.reduced.extend(_Reduced(n, grads[n], entries[n]) for n in names)
+                for n in names:
+                    self._reduce(n, grads[n], entries[n])
             else:
                 self.explicit.append((site_ids, {n: grads[n] for n in names}))
         self.like = like
@@ -202,12 +240,32 @@ class GradientNormModel:
         device = next(iter(grads.values())).device if grads else None
         self.identities = [grp.identity(dtype=torch.float64, device=device) for grp in self.groups]
 
+    def _reduce(self, name: str, grad: Tensor, entries: list[tuple[int, Member, Group]]) -> None:
+        """One tensor's reduced terms: the whole tensor, or one term per slice plus the remainder."""
+        if not _sliced(entries, grad.ndim):
+            self.reduced.append(_Reduced(name, grad, entries))
+            return
+        g = full(grad.detach())
+        covered = 0.0
+        for entry in entries:
+            member = entry[1]
+            assert member.start is not None and member.stop is not None  # _sliced
+            part = g.narrow(member.axis % g.ndim, member.start, member.stop - member.start)
+            plain = Member(member.name, member.axis, member.power)
+            term = _Reduced(name, part, [(entry[0], plain, entry[2])])
+            self.reduced.append(term)
+            covered += term.identity_value
+        total = float(g.to(torch.float64).square().sum())
+        self.remainders.append((name, max(total - covered, 0.0)))
+
     def site_value(self, index: int, element: Tensor) -> float:
         """The value when only site ``index`` moves (by ``element``); every other site at the identity."""
         total = 0.0
         elements = [element if i == index else e for i, e in enumerate(self.identities)]
+        cache: dict[tuple[int, float], Tensor] = {}
         for r in self.reduced:
-            total += float(r.value(elements)) if index in r.site_ids else r.identity_value
+            total += float(r.value(elements, cache)) if index in r.site_ids else r.identity_value
+        total += sum(rest for _, rest in self.remainders)
         for (site_ids, grads), still in zip(self.explicit, self.explicit_identity):
             if index in site_ids:
                 moved, _ = transport([self.sites[index]], [element], grads, self.like, "covector")
@@ -220,9 +278,12 @@ class GradientNormModel:
         """Sum over the sites' tensors of the squared transported gradient (float64),
         each tensor's term multiplied by ``weights[name]`` when given (e.g. its learning rate)."""
         total = torch.zeros((), dtype=torch.float64, device=elements[0].device if elements else None)
+        cache: dict[tuple[int, float], Tensor] = {}
         for r in self.reduced:
-            term = r.value(elements)
+            term = r.value(elements, cache)
             total = total + (term if weights is None else weights[r.name] * term)
+        for name, rest in self.remainders:
+            total = total + (rest if weights is None else weights[name] * rest)
         for site_ids, grads in self.explicit:
             moved, _ = transport([self.sites[i] for i in site_ids], [elements[i] for i in site_ids], grads, self.like, "covector")
             for n, t in moved.items():
