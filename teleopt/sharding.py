@@ -22,12 +22,14 @@ Besides: :func:`replicate_like` lays a value identical on every rank out as a
 replicated ``DTensor`` (so arithmetic with shards stays local), :func:`unsharded_copy`
 builds a whole copy of an FSDP2 module once (symmetry detection),
 :func:`unsupported_layout` names layouts the wrappers refuse (HSDP, tensor
-parallelism), and :class:`CommunicatedBytes` counts what a rank sends to collectives.
+parallelism), :class:`CommunicatedBytes` counts what a rank sends to collectives, and
+:func:`shard_placement_fn` shards the parameters that matrix-group sites act on by rows
+along their columns instead, so that their teleports stay on the shards.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeGuard, cast
 
 import torch
@@ -40,6 +42,8 @@ __all__ = [
     "shard_like",
     "replicate_like",
     "from_local_like",
+    "sharded_dims",
+    "shard_placement_fn",
     "write_",
     "total_sum",
     "square_sum",
@@ -91,14 +95,17 @@ def shard_like(value: Tensor, like: Tensor) -> Tensor:
     return value
 
 
-def from_local_like(value: Tensor, like: Tensor) -> Tensor:
+def from_local_like(value: Tensor, like: Tensor, contiguous: bool = False) -> Tensor:
     """A local shard ``value`` (shaped like ``like``'s local shard) as a tensor laid out like ``like``.
 
     For a ``DTensor`` ``like``: a ``DTensor`` with its mesh, placements, global shape
-    and stride, sharing ``value``'s storage; otherwise ``value`` itself.
+    and stride (``contiguous``: the row-major stride of that shape, for a freshly computed
+    contiguous ``value`` when ``like`` is a strided view), sharing ``value``'s storage;
+    otherwise ``value`` itself.
     """
     if is_sharded(like):
-        return DTensor.from_local(value, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+        stride = torch.empty(like.shape, device="meta").stride() if contiguous else like.stride()
+        return DTensor.from_local(value, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=stride)
     return value
 
 
@@ -111,6 +118,54 @@ def replicate_like(value: Tensor, like: Tensor) -> Tensor:
         mesh = like.device_mesh
         return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return value
+
+
+def sharded_dims(t: Tensor) -> set[int]:
+    """The dimensions of ``t`` that some mesh dimension shards (empty for an ordinary tensor)."""
+    if not is_sharded(t):
+        return set()
+    from torch.distributed.tensor import Shard
+
+    return {p.dim % t.ndim for p in t.placements if isinstance(p, Shard)}
+
+
+def shard_placement_fn(module: nn.Module, sites: Iterable[Any]) -> Callable[[nn.Parameter], Any]:
+    """A ``shard_placement_fn`` for ``fully_shard`` under which matrix-group teleports stay on the shards.
+
+    FSDP2 shards every parameter along dim 0 by default.  A matrix group (GL per attention head, a
+    LoRA rank, ``gl_linear``) acting on the rows of a weight mixes rows that different ranks hold, so
+    a teleport of such a site would gather the weight whole.  Sharded along dim 1 instead, every rank
+    holds whole rows of its columns: the search reduces them to k x k Gram matrices (summed over
+    ranks, O(k^2) bytes per block) and each rank moves its own columns.  This returns a function that
+    gives ``Shard(1)`` for every parameter of ``module`` with at least two dimensions whose dim 0 a
+    matrix-group site in ``sites`` (``Site`` objects, e.g. ``find_symmetries(model, x).sites`` on the
+    unsharded model) acts on, and ``None`` (FSDP2's default, ``Shard(0)``) for the rest::
+
+        fn = teleopt.sharding.shard_placement_fn(model, sites)
+        for block in model.blocks:
+            fully_shard(block, shard_placement_fn=fn)
+        fully_shard(model, shard_placement_fn=fn)
+
+    1-D members acted on along their only axis (biases) stay on ``Shard(0)`` and are gathered for
+    the teleport (O(units)).
+    """
+    from torch.distributed.tensor import Shard
+
+    params = dict(module.named_parameters())
+    rows: set[int] = set()
+    for site in sites:
+        members = [None if n is None else params.get(n) for n in site.members]
+        group = site.action.group(tuple(members))
+        identity = group.identity()
+        for member, p in zip(getattr(site.action, "members", ()), members):
+            acts_by_blocks = group.block_matrices(identity, member.power) is not None
+            if p is not None and p.ndim >= 2 and member.axis % p.ndim == 0 and acts_by_blocks:
+                rows.add(id(p))
+
+    def placement(param: nn.Parameter) -> Any:
+        return Shard(1) if id(param) in rows else None
+
+    return placement
 
 
 @torch.no_grad()
@@ -229,16 +284,34 @@ def unsharded_copy(module: nn.Module, _memo: dict[int, Any] | None = None) -> nn
 
 def unsupported_layout(module: nn.Module) -> str | None:
     """Why ``module``'s ``DTensor`` parameters are laid out in a way a teleport does not support (``None``:
-    supported).  Supported: FSDP2's default, a 1-D mesh with ``Shard(0)``; refused: 2-D meshes (HSDP,
-    FSDP with tensor parallelism) and other placements (tensor-parallel ``Shard(1)``, ``Replicate``)."""
+    supported).  Supported: FSDP2 on a 1-D mesh, ``Shard(0)`` by default or another dimension chosen by
+    ``fully_shard(shard_placement_fn=...)`` (:func:`shard_placement_fn`); refused: 2-D meshes (HSDP, FSDP
+    with tensor parallelism), ``Replicate``, and sharded parameters no ``fully_shard`` manages (tensor
+    parallelism, whose ranks compute on their shards)."""
+    managed = _fsdp_managed(module)
     for name, p in module.named_parameters():
         if not is_sharded(p):
             continue
         if p.device_mesh.ndim != 1:
             return f"{name!r} on a {p.device_mesh.ndim}-D device mesh (HSDP or tensor parallelism); 1-D FSDP2 meshes only"
-        if not (p.placements[0].is_shard() and getattr(p.placements[0], "dim", None) == 0):
-            return f"{name!r} placed {p.placements} (tensor parallelism?); FSDP2's Shard(0) only"
+        if not p.placements[0].is_shard():
+            return f"{name!r} placed {p.placements}; FSDP2's sharded placements only"
+        if name not in managed:
+            return f"{name!r} placed {p.placements} outside any fully_shard module (tensor parallelism?); FSDP2 only"
     return None
+
+
+def _fsdp_managed(module: nn.Module) -> set[str]:
+    """Names of the parameters of ``module`` that lie inside a ``fully_shard`` module (itself or an ancestor)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return set()
+    managed: set[str] = set()
+    for prefix, m in module.named_modules():
+        if isinstance(m, FSDPModule):
+            managed.update(f"{prefix}.{n}" if prefix else n for n, _ in module.get_submodule(prefix).named_parameters())
+    return managed
 
 
 def reshard(module: nn.Module) -> None:

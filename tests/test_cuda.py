@@ -154,6 +154,9 @@ def test_syre_draws_the_same_anchors_on_the_gpu_as_on_the_cpu():
 # ---------------------------------------------------------------------------- FSDP2 on one GPU (NCCL)
 
 
+KINDS = ("cnn", "transformer", "transformer_gl")
+
+
 def _fsdp2_worker(rank: int, init_file: str, out_file: str) -> None:
     import faulthandler
 
@@ -164,9 +167,12 @@ def _fsdp2_worker(rank: int, init_file: str, out_file: str) -> None:
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=1)
     try:
         result: dict[str, Any] = {}
-        for kind in ("cnn", "transformer"):
+        from teleopt.sharding import shard_placement_fn
+
+        for kind in KINDS:
             model, sites, data = _model(kind)
-            model = _shard_all(model.cuda())
+            rows = shard_placement_fn(model, sites) if kind == "transformer_gl" else None  # GL sites on the shards
+            model = _shard_all(model.cuda(), rows)
             result[kind] = _train(model, sites, data)
             result[kind]["final"] = [full(p).detach().cpu() for p in model.parameters()]
             result[kind]["placements"] = sorted({str(p.placements) for p in model.parameters()})
@@ -190,13 +196,15 @@ def _train(model: nn.Module, sites: list, data: Callable[[int, int], tuple[torch
 
 def test_fsdp2_on_one_gpu_with_nccl_teleports_like_the_unsharded_model(tmp_path):
     """A single-rank NCCL mesh on one GPU (the GPU path of the FSDP2 tests, which run on gloo in CI): the CNN
-    (diagonal sites: the on-shards route) and the transformer (GL sites: gathered) teleport and decay as the
-    same model unsharded on the same GPU; float32, so within 1e-5."""
+    (diagonal sites: the on-shards route), the transformer (GL sites on row-sharded weights: gathered) and the
+    float64 transformer with column-sharded q/k/v weights (GL sites on the shards) teleport and decay as the
+    same model unsharded on the same GPU, within 1e-5."""
     out = str(tmp_path / "rank0.pt")
     mp.spawn(_fsdp2_worker, args=(str(tmp_path / "init"), out), nprocs=1, join=True)
     sharded = torch.load(out, weights_only=False)
-    for kind in ("cnn", "transformer"):
-        assert sharded[kind]["placements"] == ["(Shard(dim=0),)"], sharded[kind]["placements"]
+    for kind in KINDS:
+        expected = ["(Shard(dim=0),)", "(Shard(dim=1),)"] if kind == "transformer_gl" else ["(Shard(dim=0),)"]
+        assert sharded[kind]["placements"] == expected, sharded[kind]["placements"]
         model, sites, data = _model(kind)
         plain = _train(model.cuda(), sites, data)
         assert sharded[kind]["reports"] == plain["reports"]

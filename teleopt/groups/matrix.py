@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from teleopt.groups.base import BALANCE_RCOND, Group, GroupKind, _check_finite, _check_size, apply_on_axis
+from teleopt.sharding import from_local_like, full, is_sharded, replicate_like, sharded_dims
 
 __all__ = ["GeneralLinear", "Orthogonal"]
 
@@ -54,6 +55,8 @@ class _MatrixGroup(Group):
         self._check_axis(x, axis)
         if power not in (1, -1):
             raise ValueError(f"{type(self).__name__} representations have power +1 or -1, got {power}")
+        if is_sharded(x):
+            return self._act_on_shards(g, x, axis, power)
         gb = self._blocked(g).to(device=x.device, dtype=x.dtype)
         nb = gb.shape[0]
 
@@ -66,6 +69,20 @@ class _MatrixGroup(Group):
             return out.reshape(flat.shape)
 
         return apply_on_axis(x, axis, fn)
+
+    def _act_on_shards(self, g: Tensor, x: Tensor, axis: int, power: float) -> Tensor:
+        """:meth:`act_on_axis` of a ``DTensor`` (FSDP2): on an axis that no mesh dimension shards each rank
+        moves its own shard, with no communication (``DTensor``'s own ``solve`` would gather ``x``); a
+        sharded axis (a bias of a
+        row-sharded layer, O(units)) is gathered and moved whole, and returned replicated on ``x``'s mesh
+        (differentiable in ``g``; writing it into ``x`` keeps each rank's shard)."""
+        assert is_sharded(x), "act_on_axis calls this for DTensors only"
+        if is_sharded(g):  # an element replicated on the mesh is whole on every rank (to_local: differentiable)
+            g = g.to_local()
+        if axis % x.ndim in sharded_dims(x):
+            return replicate_like(self.act_on_axis(g, full(x), axis, power), x)
+        # each rank's shard holds the whole acted axis: move it locally (to_local/from_local: differentiable)
+        return from_local_like(self.act_on_axis(g, x.to_local(), axis, power).contiguous(), x, contiguous=True)
 
     def block_matrices(self, g: Tensor, power: float) -> Tensor:
         """rho(g) per block for ``power`` +1 (g itself), the contragredient for -1 (g^{-T} for GL, g for O(n))."""

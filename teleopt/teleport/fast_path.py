@@ -34,7 +34,7 @@ from torch import Tensor
 from teleopt.actions.axis import AxisAction, Member
 from teleopt.actions.base import GroupAction
 from teleopt.groups import Group
-from teleopt.sharding import full, is_sharded, replicate_like, write_
+from teleopt.sharding import full, is_sharded, local, replicate_like, sharded_dims, write_
 from teleopt.site import Site
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.state_policy import StatePolicy
@@ -105,17 +105,23 @@ class _Reduced:
             self.S = S
         else:
             (_, member, grp) = entries[0]
-            flat = full(g).to(torch.float64).movedim(axes[0], 0).reshape(grad.shape[axes[0]], -1)
-            blocks = grp.block_matrices(grp.identity(device=grad.device), -member.power)
+            # the acted part as (..., n, ...) with outer/inner blocks split off (one element acts on each);
+            # sharded (FSDP2) along another axis: each rank's Gram matrix of its shard, summed over ranks
+            # (O(k^2) bytes per block); sharded along the acted axis (a bias): gathered whole
+            sharded = is_sharded(g) and axes[0] not in sharded_dims(g)
+            view, axis = member.part_view(g if sharded else full(g))
+            part = local(view)  # the rank's shard of the view (outside autograd), or the view itself
+            flat = part.to(torch.float64).movedim(axis, 0).reshape(view.shape[axis], -1)
+            blocks = grp.block_matrices(grp.identity(device=part.device), -member.power)
             if blocks is not None:
                 # a block-diagonal representation only sees the diagonal blocks of G G^T:
                 # ||A G||^2 = sum_b tr(A_b K_b A_b^T), K_b = G_b G_b^T (blocks x n x n)
                 self.kind = "blocks"
                 rows = flat.reshape(blocks.shape[0], blocks.shape[-1], -1)
-                self.K = rows @ rows.mT
+                self.K = _summed(rows @ rows.mT, g if sharded else None)
             else:
                 self.kind = "matrix"
-                self.K = flat @ flat.T
+                self.K = _summed(flat @ flat.T, g if sharded else None)
                 self.eye = torch.eye(grp.dim, dtype=torch.float64, device=grad.device)
         if self.kind == "scaling":
             self.identity_value = float(self.S.sum(dtype=torch.float64))
@@ -145,6 +151,18 @@ class _Reduced:
         return ((A @ self.K) * A).sum()
 
 
+def _summed(local_part: Tensor, like: Tensor | None) -> Tensor:
+    """``local_part`` summed over the ranks that shard ``like`` (an all-reduce), or itself (``like`` None)."""
+    if like is None:
+        return local_part
+    from torch.distributed.tensor import DTensor, Partial
+
+    assert is_sharded(like)
+
+    mesh = like.device_mesh
+    return DTensor.from_local(local_part, mesh, [Partial()] * mesh.ndim, run_check=False).full_tensor()
+
+
 def _plain(member: Member) -> bool:
     """A member acting on a whole axis (no slice, no outer/inner view, no grouped layout)."""
     return member.start is None and all(getattr(member, f, 1) == 1 for f in ("outer", "inner", "groups"))
@@ -164,6 +182,9 @@ def _sliced(entries: list[tuple[int, Member, Group]], ndim: int) -> bool:
 def _reducible(entries: list[tuple[int, Member, Group]], ndim: int) -> bool:
     if _sliced(entries, ndim):
         return True
+    if len(entries) == 1 and not _diagonal(entries[0][2]):  # one matrix group: its part view reduces (outer/inner)
+        member = entries[0][1]
+        return member.start is None and member.groups == 1
     if not all(_plain(m) for _, m, _ in entries):
         return False
     axes = [m.axis % ndim for _, m, _ in entries]
@@ -310,13 +331,19 @@ class FastEvaluator:
 
     * **on the shards** (:attr:`on_shards`), when every site is a diagonal axis
       action (positive scalings, BatchNorm/LayerScale outputs, signs) on whole axes
-      of sharded members: the gradient statistics are reduced on each rank's shard
-      and only the reductions are communicated (O(units) per tensor acted on one
-      axis; a tensor acted on two axes, between two chained sites, sends its
-      squared gradient, the tensor's size once), and :meth:`apply` moves each
-      rank's shards of the parameters, gradients and optimizer state by the
-      replicated elements with no communication (``DTensor`` arithmetic);
-    * **gathered** otherwise (matrix groups, slices of fused tensors): the site
+      of sharded members, or a matrix group (GL per head, ``gl_linear``) acting on
+      axes of its members that no mesh dimension shards (FSDP2 shards dim 0: the
+      columns of an output projection; the rows of q, k, v weights once
+      :func:`~teleopt.sharding.shard_placement_fn` shards them along dim 1): the
+      gradient statistics are reduced on each rank's shard and only the reductions
+      are communicated (O(units) per tensor acted on one axis by a diagonal group,
+      a k x k Gram matrix per GL block; a tensor acted on two axes, between two
+      chained sites, sends its squared gradient, the tensor's size once; a 1-D
+      member acted on along its sharded axis, a bias, is gathered: O(units)), and
+      :meth:`apply` moves each rank's shards of the parameters, gradients and
+      optimizer state with no communication (``DTensor`` arithmetic by the
+      replicated elements, or each rank's local shard for matrix groups);
+    * **gathered** otherwise (a matrix group on a sharded axis, slices of fused tensors): the site
       members, their gradients and optimizer state are gathered whole on every rank
       (``full_tensor()``), searched and moved identically everywhere, and each rank
       writes its own shard back; extra memory and communication are the whole size
@@ -335,11 +362,15 @@ class FastEvaluator:
         names = sorted({n for site in self.sites for n in site.tensor_names})  # the same gather order on every rank
         self.live = {n: ctx.tensors[n] for n in names}
         grads = ctx.grads(names)
-        self.on_shards = _on_shards(self.sites, self.live, grads)
-        if self.on_shards:  # FSDP2, diagonal sites: everything stays sharded (see the class docs)
-            self.like = {n: t.detach() for n, t in self.live.items()}
-            self.grads = dict(grads)
-            self.states = ctx.states(names)
+        gathered = _on_shards(self.sites, self.live, grads)
+        self.on_shards = gathered is not None
+        if gathered is not None:  # FSDP2: everything stays sharded but small members on a sharded axis (class docs)
+            self.like = {n: full(t) if n in gathered else t.detach() for n, t in self.live.items()}
+            self.grads = {n: full(g) if n in gathered else g for n, g in grads.items()}
+            self.states = {
+                n: {k: full(v) if n in gathered and isinstance(v, Tensor) else v for k, v in st.items()}
+                for n, st in ctx.states(names).items()
+            }
         else:
             self.like = {n: full(t) for n, t in self.live.items()}
             self.grads = {n: full(g) for n, g in grads.items()}
@@ -388,7 +419,11 @@ class FastEvaluator:
         when working on the shards (so ``DTensor`` arithmetic moves each rank's shard locally)."""
         if not self.on_shards:
             return list(elements)
-        return [replicate_like(g, next(self.like[n] for n in site.tensor_names)) for site, g in zip(self.sites, elements)]
+        # matrix groups move each rank's local shard themselves (Group.act_on_axis on a DTensor)
+        return [
+            replicate_like(g, next(self.like[n] for n in site.tensor_names)) if _diagonal(group) else g
+            for site, group, g in zip(self.sites, self.groups, elements)
+        ]
 
     @torch.no_grad()
     def apply(self, elements: Sequence[Tensor]) -> Counter[str]:
@@ -501,14 +536,37 @@ class FastEvaluator:
         return total
 
 
-def _on_shards(sites: Sequence[Site], live: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> bool:
-    """Whether a sharded teleport can stay on the shards (:class:`FastEvaluator`): every member is a
-    ``DTensor``, every site a diagonal axis action on whole axes, every gradient reducible."""
+def _on_shards(sites: Sequence[Site], live: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> set[str] | None:
+    """Whether a sharded teleport can stay on the shards (:class:`FastEvaluator`), as the names of the
+    members to gather for it (``None``: it cannot).  Every member is a ``DTensor``, every gradient
+    reducible, and every site a diagonal axis action on whole axes, or a matrix group (block matrices)
+    acting on whole axes (with outer/inner blocks) that no mesh dimension shards, except on 1-D
+    members (biases: gathered, O(units)); :func:`~teleopt.sharding.shard_placement_fn` lays the
+    row-acted weights out that way."""
     if not live or not all(is_sharded(t) for t in live.values()):
-        return False
+        return None
     if not all(isinstance(site.action, AxisAction) for site in sites):
-        return False
+        return None
     groups = [site.action.group(member_tensors(site, live)) for site in sites]
-    if not all(_diagonal(g) for g in groups):
-        return False
-    return all(entries is not None for _, _, entries in _plan(sites, groups, grads))
+    gathered: set[str] = set()
+    for site, group in zip(sites, groups):
+        assert isinstance(site.action, AxisAction)  # checked above
+        diagonal = _diagonal(group)
+        identity = group.identity()
+        for member, name in zip(site.action.members, site.members):
+            t = None if name is None else live.get(name)
+            if name is None or t is None:
+                continue
+            if member.start is not None or member.groups != 1 or (diagonal and not _plain(member)):
+                return None  # slices of fused tensors, grouped convolutions, diagonal views: gathered
+            if diagonal:
+                continue
+            if group.block_matrices(identity, member.power) is None:
+                return None
+            if member.axis % t.ndim in sharded_dims(t):
+                if t.ndim > 1:
+                    return None  # rows of a row-sharded weight: see shard_placement_fn
+                gathered.add(name)
+    if not all(entries is not None for _, _, entries in _plan(sites, groups, grads)):
+        return None
+    return gathered
