@@ -33,11 +33,12 @@ from teleopt.teleport import SafetyConfig, Teleport
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _fast_teleport(device: str) -> tuple[float, float, list[torch.Tensor], Any]:
-    """One fast-path gradient-norm teleport of the float64 5-6-7-3 MLP on ``device``: loss before/after, parameters, report."""
+def _teleported(device: str, **kwargs: Any) -> tuple[float, float, list[torch.Tensor], Any]:
+    """One gradient-norm teleport of the float64 5-6-7-3 MLP on ``device`` (``Teleport`` keywords ``kwargs``):
+    loss before/after, parameters, report."""
     model = mlp(0).to(device)
     x, y = (t.to(device) for t in data())
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, rescaling_sites(), loss_fn=mse, ascent_steps=20)
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, rescaling_sites(), loss_fn=mse, **kwargs)
     mse(model(x), y).backward()
     with torch.no_grad():
         before = float(mse(model(x), y))
@@ -48,8 +49,8 @@ def _fast_teleport(device: str) -> tuple[float, float, list[torch.Tensor], Any]:
 
 
 def test_a_fast_teleport_on_the_gpu_lands_where_the_cpu_one_does():
-    cpu_before, cpu_after, cpu_params, cpu_report = _fast_teleport("cpu")
-    before, after, params, report = _fast_teleport("cuda")
+    cpu_before, _, cpu_params, cpu_report = _teleported("cpu", ascent_steps=20)
+    before, after, params, report = _teleported("cuda", ascent_steps=20)
     assert report.accepted and cpu_report.accepted, (report.reason, cpu_report.reason)
     assert report.path == "fast" and report.grad_norm_after > report.grad_norm_before
     assert abs(after - before) <= 1e-12 * abs(before)  # exact symmetry, float64 round-off
@@ -60,15 +61,7 @@ def test_a_fast_teleport_on_the_gpu_lands_where_the_cpu_one_does():
 
 def test_a_general_path_teleport_on_the_gpu_is_exact():
     """Autograd through the model on the batch (``path="general"``): the same exactness on the GPU."""
-    model = mlp(0).cuda()
-    x, y = (t.cuda() for t in data())
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, rescaling_sites(), loss_fn=mse, path="general", ascent_steps=5)
-    mse(model(x), y).backward()
-    with torch.no_grad():
-        before = float(mse(model(x), y))
-    report = opt.teleport(batch=(x, y))
-    with torch.no_grad():
-        after = float(mse(model(x), y))
+    before, after, _, report = _teleported("cuda", path="general", ascent_steps=5)
     assert report.accepted and report.path == "general", report.reason
     assert report.grad_norm_after > report.grad_norm_before
     assert abs(after - before) <= 1e-12 * abs(before)
