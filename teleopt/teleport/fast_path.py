@@ -34,7 +34,7 @@ from torch import Tensor
 from teleopt.actions.axis import AxisAction, Member
 from teleopt.actions.base import GroupAction
 from teleopt.groups import Group
-from teleopt.sharding import full, is_sharded, local, replicate_like, sharded_dims, write_
+from teleopt.sharding import full, is_sharded, local, replicate_like, sharded_dims, square_sum, write_
 from teleopt.site import Site
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.state_policy import StatePolicy
@@ -266,18 +266,20 @@ class GradientNormModel:
         if not _sliced(entries, grad.ndim):
             self.reduced.append(_Reduced(name, grad, entries))
             return
-        g = full(grad.detach())
+        g = grad.detach()
+        axis = entries[0][1].axis % g.ndim  # one axis for every slice (_sliced)
+        if axis in sharded_dims(g):  # slices of a sharded axis (FSDP2 rows): gathered; else each rank its shard
+            g = full(g)
         covered = 0.0
         for entry in entries:
             member = entry[1]
             assert member.start is not None and member.stop is not None  # _sliced
-            part = g.narrow(member.axis % g.ndim, member.start, member.stop - member.start)
+            part = g.narrow(axis, member.start, member.stop - member.start)
             plain = Member(member.name, member.axis, member.power)
             term = _Reduced(name, part, [(entry[0], plain, entry[2])])
             self.reduced.append(term)
             covered += term.identity_value
-        total = float(g.to(torch.float64).square().sum())
-        self.remainders.append((name, max(total - covered, 0.0)))
+        self.remainders.append((name, max(square_sum([g]) - covered, 0.0)))
 
     def site_value(self, index: int, element: Tensor) -> float:
         """The value when only site ``index`` moves (by ``element``); every other site at the identity."""
@@ -557,8 +559,8 @@ def _on_shards(sites: Sequence[Site], live: Mapping[str, Tensor], grads: Mapping
             t = None if name is None else live.get(name)
             if name is None or t is None:
                 continue
-            if member.start is not None or member.groups != 1 or (diagonal and not _plain(member)):
-                return None  # slices of fused tensors, grouped convolutions, diagonal views: gathered
+            if member.groups != 1 or (diagonal and not _plain(member)):
+                return None  # grouped convolutions, diagonal views and slices: gathered
             if diagonal:
                 continue
             if group.block_matrices(identity, member.power) is None:
