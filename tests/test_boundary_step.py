@@ -50,6 +50,24 @@ def test_the_boundary_point_maximises_the_linear_score_over_the_trust_region(gro
     assert group.boundary_point(torch.zeros_like(d), R) is None
 
 
+@pytest.mark.parametrize("blocks", [None, 3])
+def test_a_gl_boundary_point_leaves_round_off_directions_at_zero(blocks):
+    """A direction of rank 2 plus round-off (1e-14 of its scale): the boundary point moves along its two
+    significant singular directions only, so it does not follow the round-off (sharded and unsharded
+    reductions add in different orders); without noise it is the same point."""
+    group = GeneralLinear(5, blocks=blocks)
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(group.coord_shape[:-1] + (2,), generator=gen, dtype=F64)
+    b = torch.randn(group.coord_shape[:-2] + (2, 5), generator=gen, dtype=F64)
+    d = a @ b
+    noisy = d + 1e-14 * torch.randn(d.shape, generator=gen, dtype=F64)
+    point, from_noisy = group.boundary_point(d, R), group.boundary_point(noisy, R)
+    assert point is not None and from_noisy is not None
+    torch.testing.assert_close(from_noisy, point, rtol=0, atol=1e-10)
+    assert torch.linalg.matrix_rank(point).max() == 2
+    assert float((d * point).sum()) == pytest.approx(R * float(torch.linalg.matrix_norm(d, "nuc").sum()), rel=1e-12)
+
+
 def _linear_net(seed):
     """A linear 12-16-10 network: GL(16) acts exactly on its hidden layer (``gl_linear``)."""
     torch.manual_seed(seed)

@@ -479,11 +479,6 @@ def _model(kind: str) -> tuple[nn.Module, list[Site], Callable[[int, int], tuple
     sites = [s for s in find_symmetries(model, (data(0, 0)[0],)).sites if fast_path_eligible(s)]
     if kind.startswith("transformer_gl") or kind == "vit_gl":  # as sites="auto" under AdamW: no LayerNorm-affine rescalings
         sites = [s for s in sites if "norm" not in s.name]
-    if kind == "vit_gl":
-        # the Q/K site's boundary point here follows the polar factor of a linearised direction whose singular
-        # values are degenerate: round-off in the reductions' order picks another (equally exact) element
-        # sharded than unsharded, so a run with it cannot be compared with one process
-        sites = [s for s in sites if not s.name.startswith("attention_qk")]
     return model, sites, data
 
 
@@ -640,16 +635,17 @@ def test_gl_sites_stay_on_the_shards_with_column_sharded_weights(tmp_path, world
 
 
 def test_a_timm_vit_with_fused_qkv_teleports_on_the_shards(tmp_path):
-    """timm's ViT (one block, fused qkv) sharded with ``shard_placement_fn``: the V/O GL site acts on the v row
-    slice of the column-sharded qkv weight and the columns of proj, reduced and moved on the shards; the run
-    matches one process."""
+    """timm's ViT (one block, fused qkv) sharded with ``shard_placement_fn``: the Q/K and V/O GL sites act on
+    row slices of the column-sharded qkv weight (and proj's columns), reduced and moved on the shards; the run
+    matches one process (the Q/K site's linearised direction is near singular at initialisation: without
+    ``BOUNDARY_RTOL`` its boundary point followed round-off and the runs parted)."""
     out = _spawn("vit_rows", str(tmp_path), WORLD)
     runs = [rank_out["vit_gl"] for rank_out in out]
     placements = runs[0]["placements"]
     assert placements["blocks.0.attn.qkv.weight"] == "(Shard(dim=1),)", placements
     assert placements["blocks.0.attn.proj.weight"] == "(Shard(dim=0),)"
     own = _like_one_process(runs, "vit_gl", WORLD)
-    assert max(own) < 0.25 * runs[0]["param_bytes"], (own, runs[0]["param_bytes"], runs[0]["calls"])
+    assert max(own) < 0.5 * runs[0]["param_bytes"], (own, runs[0]["param_bytes"], runs[0]["calls"])  # gathered: 0.78x (90 kB)
 
 
 def test_unsharded_copy_keeps_names_ties_and_leaves_the_original_alone():

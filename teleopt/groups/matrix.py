@@ -125,6 +125,10 @@ class _MatrixGroup(Group):
         """The matrix d rho(M) applies to the axis' columns (batched)."""
 
 
+#: singular values of a boundary step's direction below this fraction of the largest count as zero
+BOUNDARY_RTOL = 1e-6
+
+
 class GeneralLinear(_MatrixGroup):
     """GL_n(R) (or ``blocks`` independent copies): Zhao 2026, Ex. 1.2.2, 1.2.11-1.2.13.
 
@@ -168,8 +172,12 @@ class GeneralLinear(_MatrixGroup):
         r U sign(Lambda) U^T: every eigen-direction of B - A stretched or shrunk by e^r."""
         if not bool((direction != 0).any()):
             return None
-        U, _, Vh = torch.linalg.svd(direction, full_matrices=False)
-        return radius * (U @ Vh)
+        U, S, Vh = torch.linalg.svd(direction, full_matrices=False)
+        # singular values at round-off level relative to the block's largest leave <d, xi> unchanged whatever
+        # xi does there, and their singular vectors are round-off: those directions stay at 0 (the smallest
+        # maximiser), so the point does not depend on the order of the reductions (sharded or not)
+        kept = (S > BOUNDARY_RTOL * S.amax(dim=-1, keepdim=True)).to(U.dtype)
+        return radius * ((U * kept.unsqueeze(-2)) @ Vh)
 
     def balance(self, stats: Mapping[float, Tensor], radius: float | None, rcond: float = BALANCE_RCOND) -> Tensor:
         """The element equalising the two sides' Gram matrices, g A g^T = g^-T B g^-1.
