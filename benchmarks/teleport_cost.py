@@ -47,6 +47,9 @@ Run: ``python benchmarks/teleport_cost.py [--quick] [--json out.json] [--device 
 ``--device cuda`` models, batches and optimizer state live on the GPU and every timed interval
 waits for the device's queued kernels (``torch.cuda.synchronize``) at both ends.
 
+``--search`` measures instead, for scaling sites, the default boundary step against 100 steps of
+projected ascent (gains and time of 5 consecutive teleports on the digits MLP, mlp-10M and resnet18).
+
 ``--balance`` measures instead one ``objective="balance"`` teleport (closed form)
 against one ``AdamW.step()`` and one training iteration on the realistic suite's
 MLP 64-256-256-10 and on ``mlp-10M``.
@@ -380,6 +383,50 @@ def measure_balance(
     }
 
 
+def search_main(args: argparse.Namespace) -> None:
+    """Scaling sites: the default boundary step against 100 projected-Adam ascent steps (``GradientAscent()``),
+    ``teleports`` consecutive teleports each (watch off, Adam base), on the digits MLP, mlp-10M and resnet18's
+    BatchNorm-output sites: each teleport's gain and the median time."""
+    from teleopt.teleport import GradientAscent, SearchConfig
+
+    teleports = 5
+    rows = []
+    problems = [
+        ("mlp-64-256", mlp_digits, nn.functional.cross_entropy),
+        ("mlp-10M", lambda: mlp_10m(16 if args.quick else 64), regression),
+        ("resnet18", lambda: resnet18(4 if args.quick else 8, 64 if args.quick else 224, auto=False)[:3], nn.functional.cross_entropy),
+    ]
+    for name, make, loss_fn in problems:
+        for label, search in (("boundary", None), ("ascent", SearchConfig(strategy=GradientAscent()))):
+            model, sites, batch = make()
+            model = model.to(DEVICE)
+            x, y = (t.to(DEVICE) for t in batch)
+            wrapper = Teleport(
+                torch.optim.Adam(model.parameters(), lr=1e-4), model, sites, safety=SafetyConfig(watch_steps=0), search=search
+            )
+            model.zero_grad()
+            loss_fn(model(x), y).backward()
+            wrapper.step()
+            times, gains = [], []
+            for _ in range(teleports):
+                model.zero_grad()
+                loss_fn(model(x), y).backward()
+                seconds, report = timed_teleport(wrapper)
+                times.append(seconds)
+                gains.append(report.gain)
+            rows.append({"model": name, "search": label, "teleport_ms": 1e3 * statistics.median(times), "gains": gains})
+    print(f"Scaling-site search, {datetime.date.today()}, {machine()}, torch {torch.__version__}")
+    head = f"{'model':10} {'search':>8} {'ms':>8}  gains of {teleports} consecutive teleports"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        gains = " ".join(f"{g:.4g}" if g is not None else "-" for g in r["gains"])
+        print(f"{r['model']:10} {r['search']:>8} {r['teleport_ms']:>8.2f}  {gains}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(), "rows": rows}, f, indent=1)
+
+
 def balance_main(args: argparse.Namespace) -> None:
     reps = 5 if args.quick else 11
     rows = [measure_balance("mlp-64-256", *mlp_digits(), nn.functional.cross_entropy, reps * 4)]
@@ -423,6 +470,7 @@ def main() -> None:
         help="resnet18 with sites='auto' (under Adam it leaves out the BatchNorm gains: no sites)",
     )
     parser.add_argument("--balance", action="store_true", help="only: one balance teleport vs one step, MLP 64-256-256-10 and mlp-10M")
+    parser.add_argument("--search", action="store_true", help="only: scaling sites, the default boundary step vs 100 ascent steps")
     parser.add_argument(
         "--image-batch",
         type=int,
@@ -436,6 +484,9 @@ def main() -> None:
     DEVICE = torch.device(args.device)
     if args.balance:
         balance_main(args)
+        return
+    if args.search:
+        search_main(args)
         return
     reps = 5 if args.quick else 11
     general_reps = 1 if args.quick else 3

@@ -154,12 +154,14 @@ def shard_placement_fn(module: nn.Module, sites: Iterable[Any]) -> Callable[[nn.
     params = dict(module.named_parameters())
     rows: set[int] = set()
     for site in sites:
+        if not (hasattr(site, "action") and hasattr(site, "members")):
+            raise TypeError(
+                f"shard_placement_fn needs teleopt Site objects (e.g. find_symmetries(model, x).sites), got {type(site).__name__}"
+            )
         members = [None if n is None else params.get(n) for n in site.members]
         group = site.action.group(tuple(members))
-        identity = group.identity()
         for member, p in zip(getattr(site.action, "members", ()), members):
-            acts_by_blocks = group.block_matrices(identity, member.power) is not None
-            if p is not None and p.ndim >= 2 and member.axis % p.ndim == 0 and acts_by_blocks:
+            if p is not None and p.ndim >= 2 and member.axis % p.ndim == 0 and group.block_size is not None:
                 rows.add(id(p))
 
     def placement(param: nn.Parameter) -> Any:

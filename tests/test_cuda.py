@@ -191,7 +191,7 @@ def test_fsdp2_on_one_gpu_with_nccl_teleports_like_the_unsharded_model(tmp_path)
     """A single-rank NCCL mesh on one GPU (the GPU path of the FSDP2 tests, which run on gloo in CI): the CNN
     (diagonal sites: the on-shards route), the transformer (GL sites on row-sharded weights: gathered) and the
     float64 transformer with column-sharded q/k/v weights (GL sites on the shards) teleport and decay as the
-    same model unsharded on the same GPU, within 1e-5."""
+    same model unsharded on the same GPU, within 1e-5 (float32) and 1e-10 (float64)."""
     out = str(tmp_path / "rank0.pt")
     mp.spawn(_fsdp2_worker, args=(str(tmp_path / "init"), out), nprocs=1, join=True)
     sharded = torch.load(out, weights_only=False)
@@ -203,7 +203,7 @@ def test_fsdp2_on_one_gpu_with_nccl_teleports_like_the_unsharded_model(tmp_path)
         assert sharded[kind]["reports"] == plain["reports"]
         assert any(accepted for _, accepted, _ in plain["reports"]), plain["reports"]
         errors = [float((a - b).abs().max()) for a, b in zip(sharded[kind]["final"], plain["final"])]
-        assert max(errors) <= 1e-5, (kind, errors)
+        assert max(errors) <= (1e-10 if kind == "transformer_gl" else 1e-5), (kind, errors)  # float64 / float32
 
 
 def test_the_output_check_seeds_the_gpu_generator_too():

@@ -589,7 +589,10 @@ def _like_one_process(runs: list[dict[str, Any]], kind: str, world: int) -> list
         opt.step()
     assert [(r.step, r.accepted) for r in opt.base.reports] == scheduled  # the same teleports, watch and rollbacks
     errors = [float((a - p.detach()).abs().max()) for a, p in zip(runs[0]["final"], model.parameters())]
-    assert max(errors) <= 1e-5, (kind, errors)  # float32: the reductions add in another order over ranks
+    # the reductions add in another order over ranks: float32 round-off, amplified by AdamW's normalisation of
+    # small gradients (up to about 1e-6 seen); float64 runs agree to about 3e-13
+    tol = 1e-10 if runs[0]["final"][0].dtype == torch.float64 else 1e-5
+    assert max(errors) <= tol, (kind, errors)
     # a teleport's own communication: everything it sends but its two check forwards (FSDP's all-gathers)
     return [run["teleport_bytes"] - 2 * run["forward_bytes"] for run in runs]
 
@@ -646,6 +649,21 @@ def test_a_timm_vit_with_fused_qkv_teleports_on_the_shards(tmp_path):
     assert placements["blocks.0.attn.proj.weight"] == "(Shard(dim=0),)"
     own = _like_one_process(runs, "vit_gl", WORLD)
     assert max(own) < 0.5 * runs[0]["param_bytes"], (own, runs[0]["param_bytes"], runs[0]["calls"])  # gathered: 0.78x (90 kB)
+
+
+def test_shard_placement_fn_shards_row_acted_weights_along_columns_and_refuses_other_inputs():
+    """Only the weights a matrix group acts on by rows get ``Shard(1)``: not the output projection (columns),
+    biases or the rescaled MLP; something that is not a site is a clear ``TypeError``."""
+    from torch.distributed.tensor import Shard
+
+    from teleopt.sharding import shard_placement_fn
+
+    model, sites, _ = _model("transformer_gl")
+    fn = shard_placement_fn(model, sites)
+    column = {n for n, p in model.named_parameters() if fn(p) == Shard(1)}
+    assert column == {"block.q.weight", "block.k.weight", "block.v.weight"}, column
+    with pytest.raises(TypeError, match="Site objects"):
+        shard_placement_fn(model, ["block.q.weight"])
 
 
 def test_unsharded_copy_keeps_names_ties_and_leaves_the_original_alone():

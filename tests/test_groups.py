@@ -157,7 +157,8 @@ def test_block_matrices_are_what_act_on_axis_multiplies_each_block_by(group, pow
     gen = torch.Generator().manual_seed(0)
     g = group.random(generator=gen)
     blocks = group.block_matrices(g, power)
-    assert blocks is not None and blocks.shape == (group.blocks or 1, group.n, group.n)
+    assert blocks is not None and blocks.shape == (group.blocks or 1, group.block_size, group.block_size)
     x = torch.randn(group.dim, 5, generator=gen, dtype=torch.float64)
     torch.testing.assert_close(group.act_on_axis(g, x, 0, power), torch.block_diag(*blocks) @ x, rtol=1e-12, atol=1e-12)
     assert PositiveScaling(3).block_matrices(torch.ones(3, dtype=torch.float64), power) is None
+    assert PositiveScaling(3).block_size is None

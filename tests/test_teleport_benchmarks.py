@@ -67,13 +67,13 @@ def test_live_bytes_counts_new_storages_until_freed():
 
 def test_a_fast_teleport_without_watch_holds_a_few_copies_of_the_parameters_at_most():
     """Peak extra memory of one teleport with the watch off, on a wide MLP under Adam, in multiples of
-    the parameters' bytes: the evaluator's statistics (1.33x: the float64 squared gradient of the middle
-    layer), the rollback's copy of the site members (1x: gradients and moments are undone by the
-    inverse element, not copied) and the apply phase, which moves one kind of tensor at a time (at
-    most the two moments' moved copies, 2x, plus the chain's intermediates).  Copying gradients and
-    moments for the rollback and moving every kind at once peaked at 10x."""
+    the parameters' bytes: the evaluator's statistics (the float32 squared gradients of the layers between
+    two sites, 0.67x on mlp-10M), the rollback's copy of the site members (1x: gradients and moments are
+    undone by the inverse element, not copied); diagonal sites are applied in place.  Measured 1.83x here
+    (2.56x with float64 statistics, 10x when the rollback copied gradients and moments and the apply
+    moved every kind at once)."""
     bench = load_benchmark("teleport_cost")
     model, sites, batch = bench.mlp_10m(4, widths=[64, 128, 128, 96, 10])
     memory = bench.peak_extra_memory(model, sites, batch, bench.regression, watch=0)
-    assert memory["peak"] <= 5.5, memory
+    assert memory["peak"] <= 2.2, memory
     assert memory["kept"] <= 0.05, memory  # nothing but the report stays allocated

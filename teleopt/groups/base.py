@@ -137,6 +137,10 @@ class Group(ABC):
         whether it did (``False``: ``x`` untouched, use :meth:`act_on_axis`).  Bitwise the out-of-place result."""
         return False
 
+    #: the size n of the blocks (blocks, n, n) that :meth:`block_matrices` returns, ``None`` for groups
+    #: whose representations are not block matrices (diagonal and discrete groups)
+    block_size: int | None = None
+
     def block_matrices(self, g: Tensor, power: float) -> Tensor | None:
         """The matrices (blocks, n, n) that :meth:`act_on_axis` with ``power`` multiplies each block of an
         axis by (block b of rows of the axis -> M_b @ rows), or ``None`` for representations that are not

@@ -29,6 +29,10 @@ class _MatrixGroup(Group):
     def dim(self) -> int:
         return self.n * (self.blocks or 1)
 
+    @property
+    def block_size(self) -> int:  # type: ignore[override]
+        return self.n
+
     def _config(self) -> tuple:
         return (self.n,) if self.blocks is None else (self.n, self.blocks)
 
@@ -71,11 +75,10 @@ class _MatrixGroup(Group):
         return apply_on_axis(x, axis, fn)
 
     def _act_on_shards(self, g: Tensor, x: Tensor, axis: int, power: float) -> Tensor:
-        """:meth:`act_on_axis` of a ``DTensor`` (FSDP2): on an axis that no mesh dimension shards each rank
-        moves its own shard, with no communication (``DTensor``'s own ``solve`` would gather ``x``); a
-        sharded axis (a bias of a
-        row-sharded layer, O(units)) is gathered and moved whole, and returned replicated on ``x``'s mesh
-        (differentiable in ``g``; writing it into ``x`` keeps each rank's shard)."""
+        """:meth:`act_on_axis` of a ``DTensor`` (FSDP2).  On an axis that no mesh dimension shards, each rank
+        moves its own shard, with no communication (``DTensor``'s own ``solve`` would gather ``x``).  A
+        sharded axis (a bias of a row-sharded layer, O(units)) is gathered and moved whole, and returned
+        replicated on ``x``'s mesh (differentiable in ``g``; writing it into ``x`` keeps each rank's shard)."""
         assert is_sharded(x), "act_on_axis calls this for DTensors only"
         if is_sharded(g):  # an element replicated on the mesh is whole on every rank (to_local: differentiable)
             g = g.to_local()

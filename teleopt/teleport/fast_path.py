@@ -112,12 +112,12 @@ class _Reduced:
             view, axis = member.part_view(g if sharded else full(g))
             part = local(view)  # the rank's shard of the view (outside autograd), or the view itself
             flat = part.to(torch.float64).movedim(axis, 0).reshape(view.shape[axis], -1)
-            blocks = grp.block_matrices(grp.identity(device=part.device), -member.power)
-            if blocks is not None:
+            n = grp.block_size
+            if n is not None:
                 # a block-diagonal representation only sees the diagonal blocks of G G^T:
                 # ||A G||^2 = sum_b tr(A_b K_b A_b^T), K_b = G_b G_b^T (blocks x n x n)
                 self.kind = "blocks"
-                rows = flat.reshape(blocks.shape[0], blocks.shape[-1], -1)
+                rows = flat.reshape(-1, n, flat.shape[1])
                 self.K = _summed(rows @ rows.mT, g if sharded else None)
             else:
                 self.kind = "matrix"
@@ -554,7 +554,6 @@ def _on_shards(sites: Sequence[Site], live: Mapping[str, Tensor], grads: Mapping
     for site, group in zip(sites, groups):
         assert isinstance(site.action, AxisAction)  # checked above
         diagonal = _diagonal(group)
-        identity = group.identity()
         for member, name in zip(site.action.members, site.members):
             t = None if name is None else live.get(name)
             if name is None or t is None:
@@ -563,7 +562,7 @@ def _on_shards(sites: Sequence[Site], live: Mapping[str, Tensor], grads: Mapping
                 return None  # grouped convolutions, diagonal views and slices: gathered
             if diagonal:
                 continue
-            if group.block_matrices(identity, member.power) is None:
+            if group.block_size is None:
                 return None
             if member.axis % t.ndim in sharded_dims(t):
                 if t.ndim > 1:
