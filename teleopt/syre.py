@@ -424,8 +424,11 @@ class Syre(OptimizerWrapper):
         buckets: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]] = {}
         has_diagonal = group[self.prefix + "diagonal_eps"] > 0
         for index, p in members:
-            anchor = self._anchor_of(index, group, p)
-            diagonal = self._diagonal_of(index, group, p)
+            # _check_acting matched the stored anchors and diagonals to their parameters in this step
+            stored = self._anchors.get(p)
+            anchor = self._anchor_of(index, group, p) if stored is None else stored
+            diagonal = self._diagonals.get(p) if has_diagonal else None
+            diagonal = self._diagonal_of(index, group, p) if has_diagonal and diagonal is None else diagonal
             ps, gs, anchors, diagonals = buckets.setdefault((p.device, p.dtype), ([], [], [], []))
             ps.append(p)
             # sharded (FSDP2) parameters decay on their local shards: the decay is elementwise
@@ -497,7 +500,7 @@ class Syre(OptimizerWrapper):
             restore()
 
         def decay(*_: Any) -> None:
-            self._check_acting(with_grad=not in_closure)
+            # validated above: a wrapper in between moves parameters and gradients, not anchors
             for group, members in self._acting(with_grad=not in_closure):
                 if not (in_closure and not group[self.prefix + "decoupled"]):
                     swapped.extend(self._decay_group(group, members, deferred))

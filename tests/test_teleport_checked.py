@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import math
 
 import pytest
@@ -397,6 +398,24 @@ def test_the_probe_keeps_a_bounded_copy_of_the_last_forward():
     assert probe.inputs[0].untyped_storage().data_ptr() != x.untyped_storage().data_ptr()  # a copy, not a view
     copy.deepcopy(model)(data(3, seed=7)[0])  # a copy of the model does not feed this wrapper
     assert opt._probe.batch is probe
+
+
+def test_with_example_inputs_no_forward_hook_slows_the_model():
+    # any forward hook takes the module off torch's fast call path (34 us a forward on a small MLP)
+    model = mlp()
+    x, y = data(64)
+    plain = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites())
+    assert len(model._forward_pre_hooks) == 1
+    del plain
+    gc.collect()
+    assert not model._forward_pre_hooks
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), example_inputs=x[:8], ascent_steps=3)
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    model.zero_grad()
+    mse(model(x), y).backward()
+    report = opt.teleport()
+    assert report.accepted and report.check == "probe", report.reason
+    assert_checked(report)
 
 
 # ---------------------------------------------------------------- contract points

