@@ -158,3 +158,90 @@ def test_the_default_search_is_a_boundary_step_for_fast_path_gl_and_unconfigured
     assert isinstance(config.strategy_for(decrease, problem([PositiveScaling(3)])), GradientAscent)
     assert isinstance(config.strategy_for(objective, problem([GeneralLinear(4)], radius=None)), GradientAscent)
     assert isinstance(SearchConfig(strategy=GradientAscent(5)).strategy_for(objective, problem([GeneralLinear(4)])), GradientAscent)
+
+
+class _Elements:
+    """A stand-in evaluator: the elements are each group's exp of the coordinates."""
+
+    moves_gradients = True
+
+    def __init__(self, groups):
+        self.groups = groups
+
+    def elements(self, coords):
+        return [g.exp(c) for g, c in zip(self.groups, coords)]
+
+
+class _Smooth:
+    """A smooth score of the elements, not invariant under anything: sum <W, E> + <V, E^2>."""
+
+    name, direction, maximum_on_boundary = "smooth", "increase", False
+
+    def __init__(self, groups, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.w = [torch.randn(g.element_shape, generator=gen, dtype=F64) for g in groups]
+        self.v = [torch.randn(g.element_shape, generator=gen, dtype=F64) for g in groups]
+
+    def score(self, evaluator, elements, prepared):
+        return sum((w * e).sum() + (v * e * e).sum() for w, v, e in zip(self.w, self.v, elements))
+
+
+def test_the_gradient_at_the_identity_is_taken_in_the_elements_where_exp_is_plain(monkeypatch):
+    """GL_n and positive scalings: d exp at 0 is the identity map, so the gradient in the coordinates at
+    the identity is the gradient in the elements there; ``score_and_gradient`` takes it without calling
+    exp (no ``matrix_exp`` forward or backward) and matches autograd through exp to round-off.  O(n)'s
+    exp is not plain (it takes the skew part): its gradient still goes through exp."""
+    from teleopt.groups import Orthogonal
+    from teleopt.teleport.search import SearchProblem
+
+    def problem(groups):
+        zeros = [torch.zeros(g.coord_shape, dtype=F64) for g in groups]
+        return SearchProblem(
+            [Site(get_action("gl_linear"), ("a", "b", "c"))] * len(groups),
+            groups,
+            _Elements(groups),
+            _Smooth(groups),
+            None,
+            zeros,
+            [R] * len(groups),
+        )  # type: ignore[arg-type]
+
+    def through_exp(p):
+        xs = [c.clone().requires_grad_(True) for c in p.start]
+        score = p.score(xs)
+        return float(score.detach()), torch.autograd.grad(score, xs)
+
+    plain = problem([GeneralLinear(4, blocks=2), PositiveScaling(5), GeneralLinear(3)])
+    expected_score, expected = through_exp(plain)
+    for g in plain.groups:
+        monkeypatch.setattr(g, "exp", lambda c: pytest.fail("exp was called"))
+    score, grads = plain.score_and_gradient()
+    assert score == pytest.approx(expected_score, rel=1e-15)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, rtol=1e-13, atol=1e-13)
+    monkeypatch.undo()
+    skew = problem([Orthogonal(4), PositiveScaling(3)])
+    expected_score, expected = through_exp(skew)
+    score, grads = skew.score_and_gradient()
+    assert score == pytest.approx(expected_score, rel=1e-15)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(grads[0], -grads[0].mT)  # only the skew part moves an O(n) element
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_on_the_gradient_norm_the_boundary_is_the_best_point_of_the_ray(seed):
+    """The gradient norm is a nonnegative sum of exponentials of t along the boundary step's ray (scalings
+    and GL blocks), so its maximum on [0, 1] is at t = 1: the default evaluates that point alone, and the
+    line search over 1, 0.5, 0.25 chooses the same element with the same gain."""
+    model, x, y = _linear_net(seed)
+    alone = _teleported(copy.deepcopy(model), x, y, None)
+    searched = _teleported(copy.deepcopy(model), x, y, BoundaryStep(fractions=(1.0, 0.5, 0.25)))
+    assert alone.accepted and searched.accepted
+    assert alone.gain == pytest.approx(searched.gain, rel=1e-12)
+    for name, element in alone.elements.items():
+        torch.testing.assert_close(element, searched.elements[name], rtol=1e-12, atol=1e-12)
+    mlp, xm, ym = _relu_mlp(seed)
+    alone = _rescaled(copy.deepcopy(mlp), xm, ym)
+    searched = _rescaled(copy.deepcopy(mlp), xm, ym, search=SearchConfig(strategy=BoundaryStep(fractions=(1.0, 0.5, 0.25))))
+    assert alone.gain == pytest.approx(searched.gain, rel=1e-12) and alone.gain > 1

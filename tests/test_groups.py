@@ -162,3 +162,28 @@ def test_block_matrices_are_what_act_on_axis_multiplies_each_block_by(group, pow
     torch.testing.assert_close(group.act_on_axis(g, x, 0, power), torch.block_diag(*blocks) @ x, rtol=1e-12, atol=1e-12)
     assert PositiveScaling(3).block_matrices(torch.ones(3, dtype=torch.float64), power) is None
     assert PositiveScaling(3).block_size is None
+
+
+def test_a_gl_contragredient_is_solved_once_per_element_and_again_after_an_in_place_change():
+    """Outside autograd, g^-T is remembered per live element (a teleport moves parameters, gradients
+    and moments by the same element): equal to the solve, not recomputed for the same unchanged
+    element, recomputed after an in-place change, and forgotten when the element dies."""
+    from teleopt.groups import matrix
+
+    group = GeneralLinear(4, blocks=2)
+    g = group.random(torch.Generator().manual_seed(0))
+    x = torch.randn(8, 5, dtype=torch.float64)
+    solved = torch.linalg.solve(g.mT, torch.eye(4, dtype=torch.float64).expand(2, 4, 4))
+    first = group.block_matrices(g, -1)
+    torch.testing.assert_close(first, solved, rtol=1e-13, atol=1e-13)
+    assert group.block_matrices(g, -1) is first and GeneralLinear(4, blocks=2).block_matrices(g, -1) is first
+    expected = (solved @ x.reshape(2, 4, 5)).reshape(8, 5)
+    torch.testing.assert_close(group.act_on_axis(g, x, 0, -1), expected, rtol=1e-13, atol=1e-13)
+    g.mul_(2)
+    torch.testing.assert_close(group.block_matrices(g, -1), solved / 2, rtol=1e-13, atol=1e-13)
+    key = (id(g), GeneralLinear, 4)
+    assert key in matrix._CONTRAGREDIENTS
+    del g
+    assert key not in matrix._CONTRAGREDIENTS
+    leaf = group.random(torch.Generator().manual_seed(1)).requires_grad_(True)  # differentiable: solved each time
+    assert group.block_matrices(leaf, -1).requires_grad

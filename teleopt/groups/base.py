@@ -176,6 +176,11 @@ class Group(ABC):
     #: (positive scalings: the gradient norm is convex in the log-scales)
     boundary_search_when_convex: ClassVar[bool] = False
 
+    #: whether :meth:`exp` is the exponential of the coordinates themselves (elementwise for scalings,
+    #: ``matrix_exp`` for GL_n): its differential at 0 is then the identity map, so at the identity the
+    #: gradient of a function of the element is its gradient in the coordinates (no backward through exp)
+    plain_exp: ClassVar[bool] = False
+
     def boundary_point(self, direction: Tensor, radius: float) -> Tensor | None:
         """The coordinates in the trust region of ``radius`` that maximise <direction, xi> (the linear
         maximisation oracle of the Frank-Wolfe method over :meth:`project_coordinates`' region): by

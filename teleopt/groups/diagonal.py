@@ -23,6 +23,7 @@ class PositiveScaling(Group):
 
     kind: GroupKind = "diagonal"
     boundary_search_when_convex: ClassVar[bool] = True
+    plain_exp: ClassVar[bool] = True
     continuous = True
 
     def identity(self, dtype=torch.float64, device=None) -> Tensor:

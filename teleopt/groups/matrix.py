@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 from abc import abstractmethod
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import ClassVar
 
@@ -14,6 +17,14 @@ from teleopt.groups.base import BALANCE_RCOND, Group, GroupKind, _check_finite, 
 from teleopt.sharding import from_local_like, full, is_sharded, replicate_like, sharded_dims
 
 __all__ = ["GeneralLinear", "Orthogonal"]
+
+#: (id, group type, n) of a live element -> (a weak reference to it, its version, its contragredient blocks)
+_CONTRAGREDIENTS: OrderedDict[tuple[int, type, int], tuple[weakref.ref, int, Tensor]] = OrderedDict()
+_MEMO_SIZE = 64
+
+
+def _forget(key: tuple[int, type, int], _: object) -> None:
+    _CONTRAGREDIENTS.pop(key, None)
 
 
 class _MatrixGroup(Group):
@@ -61,18 +72,37 @@ class _MatrixGroup(Group):
             raise ValueError(f"{type(self).__name__} representations have power +1 or -1, got {power}")
         if is_sharded(x):
             return self._act_on_shards(g, x, axis, power)
+        if power == -1 and not (torch.is_grad_enabled() and g.requires_grad):
+            # outside autograd (the apply phase moves parameters, gradients and moments by one element):
+            # g^-T once per element in its own precision, then a product per tensor instead of a solve
+            return self._multiply(self._contragredient_of(g).to(device=x.device, dtype=x.dtype), x, axis)
         gb = self._blocked(g).to(device=x.device, dtype=x.dtype)
+        if power == 1:
+            return self._multiply(gb, x, axis)
         nb = gb.shape[0]
+        return apply_on_axis(x, axis, lambda flat: self._contragredient(gb, flat.reshape(nb, self.n, -1)).reshape(flat.shape))
 
-        def fn(flat: Tensor) -> Tensor:
-            cols = flat.reshape(nb, self.n, -1)
-            if power == 1:
-                out = gb @ cols
-            else:
-                out = self._contragredient(gb, cols)
-            return out.reshape(flat.shape)
+    def _multiply(self, matrices: Tensor, x: Tensor, axis: int) -> Tensor:
+        """Each block's matrix times its rows of ``x`` along ``axis``."""
+        nb = matrices.shape[0]
+        return apply_on_axis(x, axis, lambda flat: (matrices @ flat.reshape(nb, self.n, -1)).reshape(flat.shape))
 
-        return apply_on_axis(x, axis, fn)
+    def _contragredient_of(self, g: Tensor) -> Tensor:
+        """:meth:`block_matrices` of ``g`` for power -1, remembered while ``g`` lives unchanged.
+
+        Actions build a group per call, so the memo is kept by element (:data:`_CONTRAGREDIENTS`): one
+        teleport moves a site's parameters, gradients and moments, and evaluates the search, with the
+        same few elements.
+        """
+        key = (id(g), type(self), self.n)
+        hit = _CONTRAGREDIENTS.get(key)
+        if hit is not None and hit[0]() is g and hit[1] == g._version:
+            return hit[2]
+        matrices = self._solved(self._blocked(g))
+        _CONTRAGREDIENTS[key] = (weakref.ref(g, functools.partial(_forget, key)), g._version, matrices)
+        while len(_CONTRAGREDIENTS) > _MEMO_SIZE:
+            _CONTRAGREDIENTS.popitem(last=False)
+        return matrices
 
     def _act_on_shards(self, g: Tensor, x: Tensor, axis: int, power: float) -> Tensor:
         """:meth:`act_on_axis` of a ``DTensor`` (FSDP2).  On an axis that no mesh dimension shards, each rank
@@ -94,6 +124,11 @@ class _MatrixGroup(Group):
         gb = self._blocked(g)
         if power == 1:
             return gb
+        if not (torch.is_grad_enabled() and g.requires_grad):
+            return self._contragredient_of(g)
+        return self._solved(gb)
+
+    def _solved(self, gb: Tensor) -> Tensor:
         eye = torch.eye(self.n, dtype=gb.dtype, device=gb.device).expand(gb.shape)
         return self._contragredient(gb, eye)
 
@@ -144,6 +179,7 @@ class GeneralLinear(_MatrixGroup):
     # the gradient norm of a GL site is convex in g^T g: its maximum over the trust region is on the
     # boundary, where one BoundaryStep lands at a fraction of the cost of 100 steps through matrix_exp
     boundary_search: ClassVar[bool] = True
+    plain_exp: ClassVar[bool] = True
 
     def exp(self, coords: Tensor) -> Tensor:
         self._check_coords(coords)

@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from teleopt.actions.base import GroupAction
 from teleopt.groups import Group
 from teleopt.site import Site
 from teleopt.teleport.ascent import ascend
@@ -63,6 +64,29 @@ class SearchProblem:
     def score(self, coords: Sequence[Tensor]) -> Tensor:
         """What the search maximises at ``coords``: the objective's score at exp(coords) . w."""
         return self.objective.score(self.evaluator, self.evaluator.elements(coords), self.prepared)
+
+    def score_and_gradient(self) -> tuple[float, list[Tensor | None]]:
+        """The score at ``start`` (the identity) and its gradient in the Lie algebra coordinates.
+
+        Where every site's element is the plain exponential of its coordinates
+        (:attr:`Group.plain_exp <teleopt.groups.Group.plain_exp>`, with the action's default ``exp``), d exp
+        at 0 is the identity map, and the gradient is taken in the elements at the identity: no forward or
+        backward through ``matrix_exp`` (on vit_tiny's 72 GL(64) blocks that backward was most of a
+        boundary step).  Otherwise by autograd through exp.
+        """
+        plain = all(g.plain_exp and type(s.action).exp is GroupAction.exp for s, g in zip(self.sites, self.groups))
+        if plain:
+            leaves = [g.identity(dtype=c.dtype, device=c.device).requires_grad_(True) for g, c in zip(self.groups, self.start)]
+            with torch.enable_grad():
+                score = self.objective.score(self.evaluator, leaves, self.prepared)
+        else:
+            leaves = [c.detach().clone().requires_grad_(True) for c in self.start]
+            with torch.enable_grad():
+                score = self.score(leaves)
+        if not score.requires_grad:
+            return float(score.detach()), [None] * len(leaves)
+        grads = torch.autograd.grad(score, leaves, allow_unused=True)
+        return float(score.detach()), [None if g is None else g.detach() for g in grads]
 
 
 @dataclass
@@ -112,7 +136,8 @@ class BoundaryStep:
 
     Each site moves to :meth:`Group.boundary_point <teleopt.groups.Group.boundary_point>` of the
     gradient of the score at the identity (r sign(d) for scalings, the polar factor r U V^T of d for
-    GL blocks), scaled by the best of ``fractions`` (the identity when none improves the score).
+    GL blocks), scaled by the best of ``fractions`` (the identity when none improves the score; by
+    default 1 alone where the score is convex along the ray, else 1, 0.5 and 0.25).
     The gradient norm is convex in the log-scales and, for a GL site, in g^T g, so its maximum over
     the trust region lies on the boundary; the linearisation picks the boundary point in one
     gradient evaluation instead of ``GradientAscent``'s up to 100.  On the GL(16) site of a linear
@@ -124,17 +149,23 @@ class BoundaryStep:
     ``fallback`` (projected ascent).
     """
 
-    fractions: tuple[float, ...] = (1.0, 0.5, 0.25)
+    fractions: tuple[float, ...] | None = None
     fallback: GradientAscent = field(default_factory=GradientAscent)
+
+    def _fractions(self, problem: SearchProblem) -> tuple[float, ...]:
+        """``fractions`` when given; by default only the boundary (1) where the score is convex along the ray
+        (an objective whose maximum lies on the boundary, the gradient norm, over scalings and GL blocks),
+        else (1, 0.5, 0.25).  Along r U sign(L) U^T the gradient norm is a nonnegative sum of exponentials
+        of t (on GL blocks too), so with a positive slope at the identity its maximum on [0, 1] is at 1."""
+        if self.fractions is not None:
+            return self.fractions
+        convex = problem.objective.maximum_on_boundary and all(g.boundary_search or g.boundary_search_when_convex for g in problem.groups)
+        return (1.0,) if convex else (1.0, 0.5, 0.25)
 
     def search(self, problem: SearchProblem) -> SearchResult:
         if any(r is None for r in problem.trust_regions):
             return self.fallback.search(problem)
-        xs = [c.detach().clone().requires_grad_(True) for c in problem.start]
-        with torch.enable_grad():
-            score = problem.score(xs)
-            grads = torch.autograd.grad(score, xs, allow_unused=True) if score.requires_grad else [None] * len(xs)
-        start = float(score.detach())
+        start, grads = problem.score_and_gradient()
         points = []
         for grp, g, radius, x0 in zip(problem.groups, grads, problem.trust_regions, problem.start):
             # every radius is finite here (checked above); the test narrows the type
@@ -142,8 +173,8 @@ class BoundaryStep:
             if point is None and g is not None and bool((g != 0).any()):
                 return self.fallback.search(problem)  # a group without a boundary point
             points.append(torch.zeros_like(x0) if point is None else point.to(x0.dtype))
-        best, best_score, evaluations = [x.detach().clone() for x in xs], start, 1
-        for t in self.fractions:
+        best, best_score, evaluations = [x.detach().clone() for x in problem.start], start, 1
+        for t in self._fractions(problem):
             candidate = [t * p for p in points]
             with torch.no_grad():
                 value = float(problem.score(candidate))
