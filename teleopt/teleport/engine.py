@@ -596,5 +596,8 @@ class TeleportEngine:
         report.reason = "accepted"
         record.accepted += 1
         if safety.watch_steps > 0 and isinstance(snapshot, Snapshot):  # the watch keeps a full snapshot
+            # less the gradients: its rollback skips that step's base update and clears .grad
+            # (a rollback here, in verify, needed them: the base steps from the restored point)
+            snapshot.grads.clear()
             grad_ref = max(report.grad_norm_before or 0.0, report.grad_norm_after or 0.0) ** 2
             record.watch = Watch(snapshot, record.step + safety.watch_steps, record.step, grad_ref, report.loss_before)
