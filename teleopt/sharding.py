@@ -29,7 +29,8 @@ along their columns instead, so that their teleports stay on the shards.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import math
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeGuard, cast
 
 import torch
@@ -47,6 +48,7 @@ __all__ = [
     "write_",
     "total_sum",
     "square_sum",
+    "sum_over",
     "sharded_module",
     "unsharded_copy",
     "unsupported_layout",
@@ -216,8 +218,48 @@ def total_sum(parts: Iterable[tuple[Tensor, Tensor]]) -> float:
 
 
 def square_sum(tensors: Iterable[Tensor]) -> float:
-    """Sum of squares of all entries of ``tensors`` in float64 (of the whole tensor for ``DTensor``s: :func:`total_sum`)."""
-    return total_sum((local(t).detach().to(torch.float64).square().sum(), t) for t in tensors)
+    """Sum of squares of all entries of ``tensors``, returned in float64 (of the whole tensor for ``DTensor``s:
+    :func:`total_sum`).
+
+    Each tensor's norm is accumulated in its own precision (float32 at least), as torch's norms do: a
+    float64 copy first converts every entry (16 ms against 0.2 ms for a 2048 x 2048 float32 gradient).
+    """
+
+    def part(t: Tensor) -> Tensor:
+        x = local(t).detach()
+        x = x if x.dtype in (torch.float32, torch.float64) or not x.is_floating_point() else x.float()
+        return torch.linalg.vector_norm(x).to(torch.float64).square()
+
+    return total_sum((part(t), t) for t in tensors)
+
+
+def sum_over(t: Tensor, dims: Sequence[int]) -> Tensor:
+    """``t.sum(dim=dims)`` (``t`` itself for no dims), faster on the CPU for a plain tensor.
+
+    Each run of consecutive summed dimensions is reduced separately, the outermost first: summing leading
+    dimensions adds whole rows (vectorised), and the inner runs are then short.  For a 512 x 512 x 3 x 3
+    convolution weight summed over all but dimension 1: 8.4 -> 0.6 ms (2-core CPU).  ``DTensor``s sum as
+    ``DTensor``s (a reshape would redistribute them).
+    """
+    dims = sorted({d % t.ndim for d in dims}) if t.ndim else []
+    if not dims:
+        return t
+    if is_sharded(t):
+        return t.sum(dim=dims)
+    runs: list[list[int]] = []
+    for d in dims:
+        if runs and runs[-1][-1] == d - 1:
+            runs[-1].append(d)
+        else:
+            runs.append([d])
+    out, removed = t, 0
+    for run in runs:
+        start, stop = run[0] - removed, run[-1] - removed + 1
+        shape = tuple(out.shape)
+        prefix, size, suffix = math.prod(shape[:start]), math.prod(shape[start:stop]), math.prod(shape[stop:])
+        out = out.reshape(prefix, size, suffix).sum(dim=1).reshape(shape[:start] + shape[stop:])
+        removed += len(run)
+    return out
 
 
 def sharded_module(module: nn.Module) -> bool:

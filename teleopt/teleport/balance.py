@@ -56,7 +56,7 @@ from torch import Tensor
 
 from teleopt.actions.axis import AxisAction, Member
 from teleopt.groups import BALANCE_RCOND, Group
-from teleopt.sharding import full, square_sum
+from teleopt.sharding import full, square_sum, sum_over
 from teleopt.site import Site
 
 __all__ = ["BalanceResult", "WeightNormModel", "balance_coordinates"]
@@ -102,7 +102,7 @@ class _Reduced:
         # in the tensor's own precision (float32 at least): the statistics it yields are read in float64
         t = tensor.detach()
         sq = (t if t.dtype in (torch.float32, torch.float64) else t.float()).square()
-        self.S = full(sq.sum(dim=other) if other else sq)  # sharded (FSDP2): reduced on the shards, then gathered
+        self.S = full(sum_over(sq, other))  # sharded (FSDP2): reduced on the shards, then gathered
         order = sorted(axes)
         self.letters = "abcdefghij"[: self.S.ndim]
         self.positions = [order.index(a) for a in axes]

@@ -34,7 +34,7 @@ from torch import Tensor
 from teleopt.actions.axis import AxisAction, Member
 from teleopt.actions.base import GroupAction
 from teleopt.groups import Group
-from teleopt.sharding import full, is_sharded, local, replicate_like, sharded_dims, square_sum, write_
+from teleopt.sharding import full, is_sharded, local, replicate_like, sharded_dims, square_sum, sum_over, write_
 from teleopt.site import Site
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.state_policy import StatePolicy
@@ -98,7 +98,7 @@ class _Reduced:
             # comes from the group action, not from S).  A sharded (FSDP2) gradient reduces on its shards;
             # gathering S costs O(units), not O(parameters).
             sq = g.to(torch.float64 if g.dtype == torch.float64 else torch.float32).square()
-            S = full(sq.sum(dim=other) if other else sq)
+            S = full(sum_over(sq, other))
             # S has the acted axes in increasing order; remember where each entry's axis went
             order = sorted(axes)
             self.positions = [order.index(a) for a in axes]
