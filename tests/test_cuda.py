@@ -217,3 +217,34 @@ def test_the_output_check_seeds_the_gpu_generator_too():
     report = opt.teleport(batch=(x, y))
     assert report.accepted, report.reason
     assert report.check_error is not None and report.check_error <= 1e-12
+
+
+def _gl_teleported(device: str) -> tuple[Any, list[torch.Tensor], float]:
+    """One default teleport of the GL(16) site of a float64 linear 12-16-10 network on ``device``: report,
+    parameters, relative change of the outputs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.Linear(16, 10, bias=False)).double().to(device)
+    x, y = torch.randn(32, 12, dtype=torch.float64).to(device), torch.randn(32, 10, dtype=torch.float64).to(device)
+    site = teleopt.Site(teleopt.get_action("gl_linear"), ("0.weight", "0.bias", "1.weight"))
+    opt = Teleport(torch.optim.Adam(model.parameters(), lr=1e-3), model, [site], example_inputs=x[:8])
+    before = model(x).detach()
+    F.mse_loss(model(x), y).backward()
+    report = opt.teleport()
+    change = float((model(x).detach() - before).norm() / before.norm())
+    return report, [p.detach().cpu() for p in model.parameters()], change
+
+
+def test_a_gl_teleport_of_a_gpu_model_searches_on_the_host_and_lands_where_the_cpu_one_does():
+    """GL sites' search (Gram matrices, exp, solves, the boundary step's SVD) runs on the CPU for a CUDA
+    model, and the elements move the GPU tensors: the same element, gain and parameters as the same
+    teleport on the CPU, and the outputs unchanged."""
+    cpu_report, cpu_params, _ = _gl_teleported("cpu")
+    report, params, change = _gl_teleported("cuda")
+    assert report.accepted and cpu_report.accepted, (report.reason, cpu_report.reason)
+    (element,) = report.elements.values()
+    assert element.device.type == "cpu"  # chosen on the host
+    torch.testing.assert_close(element, next(iter(cpu_report.elements.values())), rtol=1e-9, atol=1e-12)
+    assert report.gain == pytest.approx(cpu_report.gain, rel=1e-9) and report.gain > 1
+    assert change <= 1e-12
+    for p, q in zip(params, cpu_params):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)

@@ -349,7 +349,8 @@ class TeleportEngine:
     def _start(self, plan: Plan) -> _Start:
         evaluator, sites, ctx = plan.need_evaluator(), plan.sites, plan.ctx
         like = evaluator.like  # the whole site members (gathered on every rank when sharded)
-        device = next(like[n] for n in sites[0].tensor_names).device
+        # where the search runs (FastEvaluator.search_device: the host for GL sites of an accelerator model)
+        device = getattr(evaluator, "search_device", None) or next(like[n] for n in sites[0].tensor_names).device
         groups = [s.action.group(member_tensors(s, like)) for s in sites]
         coords0 = [zero_coordinates(s, g, device) for s, g in zip(sites, groups)]
         prepared = self.config.objective.prepare(evaluator, self.config.generator)

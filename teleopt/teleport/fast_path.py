@@ -37,6 +37,7 @@ from teleopt.groups import Group
 from teleopt.sharding import full, is_sharded, local, replicate_like, sharded_dims, square_sum, sum_over, write_
 from teleopt.site import Site
 from teleopt.teleport.context import TeleportContext
+from teleopt.teleport.distributed import is_distributed
 from teleopt.teleport.state_policy import StatePolicy
 from teleopt.teleport.transport import transport, transport_
 
@@ -84,7 +85,7 @@ def _components(sites: Sequence[Site], names: set[str]) -> list[tuple[list[int],
 class _Reduced:
     """One gradient tensor reduced to its group axes (see module docs)."""
 
-    def __init__(self, name: str, grad: Tensor, entries: list[tuple[int, Member, Group]]) -> None:
+    def __init__(self, name: str, grad: Tensor, entries: list[tuple[int, Member, Group]], host: bool = False) -> None:
         self.name = name
         self.entries = entries
         self.site_ids = {i for i, _, _ in entries}
@@ -122,7 +123,9 @@ class _Reduced:
             else:
                 self.kind = "matrix"
                 self.K = _summed(flat @ flat.T, g if sharded else None)
-                self.eye = torch.eye(grp.dim, dtype=torch.float64, device=grad.device)
+            if host:  # the search's small matrices on the CPU (FastEvaluator.search_device)
+                self.K = self.K.cpu()
+            self.eye = torch.eye(grp.dim, dtype=torch.float64, device=self.K.device)
         if self.kind == "scaling":
             # in S's dtype, as value() contracts it: a float64 accumulation of float32 S converts every
             # element first (16 ms against 0.2 ms for 2048 x 2048 on the CPU)
@@ -136,7 +139,10 @@ class _Reduced:
         if self.kind == "scaling":
             # sum S * prod_k c_k^{-2 p_k} as one contraction (a matrix-vector product for two axes)
             letters = "abcdefghij"[: self.S.ndim]
-            factors = [_square_factor(grp, elements[i], -member.power).to(self.S.dtype) for i, member, grp in self.entries]
+            factors = [
+                _square_factor(grp, elements[i], -member.power).to(device=self.S.device, dtype=self.S.dtype)
+                for i, member, grp in self.entries
+            ]
             spec = letters + "," + ",".join(letters[pos] for pos in self.positions) + "->"
             return torch.einsum(spec, self.S, *factors).to(torch.float64)
         (i, member, grp) = self.entries[0]
@@ -245,8 +251,9 @@ class GradientNormModel:
         Every site member (tensor name -> live tensor), for shapes.
     """
 
-    def __init__(self, sites: Sequence[Site], grads: Mapping[str, Tensor], like: Mapping[str, Tensor]) -> None:
+    def __init__(self, sites: Sequence[Site], grads: Mapping[str, Tensor], like: Mapping[str, Tensor], host: bool = False) -> None:
         self.sites = list(sites)
+        self.host = host
         self.groups = [site.action.group(member_tensors(site, like)) for site in self.sites]
         self.reduced: list[_Reduced] = []
         self.explicit: list[tuple[list[int], dict[str, Tensor]]] = []
@@ -266,7 +273,7 @@ class GradientNormModel:
     def _reduce(self, name: str, grad: Tensor, entries: list[tuple[int, Member, Group]]) -> None:
         """One tensor's reduced terms: the whole tensor, or one term per slice plus the remainder."""
         if not _sliced(entries, grad.ndim):
-            self.reduced.append(_Reduced(name, grad, entries))
+            self.reduced.append(_Reduced(name, grad, entries, self.host))
             return
         g = grad.detach()
         axis = entries[0][1].axis % g.ndim  # one axis for every slice (_sliced)
@@ -278,7 +285,7 @@ class GradientNormModel:
             assert member.start is not None and member.stop is not None  # _sliced
             part = g.narrow(axis, member.start, member.stop - member.start)
             plain = Member(member.name, member.axis, member.power)
-            term = _Reduced(name, part, [(entry[0], plain, entry[2])])
+            term = _Reduced(name, part, [(entry[0], plain, entry[2])], self.host)
             self.reduced.append(term)
             covered += term.identity_value
         self.remainders.append((name, max(square_sum([g]) - covered, 0.0)))
@@ -305,14 +312,14 @@ class GradientNormModel:
         total = torch.zeros((), dtype=torch.float64, device=elements[0].device if elements else None)
         cache: dict[tuple[int, float], Tensor] = {}
         for r in self.reduced:
-            term = r.value(elements, cache)
+            term = r.value(elements, cache).to(total.device)  # a scaling term stays on its gradient's device
             total = total + (term if weights is None else weights[r.name] * term)
         for name, rest in self.remainders:
             total = total + (rest if weights is None else weights[name] * rest)
         for site_ids, grads in self.explicit:
             moved, _ = transport([self.sites[i] for i in site_ids], [elements[i] for i in site_ids], grads, self.like, "covector")
             for n, t in moved.items():
-                term = t.to(torch.float64).square().sum()
+                term = t.to(torch.float64).square().sum().to(total.device)
                 total = total + (term if weights is None else weights[n] * term)
         return total
 
@@ -379,7 +386,14 @@ class FastEvaluator:
             self.like = {n: full(t) for n, t in self.live.items()}
             self.grads = {n: full(g) for n, g in grads.items()}
             self.states = {n: {k: full(v) if isinstance(v, Tensor) else v for k, v in st.items()} for n, st in ctx.states(names).items()}
-        self.norm_model = GradientNormModel(self.sites, self.grads, self.like)
+        device = next(iter(self.like.values())).device
+        groups = [site.action.group(member_tensors(site, self.like)) for site in self.sites]
+        # GL sites' search is small linear algebra (Gram matrices, exp, solves, SVDs of n x n blocks): on an
+        # accelerator each is a kernel launch and most synchronise, so it runs on the host; the elements then
+        # move the members on their device.  Not for sharded models (the search's collectives need the device).
+        host = device.type != "cpu" and not self.on_shards and not is_distributed() and not all(_diagonal(g) for g in groups)
+        self.search_device = torch.device("cpu") if host else device
+        self.norm_model = GradientNormModel(self.sites, self.grads, self.like, host)
         self.groups = self.norm_model.groups
         self._own_exp = [type(site.action).exp is not GroupAction.exp for site in self.sites]
         self.other_sq, self.other_decrease = ctx.constant_terms(set(names), with_decrease)
