@@ -125,7 +125,8 @@ class _Reduced:
                 self.K = _summed(flat @ flat.T, g if sharded else None)
             if host:  # the search's small matrices on the CPU (FastEvaluator.search_device)
                 self.K = self.K.cpu()
-            self.eye = torch.eye(grp.dim, dtype=torch.float64, device=self.K.device)
+            if self.kind == "matrix":
+                self.eye = torch.eye(grp.dim, dtype=torch.float64, device=self.K.device)
         if self.kind == "scaling":
             # in S's dtype, as value() contracts it: a float64 accumulation of float32 S converts every
             # element first (16 ms against 0.2 ms for 2048 x 2048 on the CPU)
