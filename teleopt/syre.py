@@ -424,8 +424,7 @@ class Syre(OptimizerWrapper):
         buckets: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]] = {}
         has_diagonal = group[self.prefix + "diagonal_eps"] > 0
         for index, p in members:
-            # _check_acting matched the stored anchors and diagonals to their parameters in this step
-            stored = self._anchors.get(p)
+            stored = self._anchors.get(p)  # matched to p by _check_acting in this step
             anchor = self._anchor_of(index, group, p) if stored is None else stored
             diagonal = self._diagonals.get(p) if has_diagonal else None
             diagonal = self._diagonal_of(index, group, p) if has_diagonal and diagonal is None else diagonal
@@ -443,17 +442,8 @@ class Syre(OptimizerWrapper):
             # allocation cheap, and there it is free again for the next forward pass.
             reuse = device.type == "cpu" and not (decoupled and not has_diagonal)
             scratch = [self._scratch_of(p) for p in ps] if reuse else None
-            new = decay_list(
-                [real_view(local(p)) for p in ps],
-                gs,
-                anchors,
-                diagonals if has_diagonal else None,
-                coefficient,
-                decoupled,
-                foreach,
-                scratch,
-            )
-            install(ps, new)
+            views = [real_view(local(p)) for p in ps]
+            install(ps, decay_list(views, gs, anchors, diagonals if has_diagonal else None, coefficient, decoupled, foreach, scratch))
         return swapped
 
     def _check_acting(self, with_grad: bool = True) -> None:
@@ -499,8 +489,7 @@ class Syre(OptimizerWrapper):
                 real_view(p).sub_(decrement)
             restore()
 
-        def decay(*_: Any) -> None:
-            # validated above: a wrapper in between moves parameters and gradients, not anchors
+        def decay(*_: Any) -> None:  # checked above: a wrapper in between moves no anchor
             for group, members in self._acting(with_grad=not in_closure):
                 if not (in_closure and not group[self.prefix + "decoupled"]):
                     swapped.extend(self._decay_group(group, members, deferred))

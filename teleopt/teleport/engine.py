@@ -349,8 +349,9 @@ class TeleportEngine:
     def _start(self, plan: Plan) -> _Start:
         evaluator, sites, ctx = plan.need_evaluator(), plan.sites, plan.ctx
         like = evaluator.like  # the whole site members (gathered on every rank when sharded)
-        # where the search runs (FastEvaluator.search_device: the host for GL sites of an accelerator model)
-        device = getattr(evaluator, "search_device", None) or next(like[n] for n in sites[0].tensor_names).device
+        device = (
+            getattr(evaluator, "search_device", None) or next(like[n] for n in sites[0].tensor_names).device
+        )  # the host for GL sites on a GPU
         groups = [s.action.group(member_tensors(s, like)) for s in sites]
         coords0 = [zero_coordinates(s, g, device) for s, g in zip(sites, groups)]
         prepared = self.config.objective.prepare(evaluator, self.config.generator)
@@ -371,11 +372,7 @@ class TeleportEngine:
         return result.score_start if problem.objective.direction == "increase" else -result.score_start
 
     def _caps(self, plan: Plan, start: _Start) -> Caps:
-        safety, evaluator, loss0 = (
-            self.config.safety,
-            start.problem.evaluator,
-            plan.report.loss_before,
-        )
+        safety, evaluator, loss0 = self.config.safety, start.problem.evaluator, plan.report.loss_before
         dec0 = None
         if self.config.sharded and loss0 is not None:  # the global loss: the caps' bisection communicates
             device = next(iter(plan.ctx.tensors.values())).device
@@ -388,12 +385,7 @@ class TeleportEngine:
 
     def _stability(self, plan: Plan, identity: list[Tensor]) -> StabilityCap | None:
         """(sharpness of a candidate, cap) for ``SafetyConfig.stability_margin``, or None when off or impossible."""
-        safety, ctx, fmodel, batch = (
-            self.config.safety,
-            plan.ctx,
-            plan.fmodel,
-            plan.request.batch,
-        )
+        safety, ctx, fmodel, batch = self.config.safety, plan.ctx, plan.fmodel, plan.request.batch
         if safety.stability_margin is None or fmodel is None or batch is None or not ctx.model.supported:
             return None
         evaluator = plan.need_evaluator()
@@ -597,8 +589,6 @@ class TeleportEngine:
         report.reason = "accepted"
         record.accepted += 1
         if safety.watch_steps > 0 and isinstance(snapshot, Snapshot):  # the watch keeps a full snapshot
-            # less the gradients: its rollback skips that step's base update and clears .grad
-            # (a rollback here, in verify, needed them: the base steps from the restored point)
-            snapshot.grads.clear()
+            snapshot.grads.clear()  # but no gradients: its rollback clears .grad and skips that update
             grad_ref = max(report.grad_norm_before or 0.0, report.grad_norm_after or 0.0) ** 2
             record.watch = Watch(snapshot, record.step + safety.watch_steps, record.step, grad_ref, report.loss_before)

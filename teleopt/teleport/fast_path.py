@@ -127,12 +127,8 @@ class _Reduced:
                 self.K = self.K.cpu()
             if self.kind == "matrix":
                 self.eye = torch.eye(grp.dim, dtype=torch.float64, device=self.K.device)
-        if self.kind == "scaling":
-            # in S's dtype, as value() contracts it: a float64 accumulation of float32 S converts every
-            # element first (16 ms against 0.2 ms for 2048 x 2048 on the CPU)
-            self.identity_value = float(self.S.sum())
-        else:
-            self.identity_value = float(self.K.diagonal(dim1=-2, dim2=-1).sum())
+        # S in its dtype, as value() contracts it (a float64 sum of a float32 S converted every entry: 16 ms vs 0.2 ms)
+        self.identity_value = float(self.S.sum() if self.kind == "scaling" else self.K.diagonal(dim1=-2, dim2=-1).sum())
 
     def value(self, elements: Sequence[Tensor], cache: dict[tuple[int, float], Tensor] | None = None) -> Tensor:
         """The term at ``elements``; ``cache`` shares each element's block matrices between the terms of one
@@ -389,9 +385,8 @@ class FastEvaluator:
             self.states = {n: {k: full(v) if isinstance(v, Tensor) else v for k, v in st.items()} for n, st in ctx.states(names).items()}
         device = next(iter(self.like.values())).device
         groups = [site.action.group(member_tensors(site, self.like)) for site in self.sites]
-        # GL sites' search is small linear algebra (Gram matrices, exp, solves, SVDs of n x n blocks): on an
-        # accelerator each is a kernel launch and most synchronise, so it runs on the host; the elements then
-        # move the members on their device.  Not for sharded models (the search's collectives need the device).
+        # GL sites' search (Gram matrices, exp, solves, SVDs of n x n blocks) runs on the host for an accelerator
+        # model: there each is a kernel launch, most synchronise.  Not when sharded (its collectives need the device).
         host = device.type != "cpu" and not self.on_shards and not is_distributed() and not all(_diagonal(g) for g in groups)
         self.search_device = torch.device("cpu") if host else device
         self.norm_model = GradientNormModel(self.sites, self.grads, self.like, host)
@@ -415,10 +410,9 @@ class FastEvaluator:
     def elements(self, coords: Sequence[Tensor]) -> list[Tensor]:
         """exp of each site's coordinates (groups built once unless an action overrides ``exp``).
 
-        Coordinates outside autograd equal to the last call's return that call's elements (one evaluator
-        per teleport; not for actions with their own ``exp``, which reads the moving members): a teleport
-        asks for its chosen point's elements in the line search, the caps and the report (on vit_tiny,
-        72 ``matrix_exp`` of 64 x 64 blocks each time).
+        Coordinates outside autograd equal to the last call's return its elements (not for actions with their
+        own ``exp``, which reads the moving members): a teleport asks for its chosen point's elements in the
+        line search, the caps and the report (on vit_tiny, 72 ``matrix_exp`` of 64 x 64 blocks each time).
         """
         tracked = any(xi.requires_grad for xi in coords) or any(self._own_exp)  # an action's exp reads the members
         memo = self.__dict__.get("_elements_memo")
