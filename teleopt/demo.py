@@ -10,7 +10,9 @@ same seed, so every difference in a row comes from the wrapper:
   rescaling of both hidden layers, Zhao 2026, Ex. 1.2.4);
 * **digits**: scikit-learn's bundled 8x8 digits, a 64-64-64-10 LeakyReLU MLP with
   SGD+momentum and mini-batches of 32.  Teleport: at the papers' learning rate
-  1e-3 and at 1e-2, with one teleport at the first step (Zhao 2026, Sec. 5.4.2).
+  1e-3 and at 1e-2, with one teleport at the first step (Zhao 2026, Sec. 5.4.2),
+  and at 1e-2 with ``objective="balance"`` every 50 steps (the realistic suite's
+  recommendation for SGD, docs/teleport.md "When to use which").
   Syre: weight decay 0.1 towards zero (torch's ``weight_decay``) against the same
   decay towards a random static anchor (:class:`~teleopt.syre.Syre`, Ziyin et al. 2025
   eq. 6), and Syre wrapped around Teleport.  Decay towards zero pulls the first
@@ -219,6 +221,16 @@ def _digits_arms() -> list[_Arm]:
 
         return build
 
+    def balanced(lr: float):
+        # the realistic suite's recommendation for SGD: least weight norm on the orbit every 50 steps from step 50
+        def build(model: nn.Sequential, batch_fn: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Optimizer, Teleport | None]:
+            t = Teleport(
+                sgd(model, lr), model, hidden_rescaling_sites(model), objective="balance", loss_fn=cross_entropy, batch_fn=batch_fn
+            )
+            return t, t
+
+        return build
+
     def syre(with_teleport: bool):
         def build(model: nn.Sequential, batch_fn: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Optimizer, Teleport | None]:
             inner: Optimizer = sgd(model, 1e-2)
@@ -234,6 +246,7 @@ def _digits_arms() -> list[_Arm]:
         _Arm("SGD+mom lr 1e-3 + Teleport", "SGD+mom lr 1e-3", teleported(1e-3)),
         _Arm("SGD+mom lr 1e-2", None, plain(1e-2)),
         _Arm("SGD+mom lr 1e-2 + Teleport", "SGD+mom lr 1e-2", teleported(1e-2)),
+        _Arm("SGD+mom lr 1e-2 + balance", "SGD+mom lr 1e-2", balanced(1e-2)),
         _Arm(zero, None, plain(1e-2, _DECAY), "syre"),
         _Arm(f"lr 1e-2, Syre {_DECAY}", zero, syre(False), "syre"),
         _Arm(f"lr 1e-2, Syre {_DECAY} + Teleport", zero, syre(True), "syre"),

@@ -25,7 +25,9 @@ def test_demo_quick_end_to_end(tmp_path, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     runs = {(r["task"], r["name"]): r for r in result["runs"]}
     assert result["settings"]["steps"] == {"regression": 300, "digits": 300}
-    assert len(runs) == 11
+    assert len(runs) == 12
+    balance = runs[("digits", "SGD+mom lr 1e-2 + balance")]["metrics"]
+    assert balance["teleports"] >= 4  # every 50 steps from step 50 over 300 steps, checked and kept
     for (_task, name), r in runs.items():
         assert name in printed  # every run is a row of the printed table
         assert len(r["steps"]) == len(r["train_loss"]) == len(r["seconds"]) and r["steps"][-1] == 300
