@@ -245,3 +245,25 @@ def test_on_the_gradient_norm_the_boundary_is_the_best_point_of_the_ray(seed):
     alone = _rescaled(copy.deepcopy(mlp), xm, ym)
     searched = _rescaled(copy.deepcopy(mlp), xm, ym, search=SearchConfig(strategy=BoundaryStep(fractions=(1.0, 0.5, 0.25))))
     assert alone.gain == pytest.approx(searched.gain, rel=1e-12) and alone.gain > 1
+
+
+def test_the_line_search_is_one_point_only_where_the_score_is_convex_along_the_ray():
+    """By default: the boundary point alone for the increasing gradient norm over GL and scalings, the three
+    fractions for an objective without that property; given fractions are used as they are, and bad ones are
+    refused with a clear error."""
+    from teleopt.teleport.search import SearchProblem
+
+    class Fast:
+        moves_gradients = True
+
+    def problem(objective, groups):
+        return SearchProblem([], groups, Fast(), objective, None, [], [R] * len(groups))  # type: ignore[arg-type]
+
+    convex = problem(get_objective("grad_norm"), [GeneralLinear(4), PositiveScaling(3)])
+    assert BoundaryStep()._fractions(convex) == (1.0,)
+    assert BoundaryStep()._fractions(problem(GradientNorm(direction="decrease"), [GeneralLinear(4)])) == (1.0, 0.5, 0.25)
+    assert BoundaryStep()._fractions(problem(_Smooth([GeneralLinear(4)]), [GeneralLinear(4)])) == (1.0, 0.5, 0.25)
+    assert BoundaryStep(fractions=(0.5,))._fractions(convex) == (0.5,)
+    for bad in [(), (0.0,), (1.5,), (True,), [1.0], 0.5]:
+        with pytest.raises(ValueError, match="fractions"):
+            BoundaryStep(fractions=bad)  # type: ignore[arg-type]

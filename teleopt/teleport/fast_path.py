@@ -136,10 +136,7 @@ class _Reduced:
         if self.kind == "scaling":
             # sum S * prod_k c_k^{-2 p_k} as one contraction (a matrix-vector product for two axes)
             letters = "abcdefghij"[: self.S.ndim]
-            factors = [
-                _square_factor(grp, elements[i], -member.power).to(device=self.S.device, dtype=self.S.dtype)
-                for i, member, grp in self.entries
-            ]
+            factors = [_square_factor(grp, elements[i], -member.power).to(self.S) for i, member, grp in self.entries]
             spec = letters + "," + ",".join(letters[pos] for pos in self.positions) + "->"
             return torch.einsum(spec, self.S, *factors).to(torch.float64)
         (i, member, grp) = self.entries[0]
@@ -246,12 +243,15 @@ class GradientNormModel:
         Gradient at w of every site member that has one (tensor name -> gradient).
     like:
         Every site member (tensor name -> live tensor), for shapes.
+    host:
+        Keep the search's small matrices (GL Gram blocks, identities) on the CPU when a site is not
+        diagonal (:attr:`host` says whether it does).
     """
 
     def __init__(self, sites: Sequence[Site], grads: Mapping[str, Tensor], like: Mapping[str, Tensor], host: bool = False) -> None:
         self.sites = list(sites)
-        self.host = host
         self.groups = [site.action.group(member_tensors(site, like)) for site in self.sites]
+        self.host = host and not all(_diagonal(g) for g in self.groups)
         self.reduced: list[_Reduced] = []
         self.explicit: list[tuple[list[int], dict[str, Tensor]]] = []
         #: per tensor with sliced entries, the squared norm of its gradient outside every slice (no site moves it)
@@ -264,7 +264,7 @@ class GradientNormModel:
                 self.explicit.append((site_ids, {n: grads[n] for n in names}))
         self.like = like
         self.explicit_identity = [sum(float(torch.linalg.vector_norm(t)) ** 2 for t in g.values()) for _, g in self.explicit]
-        device = next(iter(grads.values())).device if grads else None
+        device = torch.device("cpu") if self.host else next(iter(grads.values())).device if grads else None
         self.identities = [grp.identity(dtype=torch.float64, device=device) for grp in self.groups]
 
     def _reduce(self, name: str, grad: Tensor, entries: list[tuple[int, Member, Group]]) -> None:
@@ -384,12 +384,11 @@ class FastEvaluator:
             self.grads = {n: full(g) for n, g in grads.items()}
             self.states = {n: {k: full(v) if isinstance(v, Tensor) else v for k, v in st.items()} for n, st in ctx.states(names).items()}
         device = next(iter(self.like.values())).device
-        groups = [site.action.group(member_tensors(site, self.like)) for site in self.sites]
         # GL sites' search (Gram matrices, exp, solves, SVDs of n x n blocks) runs on the host for an accelerator
         # model: there each is a kernel launch, most synchronise.  Not when sharded (its collectives need the device).
-        host = device.type != "cpu" and not self.on_shards and not is_distributed() and not all(_diagonal(g) for g in groups)
-        self.search_device = torch.device("cpu") if host else device
+        host = device.type != "cpu" and not self.on_shards and not is_distributed()
         self.norm_model = GradientNormModel(self.sites, self.grads, self.like, host)
+        self.search_device = torch.device("cpu") if self.norm_model.host else device
         self.groups = self.norm_model.groups
         self._own_exp = [type(site.action).exp is not GroupAction.exp for site in self.sites]
         self.other_sq, self.other_decrease = ctx.constant_terms(set(names), with_decrease)
@@ -529,9 +528,8 @@ class FastEvaluator:
         params = {n: p.detach() for n, p in ctx.trainable.items()}
         params.update({n: t for n, t in self.site_params(elements).items() if n in params})
         states = ctx.states(grads)
-        moved = ctx.policy.move(
-            ctx.optimizer, self.sites, self._placed(elements), {n: s for n, s in states.items() if n in self.like}, self.like, ctx.groups
-        )
+        mine = {n: s for n, s in states.items() if n in self.like}
+        moved = ctx.policy.move(ctx.optimizer, self.sites, self._placed(elements), mine, self.like, ctx.groups)
         P = {}
         for name, g in grads.items():
             state = moved.values.get(name, states.get(name, {}))

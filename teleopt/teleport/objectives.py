@@ -98,7 +98,8 @@ class Objective(ABC):
     def maximum_on_boundary(self) -> bool:
         """Whether the score is convex in the log-scales of diagonal sites, so that its maximum over a box
         trust region lies at a corner and :class:`~teleopt.teleport.search.BoundaryStep` may replace the
-        ascent for them by default (``False`` unless an objective proves it)."""
+        ascent for them by default, and convex along the boundary step's ray over GL blocks too, so that
+        the step evaluates the boundary point alone (``False`` unless an objective proves it)."""
         return False
 
     def prepare(self, evaluator: Evaluator, generator: torch.Generator) -> Any:

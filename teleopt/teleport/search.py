@@ -66,7 +66,8 @@ class SearchProblem:
         return self.objective.score(self.evaluator, self.evaluator.elements(coords), self.prepared)
 
     def score_and_gradient(self) -> tuple[float, list[Tensor | None]]:
-        """The score at ``start`` (the identity) and its gradient in the Lie algebra coordinates.
+        """The score at ``start`` (the identity) and its gradient in the Lie algebra coordinates: the
+        linearisation :class:`BoundaryStep` steps along (Zhao 2026, Algorithm 1 line 3).
 
         Where every site's element is the plain exponential of its coordinates
         (:attr:`Group.plain_exp <teleopt.groups.Group.plain_exp>`, with the action's default ``exp``), d exp
@@ -151,6 +152,16 @@ class BoundaryStep:
 
     fractions: tuple[float, ...] | None = None
     fallback: GradientAscent = field(default_factory=GradientAscent)
+
+    def __post_init__(self) -> None:
+        if self.fractions is None:
+            return
+        if (
+            not isinstance(self.fractions, tuple)
+            or not self.fractions
+            or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t <= 1 for t in self.fractions)
+        ):
+            raise ValueError(f"BoundaryStep: fractions must be a non-empty tuple of numbers in (0, 1] or None, got {self.fractions!r}")
 
     def _fractions(self, problem: SearchProblem) -> tuple[float, ...]:
         """``fractions`` when given; by default only the boundary (1) where the score is convex along the ray
