@@ -68,6 +68,31 @@ def test_a_gl_boundary_point_leaves_round_off_directions_at_zero(blocks):
     assert float((d * point).sum()) == pytest.approx(R * float(torch.linalg.matrix_norm(d, "nuc").sum()), rel=1e-12)
 
 
+@pytest.mark.parametrize("blocks", [None, 3])
+def test_a_symmetric_direction_takes_the_eigendecomposition_to_the_same_point(blocks):
+    """The gradient norm's direction at the identity is symmetric, 2 (B - A), up to round-off: the boundary
+    point then comes from an eigendecomposition (U sign(Lambda) U^T), which must be the SVD's polar factor
+    r U V^T, also for a rank-deficient direction (its null directions stay at 0) and with asymmetric
+    round-off of 1e-15; a direction asymmetric beyond round-off takes the SVD."""
+    group = GeneralLinear(6, blocks=blocks)
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randn(group.coord_shape, generator=gen, dtype=F64)
+    low = torch.randn(group.coord_shape[:-1] + (3,), generator=gen, dtype=F64)
+    for d in (a + a.mT, low @ torch.diag(torch.tensor([1.0, -2.0, 3.0], dtype=F64)) @ low.mT):
+        noisy = d + 1e-15 * d.abs().amax() * torch.randn(d.shape, generator=gen, dtype=F64)
+        U, S, Vh = torch.linalg.svd(d, full_matrices=False)
+        kept = (S > 1e-6 * S.amax(dim=-1, keepdim=True)).to(F64)
+        polar = R * ((U * kept.unsqueeze(-2)) @ Vh)
+        for direction in (d, noisy):
+            point = group.boundary_point(direction, R)
+            assert point is not None
+            torch.testing.assert_close(point, polar, rtol=0, atol=1e-10)
+    skew = group.boundary_point(a, R)  # not symmetric: the SVD
+    U, _, Vh = torch.linalg.svd(a, full_matrices=False)
+    assert skew is not None
+    torch.testing.assert_close(skew, R * (U @ Vh), rtol=0, atol=1e-12)
+
+
 def _linear_net(seed):
     """A linear 12-16-10 network: GL(16) acts exactly on its hidden layer (``gl_linear``)."""
     torch.manual_seed(seed)

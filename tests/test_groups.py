@@ -187,3 +187,23 @@ def test_a_gl_contragredient_is_solved_once_per_element_and_again_after_an_in_pl
     assert key not in matrix._CONTRAGREDIENTS
     leaf = group.random(torch.Generator().manual_seed(1)).requires_grad_(True)  # differentiable: solved each time
     assert group.block_matrices(leaf, -1).requires_grad
+
+
+def test_elements_validated_by_a_caller_are_not_validated_again():
+    """Inside ``validated(elements)`` an action applying those elements skips the group's check (a GL element's
+    is an SVD); outside, and for any other tensor inside, it still runs and rejects a singular element."""
+    from teleopt import get_action
+    from teleopt.groups import is_validated, validated
+
+    action = get_action("gl_linear")
+    params = (torch.randn(4, 3, dtype=torch.float64), torch.randn(4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64))
+    singular = torch.zeros(4, 4, dtype=torch.float64)
+    good = torch.eye(4, dtype=torch.float64) * 2
+    with pytest.raises(ValueError, match="not invertible"):
+        action.act(singular, params)
+    with validated([good]):
+        assert is_validated(good) and is_validated(good.detach()) and not is_validated(singular)
+        action.act(good, params)
+        with pytest.raises(ValueError, match="not invertible"):
+            action.act(singular, params)
+    assert not is_validated(good)

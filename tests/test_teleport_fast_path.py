@@ -17,7 +17,7 @@ from torch import nn
 
 from teleopt import AxisAction, Member, Site, get_action
 from teleopt.teleport import SafetyConfig, Teleport
-from teleopt.teleport.fast_path import GradientNormModel
+from teleopt.teleport.gradient_norm import GradientNormModel
 from teleopt.teleport.transport import transport
 from teleopt.testing import assert_close, seeds
 
@@ -187,6 +187,66 @@ def test_reductions_are_used_where_they_apply():
     assert not model_for("fused qkv slices").explicit  # each slice reduces on its own (Gram matrix per slice)
     assert not model_for("fused qkv with vo").explicit
     assert model_for("fused qkv slices").remainders == [("qkv", pytest.approx(float(like["qkv"][8:].square().sum())))]
+
+
+def test_a_tensor_between_two_sites_is_read_in_row_chunks_without_its_square():
+    """The tensor two chained scalings act on is kept as its gradient (no squared copy): its value away from
+    the identity is summed a chunk of rows at a time (600 rows of 2048: 3 chunks), the identity's value and
+    gradient come from its margins, and autograd elsewhere squares it once; all agree with the explicit
+    transport to float64 round-off.  A gradient changed after the reduction is refused, not read stale."""
+    gen = torch.Generator().manual_seed(3)
+    like = {
+        n: torch.randn(*shape, generator=gen, dtype=torch.float64)
+        for n, shape in [("w1", (600, 8)), ("w2", (2048, 600)), ("w3", (5, 2048))]
+    }
+    grads = {n: torch.randn(t.shape, generator=gen, dtype=torch.float64) for n, t in like.items()}
+    scaling = get_action("positive_rescaling", activation="relu")
+    sites = [Site(scaling, ("w1", None, "w2")), Site(scaling, ("w2", None, "w3"))]
+    model = GradientNormModel(sites, grads, like)
+    middle = next(r for r in model.reduced if r.name == "w2")
+    assert middle._S is None and len(middle._rows()) == 3
+    elements = [torch.exp(0.3 * torch.randn(n, generator=gen, dtype=torch.float64)) for n in (600, 2048)]
+    moved, _ = transport(sites, elements, grads, like, "covector")
+    explicit = sum(float(t.square().sum()) for t in moved.values())
+    assert float(model.value(elements)) == pytest.approx(explicit, rel=1e-12)
+    assert middle._S is None  # no autograd: still no square
+    identity = [torch.ones(n, dtype=torch.float64, requires_grad=True) for n in (600, 2048)]
+    value = model.value(identity)
+    assert float(value.detach()) == pytest.approx(sum(float(g.square().sum()) for g in grads.values()), rel=1e-12)
+    (d_first,) = torch.autograd.grad(value, identity[0])  # d/dc_i at the identity: -2 (row sums of w1 - column sums of w2)
+    expected = -2 * (grads["w1"].square().sum(1) - grads["w2"].square().sum(0))
+    torch.testing.assert_close(d_first, expected, rtol=1e-12, atol=1e-9)
+    tracked = [e.clone().requires_grad_(True) for e in elements]
+    assert float(model.value(tracked).detach()) == pytest.approx(explicit, rel=1e-12)
+    assert middle._S is not None  # autograd away from the identity squares it once
+    fresh = GradientNormModel(sites, grads, like)
+    grads["w2"].mul_(2.0)
+    with pytest.raises(RuntimeError, match="changed after its reduction"):
+        fresh.value(elements)
+
+
+@pytest.mark.parametrize("label", ["single GL", "fused qkv with vo", "GL beside scaling", "overlapping scalings"])
+def test_the_value_and_gradient_at_the_identity_match_the_explicit_transport(label):
+    """At the identity the reduced terms return their sum (tr K, sum S) and, for autograd, their linearisation
+    there, with no solve or contraction: value and gradient in the elements must equal autograd through the
+    explicit transport of the gradients, to float64 round-off."""
+    sites = dict(CONFIGS)[label]
+    gen = torch.Generator().manual_seed(5)
+    names = {n for s in sites for n in s.tensor_names}
+    like = {n: TENSORS[n] for n in names}
+    grads = {n: torch.randn(TENSORS[n].shape, generator=gen, dtype=torch.float64) for n in names}
+    model = GradientNormModel(sites, grads, like)
+
+    def identity():
+        return [g.identity(dtype=torch.float64).requires_grad_(True) for g in model.groups]
+
+    fast, explicit = identity(), identity()
+    value = model.value(fast)
+    moved, _ = transport(sites, explicit, grads, like, "covector")
+    reference = sum(t.square().sum() for t in moved.values())
+    assert float(value.detach()) == pytest.approx(float(reference.detach()), rel=1e-12)
+    for got, want in zip(torch.autograd.grad(value, fast), torch.autograd.grad(reference, explicit)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
 def test_fused_slices_transport_like_separate_tensors():

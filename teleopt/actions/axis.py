@@ -41,6 +41,7 @@ from teleopt.groups import (
     Permutation,
     PositiveScaling,
     SignFlip,
+    is_validated,
 )
 
 __all__ = ["Member", "AxisAction", "GROUP_TYPES"]
@@ -358,7 +359,8 @@ class AxisAction(GroupAction):
     def act(self, g: Tensor, params: Params, data: Any = None) -> Params:
         """g . params: each member transformed on its axis by rho(g)**power."""
         params = self.check_params(params)
-        self.group(params).validate(g.detach())
+        if not is_validated(g):
+            self.group(params).validate(g.detach())
         return self._apply(g, params, +1)
 
     def transport_gradient(self, g: Tensor, grads: Params) -> Params:

@@ -25,7 +25,7 @@ The contragredient of ``power`` is ``-power``; it is how gradients (covectors)
 transform (Zhao 2026, Prop. 4.5.1, eq. 4.19).
 """
 
-from teleopt.groups.base import BALANCE_RCOND, Group, GroupKind, apply_on_axis
+from teleopt.groups.base import BALANCE_RCOND, Group, GroupKind, apply_on_axis, is_validated, validated
 from teleopt.groups.diagonal import PositiveScaling, SignFlip
 from teleopt.groups.discrete import Permutation, Translation
 from teleopt.groups.matrix import GeneralLinear, Orthogonal
@@ -41,4 +41,6 @@ __all__ = [
     "Permutation",
     "Translation",
     "apply_on_axis",
+    "is_validated",
+    "validated",
 ]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import ClassVar, Literal
 
 import torch
@@ -14,7 +15,32 @@ GroupKind = Literal["general", "orthogonal", "diagonal", "sign", "permutation", 
 #: :meth:`Group.balance`: a unit or block whose side is singular to this, relative to the largest, stays.
 BALANCE_RCOND = 1e-10
 
-__all__ = ["BALANCE_RCOND", "Group", "GroupKind", "apply_on_axis"]
+__all__ = ["BALANCE_RCOND", "Group", "GroupKind", "apply_on_axis", "validated", "is_validated"]
+
+#: (storage address, shape, dtype) of elements a caller validated and holds for the duration of :func:`validated`
+_VALIDATED: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
+
+
+def _key(g: Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
+    return (g.data_ptr(), tuple(g.shape), g.dtype)
+
+
+@contextmanager
+def validated(elements: Sequence[Tensor]) -> Iterator[None]:
+    """Within the block, :func:`is_validated` holds for ``elements`` (and views of their data): the caller
+    validated them (:meth:`Group.validate`) and keeps them alive and unchanged, so actions applying them
+    again skip the check (a GL element's is an SVD: 48 of them per vit_tiny teleport, half repeats)."""
+    keys = {_key(g) for g in elements} - _VALIDATED
+    _VALIDATED.update(keys)
+    try:
+        yield
+    finally:
+        _VALIDATED.difference_update(keys)
+
+
+def is_validated(g: Tensor) -> bool:
+    """Whether ``g`` is an element of an enclosing :func:`validated` block."""
+    return bool(_VALIDATED) and _key(g) in _VALIDATED
 
 
 def _check_tensor(g: object, what: str) -> Tensor:

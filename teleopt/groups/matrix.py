@@ -165,6 +165,8 @@ class _MatrixGroup(Group):
 
 #: singular values of a boundary step's direction below this fraction of the largest count as zero
 BOUNDARY_RTOL = 1e-6
+#: Relative asymmetry below which a boundary direction is taken as symmetric (round-off of 2 (B - A)).
+SYMMETRIC_RTOL = 1e-12
 
 
 class GeneralLinear(_MatrixGroup):
@@ -211,6 +213,13 @@ class GeneralLinear(_MatrixGroup):
         r U sign(Lambda) U^T: every eigen-direction of B - A stretched or shrunk by e^r."""
         if not bool((direction != 0).any()):
             return None
+        sym = (direction + direction.mT) / 2
+        if bool((direction - sym).abs().amax() <= SYMMETRIC_RTOL * direction.abs().amax()):
+            # symmetric up to round-off (the gradient norm's 2 (B - A)): an eigendecomposition U Lambda U^T is the
+            # SVD with V = U sign(Lambda), at under half its cost (vit_tiny's 72 GL(64) blocks: 36 -> 15 ms)
+            lam, U = torch.linalg.eigh(sym)
+            kept = (lam.abs() > BOUNDARY_RTOL * lam.abs().amax(dim=-1, keepdim=True)).to(U.dtype)
+            return radius * ((U * (torch.sign(lam) * kept).unsqueeze(-2)) @ U.mT)
         U, S, Vh = torch.linalg.svd(direction, full_matrices=False)
         # singular values at round-off level relative to the block's largest leave <d, xi> unchanged whatever
         # xi does there, and their singular vectors are round-off: those directions stay at 0 (the smallest

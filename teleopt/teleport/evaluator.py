@@ -72,9 +72,19 @@ class Evaluator(Protocol):
         (decided before it: where not, the rollback snapshot must hold copies of them)."""
         ...
 
-    def undo(self, elements: Sequence[Tensor]) -> None:
+    def exactly_invertible(self, elements: Sequence[Tensor]) -> bool:
+        """Whether :meth:`undo` with ``params`` restores the parameters bit for bit after :meth:`apply`
+        (decided before it: where not, the rollback snapshot holds copies of the site members)."""
+        ...
+
+    def undo(self, elements: Sequence[Tensor], params: bool = False) -> None:
         """Move ``.grad`` and the optimizer state of the site members back from g . w to w by the
-        inverse elements (only when :meth:`can_undo`); the parameters are restored from copies."""
+        inverse elements (only when :meth:`can_undo`), and the parameters with ``params`` (only when
+        :meth:`exactly_invertible`; else they are restored from copies)."""
+        ...
+
+    def originals(self, elements: Sequence[Tensor]) -> dict[str, Tensor]:
+        """The site members at w computed from g . w after :meth:`apply` (where :meth:`exactly_invertible`)."""
         ...
 
 

@@ -6,21 +6,7 @@ eq. 4.19).  The gradient of the current batch is already in ``.grad`` when the
 optimizer steps, so Algorithm 1's objective ||grad L(g . w)||^2 is a closed-form
 function of the group coordinates: no forward or backward pass is needed.
 
-It is cheaper still after a one-off reduction of every gradient tensor to the
-group's size (:class:`GradientNormModel`):
-
-* a tensor acted on by diagonal groups only (positive scalings, on one or several
-  axes): the sums of squares over the other axes, S; then
-  ||grad'||^2 = sum S * prod_k c_k^{-2 p_k} (the group's
-  :meth:`~teleopt.groups.Group.square_factor`);
-* a tensor acted on by one matrix group on one axis: the Gram matrix K = G G^T of
-  that axis; then ||A G||^2 = tr(A K A^T) with A the contragredient
-  representation of g (g^{-T} for writers, g for readers);
-* anything else (slices of fused tensors, two matrix groups on one tensor,
-  affine actions such as the Booth rotation): the tensors of its connected
-  component are transported explicitly with ``action.transport_gradient``.
-
-Each ascent step then costs O(h^2)-O(h^3) in the group size h, not O(#params).
+The objective's reduced form is :class:`~teleopt.teleport.gradient_norm.GradientNormModel`.
 """
 
 from __future__ import annotations
@@ -31,294 +17,24 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from teleopt.actions.axis import AxisAction, Member
+from teleopt.actions.axis import AxisAction
 from teleopt.actions.base import GroupAction
-from teleopt.groups import Group
-from teleopt.sharding import full, is_sharded, local, replicate_like, sharded_dims, square_sum, sum_over, write_
+from teleopt.groups import validated
+from teleopt.sharding import full, is_sharded, replicate_like, sharded_dims, write_
 from teleopt.site import Site
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.distributed import is_distributed
+from teleopt.teleport.gradient_norm import GradientNormModel, _diagonal, _plain, _plan, member_tensors
 from teleopt.teleport.state_policy import StatePolicy
 from teleopt.teleport.transport import transport, transport_
 
 __all__ = ["GradientNormModel", "FastEvaluator", "fast_path_eligible", "member_tensors"]
 
 
-def member_tensors(site: Site, tensors: Mapping[str, Tensor]) -> tuple[Tensor | None, ...]:
-    """The member tensors of ``site`` looked up by name in ``tensors``."""
-    return tuple(None if n is None else tensors[n] for n in site.members)
-
-
 def fast_path_eligible(site: Site) -> bool:
     """Whether ``site`` can take the fast path: exact, data-independent, continuous, constant Jacobian."""
     action = site.action
     return action.exactness == "exact" and not action.needs_data and action.continuous and bool(action.has_gradient_transport)
-
-
-def _components(sites: Sequence[Site], names: set[str]) -> list[tuple[list[int], list[str]]]:
-    """Connected components of the site--tensor graph restricted to tensors in ``names``."""
-    parent = list(range(len(sites)))
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    owner: dict[str, int] = {}
-    for i, site in enumerate(sites):
-        for n in site.tensor_names:
-            if n not in names:
-                continue
-            if n in owner:
-                parent[find(i)] = find(owner[n])
-            else:
-                owner[n] = i
-    comps: dict[int, tuple[list[int], list[str]]] = {}
-    for i in range(len(sites)):
-        comps.setdefault(find(i), ([], []))[0].append(i)
-    for n, i in owner.items():
-        comps[find(i)][1].append(n)
-    return [c for c in comps.values() if c[1]]
-
-
-class _Reduced:
-    """One gradient tensor reduced to its group axes (see module docs)."""
-
-    def __init__(self, name: str, grad: Tensor, entries: list[tuple[int, Member, Group]], host: bool = False) -> None:
-        self.name = name
-        self.entries = entries
-        self.site_ids = {i for i, _, _ in entries}
-        g = grad.detach()
-        axes = [m.axis % grad.ndim for _, m, _ in entries]
-        if all(_diagonal(grp) for _, _, grp in entries):
-            self.kind = "scaling"
-            other = [d for d in range(grad.ndim) if d not in axes]
-            # float64 gradients keep float64 statistics; others are squared and summed in float32, which halves
-            # the memory the search reads each evaluation (a search needs no more; the teleport's exactness
-            # comes from the group action, not from S).  A sharded (FSDP2) gradient reduces on its shards;
-            # gathering S costs O(units), not O(parameters).
-            sq = g.to(torch.float64 if g.dtype == torch.float64 else torch.float32).square()
-            S = full(sum_over(sq, other))
-            # S has the acted axes in increasing order; remember where each entry's axis went
-            order = sorted(axes)
-            self.positions = [order.index(a) for a in axes]
-            self.S = S
-        else:
-            (_, member, grp) = entries[0]
-            # the acted part as (..., n, ...) with outer/inner blocks split off (one element acts on each);
-            # sharded (FSDP2) along another axis: each rank's Gram matrix of its shard, summed over ranks
-            # (O(k^2) bytes per block); sharded along the acted axis (a bias): gathered whole
-            sharded = is_sharded(g) and axes[0] not in sharded_dims(g)
-            view, axis = member.part_view(g if sharded else full(g))
-            part = local(view)  # the rank's shard of the view (outside autograd), or the view itself
-            flat = part.to(torch.float64).movedim(axis, 0).reshape(view.shape[axis], -1)
-            n = grp.block_size
-            if n is not None:
-                # a block-diagonal representation only sees the diagonal blocks of G G^T:
-                # ||A G||^2 = sum_b tr(A_b K_b A_b^T), K_b = G_b G_b^T (blocks x n x n)
-                self.kind = "blocks"
-                rows = flat.reshape(-1, n, flat.shape[1])
-                self.K = _summed(rows @ rows.mT, g if sharded else None)
-            else:
-                self.kind = "matrix"
-                self.K = _summed(flat @ flat.T, g if sharded else None)
-            if host:  # the search's small matrices on the CPU (FastEvaluator.search_device)
-                self.K = self.K.cpu()
-            if self.kind == "matrix":
-                self.eye = torch.eye(grp.dim, dtype=torch.float64, device=self.K.device)
-        # S in its dtype, as value() contracts it (a float64 sum of a float32 S converted every entry: 16 ms vs 0.2 ms)
-        self.identity_value = float(self.S.sum() if self.kind == "scaling" else self.K.diagonal(dim1=-2, dim2=-1).sum())
-
-    def value(self, elements: Sequence[Tensor], cache: dict[tuple[int, float], Tensor] | None = None) -> Tensor:
-        """The term at ``elements``; ``cache`` shares each element's block matrices between the terms of one
-        evaluation (a GL site's contragredient is one solve however many tensors it acts on)."""
-        if self.kind == "scaling":
-            # sum S * prod_k c_k^{-2 p_k} as one contraction (a matrix-vector product for two axes)
-            letters = "abcdefghij"[: self.S.ndim]
-            factors = [_square_factor(grp, elements[i], -member.power).to(self.S) for i, member, grp in self.entries]
-            spec = letters + "," + ",".join(letters[pos] for pos in self.positions) + "->"
-            return torch.einsum(spec, self.S, *factors).to(torch.float64)
-        (i, member, grp) = self.entries[0]
-        if self.kind == "blocks":
-            key = (i, -member.power)
-            A = None if cache is None else cache.get(key)
-            if A is None:
-                A = grp.block_matrices(elements[i], -member.power)
-                assert A is not None  # kind "blocks"
-                if cache is not None:
-                    cache[key] = A
-            return ((A @ self.K) * A).sum()
-        A = grp.act_on_axis(elements[i], self.eye, 0, -member.power)
-        return ((A @ self.K) * A).sum()
-
-
-def _summed(local_part: Tensor, like: Tensor | None) -> Tensor:
-    """``local_part`` summed over the ranks that shard ``like`` (an all-reduce), or itself (``like`` None)."""
-    if like is None:
-        return local_part
-    from torch.distributed.tensor import DTensor, Partial
-
-    assert is_sharded(like)
-
-    mesh = like.device_mesh
-    return DTensor.from_local(local_part, mesh, [Partial()] * mesh.ndim, run_check=False).full_tensor()
-
-
-def _plain(member: Member) -> bool:
-    """A member acting on a whole axis (no slice, no outer/inner view, no grouped layout)."""
-    return member.start is None and all(getattr(member, f, 1) == 1 for f in ("outer", "inner", "groups"))
-
-
-def _sliced(entries: list[tuple[int, Member, Group]], ndim: int) -> bool:
-    """Whether the entries act on disjoint slices ``[start, stop)`` of one axis, one group each, no other
-    layout (the q, k and v rows of a fused qkv projection): each slice then reduces on its own."""
-    if not entries or any(m.start is None or m.outer != 1 or m.inner != 1 or m.groups != 1 for _, m, _ in entries):
-        return False
-    if len({m.axis % ndim for _, m, _ in entries}) != 1:
-        return False
-    spans = sorted((m.start or 0, m.stop or 0) for _, m, _ in entries)  # every start and stop is set (checked above)
-    return all(stop <= nxt for (_, stop), (nxt, _) in zip(spans, spans[1:]))
-
-
-def _reducible(entries: list[tuple[int, Member, Group]], ndim: int) -> bool:
-    if _sliced(entries, ndim):
-        return True
-    if len(entries) == 1 and not _diagonal(entries[0][2]):  # one matrix group: its part view reduces (outer/inner)
-        member = entries[0][1]
-        return member.start is None and member.groups == 1
-    if not all(_plain(m) for _, m, _ in entries):
-        return False
-    axes = [m.axis % ndim for _, m, _ in entries]
-    if len(set(axes)) != len(axes):
-        return False
-    if len(entries) == 1:
-        return True
-    return all(_diagonal(grp) for _, _, grp in entries)
-
-
-def _diagonal(group: Group) -> bool:
-    """Whether the group's representation on an axis is diagonal (it has a square factor)."""
-    return group.square_factor(group.identity(), 1.0) is not None
-
-
-def _square_factor(group: Group, g: Tensor, power: float) -> Tensor:
-    factor = group.square_factor(g, power)
-    assert factor is not None, "only diagonal groups are reduced to sums of squares"
-    return factor
-
-
-_Entries = dict[str, list[tuple[int, Member, Group]]]
-
-
-def _plan(
-    sites: Sequence[Site], groups: Sequence[Group], grads: Mapping[str, Tensor]
-) -> list[tuple[list[int], list[str], _Entries | None]]:
-    """Connected components of the sites over the tensors in ``grads``: (site indices, tensor names,
-    entries per tensor when every tensor reduces to its group axes, else ``None``)."""
-    out: list[tuple[list[int], list[str], _Entries | None]] = []
-    for site_ids, names in _components(sites, set(grads)):
-        entries: _Entries = {n: [] for n in names}
-        axis_only = all(isinstance(sites[i].action, AxisAction) for i in site_ids)
-        if axis_only:
-            for i in site_ids:
-                action = sites[i].action
-                assert isinstance(action, AxisAction)  # axis_only
-                for member, n in zip(action.members, sites[i].members):
-                    if n in entries:
-                        entries[n].append((i, member, groups[i]))
-        reducible = axis_only and all(_reducible(entries[n], grads[n].ndim) for n in names)
-        out.append((site_ids, names, entries if reducible else None))
-    return out
-
-
-class GradientNormModel:
-    """||grad L(g . w)||^2 over the sites' tensors as a function of the elements (no model pass).
-
-    Parameters
-    ----------
-    sites:
-        Fast-path sites (:func:`fast_path_eligible`), in composition order.
-    grads:
-        Gradient at w of every site member that has one (tensor name -> gradient).
-    like:
-        Every site member (tensor name -> live tensor), for shapes.
-    host:
-        Keep the search's small matrices (GL Gram blocks, identities) on the CPU when a site is not
-        diagonal (:attr:`host` says whether it does).
-    """
-
-    def __init__(self, sites: Sequence[Site], grads: Mapping[str, Tensor], like: Mapping[str, Tensor], host: bool = False) -> None:
-        self.sites = list(sites)
-        self.groups = [site.action.group(member_tensors(site, like)) for site in self.sites]
-        self.host = host and not all(_diagonal(g) for g in self.groups)
-        self.reduced: list[_Reduced] = []
-        self.explicit: list[tuple[list[int], dict[str, Tensor]]] = []
-        #: per tensor with sliced entries, the squared norm of its gradient outside every slice (no site moves it)
-        self.remainders: list[tuple[str, float]] = []
-        for site_ids, names, entries in _plan(self.sites, self.groups, grads):
-            if entries is not None:
-                for n in names:
-                    self._reduce(n, grads[n], entries[n])
-            else:
-                self.explicit.append((site_ids, {n: grads[n] for n in names}))
-        self.like = like
-        self.explicit_identity = [sum(float(torch.linalg.vector_norm(t)) ** 2 for t in g.values()) for _, g in self.explicit]
-        device = torch.device("cpu") if self.host else next(iter(grads.values())).device if grads else None
-        self.identities = [grp.identity(dtype=torch.float64, device=device) for grp in self.groups]
-
-    def _reduce(self, name: str, grad: Tensor, entries: list[tuple[int, Member, Group]]) -> None:
-        """One tensor's reduced terms: the whole tensor, or one term per slice plus the remainder."""
-        if not _sliced(entries, grad.ndim):
-            self.reduced.append(_Reduced(name, grad, entries, self.host))
-            return
-        g = grad.detach()
-        axis = entries[0][1].axis % g.ndim  # one axis for every slice (_sliced)
-        if axis in sharded_dims(g):  # slices of a sharded axis (FSDP2 rows): gathered; else each rank its shard
-            g = full(g)
-        covered = 0.0
-        for entry in entries:
-            member = entry[1]
-            assert member.start is not None and member.stop is not None  # _sliced
-            part = g.narrow(axis, member.start, member.stop - member.start)
-            plain = Member(member.name, member.axis, member.power)
-            term = _Reduced(name, part, [(entry[0], plain, entry[2])], self.host)
-            self.reduced.append(term)
-            covered += term.identity_value
-        self.remainders.append((name, max(square_sum([g]) - covered, 0.0)))
-
-    def site_value(self, index: int, element: Tensor) -> float:
-        """The value when only site ``index`` moves (by ``element``); every other site at the identity."""
-        total = 0.0
-        elements = [element if i == index else e for i, e in enumerate(self.identities)]
-        cache: dict[tuple[int, float], Tensor] = {}
-        for r in self.reduced:
-            total += float(r.value(elements, cache)) if index in r.site_ids else r.identity_value
-        total += sum(rest for _, rest in self.remainders)
-        for (site_ids, grads), still in zip(self.explicit, self.explicit_identity):
-            if index in site_ids:
-                moved, _ = transport([self.sites[index]], [element], grads, self.like, "covector")
-                total += sum(float(t.to(torch.float64).square().sum()) for t in moved.values())
-            else:
-                total += still
-        return total
-
-    def value(self, elements: Sequence[Tensor], weights: Mapping[str, float] | None = None) -> Tensor:
-        """Sum over the sites' tensors of the squared transported gradient (float64),
-        each tensor's term multiplied by ``weights[name]`` when given (e.g. its learning rate)."""
-        total = torch.zeros((), dtype=torch.float64, device=elements[0].device if elements else None)
-        cache: dict[tuple[int, float], Tensor] = {}
-        for r in self.reduced:
-            term = r.value(elements, cache).to(total.device)  # a scaling term stays on its gradient's device
-            total = total + (term if weights is None else weights[r.name] * term)
-        for name, rest in self.remainders:
-            total = total + (rest if weights is None else weights[name] * rest)
-        for site_ids, grads in self.explicit:
-            moved, _ = transport([self.sites[i] for i in site_ids], [elements[i] for i in site_ids], grads, self.like, "covector")
-            for n, t in moved.items():
-                term = t.to(torch.float64).square().sum().to(total.device)
-                total = total + (term if weights is None else weights[n] * term)
-        return total
 
 
 class FastEvaluator:
@@ -415,11 +131,14 @@ class FastEvaluator:
         """
         tracked = any(xi.requires_grad for xi in coords) or any(self._own_exp)  # an action's exp reads the members
         memo = self.__dict__.get("_elements_memo")
-        if not tracked and memo is not None and len(memo[0]) == len(coords):
-            if all(a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(memo[0], coords)):
-                return list(memo[1])
+        if not tracked and memo is not None and _equal(memo[0], coords):
+            return list(memo[1])
         out = [
-            site.action.exp(xi, member_tensors(site, self.like)) if own else group.exp(xi)
+            site.action.exp(xi, member_tensors(site, self.like))
+            if own
+            else group.identity(dtype=xi.dtype, device=xi.device)
+            if group.plain_exp and not xi.requires_grad and not bool((xi != 0).any())  # exp(0) = I, bit for bit
+            else group.exp(xi)
             for site, group, xi, own in zip(self.sites, self.groups, coords, self._own_exp)
         ]
         if not tracked and not any(e.requires_grad for e in out):
@@ -427,8 +146,19 @@ class FastEvaluator:
         return out
 
     def grad_norm_sq(self, elements: Sequence[Tensor]) -> Tensor:
-        """||grad L(g . w)||^2 over all trainable parameters (float64)."""
-        return self.norm_model.value(elements) + self.other_sq
+        """||grad L(g . w)||^2 over all trainable parameters (float64).
+
+        Elements outside autograd equal to the last such call's return its value: a teleport asks for its chosen
+        point's value in the line search, the caps, the objective and the report (on mlp-10M each is a pass over
+        the squared gradients of the tensors between two sites)."""
+        tracked = any(e.requires_grad for e in elements)
+        memo = self.__dict__.get("_norm_memo")
+        if not tracked and memo is not None and _equal(memo[0], elements):
+            return memo[1]
+        value = self.norm_model.value(elements) + self.other_sq
+        if not tracked:
+            self.__dict__["_norm_memo"] = ([e.detach().clone() for e in elements], value.detach())
+        return value
 
     def site_gain(self, index: int, element: Tensor, n0: float) -> float:
         """||grad L||^2 ratio when only site ``index`` moves by ``element`` (the others stay at the identity)."""
@@ -463,10 +193,14 @@ class FastEvaluator:
         state, then the parameters (which the other two read as ``like``), so at most
         one kind's moved copies are alive at once.
         """
-        ctx, sites, like = self.ctx, self.sites, self.like
+        sites, like = self.sites, self.like
         for site, g in zip(sites, elements):  # before anything is written: an invalid element moves nothing
             site.action.validate_element(g, member_tensors(site, like))
-        elements = self._placed(elements)
+        with validated(elements):
+            return self._apply(self._placed(elements))
+
+    def _apply(self, elements: Sequence[Tensor]) -> Counter[str]:
+        ctx, sites, like = self.ctx, self.sites, self.like
         # grads, state and like are the live tensors (unsharded, or FSDP2 on the shards: local DTensor arithmetic)
         in_place = self.on_shards or not any(is_sharded(t) for t in self.live.values())
         if not (in_place and transport_(sites, elements, self.grads, like, "covector")):
@@ -494,12 +228,45 @@ class FastEvaluator:
             return False
         return self.ctx.policy.invertible(self.ctx.optimizer, self.states, self.like)
 
+    def exactly_invertible(self, elements: Sequence[Tensor]) -> bool:
+        """Whether moving the parameters back by the inverse elements after :meth:`apply` restores them bit
+        for bit, so a rollback needs no copy of them (:meth:`undo` with ``params``).
+
+        True when :meth:`can_undo` and every site is a diagonal or sign action on whole axes whose factor on
+        each parameter (in its dtype: float32, bfloat16 or float64) is a power of two with the inverse's
+        factor its reciprocal: multiplying by 2^k only changes the exponent.  The default boundary step
+        under the default trust region (log 4) moves scalings by exactly 4, 1/4 or 1.  The one exception is
+        a parameter within 2^k of the dtype's subnormal or overflow range (below about 1e-37 or above 1e37
+        in float32 and bfloat16), which float16's narrow range makes common: float16 is always copied."""
+        if not self.can_undo():
+            return False
+        for site, group, g in zip(self.sites, self.groups, elements):
+            action = site.action
+            if group.kind not in ("diagonal", "sign") or not isinstance(action, AxisAction):
+                return False
+            inverse = action.inverse(g)
+            for member, name in zip(action.members, site.members):
+                if name is None:
+                    continue
+                dtype = self.like[name].dtype
+                if dtype not in (torch.float32, torch.float64, torch.bfloat16) or not _plain(member):
+                    return False
+                # the factors as Group.act_on_axis_ computes them (the element in the tensor's dtype, then the power)
+                f, f_inv = (x.to(dtype) if member.power == 1 else x.to(dtype) ** member.power for x in (g, inverse))
+                f64 = f.to(torch.float64)
+                if not bool((torch.frexp(f64).mantissa.abs() == 0.5).all()) or not bool(((f * f_inv) == 1).all()):
+                    return False
+        return True
+
     @torch.no_grad()
-    def undo(self, elements: Sequence[Tensor]) -> None:
+    def undo(self, elements: Sequence[Tensor], params: bool = False) -> None:
         """Move ``.grad`` and the optimizer state back from g . w to w: the sites in reverse order, each
         by its inverse element (Zhao 2026, Prop. 4.5.1: the same transport rules, for g^-1).  Exact up
         to round-off (one multiplication by c and one by 1/c, or a solve with a matrix of condition
-        number at most e^(2 r) in a trust region r); the parameters are not touched here."""
+        number at most e^(2 r) in a trust region r).  The parameters move back too with ``params``, after
+        the rest: bit for bit where :meth:`exactly_invertible`, which ``params`` requires."""
+        if params and not self.exactly_invertible(elements):
+            raise ValueError("the parameters move back by the inverse elements only where that is exact")
         ctx = self.ctx
         sites = self.sites[::-1]
         inverses = [site.action.inverse(g) for site, g in zip(sites, elements[::-1])]
@@ -510,6 +277,15 @@ class FastEvaluator:
             write_(grad, g)
         del grads
         StatePolicy.write(ctx.states(self.live), ctx.policy.move(ctx.optimizer, sites, inverses, self.states, self.like, ctx.groups))
+        if params and not transport_(sites, inverses, self.live, self.like, "params"):  # pragma: no cover - exactly_invertible
+            raise AssertionError("diagonal sites on whole axes move in place")
+
+    def originals(self, elements: Sequence[Tensor]) -> dict[str, Tensor]:
+        """Copies of the site members at w, computed from g . w by the inverse elements (after :meth:`apply`;
+        bit for bit where :meth:`exactly_invertible`)."""
+        sites = self.sites[::-1]
+        inverses = [site.action.inverse(g) for site, g in zip(sites, elements[::-1])]
+        return transport(sites, inverses, self.like, self.like, "params")[0]
 
     def transported_grads(self, elements: Sequence[Tensor]) -> dict[str, Tensor]:
         """Gradients of the site members at g . w."""
@@ -559,6 +335,11 @@ class FastEvaluator:
             # sharded: one scalar all-reduce, differentiable in the elements (DTensor autograd; full() is not)
             total = total + (part.full_tensor() if is_sharded(part) else part)
         return total
+
+
+def _equal(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
+    """Whether two lists of tensors hold the same values (shapes, dtypes and every entry)."""
+    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
 
 
 def _on_shards(sites: Sequence[Site], live: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> set[str] | None:

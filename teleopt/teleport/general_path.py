@@ -116,7 +116,14 @@ class GeneralEvaluator:
         """Never: ``.grad`` is recomputed at g . w, so only a snapshot restores it."""
         return False
 
-    def undo(self, elements: Sequence[Tensor]) -> None:
+    def exactly_invertible(self, elements: Sequence[Tensor]) -> bool:
+        """Never (see :meth:`can_undo`)."""
+        return False
+
+    def undo(self, elements: Sequence[Tensor], params: bool = False) -> None:
+        raise RuntimeError("the general path cannot undo a teleport by its inverse; restore a snapshot")
+
+    def originals(self, elements: Sequence[Tensor]) -> dict[str, Tensor]:
         raise RuntimeError("the general path cannot undo a teleport by its inverse; restore a snapshot")
 
     def loss(self, params: Mapping[str, Tensor]) -> Tensor:
