@@ -29,7 +29,8 @@ from teleopt.teleport import (
     StatePolicy,
     Teleport,
 )
-from teleopt.teleport.watch import TeleportRecord, Watch
+from teleopt.teleport.safety import Snapshot
+from teleopt.teleport.watch import InverseMove, TeleportRecord, Watch
 
 LEAKY = get_action("positive_rescaling", activation="leaky_relu", negative_slope=0.1)
 
@@ -231,6 +232,34 @@ def test_the_watch_round_trips_through_a_weights_only_state_dict():
         loaded.loss_ref,
     ) == (watch.until, watch.teleport_step, watch.grad_ref, watch.loss_ref)
     assert fresh.record.step == opt.record.step == 1 and fresh.record.accepted == 1
+    assert isinstance(loaded.snapshot, Snapshot)
+
+
+def test_an_inverse_watch_round_trips_with_its_elements_alone():
+    """``watch_restore="inverse"`` keeps the teleport's sites and elements, not a snapshot: the checkpoint
+    stays its normal size, and a fresh Teleport rebuilds the move (its own sites, or the saved ones)."""
+    model, (x, y) = mlp(), data()
+    safety = SafetyConfig(watch_restore="inverse")
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, sites(), every=1, safety=safety)
+    backward(model, x, y)
+    opt.step()
+    watch = opt.record.watch
+    assert watch is not None and isinstance(watch.snapshot, InverseMove)
+    kept = opt.state_dict()["teleopt_teleport"]["watch"]
+    params = dict(model.named_parameters())
+    units = sum(s.action.group(tuple(None if n is None else params[n] for n in s.members)).dim for s in sites())
+    assert "snapshot" not in kept and sum(e.numel() for e in kept["inverse"]["elements"]) == units
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    for known in (sites(), "auto"):
+        buf.seek(0)
+        fresh_model = copy.deepcopy(model)
+        fresh = Teleport(torch.optim.SGD(fresh_model.parameters(), lr=0.01), fresh_model, known, every=1, safety=safety, example_inputs=x)
+        fresh.load_state_dict(torch.load(buf, weights_only=True))
+        loaded = fresh.record.watch
+        assert loaded is not None and isinstance(loaded.snapshot, InverseMove)
+        assert [s.name for s in loaded.snapshot.sites] == [s.name for s in watch.snapshot.sites]
+        assert all(torch.equal(a, b) for a, b in zip(loaded.snapshot.elements, watch.snapshot.elements))
 
 
 def test_a_record_without_a_watch_saves_plain_counters():

@@ -218,6 +218,99 @@ def test_a_rollback_without_watch_undoes_gradients_and_state_by_the_inverse(monk
             torch.testing.assert_close(state_after["state"][i][k], v, rtol=1e-14, atol=0)
 
 
+def _rollback_copies(monkeypatch, **kwargs):
+    """Like :func:`_rolled_back_without_watch`, recording whether each InverseSnapshot held copies and the report."""
+    from teleopt.teleport.safety import InverseSnapshot
+
+    copies = []
+    original = InverseSnapshot.__init__
+
+    def init(self, *a, **k):
+        original(self, *a, **k)
+        copies.append(self.copies)
+
+    monkeypatch.setattr(InverseSnapshot, "__init__", init)
+    ran, before, after = _rolled_back_without_watch(monkeypatch, **kwargs)
+    return copies, ran, before, after
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_an_exactly_invertible_rollback_copies_nothing(monkeypatch, dtype):
+    """Under the default trust region (log 4) the boundary step scales by 4, 1/4 or 1: powers of two, so
+    the parameters come back bit for bit by the inverse element and the rollback copies nothing."""
+    monkeypatch.setattr("tests.test_teleport_wrapper.mlp", lambda **k: mlp(dtype=dtype, **k))
+    monkeypatch.setattr("tests.test_teleport_wrapper.batch", lambda **k: batch(dtype=dtype, **k))
+    copies, ran, (params, _, _), (params_after, _, _) = _rollback_copies(monkeypatch)
+    assert copies == [False] and ran == ["InverseSnapshot"]
+    for n, t in params_after.items():
+        assert torch.equal(t, params[n]), n
+
+
+def test_a_rollback_by_other_scales_copies_the_site_members(monkeypatch):
+    """A trust region of 0.3 gives scales e^0.3, not powers of two: the site members are copied (and come back bit for bit)."""
+    copies, ran, (params, _, _), (params_after, _, _) = _rollback_copies(monkeypatch, trust_region=0.3)
+    assert copies == [True] and ran == ["InverseSnapshot"]
+    for n, t in params_after.items():
+        assert torch.equal(t, params[n]), n
+
+
+def test_a_rollback_without_copies_rechecks_the_outputs(monkeypatch):
+    """After a rollback by the inverse elements the model's outputs are compared with those before, bit for
+    bit; a difference (here made by a perturbed undo) is reported and warned about, never silent."""
+    from teleopt.teleport.fast_path import FastEvaluator
+
+    undo = FastEvaluator.undo
+
+    def perturbed(self, elements, params=False):
+        undo(self, elements, params)
+        if params:
+            self.live["0.weight"].data[0, 0] += 1e-3
+
+    monkeypatch.setattr(FastEvaluator, "undo", perturbed)
+    model = mlp()
+    x, y = batch()
+    opt = Teleport(
+        torch.optim.Adam(model.parameters(), lr=1e-3),
+        model,
+        [Site(_wrong_rescaling(), ("0.weight", "0.bias", "2.weight"))],
+        loss_fn=mse,
+        safety=SafetyConfig(watch_steps=0),
+    )
+    train(opt, model, x, y, 2)
+    opt.zero_grad()
+    mse(model(x), y).backward()
+    with pytest.warns(UserWarning, match="after the rollback the outputs differ from before"):
+        report = opt.teleport(batch=(x, y))
+    assert not report.accepted and "after the rollback the outputs differ from before by" in report.reason
+
+
+def test_exactly_invertible_needs_powers_of_two_in_the_parameter_dtype():
+    """The decision itself: powers of two in float32, float64 and bfloat16; never in float16 (its subnormals
+    start at 6e-5, where a weight scaled by 1/4 loses bits), nor for other scales."""
+    from teleopt.teleport.context import TeleportContext
+    from teleopt.teleport.fast_path import FastEvaluator
+    from teleopt.teleport.state_policy import StatePolicy
+
+    for dtype, scale, expected in [
+        (torch.float32, 4.0, True),
+        (torch.float64, 0.25, True),
+        (torch.bfloat16, 4.0, True),
+        (torch.float16, 4.0, False),
+        (torch.float32, 3.0, False),
+        (torch.float32, math.exp(0.3), False),
+    ]:
+        model = mlp(dtype=dtype)
+        x, y = batch(dtype=dtype)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        mse(model(x), y).backward()
+        opt.step()
+        site = sites()[0]
+        evaluator = FastEvaluator([site], TeleportContext.build(model, opt, StatePolicy()))
+        element = torch.full((model[0].weight.shape[0],), scale, dtype=torch.float64)
+        element[0] = 1.0
+        assert evaluator.exactly_invertible([element]) is expected, (dtype, scale)
+
+
 def test_a_state_policy_that_resets_keeps_a_full_snapshot(monkeypatch):
     """A reset cannot be undone by an inverse element: the rollback restores copies, bit for bit."""
     ran, (params, grads, state), (params_after, grads_after, state_after) = _rolled_back_without_watch(
@@ -250,7 +343,8 @@ def test_watch_rolls_back_a_teleport_that_diverges_later():
     """GD at lr 1e-4 on the papers' MLP is stable; a teleport to a 1000x gradient norm is not.
 
     Without caps the teleport is accepted (the loss is preserved exactly), the next
-    steps blow up, and the watch restores the pre-teleport point bit for bit.
+    steps blow up, and the watch (default ``watch_restore="snapshot"``) restores the
+    pre-teleport point bit for bit.
     """
     model, X, Y = _paper_mlp(12345)
 
@@ -288,6 +382,54 @@ def test_watch_rolls_back_a_teleport_that_diverges_later():
     assert all(p.grad is None for p in model.parameters())
     assert rolled_back_at < 5 + 10
     assert opt._backoff == 0.5
+
+
+def test_an_inverse_watch_moves_a_diverging_teleport_back_but_keeps_the_damage():
+    """The same diverging teleport with ``watch_restore="inverse"``: no snapshot is kept; the rollback skips
+    the blown-up step's update and moves the current point back by the inverse elements (16 and 1/16 in
+    float32 here: bit for bit), so the model computes exactly what it did before the rollback and the steps
+    since are kept, with them the damage they did: the gradient right after is still far above its
+    pre-teleport scale (this run diverges on, which is why the snapshot is the default)."""
+    model, X, Y = _paper_mlp(12345)
+
+    def sse(out, y):
+        return 0.5 * ((out - y) ** 2).sum()
+
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=1e-4),
+        model,
+        sites(bias=False)[:1] + [Site(LEAKY, ("2.weight", None, "4.weight"))],
+        at=[5],
+        trust_region=math.log(16),
+        example_inputs=X,
+        safety=SafetyConfig(max_predicted_decrease=None, watch_steps=10, watch_restore="inverse"),
+    )
+    reports = []
+    opt.register_teleport_hook(lambda wrapper, report: reports.append(report))
+    grad_norms, rolled_back = [], None
+    for t in range(12):
+        opt.zero_grad()
+        sse(model(X), Y).backward()
+        grad_norms.append(math.sqrt(sum(float(p.grad.square().sum()) for p in model.parameters())))
+        outputs = model(X).detach()
+        opt.step()
+        if t == 5:
+            assert "inverse" in opt.state_dict()["teleopt_teleport"]["watch"]  # the elements, no snapshot
+        if any(r.path == "watch" for r in reports):
+            rolled_back = t
+            assert torch.equal(model(X).detach(), outputs)  # the inverse move is a symmetry, bit for bit
+            assert all(p.grad is None for p in model.parameters())
+            break
+    teleport, watch = reports[0], reports[-1]
+    assert teleport.accepted and teleport.gain > 100 and opt.record.watch is None
+    assert all(bool(((e == 16) | (e == 1 / 16) | (e == 1)).all()) for e in (e.float() for e in teleport.elements.values()))
+    assert watch.path == "watch" and "moved back by the inverse elements of the teleport at step 5 (the steps since kept" in watch.reason
+    assert "outputs on the probe inputs changed by 0.0e+00" in watch.reason
+    assert rolled_back is not None and 5 < rolled_back < 5 + 10 and opt._backoff == 0.5
+    opt.zero_grad()
+    sse(model(X), Y).backward()
+    after = math.sqrt(sum(float(p.grad.square().sum()) for p in model.parameters()))
+    assert after > 100 * max(grad_norms[:5])  # the function the steps since damaged is kept
 
 
 def test_caps_decline_when_no_move_is_allowed():

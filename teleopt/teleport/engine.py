@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -47,11 +48,11 @@ from teleopt.teleport.fast_path import FastEvaluator, fast_path_eligible, member
 from teleopt.teleport.general_path import GeneralEvaluator, double_backward_hint
 from teleopt.teleport.objectives import Objective
 from teleopt.teleport.report import TeleportReport
-from teleopt.teleport.safety import Caps, InverseSnapshot, SafetyConfig, Snapshot, StabilityCap, preconditioned_sharpness
+from teleopt.teleport.safety import Caps, InverseSnapshot, SafetyConfig, Snapshot, StabilityCap, stability_cap
 from teleopt.teleport.search import SearchConfig, SearchProblem, SearchResult
 from teleopt.teleport.state_policy import StatePolicy
-from teleopt.teleport.verdict import Failure, loss_failures, non_finite_gradient, output_failures
-from teleopt.teleport.watch import TeleportRecord, Watch
+from teleopt.teleport.verdict import Failure, loss_failures, non_finite_gradient, output_failures, restore_difference
+from teleopt.teleport.watch import InverseMove, TeleportRecord, Watch
 from teleopt.wrapper import OptimizerWrapper
 
 __all__ = ["EngineConfig", "TeleportRequest", "Plan", "TeleportEngine"]
@@ -388,27 +389,11 @@ class TeleportEngine:
         safety, ctx, fmodel, batch = self.config.safety, plan.ctx, plan.fmodel, plan.request.batch
         if safety.stability_margin is None or fmodel is None or batch is None or not ctx.model.supported:
             return None
-        evaluator = plan.need_evaluator()
         threshold = min(ctx.model.stability_threshold(ctx.groups[n]) for n in ctx.trainable)
         generator = torch.Generator().manual_seed(self.config.seed + 7919 * (self.record.accepted + 1))
-        warm: dict[str, Any] = {"v": None}
-
-        def sharpness(coords: Sequence[Tensor]) -> float:
-            params, P = evaluator.next_step_point(evaluator.elements(coords))
-            lam, warm["v"] = preconditioned_sharpness(
-                lambda tensors: fmodel.loss(tensors, batch),
-                params,
-                P,
-                safety.stability_iterations,
-                generator,
-                warm["v"],
-            )
-            return lam
-
-        with torch.enable_grad():
-            before = sharpness(identity)
-        plan.report.sharpness_before = before
-        return sharpness, max(safety.stability_margin * self.record.backoff * threshold, before)
+        cap = stability_cap(plan.need_evaluator(), lambda tensors: fmodel.loss(tensors, batch), identity, safety, generator)
+        plan.report.sharpness_before = cap[1]
+        return cap[0], max(safety.stability_margin * self.record.backoff * threshold, cap[1])
 
     def _chosen(self, plan: Plan, start: _Start, coords: list[Tensor]) -> list[Tensor]:
         problem, report = start.problem, plan.report
@@ -431,11 +416,15 @@ class TeleportEngine:
         (their gradients and state by the inverse elements where the evaluator can undo, no closure reruns)."""
         ctx, evaluator = plan.ctx, plan.need_evaluator()
         params = [p for g in self.config.optimizer.param_groups for p in g["params"]]
-        if self.config.safety.watch_steps > 0:
+        safety, names = self.config.safety, {n for s in plan.sites for n in s.tensor_names}
+        undo = plan.request.closure is None and evaluator.can_undo()
+        if safety.watch_steps > 0 and not (undo and safety.watch_restore == "inverse"):
             return Snapshot(dict(ctx.tensors), self.config.optimizer, params, grads=True)
-        names = {n for s in plan.sites for n in s.tensor_names}
-        if plan.request.closure is None and evaluator.can_undo():
-            return InverseSnapshot({n: ctx.tensors[n] for n in names}, lambda: evaluator.undo(elements))
+        if undo:
+            members = {n: ctx.tensors[n] for n in names}
+            if evaluator.exactly_invertible(elements):  # no copies: the inverse elements restore bit for bit
+                return InverseSnapshot(members, lambda params: evaluator.undo(elements, params), lambda: evaluator.originals(elements))
+            return InverseSnapshot(members, lambda params: evaluator.undo(elements, params))
         member_ids = {id(ctx.tensors[n]) for n in names}
         return Snapshot(
             {n: ctx.tensors[n] for n in names},
@@ -474,6 +463,8 @@ class TeleportEngine:
             snapshot.restore()
             plan.report.accepted = False
             plan.report.reason = "rolled back: " + ("; ".join(reasons) if reasons else "another rank's post-condition failed")
+            if isinstance(snapshot, InverseSnapshot) and not snapshot.copies:
+                self._recheck(plan)
             return loss
         self.accept(plan, snapshot)
         return loss
@@ -547,6 +538,16 @@ class TeleportEngine:
         assert plan.check is not None, "every teleport is planned with a check"
         return output_failures(plan.check, plan.after or [], plan.report, plan.sites, self.config.safety.loss_tol)
 
+    def _recheck(self, plan: Plan) -> None:
+        """After a rollback by the inverse elements (no copies) the check's outputs must equal those before the
+        teleport bit for bit; a difference (a parameter at the edge of its dtype's range) is reported and warned."""
+        check = plan.check
+        if check is not None and check.kind != "closure" and check.before:
+            diff = restore_difference(output_leaves(self.check_forward(check)), check.before)
+            if diff is not None:
+                plan.report.reason += f"; after the rollback the outputs differ from before by {diff:.2e} (inverse elements, no copies)"
+                warnings.warn(f"Teleport: {plan.report.reason}", stacklevel=2)
+
     def _settle_inconclusive(self, plan: Plan, snapshot: Snapshot | InverseSnapshot, failures: list[Failure]) -> list[Failure]:
         """Re-run inconclusive failures (:mod:`~teleopt.teleport.check`) in float64; the failures that stand."""
         check, report, request = plan.check, plan.report, plan.request
@@ -588,7 +589,10 @@ class TeleportEngine:
         report.accepted = True
         report.reason = "accepted"
         record.accepted += 1
-        if safety.watch_steps > 0 and isinstance(snapshot, Snapshot):  # the watch keeps a full snapshot
-            snapshot.grads.clear()  # but no gradients: its rollback clears .grad and skips that update
+        if safety.watch_steps > 0:  # the teleport's elements (inverse move) or a full snapshot without gradients
+            if isinstance(snapshot, Snapshot):
+                snapshot.grads.clear()  # the rollback clears .grad and skips that update
+            cfg, elements = self.config, [report.elements[s.name] for s in plan.sites]
+            undo = snapshot if isinstance(snapshot, Snapshot) else InverseMove(plan.sites, elements, cfg.module, cfg.optimizer, cfg.policy)
             grad_ref = max(report.grad_norm_before or 0.0, report.grad_norm_after or 0.0) ** 2
-            record.watch = Watch(snapshot, record.step + safety.watch_steps, record.step, grad_ref, report.loss_before)
+            record.watch = Watch(undo, record.step + safety.watch_steps, record.step, grad_ref, report.loss_before)

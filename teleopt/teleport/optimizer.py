@@ -53,7 +53,7 @@ from teleopt.teleport.lookahead import LookaheadView
 from teleopt.teleport.objectives import Objective, get_objective
 from teleopt.teleport.paper_compat import PaperCompatEngine, check_paper_compat_sites
 from teleopt.teleport.report import TeleportReport
-from teleopt.teleport.safety import SafetyConfig
+from teleopt.teleport.safety import SafetyConfig, default_loss_tol
 from teleopt.teleport.schedule import Schedule
 from teleopt.teleport.search import SearchConfig
 from teleopt.teleport.sites import (
@@ -66,7 +66,7 @@ from teleopt.teleport.sites import (
     validate_sites,
 )
 from teleopt.teleport.state_policy import StatePolicy, restart_curvature_history
-from teleopt.teleport.watch import TeleportRecord
+from teleopt.teleport.watch import InverseMove, TeleportRecord
 from teleopt.unwrap import hook_target, unwrap
 from teleopt.wrapper import OptimizerWrapper
 
@@ -548,7 +548,11 @@ class Teleport(OptimizerWrapper):
         record = self._record
         watch = record.watch
         assert watch is not None
-        watch.snapshot.restore()
+        drift = None
+        if isinstance(watch.snapshot, InverseMove):
+            drift = watch.snapshot.restore(self._probe_inputs()[0], self._check_seed())
+        else:
+            watch.snapshot.restore()
         self._lookahead.undo(self._module)
         for p in self._param_list():
             p.grad = None
@@ -556,9 +560,17 @@ class Teleport(OptimizerWrapper):
         record.rollbacks += 1
         record.backoff *= self._safety.backoff
         report = TeleportReport(step=step, path="watch", objective=self._objective.name, sites=list(self._sites or []))
+        if isinstance(watch.snapshot, InverseMove):
+            how = f"moved back by the inverse elements of the teleport at step {watch.teleport_step} (the steps since kept"
+            how += ")" if drift is None else f"; outputs on the probe inputs changed by {drift:.1e})"
+            tol = self._safety.loss_tol if self._safety.loss_tol is not None else default_loss_tol(next(iter(self._param_list())).dtype)
+            if drift is not None and not drift <= tol:
+                warnings.warn(f"Teleport: the watch's inverse move changed the outputs by {drift:.2e} > {tol:.0e}", stacklevel=3)
+        else:
+            how = f"restored to before the teleport at step {watch.teleport_step}"
         report.reason = (
             f"rolled back after {step - watch.teleport_step} step(s): {watch.why}; parameters and optimizer state "
-            f"restored to before the teleport at step {watch.teleport_step}, caps scaled by {record.backoff:g}"
+            f"{how}, caps scaled by {record.backoff:g}"
         )
         self._call_hooks(report)
 
@@ -572,7 +584,7 @@ class Teleport(OptimizerWrapper):
     def _load_wrapper_state(self, per_param: dict[int, dict[str, Any]], top: dict[str, Any]) -> None:
         if "rng" in top:
             self._generator.set_state(top["rng"].to(torch.uint8).cpu())
-        self._record.load_state(top, self._module, self._base, self._param_list())
+        self._record.load_state(top, self._module, self._base, self._param_list(), self._policy, self._sites or ())
 
     def __repr__(self) -> str:
         n = "auto" if self._sites is None else len(self._sites)

@@ -39,22 +39,45 @@ float64 copy), the loss on the teleport batch (and on a held-out batch when
 given) likewise, and every moved tensor must be finite.  Approximate sites are
 decided by the loss alone (their outputs are measured and reported).  Otherwise
 the teleport is rolled back and the report says why: from copies of everything it
-moved, or, with the watch off on the fast path (no closure) and a state policy
-that resets nothing, from copies of the site members alone, ``.grad`` and the
+moved, or, on the fast path (no closure, unsharded) with a state policy that
+resets nothing and the watch off or ``watch_restore="inverse"``, from copies of
+the site members alone, ``.grad`` and the
 optimizer state being moved back by the inverse elements (:class:`InverseSnapshot`:
-the parameters come back bit for bit, the rest up to round-off).  A non-finite gradient declines the teleport before anything moves.
+the parameters come back bit for bit, the rest up to round-off); where every
+element multiplies the parameters by powers of two (the default boundary step's 4,
+1/4 and 1) the parameters move back by the inverse elements too, bit for bit, and
+nothing is copied.  A non-finite gradient declines the teleport before anything moves.
 
-**Watch (after).**  For ``watch_steps`` steps after an accepted teleport a
-snapshot of all parameters, buffers and optimizer state is kept.  If within that
-window a gradient is non-finite, the squared gradient norm exceeds
-``watch_factor`` times max(before, after the teleport), or the loss exceeds
-``watch_factor`` times its pre-teleport value, everything is restored to the
-pre-teleport point (the steps since are discarded), the trust region and caps
-are multiplied by ``backoff`` for later teleports, and a rollback report is
-issued.  Each later teleport that comes through its watch window divides the
-factor by ``backoff`` again (up to 1), so a rollback shrinks the next teleports,
-not all teleports for the rest of training.  ``watch_steps=0`` turns the watch (and its memory cost: one copy of the
-parameters and optimizer state) off.
+**Watch (after).**  For ``watch_steps`` steps after an accepted teleport the
+watch looks at every step's gradient and loss.  If within that window a gradient
+is non-finite, the squared gradient norm exceeds ``watch_factor`` times
+max(before, after the teleport), or the loss exceeds ``watch_factor`` times its
+pre-teleport value, that step's update is skipped, the teleport is undone, the
+trust region and caps are multiplied by ``backoff`` for later teleports, and a
+rollback report is issued.  How it is undone (``watch_restore``):
+
+* ``"snapshot"`` (default): a snapshot of all parameters, buffers and optimizer
+  state is kept (3x the parameters under Adam, in ``state_dict`` too), and
+  everything is restored to the pre-teleport point: the steps since are
+  discarded, and so is whatever damage they did.
+* ``"inverse"``: a fast-path teleport whose elements can be inverted (the rollback
+  condition above: no closure, no state reset, unsharded) keeps no snapshot, only
+  its elements (O(units); other teleports keep a snapshot): the rollback moves the
+  *current* parameters and optimizer state of its sites back by the inverse
+  elements (:class:`~teleopt.teleport.watch.InverseMove`), a symmetry like the
+  teleport itself, so the model computes what it did (the probe outputs before and
+  after the move are compared, a change beyond ``loss_tol`` is reported), the
+  steps since are kept, and training goes on at the conditioning of the orbit
+  point it came from.  Nothing is added to memory or to ``state_dict``.  It cannot
+  undo what the steps since did to the loss: when the alarm fires after the
+  weights already diverged (the papers' MLP teleported to a 1000x gradient
+  without caps), training diverges on from there, where the snapshot recovers.
+  Use it with the caps on, where memory matters more.
+
+Each later teleport that comes through its watch window divides the factor by
+``backoff`` again (up to 1), so a rollback shrinks the next teleports, not all
+teleports for the rest of training.  ``watch_steps=0`` turns the watch (and, with a
+snapshot, its memory cost: one copy of the parameters and optimizer state) off.
 """
 
 from __future__ import annotations
@@ -99,6 +122,7 @@ class SafetyConfig:
     heldout_tol: float | None = None
     watch_steps: int = 10
     watch_factor: float = 10.0
+    watch_restore: str = "snapshot"
     backoff: float = 0.5
 
     def __post_init__(self) -> None:
@@ -118,6 +142,8 @@ class SafetyConfig:
         watch_factor = _positive(self.watch_factor, "watch_factor", allow_none=False)
         assert watch_factor is not None  # allow_none=False
         self.watch_factor = watch_factor
+        if self.watch_restore not in ("snapshot", "inverse"):
+            raise ValueError(f"watch_restore must be 'snapshot' or 'inverse', got {self.watch_restore!r}")
         if not 0 < self.backoff <= 1:
             raise ValueError(f"backoff must be in (0, 1], got {self.backoff!r}")
 
@@ -216,28 +242,64 @@ def preconditioned_sharpness(
     return lam, dict(zip(names, v))
 
 
-class InverseSnapshot:
-    """A rollback that copies only the named tensors (the site members) and moves ``.grad`` and the
-    optimizer state back with the inverse elements (``undo``, e.g.
-    :meth:`FastEvaluator.undo <teleopt.teleport.fast_path.FastEvaluator.undo>`).
+def stability_cap(
+    evaluator: Evaluator,
+    loss_of: Callable[[dict[str, Tensor]], Tensor],
+    identity: Sequence[Tensor],
+    safety: SafetyConfig,
+    generator: torch.Generator,
+) -> tuple[Callable[[Sequence[Tensor]], float], float]:
+    """The sharpness of a candidate's next-step point as the optimizer sees it (:func:`preconditioned_sharpness`,
+    each call warm-started from the last vector), and its value at the identity."""
+    warm: dict[str, Any] = {"v": None}
 
-    The parameters come back bit for bit, so the model computes exactly what it did; gradients and
-    moments come back up to round-off.  It holds one copy of the site members instead of four under
-    Adam (parameters, gradients, two moments).
+    def sharpness(coords: Sequence[Tensor]) -> float:
+        params, P = evaluator.next_step_point(evaluator.elements(coords))
+        lam, warm["v"] = preconditioned_sharpness(loss_of, params, P, safety.stability_iterations, generator, warm["v"])
+        return lam
+
+    with torch.enable_grad():
+        return sharpness, sharpness(identity)
+
+
+class InverseSnapshot:
+    """A rollback that moves ``.grad`` and the optimizer state back with the inverse elements (``undo``,
+    e.g. :meth:`FastEvaluator.undo <teleopt.teleport.fast_path.FastEvaluator.undo>`), and restores the
+    parameters from copies of the named tensors (the site members), or with ``originals`` (no copies:
+    exactly invertible elements, :meth:`FastEvaluator.exactly_invertible
+    <teleopt.teleport.fast_path.FastEvaluator.exactly_invertible>`) by the inverse elements too.
+
+    Either way the parameters come back bit for bit, so the model computes exactly what it did (the
+    engine checks that again after a rollback without copies); gradients and moments come back up to
+    round-off.  It holds one copy of the site members instead of four under Adam (parameters,
+    gradients, two moments), or none.
     """
 
-    def __init__(self, tensors: dict[str, Tensor], undo: Callable[[], None]) -> None:
+    def __init__(
+        self, tensors: dict[str, Tensor], undo: Callable[[bool], None], originals: Callable[[], dict[str, Tensor]] | None = None
+    ) -> None:
         self.live = tensors
-        self.saved = {n: t.detach().clone() for n, t in tensors.items()}
+        self.copies = originals is None
+        self._saved = {n: t.detach().clone() for n, t in tensors.items()} if originals is None else None
+        self._originals = originals
         self._undo = undo
+
+    @property
+    def saved(self) -> dict[str, Tensor]:
+        """The site members before the teleport: the copies, or computed by the inverse elements."""
+        if self._saved is not None:
+            return self._saved
+        assert self._originals is not None  # one of the two is given
+        return self._originals()
 
     @torch.no_grad()
     def restore(self) -> None:
-        """Undo the gradients and state (while the parameters still sit at g . w), then copy the
-        parameters back in place."""
-        self._undo()
-        for n, t in self.live.items():
-            t.copy_(self.saved[n])
+        """Undo the gradients and state (while the parameters still sit at g . w), then the parameters:
+        copied back in place, or moved by the inverse elements."""
+        self._undo(not self.copies)
+        if self._saved is not None:
+            for n, t in self.live.items():
+                t.copy_(self._saved[n])
 
 
 class Snapshot:

@@ -1,9 +1,10 @@
 """The watch after a teleport and the counters a ``Teleport`` keeps, as typed records.
 
 For ``SafetyConfig.watch_steps`` steps after an accepted teleport a :class:`Watch`
-keeps a snapshot of everything the teleport touched and the gradient and loss
-scales at the teleport; if a gradient or the loss blows up in that window, the
-snapshot is restored (see :mod:`teleopt.teleport.safety`).  :class:`TeleportRecord`
+keeps what undoes the teleport (its elements, :class:`InverseMove`, or a snapshot of
+everything it touched) and the gradient and loss scales at the teleport; if a
+gradient or the loss blows up in that window, the teleport is undone (see
+:mod:`teleopt.teleport.safety`).  :class:`TeleportRecord`
 holds the step and teleport counters and the backoff of the caps.  Both serialise
 to plain data (tensors, ints, floats) for ``state_dict`` and back.
 """
@@ -11,6 +12,7 @@ to plain data (tensors, ints, floats) for ``state_dict`` and back.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,12 +20,74 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from teleopt.sharding import is_sharded, local, square_sum
-from teleopt.site import lookup_tensor
+from teleopt.detection.certify import output_error, output_leaves
+from teleopt.functional import Batch
+from teleopt.sharding import is_sharded, local, square_sum, write_
+from teleopt.site import Site, lookup_tensor
+from teleopt.teleport.check import forward
+from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.distributed import any_rank
 from teleopt.teleport.safety import Snapshot
+from teleopt.teleport.state_policy import StatePolicy
+from teleopt.teleport.transport import transport, transport_
 
-__all__ = ["Watch", "TeleportRecord"]
+__all__ = ["InverseMove", "Watch", "TeleportRecord"]
+
+
+class InverseMove:
+    """The watch's rollback without a snapshot (``SafetyConfig.watch_restore="inverse"``): the accepted
+    teleport's sites and elements, O(units).
+
+    :meth:`restore` moves the current parameters and optimizer state of the site members by the inverse
+    elements, the sites in reverse order (Zhao 2026, Prop. 4.5.1: the teleport's transport rules for
+    g^-1).  That is a symmetry like the teleport itself: the model computes what it computed before the
+    move (up to round-off, bit for bit for powers of two), the steps since the teleport are kept, and
+    the parameters return to the conditioning of the orbit point training came from.  What the steps since
+    did to the loss stays (the default snapshot undoes that too).
+    """
+
+    def __init__(self, sites: list[Site], elements: list[Tensor], module: nn.Module, optimizer: Optimizer, policy: StatePolicy) -> None:
+        self.sites = sites
+        self.elements = [e.detach() for e in elements]
+        self.module, self.optimizer, self.policy = module, optimizer, policy
+
+    @torch.no_grad()
+    def restore(self, probe: Batch | None = None, seed: int = 0) -> float | None:
+        """Move back; returns the relative change of the model's outputs on ``probe`` (``None`` without one)."""
+        if probe is None:
+            self._move()
+            return None
+        before = output_leaves(forward(self.module, probe, False, seed))
+        self._move()
+        return output_error([output_leaves(forward(self.module, probe, False, seed))], [before])
+
+    def _move(self) -> None:
+        ctx = TeleportContext.build(self.module, self.optimizer, self.policy)
+        names = sorted({n for s in self.sites for n in s.tensor_names})
+        like = {n: ctx.tensors[n] for n in names}
+        sites = self.sites[::-1]
+        inverses = [
+            site.action.inverse(g.to(next(like[n] for n in site.tensor_names).device)) for site, g in zip(sites, self.elements[::-1])
+        ]
+        states = ctx.states(names)
+        StatePolicy.write(states, self.policy.move(self.optimizer, sites, inverses, states, like, ctx.groups, in_place=True))
+        if not transport_(sites, inverses, like, like, "params"):
+            for n, t in transport(sites, inverses, like, like, "params")[0].items():
+                write_(like[n], t)
+
+    def to_state(self) -> dict[str, Any]:
+        """Plain data for ``state_dict``: the sites and their elements."""
+        return {"sites": [s.to_dict() for s in self.sites], "elements": [e.cpu() for e in self.elements]}
+
+    @classmethod
+    def from_state(
+        cls, data: dict[str, Any], module: nn.Module, optimizer: Optimizer, policy: StatePolicy, known: Sequence[Site] = ()
+    ) -> InverseMove:
+        """Rebuild a move saved by :meth:`to_state`: its sites are the ``known`` ones of the same names (a
+        ``Teleport``'s own sites), else rebuilt from their plain data (registered or axis actions)."""
+        by_name = {s.name: s for s in known}
+        sites = [by_name.get(d["name"]) or Site.from_dict(d) for d in data["sites"]]
+        return cls(sites, list(data["elements"]), module, optimizer, policy)
 
 
 @dataclass
@@ -35,7 +99,7 @@ class Watch:
     triggered a rollback.
     """
 
-    snapshot: Snapshot
+    snapshot: Snapshot | InverseMove
     until: int
     teleport_step: int
     grad_ref: float
@@ -77,7 +141,7 @@ class Watch:
     def to_state(self) -> dict[str, Any]:
         """Plain data for ``state_dict``."""
         return {
-            "snapshot": self.snapshot.to_state(),
+            ("inverse" if isinstance(self.snapshot, InverseMove) else "snapshot"): self.snapshot.to_state(),
             "until": self.until,
             "teleport_step": self.teleport_step,
             "grad_ref": self.grad_ref,
@@ -91,11 +155,19 @@ class Watch:
         module: nn.Module,
         optimizer: Optimizer,
         params: list[Tensor],
+        policy: StatePolicy,
+        sites: Sequence[Site] = (),
     ) -> Watch:
-        """Rebuild a watch saved by :meth:`to_state` against ``module``'s live tensors."""
-        tensors = {n: lookup_tensor(module, n) for n in data["snapshot"]["tensors"]}
+        """Rebuild a watch saved by :meth:`to_state` against ``module``'s live tensors (``sites``: see
+        :meth:`InverseMove.from_state`)."""
+        undo: Snapshot | InverseMove
+        if "inverse" in data:
+            undo = InverseMove.from_state(data["inverse"], module, optimizer, policy, sites)
+        else:
+            tensors = {n: lookup_tensor(module, n) for n in data["snapshot"]["tensors"]}
+            undo = Snapshot.from_state(data["snapshot"], tensors, optimizer, params)
         return cls(
-            snapshot=Snapshot.from_state(data["snapshot"], tensors, optimizer, params),
+            snapshot=undo,
             until=int(data["until"]),
             teleport_step=int(data["teleport_step"]),
             grad_ref=float(data["grad_ref"]),
@@ -133,6 +205,8 @@ class TeleportRecord:
         module: nn.Module,
         optimizer: Optimizer,
         params: list[Tensor],
+        policy: StatePolicy,
+        sites: Sequence[Site] = (),
     ) -> None:
         """Restore what :meth:`to_state` returned (missing counters start from zero)."""
         self.step = int(top.get("step", 0))
@@ -140,4 +214,4 @@ class TeleportRecord:
         self.rollbacks = int(top.get("rollbacks", 0))
         self.backoff = float(top.get("backoff", 1.0))
         watch = top.get("watch")
-        self.watch = None if watch is None else Watch.from_state(watch, module, optimizer, params)
+        self.watch = None if watch is None else Watch.from_state(watch, module, optimizer, params, policy, sites)
