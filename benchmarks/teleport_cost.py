@@ -26,12 +26,15 @@ alternating the order cancel most of the drift):
 1. ``step overhead``: ``Teleport.step()`` on a step without teleport vs the bare
    ``optimizer.step()`` (gradients already computed); goal <= 1% overhead.  Also
    shown relative to a whole training iteration (forward, backward, step).  ``own``
-   times the wrapper's own work directly: the wrapped step minus the base step inside
-   it (timed by the base optimizer's step pre- and post-hooks), free of the noise of
-   subtracting two step times of 10-60 ms.
+   times the wrapper's own work directly: the time the wrapped step spends outside the
+   base's update (timed by the base optimizer's step pre- and post-hooks) minus the
+   same for the bare optimizer (torch's step machinery, which both pay), free of the
+   noise of subtracting two step times of 10-60 ms.
 2. ``fast / base``: one fast-path teleport (library defaults: up to 100 ascent
    steps, trust region log 4, no batch: checked on probe inputs, the 2 example
-   inputs for vit_tiny, else the first 8 rows of the last forward's inputs) vs one
+   inputs for vit_tiny, else the first 8 rows of the last forward's inputs; each from
+   the same weights and optimizer state, as teleports back to back without training
+   compound their elements) vs one
    training iteration of the base optimizer and vs ``optimizer.step()`` alone; goals <= 1.5x a
    step on mlp-10M, <= 0.5x an iteration on resnet18 and vit_tiny.
 3. ``autograd / fast``: the same objective (gradient norm) and the same number of
@@ -245,11 +248,13 @@ def measure(
     base = torch.optim.Adam(model.parameters(), lr=1e-4)
     wrapper = Teleport(base, model, sites, example_inputs=example, safety=SafetyConfig(watch_steps=0))
     n_params = sum(p.numel() for p in model.parameters())
-    # the wrapper's own time in a step: the base step's hooks time the base step inside it, so the rest is
-    # measured directly, not as the difference of two noisy step times
-    inside: list[float] = []
-    base.register_step_pre_hook(lambda *_: inside.append(-time.perf_counter()))
-    base.register_step_post_hook(lambda *_: inside.__setitem__(-1, inside[-1] + time.perf_counter()))
+    # the time a step spends outside the optimizer's update: each optimizer's step hooks time its update, so
+    # the rest (torch's step machinery, and the wrapper's own work) is measured directly, not as the
+    # difference of two noisy step times
+    inside: dict[int, list[float]] = {id(bare): [], id(base): []}
+    for opt in (bare, base):
+        opt.register_step_pre_hook(lambda o, *_: inside[id(o)].append(-time.perf_counter()))
+        opt.register_step_post_hook(lambda o, *_: inside[id(o)].__setitem__(-1, inside[id(o)][-1] + time.perf_counter()))
 
     def backward() -> None:
         model.zero_grad()
@@ -267,22 +272,36 @@ def measure(
     backward()
     bare.step()
     wrapper.step()
-    step_bare, step_wrapped, iters = [], [], []
+    step_bare: list[float] = []
+    step_wrapped: list[float] = []
+    iters: list[float] = []
+    own_bare: list[float] = []
+    own_wrapped: list[float] = []
+
+    def step(opt: torch.optim.Optimizer, update: torch.optim.Optimizer, times: list[float], outside: list[float]) -> None:
+        times.append(timed(opt.step))
+        outside.append(times[-1] - inside[id(update)][-1])  # the step's time outside the update
+
     for rep in range(reps):
         backward()
         if rep % 2:  # alternate the order: whichever runs second finds the gradients warm in cache
-            step_bare.append(timed(bare.step))
-            step_wrapped.append(timed(wrapper.step))
+            step(bare, bare, step_bare, own_bare)
+            step(wrapper, base, step_wrapped, own_wrapped)
         else:
-            step_wrapped.append(timed(wrapper.step))
-            step_bare.append(timed(bare.step))
+            step(wrapper, base, step_wrapped, own_wrapped)
+            step(bare, bare, step_bare, own_bare)
         iters.append(timed(iteration(bare)))
     t_bare, t_wrapped, t_iter = (statistics.median(v) for v in (step_bare, step_wrapped, iters))
     overhead = statistics.median(w - b for w, b in zip(step_wrapped, step_bare))
-    own = statistics.median(w - i for w, i in zip(step_wrapped, inside[-reps:]))
+    own = statistics.median(w - b for w, b in zip(own_wrapped, own_bare))
 
+    # every timed teleport starts from the same point: teleports back to back, with no training step between
+    # them, compound their elements (vit_tiny's GL blocks: the third one's caps bisect, the fourth is rolled back)
+    start = (copy.deepcopy(model.state_dict()), copy.deepcopy(base.state_dict()))
     fast_times, fast_report = [], None
     for _ in range(reps):
+        model.load_state_dict(start[0])
+        base.load_state_dict(start[1])
         backward()
         seconds, fast_report = timed_teleport(wrapper)
         fast_times.append(seconds)
@@ -326,6 +345,7 @@ def measure(
         "step_overhead_pct": 100 * overhead / t_bare,
         "step_overhead_pct_of_iteration": 100 * overhead / t_iter,
         "step_own_us": 1e6 * own,
+        "step_outside_bare_us": 1e6 * statistics.median(own_bare),
         "step_own_pct_of_iteration": 100 * own / t_iter,
         "iteration_ms": 1e3 * t_iter,
         "fast_teleport_ms": 1e3 * t_fast,
@@ -526,7 +546,8 @@ def main() -> None:
         )
     print(f"resnet18 sites: {rows[2]['site_source']}; vit_tiny sites: find_symmetries (attention GL)")
     print(
-        "own us: the wrapper's own time in a step without teleport (its step minus the base step inside it, timed by the base's step hooks)"
+        "own us: the wrapper's own time in a step without teleport: the time its step spends outside the base's update"
+        " (timed by the base's step hooks) minus the same for the bare optimizer, paired median"
     )
     print(
         "peak extra / kept: memory of one teleport in multiples of the parameters' bytes (watch off; default watch on;"

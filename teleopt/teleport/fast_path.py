@@ -11,6 +11,7 @@ The objective's reduced form is :class:`~teleopt.teleport.gradient_norm.Gradient
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
@@ -143,7 +144,18 @@ class FastEvaluator:
         ]
         if not tracked and not any(e.requires_grad for e in out):
             self.__dict__["_elements_memo"] = ([xi.detach().clone() for xi in coords], out)
+            proven = self.__dict__.setdefault("_proven_elements", {})
+            for group, xi, e, own in zip(self.groups, coords, out, self._own_exp):
+                if not own and group.plain_exp and _spectral_bound(xi.detach()) < _proven_limit(e):
+                    proven[_storage(e)] = e
         return out
+
+    def _proven(self, g: Tensor) -> bool:
+        """Whether ``g`` is exp(xi) of a plain-exp group, made by :meth:`elements`, with every block's
+        ||xi||_2 <= b and e^(-2 b) over twice the dtype's n eps: ||exp(xi)|| and ||exp(xi)^-1|| are at most
+        e^||xi||_2, so its condition number is at most e^(2 b), and it is finite (positive for scalings);
+        :meth:`Group.validate <teleopt.groups.Group.validate>` (an SVD of each GL block) could not reject it."""
+        return _storage(g) in self.__dict__.get("_proven_elements", {})
 
     def grad_norm_sq(self, elements: Sequence[Tensor]) -> Tensor:
         """||grad L(g . w)||^2 over all trainable parameters (float64).
@@ -195,7 +207,8 @@ class FastEvaluator:
         """
         sites, like = self.sites, self.like
         for site, g in zip(sites, elements):  # before anything is written: an invalid element moves nothing
-            site.action.validate_element(g, member_tensors(site, like))
+            if not self._proven(g):
+                site.action.validate_element(g, member_tensors(site, like))
         with validated(elements):
             return self._apply(self._placed(elements))
 
@@ -335,6 +348,27 @@ class FastEvaluator:
             # sharded: one scalar all-reduce, differentiable in the elements (DTensor autograd; full() is not)
             total = total + (part.full_tensor() if is_sharded(part) else part)
         return total
+
+
+def _spectral_bound(xi: Tensor) -> float:
+    """An upper bound of every block's spectral norm, sqrt(||xi||_1 ||xi||_inf) (max |xi_i| for diagonal coordinates)."""
+    if not bool(torch.isfinite(xi).all()):
+        return math.inf
+    if xi.dim() < 2:
+        return float(xi.abs().amax()) if xi.numel() else 0.0
+    a = xi.abs()
+    return float((a.sum(-2).amax(-1) * a.sum(-1).amax(-1)).sqrt().amax())
+
+
+def _proven_limit(g: Tensor) -> float:
+    """The bound b under which exp(xi) provably passes :meth:`Group.validate` (e^(-2 b) > 2 n eps, see ``_proven``)."""
+    n = g.shape[-1] if g.dim() >= 2 else 1
+    return -0.5 * math.log(2 * n * torch.finfo(g.dtype).eps)
+
+
+def _storage(g: Tensor) -> tuple[int, tuple[int, ...], torch.dtype, torch.device, int]:
+    """What identifies an element's values while a reference to it is held (views and ``detach`` share it)."""
+    return (g.data_ptr(), tuple(g.shape), g.dtype, g.device, g._version)
 
 
 def _equal(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
