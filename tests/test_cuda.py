@@ -248,3 +248,52 @@ def test_a_gl_teleport_of_a_gpu_model_searches_on_the_host_and_lands_where_the_c
     assert change <= 1e-12
     for p, q in zip(params, cpu_params):
         torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
+
+
+def test_rollbacks_by_the_inverse_elements_on_the_gpu():
+    """On the GPU: a wrong rescaling (not a symmetry) rolled back with the watch off copies nothing when its
+    elements are powers of two (the default boundary step's 4, 1/4, 1), and the parameters come back bit
+    for bit; an accepted teleport under ``watch_restore="inverse"`` and its watch's inverse move give the
+    parameters back bit for bit too, with the outputs unchanged."""
+    from test_teleport_wrapper import _wrong_rescaling
+
+    from teleopt.functional import as_batch
+    from teleopt.teleport.safety import InverseSnapshot
+    from teleopt.teleport.watch import InverseMove
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.LeakyReLU(0.1), nn.Linear(6, 3)).cuda()
+    x, y = torch.randn(16, 5).cuda(), torch.randn(16, 3).cuda()
+    bad = teleopt.Site(_wrong_rescaling(), ("0.weight", "0.bias", "2.weight"))
+    opt = Teleport(torch.optim.Adam(model.parameters(), lr=1e-3), model, [bad], loss_fn=F.mse_loss, safety=SafetyConfig(watch_steps=0))
+    F.mse_loss(model(x), y).backward()
+    before = copy.deepcopy(model.state_dict())
+    copies = []
+    init = InverseSnapshot.__init__
+
+    def recording(self, *a, **k):
+        init(self, *a, **k)
+        copies.append(self.copies)
+
+    InverseSnapshot.__init__ = recording  # type: ignore[method-assign]
+    try:
+        report = opt.teleport(batch=(x, y))
+    finally:
+        InverseSnapshot.__init__ = init  # type: ignore[method-assign]
+    assert not report.accepted and copies == [False], (report.reason, copies)
+    assert all(torch.equal(v, before[n]) for n, v in model.state_dict().items())
+
+    leaky = teleopt.get_action("positive_rescaling", activation="leaky_relu", negative_slope=0.1)
+    good = [teleopt.Site(leaky, ("0.weight", "0.bias", "2.weight"))]
+    opt = Teleport(
+        torch.optim.Adam(model.parameters(), lr=1e-3), model, good, example_inputs=x[:8], safety=SafetyConfig(watch_restore="inverse")
+    )
+    model.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    outputs, before = model(x).detach(), copy.deepcopy(model.state_dict())
+    assert opt.teleport().accepted
+    watch = opt.record.watch
+    assert watch is not None and isinstance(watch.snapshot, InverseMove)
+    assert watch.snapshot.restore(as_batch((x[:8], None)), 0) == 0.0
+    assert all(torch.equal(v, before[n]) for n, v in model.state_dict().items())
+    assert torch.equal(model(x).detach(), outputs)

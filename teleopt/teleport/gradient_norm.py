@@ -196,11 +196,14 @@ class _Reduced:
                 # at the identity: the sum of S and, for autograd, the linearisation there, whose gradient in
                 # factor k is S summed over every other axis (a pass over the margins instead of a contraction
                 # of S forward and two backward: the search's start and its gradient, Zhao 2026 Algorithm 1)
-                return sum(((f - 1).to(torch.float64) * self.margin(k)).sum() for k, f in enumerate(factors)) + torch.tensor(
-                    self.identity_value, dtype=torch.float64, device=factors[0].device
-                )
+                # (on the gradient's device: the elements may live on the host, FastEvaluator.search_device)
+                device = self.margin(0).device
+                return sum(
+                    ((f - 1).to(device=device, dtype=torch.float64) * self.margin(k)).sum() for k, f in enumerate(factors)
+                ) + torch.tensor(self.identity_value, dtype=torch.float64, device=device)
             if len(moving) == 1 and not any(f.requires_grad for f in factors):  # one site moves (its gain alone)
-                return (factors[moving[0]].to(torch.float64) * self.margin(moving[0])).sum()
+                margin = self.margin(moving[0])
+                return (factors[moving[0]].to(device=margin.device, dtype=torch.float64) * margin).sum()
             if self._S is None and not any(f.requires_grad for f in factors):
                 return self._chunked(factors)
             # sum S * prod_k c_k^{-2 p_k} as one contraction (a matrix-vector product for two axes)
