@@ -339,6 +339,26 @@ def _paper_mlp(seed):
     return model, X.T.contiguous(), Y.T.contiguous()
 
 
+def _sse(out, y):
+    return 0.5 * ((out - y) ** 2).sum()
+
+
+def _diverging_teleport(watch_restore="snapshot"):
+    """The papers' MLP under GD at lr 1e-4 with a teleport at step 5 to a 1000x gradient norm (trust region
+    log 16, no decrease cap) and a 10-step watch: model, inputs, targets, wrapper."""
+    model, X, Y = _paper_mlp(12345)
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=1e-4),
+        model,
+        sites(bias=False)[:1] + [Site(LEAKY, ("2.weight", None, "4.weight"))],
+        at=[5],
+        trust_region=math.log(16),
+        example_inputs=X,
+        safety=SafetyConfig(max_predicted_decrease=None, watch_steps=10, watch_restore=watch_restore),
+    )
+    return model, X, Y, opt
+
+
 def test_watch_rolls_back_a_teleport_that_diverges_later():
     """GD at lr 1e-4 on the papers' MLP is stable; a teleport to a 1000x gradient norm is not.
 
@@ -346,19 +366,7 @@ def test_watch_rolls_back_a_teleport_that_diverges_later():
     steps blow up, and the watch (default ``watch_restore="snapshot"``) restores the
     pre-teleport point bit for bit.
     """
-    model, X, Y = _paper_mlp(12345)
-
-    def sse(out, y):
-        return 0.5 * ((out - y) ** 2).sum()
-
-    opt = Teleport(
-        torch.optim.SGD(model.parameters(), lr=1e-4),
-        model,
-        sites(bias=False)[:1] + [Site(LEAKY, ("2.weight", None, "4.weight"))],
-        at=[5],
-        trust_region=math.log(16),
-        safety=SafetyConfig(max_predicted_decrease=None, watch_steps=10),
-    )
+    model, X, Y, opt = _diverging_teleport()
     snapshots = {}
 
     def record(wrapper, report):
@@ -370,7 +378,7 @@ def test_watch_rolls_back_a_teleport_that_diverges_later():
         if t == 5:
             before_teleport = copy.deepcopy(model.state_dict())
         opt.zero_grad()
-        sse(model(X), Y).backward()
+        _sse(model(X), Y).backward()
         opt.step()
         if "watch" in snapshots and t < 19:
             rolled_back_at = t
@@ -390,26 +398,13 @@ def test_an_inverse_watch_moves_a_diverging_teleport_back_but_keeps_the_damage()
     float32 here: bit for bit), so the model computes exactly what it did before the rollback and the steps
     since are kept, with them the damage they did: the gradient right after is still far above its
     pre-teleport scale (this run diverges on, which is why the snapshot is the default)."""
-    model, X, Y = _paper_mlp(12345)
-
-    def sse(out, y):
-        return 0.5 * ((out - y) ** 2).sum()
-
-    opt = Teleport(
-        torch.optim.SGD(model.parameters(), lr=1e-4),
-        model,
-        sites(bias=False)[:1] + [Site(LEAKY, ("2.weight", None, "4.weight"))],
-        at=[5],
-        trust_region=math.log(16),
-        example_inputs=X,
-        safety=SafetyConfig(max_predicted_decrease=None, watch_steps=10, watch_restore="inverse"),
-    )
+    model, X, Y, opt = _diverging_teleport(watch_restore="inverse")
     reports = []
     opt.register_teleport_hook(lambda wrapper, report: reports.append(report))
     grad_norms, rolled_back = [], None
     for t in range(12):
         opt.zero_grad()
-        sse(model(X), Y).backward()
+        _sse(model(X), Y).backward()
         grad_norms.append(math.sqrt(sum(float(p.grad.square().sum()) for p in model.parameters())))
         outputs = model(X).detach()
         opt.step()
@@ -427,7 +422,7 @@ def test_an_inverse_watch_moves_a_diverging_teleport_back_but_keeps_the_damage()
     assert "outputs on the probe inputs changed by 0.0e+00" in watch.reason
     assert rolled_back is not None and 5 < rolled_back < 5 + 10 and opt._backoff == 0.5
     opt.zero_grad()
-    sse(model(X), Y).backward()
+    _sse(model(X), Y).backward()
     after = math.sqrt(sum(float(p.grad.square().sum()) for p in model.parameters()))
     assert after > 100 * max(grad_norms[:5])  # the function the steps since damaged is kept
 
