@@ -225,12 +225,13 @@ def test_a_tensor_between_two_sites_is_read_in_row_chunks_without_its_square():
         fresh.value(elements)
 
 
-@pytest.mark.parametrize("label", ["single GL", "fused qkv with vo", "GL beside scaling", "overlapping scalings"])
+@pytest.mark.parametrize("label", ["single GL", "fused qkv with vo", "GL beside scaling", "overlapping scalings", "orthogonal"])
 def test_the_value_and_gradient_at_the_identity_match_the_explicit_transport(label):
     """At the identity the reduced terms return their sum (tr K, sum S) and, for autograd, their linearisation
     there, with no solve or contraction: value and gradient in the elements must equal autograd through the
     explicit transport of the gradients, to float64 round-off."""
-    sites = dict(CONFIGS)[label]
+    orthogonal = AxisAction("o", "orthogonal", (Member("W", 0), Member("b", 0, optional=True), Member("V", 1, -1)))
+    sites = dict(CONFIGS, orthogonal=[Site(orthogonal, ("w1", "b1", "w2"))])[label]
     gen = torch.Generator().manual_seed(5)
     names = {n for s in sites for n in s.tensor_names}
     like = {n: TENSORS[n] for n in names}

@@ -218,9 +218,10 @@ class _Reduced:
             and torch.equal(g.detach(), torch.eye(g.shape[-1], dtype=g.dtype, device=g.device).expand(g.shape))
         ):
             # at the identity: tr(K) and, for autograd, the linearisation there: d tr(A K A^T) / dg = 2 K for A = g,
-            # -2 K for A = g^-T (no solve, no product of the blocks: the search's start and its gradient)
+            # -2 K for A = g^-T (no solve, no product of the blocks: the search's start and its gradient); O(n)'s
+            # contragredient is g itself (Group.block_matrices)
             eye = torch.eye(g.shape[-1], dtype=g.dtype, device=g.device)
-            sign = 2.0 if -member.power == 1 else -2.0
+            sign = 2.0 if -member.power == 1 or grp.kind == "orthogonal" else -2.0
             return sign * ((g - eye) * self.K).sum() + torch.tensor(self.identity_value, dtype=torch.float64, device=self.K.device)
         if self.kind == "blocks":
             key = (i, -member.power)
