@@ -41,12 +41,12 @@ decided by the loss alone (their outputs are measured and reported).  Otherwise
 the teleport is rolled back and the report says why: from copies of everything it
 moved, or, on the fast path (no closure, unsharded) with a state policy that
 resets nothing and the watch off or ``watch_restore="inverse"``, from copies of
-the site members alone, ``.grad`` and the
-optimizer state being moved back by the inverse elements (:class:`InverseSnapshot`:
-the parameters come back bit for bit, the rest up to round-off); where every
-element multiplies the parameters by powers of two (the default boundary step's 4,
-1/4 and 1) the parameters move back by the inverse elements too, bit for bit, and
-nothing is copied.  A non-finite gradient declines the teleport before anything moves.
+the site members alone, ``.grad`` and the optimizer state being moved back by the
+inverse elements (:class:`InverseSnapshot`: the parameters come back bit for bit,
+the rest up to round-off); where every element multiplies the parameters by powers
+of two (the default boundary step's 4, 1/4 and 1) the parameters move back by the
+inverse elements too, bit for bit, nothing is copied, and the outputs are compared
+once more.  A non-finite gradient declines the teleport before anything moves.
 
 **Watch (after).**  For ``watch_steps`` steps after an accepted teleport the
 watch looks at every step's gradient and loss.  If within that window a gradient
