@@ -500,6 +500,8 @@ def test_rejects_unknown_members_discrete_sites_and_bad_types():
         Teleport(opt, "model", sites())
     with pytest.raises(ValueError, match="max_gain"):
         SafetyConfig(max_gain=0.5)
+    with pytest.raises(ValueError, match="watch_restore must be 'snapshot' or 'inverse', got 'auto'"):
+        SafetyConfig(watch_restore="auto")
 
 
 def test_rejects_dtype_and_device_mixes():
@@ -578,8 +580,8 @@ def test_fused_base_under_grad_scaler_teleports_unscaled_gradients():
 def test_powers_of_two_undo_the_parameters_bit_for_bit(widths, exponents, dtype, seed):
     """Any two chained ReLU rescalings, any elements whose scales are powers of two (2^-3 .. 2^3), float32,
     bfloat16 or float64: ``exactly_invertible`` holds, and the apply followed by the undo with ``params``
-    gives every parameter back bit for bit (weights drawn at their usual scale, far from the subnormals);
-    one scale of 3 makes it false."""
+    gives every parameter back bit for bit, as do the ``originals`` computed at g . w (weights drawn at their
+    usual scale, far from the subnormals); one scale of 3 makes it false."""
     from teleopt.teleport.context import TeleportContext
     from teleopt.teleport.fast_path import FastEvaluator
     from teleopt.teleport.state_policy import StatePolicy
@@ -597,6 +599,8 @@ def test_powers_of_two_undo_the_parameters_bit_for_bit(widths, exponents, dtype,
     assert evaluator.exactly_invertible(elements)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     evaluator.apply(elements)
+    originals = evaluator.originals(elements)  # what a rollback without copies hands the float64 re-run
+    assert all(torch.equal(originals[n], before[n]) for n in originals)
     evaluator.undo(elements, params=True)
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), before[n]), n
