@@ -93,6 +93,32 @@ def test_a_symmetric_direction_takes_the_eigendecomposition_to_the_same_point(bl
     torch.testing.assert_close(skew, R * (U @ Vh), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("blocks", [None, 3])
+def test_exp_of_a_symmetric_boundary_point_comes_from_its_eigendecomposition(blocks):
+    """exp of the point a symmetric direction gives, U diag(lambda) U^T, is U diag(e^lambda) U^T, with its
+    contragredient U diag(e^-lambda) U^T remembered for the apply: both within float64 round-off of
+    matrix_exp and of the solve they replace (entries of size e^r, r = log 4).  A point changed in place, a
+    copy of it, or one differentiated through takes matrix_exp."""
+    from teleopt.groups.matrix import _CONTRAGREDIENTS
+
+    group = GeneralLinear(6, blocks=blocks)
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(group.coord_shape, generator=gen, dtype=F64)
+    point = group.boundary_point(a + a.mT, R)
+    assert point is not None
+    g = group.exp(point)
+    torch.testing.assert_close(g, torch.linalg.matrix_exp(point), rtol=0, atol=1e-13)
+    assert not torch.equal(g, torch.linalg.matrix_exp(point))  # not matrix_exp: the eigendecomposition
+    hit = _CONTRAGREDIENTS[(id(g), GeneralLinear, 6)]
+    blocked = g if blocks else g.unsqueeze(0)
+    torch.testing.assert_close(hit[2], torch.linalg.solve(blocked.mT, torch.eye(6, dtype=F64).expand(blocked.shape)), rtol=0, atol=1e-13)
+    assert torch.equal(group.block_matrices(g, -1), hit[2])  # the apply's g^-T is the remembered one
+    for other in (point.clone(), point.clone().requires_grad_(True)):
+        assert torch.equal(group.exp(other).detach(), torch.linalg.matrix_exp(other.detach()))
+    point.mul_(0.5)  # changed in place: its eigenvalues are no longer the remembered ones
+    assert torch.equal(group.exp(point), torch.linalg.matrix_exp(point))
+
+
 def _linear_net(seed):
     """A linear 12-16-10 network: GL(16) acts exactly on its hidden layer (``gl_linear``)."""
     torch.manual_seed(seed)

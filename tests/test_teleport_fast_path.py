@@ -291,8 +291,9 @@ def test_overlapping_sites_compose_in_list_order():
 
 @pytest.mark.parametrize("kind", ["params", "covector", "second_moment"])
 def test_in_place_transport_is_bitwise_the_out_of_place_one(kind):
-    """transport_ (the apply phase of diagonal sites: no copies) multiplies each tensor in place by exactly the
-    factors transport() uses, in the same order; it touches nothing when a site is not diagonal."""
+    """transport_ (the apply phase: no copies of whole tensors) multiplies each tensor in place by exactly the
+    factors transport() uses, in the same order, and writes a GL site's moved part over the part; it touches
+    nothing where a site has no in-place rule (GL second moments, outer/inner layouts)."""
     from teleopt.teleport.transport import transport_
 
     gen = torch.Generator().manual_seed(11)
@@ -307,10 +308,57 @@ def test_in_place_transport_is_bitwise_the_out_of_place_one(kind):
     for n, t in values.items():
         assert id(t) == ids[n] and torch.equal(t, expected[n]), n  # the same tensor, bitwise the same values
     gl = Site(get_action("gl_linear"), ("0.weight", "0.bias", "2.weight"))
-    before = {n: t.clone() for n, t in values.items()}
     g = get_action("gl_linear").exp(0.1 * torch.randn(6, 6, generator=gen, dtype=torch.float64), (live["0.weight"], None, live["2.weight"]))
-    assert not transport_([gl], [g], values, live, kind)
-    assert all(torch.equal(values[n], before[n]) for n in values)  # untouched
+    before = {n: t.clone() for n, t in values.items()}
+    expected, missing = transport([gl, *sites], [g, *elements], values, live, kind)
+    if kind == "second_moment":  # GL has no elementwise rule for second moments: transport() keeps them
+        assert not transport_([gl], [g], values, live, kind)
+        assert all(torch.equal(values[n], before[n]) for n in values)  # untouched
+        return
+    assert transport_([gl, *sites], [g, *elements], values, live, kind)  # GL, then scalings on the same tensors
+    for n, t in values.items():
+        assert id(t) == ids[n] and torch.equal(t, expected[n]), n
+    interleaved = AxisAction("interleaved", "general", [Member("w", 1, -1, inner=2)])  # 2.weight's 6 columns as 3 x 2
+    before = {n: t.clone() for n, t in values.items()}
+    site = Site(interleaved, ("2.weight",))
+    assert not transport_([site], [torch.eye(3, dtype=torch.float64)], values, live, kind)  # an inner layout
+    assert all(torch.equal(values[n], before[n]) for n in values)
+
+
+@pytest.mark.parametrize("kind", ["params", "covector"])
+def test_in_place_transport_of_fused_qkv_slices_is_bitwise(kind):
+    """Two GL sites on slices of one fused qkv weight (q and k rows by one, v rows and the output projection's
+    columns by the other, as find_symmetries builds them for timm attention): transport_ moves each slice
+    where it lies, bitwise what transport() returns by copying and concatenating whole tensors."""
+    from teleopt.teleport.transport import transport_
+
+    gen = torch.Generator().manual_seed(5)
+    heads, d = 2, 3
+    qk = AxisAction(
+        "qk",
+        "general",
+        [
+            Member("qkv[q]", 0, 1, start=0, stop=heads * d, tensor="qkv"),
+            Member("bias_q", 0, 1, start=0, stop=heads * d),
+            Member("qkv[k]", 0, -1, start=heads * d, stop=2 * heads * d, tensor="qkv"),
+        ],
+        blocks=heads,
+    )
+    vo = AxisAction("vo", "general", [Member("qkv", 0, 1, start=2 * heads * d, stop=3 * heads * d), Member("proj", 1, -1)], blocks=heads)
+    live = {
+        "qkv": torch.randn(3 * heads * d, 4, generator=gen),
+        "bias": torch.randn(3 * heads * d, generator=gen),
+        "proj": torch.randn(4, heads * d, generator=gen),
+    }
+    sites = [Site(qk, ("qkv", "bias", "qkv")), Site(vo, ("qkv", "proj"))]
+    elements = [torch.linalg.matrix_exp(0.3 * torch.randn(heads, d, d, generator=gen, dtype=torch.float64)) for _ in sites]
+    values = {n: t.clone() for n, t in live.items()}
+    expected, _ = transport(sites, elements, values, live, kind)
+    assert not torch.equal(expected["qkv"], live["qkv"])
+    ids = {n: id(t) for n, t in values.items()}
+    assert transport_(sites, elements, values, live, kind)
+    for n, t in values.items():
+        assert id(t) == ids[n] and torch.equal(t, expected[n]), n
 
 
 def test_a_diagonal_teleport_moves_the_live_tensors_in_place():
@@ -498,3 +546,42 @@ def test_stability_margin_keeps_the_teleported_point_stable():
         lambda t: mse(torch.func.functional_call(model, t, (x,)), y), params, P, 300, torch.Generator().manual_seed(1)
     )
     assert lam <= margin * 2 * 1.02  # power iteration inside the cap: 50 rounds, 2% slack
+
+
+def test_end_search_frees_the_gradient_norm_terms_and_later_values_raise():
+    """After the search the evaluator drops the gradient norm's reduced terms (a GL site's float64 Gram
+    matrices, which were alive at the apply's peak): a value asked for afterwards raises instead of being
+    answered from nothing, and the apply still moves the gradients to the norm the search predicted."""
+    from teleopt.teleport.context import TeleportContext
+    from teleopt.teleport.fast_path import FastEvaluator
+
+    gl = Site(get_action("gl_linear"), ("0.weight", "0.bias", "2.weight"))
+    model, base, opt = _adam_setup([gl])
+    evaluator = FastEvaluator([gl], TeleportContext.build(model, base, opt._engine.config.policy))
+    gen = torch.Generator().manual_seed(4)
+    elements = evaluator.elements([0.2 * torch.randn(6, 6, generator=gen, dtype=torch.float64)])
+    predicted = float(evaluator.grad_norm_sq(elements))
+    assert evaluator.norm_model.reduced
+    evaluator.end_search()
+    assert not evaluator.norm_model.reduced and "_norm_memo" not in evaluator.__dict__
+    with pytest.raises(RuntimeError, match="released after the search"):
+        evaluator.grad_norm_sq(elements)
+    with pytest.raises(RuntimeError, match="released after the search"):
+        evaluator.site_gain(0, elements[0], 1.0)
+    evaluator.apply(elements)
+    moved = sum(float(p.grad.square().sum()) for p in model.parameters())
+    assert moved == pytest.approx(predicted, rel=1e-12)
+
+
+def test_a_shared_identity_is_the_identity_without_memory_per_block():
+    """shared_identity equals identity; a block-diagonal matrix group's blocks share one n x n identity
+    (a broadcast view), which refuses writes; other groups return their identity."""
+    from teleopt.groups import GeneralLinear, Orthogonal, PositiveScaling
+
+    for group in (GeneralLinear(5, blocks=4), Orthogonal(3, blocks=2), GeneralLinear(4), PositiveScaling(6)):
+        shared = group.shared_identity()
+        assert torch.equal(shared, group.identity())
+    shared = GeneralLinear(5, blocks=4).shared_identity()
+    assert shared.untyped_storage().nbytes() == 5 * 5 * 8  # one block's worth of float64
+    with pytest.raises(RuntimeError):
+        shared.add_(1.0)

@@ -6,9 +6,8 @@ teleport to a :class:`TeleportEngine`:
 * **plan**: the path (``"fast"``, closed-form gradient transport, or
   ``"general"``, through the model on a batch), the sites, the loss at w and the
   :class:`~teleopt.teleport.evaluator.Evaluator`;
-* **search**: group coordinates from the :class:`~teleopt.teleport.search.SearchStrategy`
-  (projected ascent by default), scaled towards the identity until the caps hold
-  (:class:`~teleopt.teleport.safety.Caps`) and made identical on every rank;
+* **search**: group coordinates from the :class:`~teleopt.teleport.search.SearchStrategy`, scaled towards
+  the identity until the caps hold (:class:`~teleopt.teleport.safety.Caps`), identical on every rank;
 * **apply**: parameters, ``.grad`` and optimizer state moved to g . w, after a
   snapshot of what a rollback restores;
 * **verify**: finite tensors, unchanged model outputs on the teleport batch, the
@@ -156,6 +155,7 @@ class TeleportEngine:
         elements = self.search(plan)
         if elements is None:
             return plan.request.loss
+        plan.need_evaluator().end_search()
         snapshot = self.apply(plan, elements)
         return self.verify(plan, snapshot)
 
@@ -356,7 +356,7 @@ class TeleportEngine:
         groups = [s.action.group(member_tensors(s, like)) for s in sites]
         coords0 = [zero_coordinates(s, g, device) for s, g in zip(sites, groups)]
         prepared = self.config.objective.prepare(evaluator, self.config.generator)
-        identity = [c.clone() for c in coords0]
+        identity = coords0  # read only: every strategy copies its start (vit_tiny: 0.1x the parameters each)
         with torch.enable_grad():
             n0 = float(evaluator.grad_norm_sq(evaluator.elements(identity)).detach())
         plan.report.grad_norm_before = math.sqrt(n0)
@@ -399,7 +399,8 @@ class TeleportEngine:
         problem, report = start.problem, plan.report
         evaluator = problem.evaluator
         with torch.enable_grad():
-            elements = [e.detach() for e in evaluator.elements(coords)]
+            # the memo's tensors themselves where they carry no graph: actions remember per element (GL contragredients)
+            elements = [e.detach() if e.requires_grad else e for e in evaluator.elements(coords)]
             report.objective_after = float(problem.objective.value(evaluator, elements, problem.prepared).detach())
             if evaluator.moves_gradients:
                 report.grad_norm_after = math.sqrt(float(evaluator.grad_norm_sq(elements).detach()))
@@ -577,10 +578,8 @@ class TeleportEngine:
         return failures + [Failure(f"float64 re-run: outputs changed by {err64:.2e} > {tol64:.0e}", err64, tol64, torch.float64)]
 
     def _grad_norm_after(self, plan: Plan) -> None:
-        if plan.report.grad_norm_after is not None:
-            return
         grads = [p.grad for p in plan.ctx.trainable.values() if p.grad is not None]
-        if grads:
+        if plan.report.grad_norm_after is None and grads:
             plan.report.grad_norm_after = math.sqrt(square_sum(grads))
 
     def accept(self, plan: Plan, snapshot: Snapshot | InverseSnapshot) -> None:

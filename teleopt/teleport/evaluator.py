@@ -77,6 +77,11 @@ class Evaluator(Protocol):
         (decided before it: where not, the rollback snapshot holds copies of the site members)."""
         ...
 
+    def end_search(self) -> None:
+        """Free what only the search reads (the gradient norm's reduced terms and memos) before the apply
+        phase allocates; the search's quantities are not asked for again."""
+        ...
+
     def undo(self, elements: Sequence[Tensor], params: bool = False) -> None:
         """Move ``.grad`` and the optimizer state of the site members back from g . w to w by the
         inverse elements (only when :meth:`can_undo`), and the parameters with ``params`` (only when

@@ -137,7 +137,7 @@ class FastEvaluator:
         out = [
             site.action.exp(xi, member_tensors(site, self.like))
             if own
-            else group.identity(dtype=xi.dtype, device=xi.device)
+            else group.shared_identity(dtype=xi.dtype, device=xi.device)
             if group.plain_exp and not xi.requires_grad and not bool((xi != 0).any())  # exp(0) = I, bit for bit
             else group.exp(xi)
             for site, group, xi, own in zip(self.sites, self.groups, coords, self._own_exp)
@@ -184,6 +184,13 @@ class FastEvaluator:
         if n0 == 0:
             return {s.name: None for s in self.sites}
         return {s.name: self.site_gain(i, e, n0) for i, (s, e) in enumerate(zip(self.sites, elements))}
+
+    def end_search(self) -> None:
+        """Free the gradient norm's reduced terms (GL Gram matrices: vit_tiny's are 0.3x the parameters, alive
+        at the apply's peak otherwise) and the value memos; :meth:`grad_norm_sq` raises afterwards."""
+        self.norm_model.release()
+        self.__dict__.pop("_norm_memo", None)
+        self.__dict__.pop("_elements_memo", None)
 
     def _placed(self, elements: Sequence[Tensor]) -> list[Tensor]:
         """The elements as the sharded members need them: replicated ``DTensor``s on each site's mesh

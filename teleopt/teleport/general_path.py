@@ -112,6 +112,9 @@ class GeneralEvaluator:
         StatePolicy.write(states, moved_state)
         return Counter(d for dec in moved_state.decisions.values() for d in dec.values())
 
+    def end_search(self) -> None:
+        """Nothing to free: each quantity is computed through the model when asked for."""
+
     def can_undo(self) -> bool:
         """Never: ``.grad`` is recomputed at g . w, so only a snapshot restores it."""
         return False

@@ -348,7 +348,8 @@ class GradientNormModel:
         self.like = like
         self.explicit_identity = [sum(float(torch.linalg.vector_norm(t)) ** 2 for t in g.values()) for _, g in self.explicit]
         device = torch.device("cpu") if self.host else next(iter(grads.values())).device if grads else None
-        self.identities = [grp.identity(dtype=torch.float64, device=device) for grp in self.groups]
+        self.identities = [grp.shared_identity(dtype=torch.float64, device=device) for grp in self.groups]
+        self.released = False
 
     def _reduce(self, name: str, grad: Tensor, entries: list[tuple[int, Member, Group]]) -> None:
         """One tensor's reduced terms: the whole tensor, or one term per slice plus the remainder."""
@@ -370,8 +371,18 @@ class GradientNormModel:
             covered += term.identity_value
         self.remainders.append((name, max(square_sum([g]) - covered, 0.0)))
 
+    def release(self) -> None:
+        """Drop the reduced terms (their Gram matrices, squared gradients and margins); :meth:`value` and
+        :meth:`site_value` raise afterwards."""
+        self.reduced, self.explicit, self.released = [], [], True
+
+    def _check_live(self) -> None:
+        if self.released:
+            raise RuntimeError("GradientNormModel: released after the search (FastEvaluator.end_search); build a new one")
+
     def site_value(self, index: int, element: Tensor) -> float:
         """The value when only site ``index`` moves (by ``element``); every other site at the identity."""
+        self._check_live()
         total = 0.0
         elements = [element if i == index else e for i, e in enumerate(self.identities)]
         cache: dict[tuple[int, float], Tensor] = {}
@@ -389,6 +400,7 @@ class GradientNormModel:
     def value(self, elements: Sequence[Tensor], weights: Mapping[str, float] | None = None) -> Tensor:
         """Sum over the sites' tensors of the squared transported gradient (float64),
         each tensor's term multiplied by ``weights[name]`` when given (e.g. its learning rate)."""
+        self._check_live()
         total = torch.zeros((), dtype=torch.float64, device=elements[0].device if elements else None)
         cache: dict[tuple[int, float], Tensor] = {}
         for r in self.reduced:

@@ -94,16 +94,21 @@ def transport_(
     like: Mapping[str, Tensor],
     kind: TensorKind,
 ) -> bool:
-    """:func:`transport` in place, for diagonal groups acting on whole axes; returns whether it did.
+    """:func:`transport` in place, for axis actions on whole axes or slices of them; returns whether it did.
 
-    Each tensor of ``values`` is multiplied along each acting site's axis by the element's
-    factor (:meth:`Group.act_on_axis_ <teleopt.groups.Group.act_on_axis_>`), in list order:
-    bitwise what :func:`transport` returns, with no copy (the memory floor of a teleport).
-    When some site moving a tensor of ``values`` is not such an action (matrix groups,
-    slices or views of a tensor, a member named twice), nothing is touched and ``False`` is
-    returned: use :func:`transport`.
+    Each tensor of ``values`` is moved along each acting site's axis in list order, part by part:
+    diagonal and sign groups multiply the part by the element's factors
+    (:meth:`Group.act_on_axis_ <teleopt.groups.Group.act_on_axis_>`); matrix groups (GL, O(n)) compute
+    the moved part (:meth:`Group.act_on_axis`, its size only) and write it over the part.  Bitwise what
+    :func:`transport` returns (the same operation on the same part), with no copy of a whole tensor: a
+    fused ``qkv`` weight whose q, k and v rows two sites move is never copied or concatenated.  When some
+    site moving a tensor of ``values`` is not such an action (learned or data-dependent actions, outer,
+    inner or grouped layouts, a member named twice that the action does not compose as a part, second
+    moments under a matrix group, sharded tensors under a matrix group), nothing is touched and ``False``
+    is returned: use :func:`transport`.
     """
     from teleopt.actions.axis import AxisAction, _second_moment_power
+    from teleopt.sharding import is_sharded
 
     plan: list[tuple[Any, Tensor, Tensor, int, float]] = []
     for site, g in zip(sites, elements):
@@ -111,21 +116,27 @@ def transport_(
         if not named:
             continue
         action = site.action
-        if not isinstance(action, AxisAction) or len(set(named)) != len(named):
+        if not isinstance(action, AxisAction) or any(named.count(n) > 1 and not _composes_parts(site, n) for n in named):
             return False
         group = action.group(tuple(None if n is None else like[n] for n in site.members))
-        if group.kind not in ("diagonal", "sign"):
+        diagonal = group.kind in ("diagonal", "sign")
+        if not diagonal and (group.block_size is None or kind == "second_moment" or any(is_sharded(values[n]) for n in named)):
             return False
         for member, n in zip(action.members, site.members):
             if n is None or n not in values:
                 continue
-            if member.start is not None or member.outer != 1 or member.inner != 1 or member.groups != 1:
+            if member.outer != 1 or member.inner != 1 or member.groups != 1:
                 return False
+            x = values[n]
+            if member.start is not None and is_sharded(x):  # a slice of a shard: moved whole by transport()
+                return False
+            axis = member.axis % x.ndim
+            part = x if member.start is None or member.stop is None else x.narrow(axis, member.start, member.stop - member.start)
             power = member.power if kind == "params" else -member.power
-            plan.append((group, g, values[n], member.axis, _second_moment_power(group, power) if kind == "second_moment" else power))
-    for group, g, x, axis, power in plan:
-        if not group.act_on_axis_(g, x, axis, power):  # pragma: no cover - diagonal and sign groups always do
-            raise AssertionError(f"{group!r} has no in-place action")
+            plan.append((group, g, part, axis, _second_moment_power(group, power) if kind == "second_moment" else power))
+    for group, g, part, axis, power in plan:
+        if not group.act_on_axis_(g, part, axis, power):  # matrix groups: the moved part, written over it
+            part.copy_(group.act_on_axis(g, part, axis, power))
     return True
 
 
