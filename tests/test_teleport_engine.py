@@ -357,3 +357,39 @@ def test_square_factor_is_the_squared_entrywise_scale_of_diagonal_groups():
         PositiveScaling(3).square_factor(c, -1)[:, None] * x**2,
     )
     assert GeneralLinear(3).square_factor(torch.eye(3, dtype=torch.float64), 1) is None
+
+
+def test_a_snapshot_watch_checkpoints_only_the_elements_of_an_exactly_invertible_teleport():
+    """The default watch keeps its snapshot in memory, but after a teleport whose elements multiply the
+    parameters by powers of two (the default boundary step's 4, 1/4 and 1), ``state_dict`` saves the elements
+    instead: the checkpoint keeps its normal size, and a watch resumed from it is the inverse move.  With
+    ``checkpoint_snapshot=True`` the checkpoint holds the snapshot, as it does for elements that are not
+    powers of two (a trust region of 1: scales e and 1/e)."""
+    params = dict(mlp().named_parameters())
+    units = sum(s.action.group(tuple(None if n is None else params[n] for n in s.members)).dim for s in sites())
+    for safety, saved in (
+        (SafetyConfig(), "inverse"),
+        (SafetyConfig(checkpoint_snapshot=True), "snapshot"),
+        (SafetyConfig(), "snapshot"),  # with trust_region=1.0 below
+    ):
+        model, (x, y) = mlp(), data()
+        trust = 1.0 if saved == "snapshot" and not safety.checkpoint_snapshot else math.log(4)
+        opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, sites(), every=1, trust_region=trust, safety=safety)
+        backward(model, x, y)
+        opt.step()
+        watch = opt.record.watch
+        assert watch is not None and isinstance(watch.snapshot, Snapshot)  # the rollback restores everything
+        elements = torch.cat([e.flatten() for e in opt.reports[-1].elements.values()])
+        assert bool((torch.frexp(elements).mantissa.abs() == 0.5).all()) == (trust == math.log(4))
+        kept = opt.state_dict()["teleopt_teleport"]["watch"]
+        assert sorted(kept) == sorted(["grad_ref", saved, "loss_ref", "teleport_step", "until"])
+        if saved == "inverse":
+            assert sum(e.numel() for e in kept["inverse"]["elements"]) == units
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)
+        buf.seek(0)
+        fresh_model = copy.deepcopy(model)
+        fresh = Teleport(torch.optim.SGD(fresh_model.parameters(), lr=0.01), fresh_model, sites(), every=1, safety=safety)
+        fresh.load_state_dict(torch.load(buf, weights_only=True))
+        assert fresh.record.watch is not None
+        assert isinstance(fresh.record.watch.snapshot, InverseMove if saved == "inverse" else Snapshot)

@@ -592,6 +592,9 @@ class TeleportEngine:
             if isinstance(snapshot, Snapshot):
                 snapshot.grads.clear()  # the rollback clears .grad and skips that update
             cfg, elements = self.config, [report.elements[s.name] for s in plan.sites]
-            undo = snapshot if isinstance(snapshot, Snapshot) else InverseMove(plan.sites, elements, cfg.module, cfg.optimizer, cfg.policy)
+            move = InverseMove(plan.sites, elements, cfg.module, cfg.optimizer, cfg.policy)
+            # a snapshot's checkpoint holds the elements instead where they restore the parameters bit for bit
+            exact = not safety.checkpoint_snapshot and plan.request.closure is None and plan.need_evaluator().exactly_invertible(elements)
             grad_ref = max(report.grad_norm_before or 0.0, report.grad_norm_after or 0.0) ** 2
-            record.watch = Watch(undo, record.step + safety.watch_steps, record.step, grad_ref, report.loss_before)
+            until, undo = record.step + safety.watch_steps, snapshot if isinstance(snapshot, Snapshot) else move
+            record.watch = Watch(undo, until, record.step, grad_ref, report.loss_before, checkpoint=move if exact else None)

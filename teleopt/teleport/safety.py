@@ -57,9 +57,13 @@ trust region and caps are multiplied by ``backoff`` for later teleports, and a
 rollback report is issued.  How it is undone (``watch_restore``):
 
 * ``"snapshot"`` (default): a snapshot of all parameters, buffers and optimizer
-  state is kept (3x the parameters under Adam, in ``state_dict`` too), and
-  everything is restored to the pre-teleport point: the steps since are
-  discarded, and so is whatever damage they did.
+  state is kept (3x the parameters under Adam), and everything is restored to
+  the pre-teleport point: the steps since are discarded, and so is whatever
+  damage they did.  ``state_dict`` saves the snapshot too, unless the teleport's
+  elements restore the parameters bit for bit (the powers of two above) and
+  ``checkpoint_snapshot`` is off (the default): then it saves the elements, the
+  checkpoint keeps its normal size, and a watch resumed from it undoes the
+  teleport as ``"inverse"`` does.
 * ``"inverse"``: a fast-path teleport whose elements can be inverted (the rollback
   condition above: no closure, no state reset, unsharded) keeps no snapshot, only
   its elements (O(units); other teleports keep a snapshot): the rollback moves the
@@ -123,6 +127,7 @@ class SafetyConfig:
     watch_steps: int = 10
     watch_factor: float = 10.0
     watch_restore: str = "snapshot"
+    checkpoint_snapshot: bool = False
     backoff: float = 0.5
 
     def __post_init__(self) -> None:
@@ -144,6 +149,8 @@ class SafetyConfig:
         self.watch_factor = watch_factor
         if self.watch_restore not in ("snapshot", "inverse"):
             raise ValueError(f"watch_restore must be 'snapshot' or 'inverse', got {self.watch_restore!r}")
+        if not isinstance(self.checkpoint_snapshot, bool):
+            raise ValueError(f"checkpoint_snapshot must be a bool, got {self.checkpoint_snapshot!r}")
         if not 0 < self.backoff <= 1:
             raise ValueError(f"backoff must be in (0, 1], got {self.backoff!r}")
 

@@ -96,7 +96,11 @@ class Watch:
 
     ``grad_ref`` is the squared gradient norm to compare with (the larger of before
     and after the teleport), ``loss_ref`` the pre-teleport loss; ``why`` says what
-    triggered a rollback.
+    triggered a rollback.  ``checkpoint`` is what ``state_dict`` saves instead of a
+    snapshot (``SafetyConfig.checkpoint_snapshot`` off): the teleport's
+    :class:`InverseMove` where it restores the parameters bit for bit, so the
+    checkpoint keeps its normal size and a watch resumed from it moves back by the
+    inverse elements.
     """
 
     snapshot: Snapshot | InverseMove
@@ -105,6 +109,7 @@ class Watch:
     grad_ref: float
     loss_ref: float | None
     why: str = ""
+    checkpoint: InverseMove | None = None
 
     def alarm(self, grads: list[Tensor], loss: Any, factor: float) -> str | None:
         """Why this rank's gradients ``grads`` or ``loss`` call for a rollback (``None``: all well)."""
@@ -139,9 +144,10 @@ class Watch:
         return fired
 
     def to_state(self) -> dict[str, Any]:
-        """Plain data for ``state_dict``."""
+        """Plain data for ``state_dict`` (the ``checkpoint`` in place of the snapshot where there is one)."""
+        saved = self.checkpoint if self.checkpoint is not None else self.snapshot
         return {
-            ("inverse" if isinstance(self.snapshot, InverseMove) else "snapshot"): self.snapshot.to_state(),
+            ("inverse" if isinstance(saved, InverseMove) else "snapshot"): saved.to_state(),
             "until": self.until,
             "teleport_step": self.teleport_step,
             "grad_ref": self.grad_ref,
