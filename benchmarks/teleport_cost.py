@@ -186,9 +186,9 @@ class LiveBytes(TorchDispatchMode):
 def peak_extra_memory(
     model: nn.Module, sites: Any, batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable, watch: int, restore: str = "snapshot"
 ) -> dict[str, float]:
-    """One teleport (after one Adam step) under :class:`LiveBytes`: its peak extra bytes and the
-    bytes it leaves allocated, as multiples of the parameters' bytes (``restore``: the watch's
-    ``SafetyConfig.watch_restore``)."""
+    """One teleport (after one Adam step) under :class:`LiveBytes`: its peak extra bytes, the
+    bytes it leaves allocated and the bytes its watch adds to ``state_dict`` (``ckpt``), as
+    multiples of the parameters' bytes (``restore``: the watch's ``SafetyConfig.watch_restore``)."""
     x, y = batch
     example = x[:2] if sites == "auto" else None
     safety = SafetyConfig(watch_steps=watch, watch_restore=restore)
@@ -204,7 +204,10 @@ def peak_extra_memory(
     if not report.accepted:
         raise RuntimeError(f"the teleport whose memory is measured was not accepted: {report.reason}")
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"peak": counter.peak / param_bytes, "kept": counter.live / param_bytes}
+    # what the wrapper adds to a checkpoint now (its watch: a snapshot, or the elements alone)
+    watch = wrapper.state_dict()["teleopt_teleport"].get("watch")
+    ckpt = sum(t.numel() * t.element_size() for t in tree_flatten(watch)[0] if isinstance(t, torch.Tensor))
+    return {"peak": counter.peak / param_bytes, "kept": counter.live / param_bytes, "ckpt": ckpt / param_bytes}
 
 
 def regression(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -534,7 +537,7 @@ def main() -> None:
     model, sites, batch = vit_tiny(image_batch, 64 if args.quick else 224)
     rows.append(measure("vit_tiny", model, sites, batch, nn.functional.cross_entropy, max(3, reps // 2), general_reps))
 
-    head = f"{'model':9} {'params':>9} {'sites':>5} {'step ms':>9} {'wrapped':>9} {'overhead':>9} {'of iter':>8} {'own us':>8} {'own/iter':>8} {'iter ms':>9} {'fast ms':>9} {'fast/iter':>9} {'fast/step':>9} {'10-step fast':>12} {'10-step autograd':>16} {'autograd/fast':>13} {'peak extra':>10} {'kept':>5} {'default peak':>12} {'kept':>5} {'inverse peak':>12} {'kept':>5}"
+    head = f"{'model':9} {'params':>9} {'sites':>5} {'step ms':>9} {'wrapped':>9} {'overhead':>9} {'of iter':>8} {'own us':>8} {'own/iter':>8} {'iter ms':>9} {'fast ms':>9} {'fast/iter':>9} {'fast/step':>9} {'10-step fast':>12} {'10-step autograd':>16} {'autograd/fast':>13} {'peak extra':>10} {'kept':>5} {'default peak':>12} {'kept':>5} {'ckpt':>5} {'inverse peak':>12} {'kept':>5}"
     print(f"Teleport cost, {datetime.date.today()}, {machine()}, torch {torch.__version__}")
     print(head)
     print("-" * len(head))
@@ -542,7 +545,7 @@ def main() -> None:
         print(
             f"{r['model']:9} {r['params']:>9} {r['sites']:>5} {r['step_bare_ms']:>9.3f} {r['step_wrapped_ms']:>9.3f} {r['step_overhead_pct']:>8.1f}% {r['step_overhead_pct_of_iteration']:>7.2f}% "
             f"{r['step_own_us']:>8.1f} {r['step_own_pct_of_iteration']:>7.3f}% {r['iteration_ms']:>9.2f} {r['fast_teleport_ms']:>9.2f} {r['fast_over_iteration']:>9.2f} {r['fast_over_step']:>9.1f} {r['fast10_ms']:>12.2f} {r['general10_ms']:>16.1f} {r['general_over_fast']:>13.0f} "
-            f"{r['peak_watch0']:>9.2f}x {r['kept_watch0']:>4.1f}x {r['peak_watch10']:>11.2f}x {r['kept_watch10']:>4.1f}x {r['peak_inverse']:>11.2f}x {r['kept_inverse']:>4.2f}x"
+            f"{r['peak_watch0']:>9.2f}x {r['kept_watch0']:>4.1f}x {r['peak_watch10']:>11.2f}x {r['kept_watch10']:>4.1f}x {r['ckpt_watch10']:>4.2f}x {r['peak_inverse']:>11.2f}x {r['kept_inverse']:>4.2f}x"
         )
     print(f"resnet18 sites: {rows[2]['site_source']}; vit_tiny sites: find_symmetries (attention GL)")
     print(
@@ -551,7 +554,8 @@ def main() -> None:
     )
     print(
         "peak extra / kept: memory of one teleport in multiples of the parameters' bytes (watch off; default watch on;"
-        ' watch_restore="inverse")'
+        ' watch_restore="inverse"); ckpt: what the default watch adds to state_dict (the elements alone after a teleport'
+        " by powers of two)"
     )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
