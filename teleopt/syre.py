@@ -52,7 +52,7 @@ from teleopt.syre_anchors import (
     real_view,
     use_foreach,
 )
-from teleopt.wrapper import OptimizerWrapper
+from teleopt.wrapper import OptimizerWrapper, no_grad_step
 
 __all__ = ["Syre", "fan_in"]
 
@@ -457,7 +457,7 @@ class Syre(OptimizerWrapper):
                     self._anchor_of(index, group, p)
                     self._diagonal_of(index, group, p)
 
-    @torch.no_grad()
+    @no_grad_step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run the closure (if any), then step the base; the decay is applied right before the innermost update.
 

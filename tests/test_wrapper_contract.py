@@ -18,7 +18,7 @@ from torch.optim.optimizer import (
 from teleopt import Site, get_action
 from teleopt.syre import Syre
 from teleopt.teleport import Teleport
-from teleopt.wrapper import OptimizerWrapper
+from teleopt.wrapper import OptimizerWrapper, no_grad_step
 
 
 class Delegating(OptimizerWrapper):
@@ -29,7 +29,7 @@ class Delegating(OptimizerWrapper):
     def __init__(self, optimizer, strength: float = 0.0) -> None:
         super().__init__(optimizer, {"strength": strength})
 
-    @torch.no_grad()
+    @no_grad_step
     def step(self, closure=None):
         loss = self._closure_before_step(closure)
         return self._step_base(closure, loss)
@@ -53,6 +53,50 @@ def closure_of(optimizer, model, x, y):
         return loss
 
     return closure
+
+
+def test_no_grad_step_turns_grad_mode_off_inside_and_restores_it_after():
+    """A wrapper's step runs with grad mode off (as under ``@torch.no_grad()``): a base that updates its
+    parameters in place without its own no_grad works, and the closure still records.  The mode the caller
+    had comes back afterwards, also when the step raises."""
+
+    class Plain(torch.optim.Optimizer):  # an update without torch.no_grad: it relies on the caller's
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.sub_(group["lr"] * p.grad)
+
+    model, x, y = problem()
+    opt = Delegating(Plain(model.parameters()))
+    seen = []
+
+    def closure():
+        seen.append(torch.is_grad_enabled())
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    before = [p.detach().clone() for p in model.parameters()]
+    for mode in (True, False):
+        with torch.set_grad_enabled(mode):
+            opt.step(closure)
+            assert torch.is_grad_enabled() is mode
+    assert seen == [True, True] and all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(p.grad_fn is None and p.is_leaf for p in model.parameters())
+
+    @no_grad_step
+    def failing(self):
+        assert not torch.is_grad_enabled()
+        raise RuntimeError("inside")
+
+    with pytest.raises(RuntimeError, match="inside"):
+        failing(None)
+    assert torch.is_grad_enabled()
+    assert Teleport.step.__doc__ and Teleport.step.__name__ == "step"  # functools.wraps keeps what docs read
 
 
 # -- closure-only bases ----------------------------------------------------------------------

@@ -68,7 +68,7 @@ from teleopt.teleport.sites import (
 from teleopt.teleport.state_policy import StatePolicy, restart_curvature_history
 from teleopt.teleport.watch import InverseMove, TeleportRecord
 from teleopt.unwrap import hook_target, unwrap
-from teleopt.wrapper import OptimizerWrapper
+from teleopt.wrapper import OptimizerWrapper, no_grad_step
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -416,7 +416,7 @@ class Teleport(OptimizerWrapper):
         report, _ = self._teleport_now(request)
         return report
 
-    @torch.no_grad()
+    @no_grad_step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Teleport if scheduled (or roll back a teleport that went wrong), then step the base optimizer.
 
@@ -447,7 +447,11 @@ class Teleport(OptimizerWrapper):
 
     # ------------------------------------------------------------------ teleport
     def _enabled(self) -> bool:
-        return any(bool(self.group_value(g, "enabled")) for g in self.param_groups)
+        key = self.prefix + "enabled"
+        for group in self.param_groups:  # a loop, not any() over a generator: this runs every step
+            if group[key]:
+                return True
+        return False
 
     def _check_seed(self) -> int:
         """The RNG seed of this teleport's check forwards (from the seed and the counters, so resumable)."""
