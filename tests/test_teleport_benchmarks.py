@@ -46,6 +46,23 @@ def test_quick_path_runs(script, tmp_path):
     assert out.exists() and out.stat().st_size > 0
 
 
+def test_the_overhead_mode_pairs_bare_and_wrapped_steps(tmp_path):
+    """``--overhead``: both cases (right after a backward, back to back) with the median and quartiles
+    of the paired differences, in the printed table and the JSON; a Teleport step without teleport costs
+    a fraction of the bare Adam step it wraps (measured 5-8 us over 94-145 us)."""
+    import argparse
+    import json
+
+    bench = load_benchmark("teleport_cost")
+    out = tmp_path / "overhead.json"
+    bench.overhead_main(argparse.Namespace(quick=True, json=str(out)))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["case"] for r in rows] == ["after backward", "warm"]
+    for r in rows:
+        assert r["q1_us"] <= r["overhead_us"] <= r["q3_us"]
+        assert 0 < r["bare_step_us"] and r["overhead_us"] < 0.5 * r["bare_step_us"], r
+
+
 def test_live_bytes_counts_new_storages_until_freed():
     """The cost benchmark's memory counter: a clone and a product are counted while both are alive,
     an in-place op and a view add nothing, and every byte is given back when they are freed."""
