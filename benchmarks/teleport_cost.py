@@ -224,6 +224,16 @@ def regression(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 DEVICE = torch.device("cpu")
 
 
+def backward_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable) -> Callable[[], None]:
+    """A function that computes fresh gradients of ``loss_fn(model(x), y)`` (``.grad`` zeroed first)."""
+
+    def backward() -> None:
+        model.zero_grad()
+        loss_fn(model(x), y).backward()
+
+    return backward
+
+
 def _synchronize() -> None:
     """Wait for the device's queued kernels, so a wall-clock interval covers the work it timed."""
     if DEVICE.type == "cuda":
@@ -266,9 +276,7 @@ def measure(
         opt.register_step_pre_hook(lambda o, *_: inside[id(o)].append(-time.perf_counter()))
         opt.register_step_post_hook(lambda o, *_: inside[id(o)].__setitem__(-1, inside[id(o)][-1] + time.perf_counter()))
 
-    def backward() -> None:
-        model.zero_grad()
-        loss_fn(model(x), y).backward()
+    backward = backward_of(model, x, y, loss_fn)
 
     def iteration(opt: torch.optim.Optimizer) -> Callable[[], None]:
         def run() -> None:
@@ -392,10 +400,7 @@ def measure_balance(
     gen = torch.Generator().manual_seed(0)
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
 
-    def backward() -> None:
-        model.zero_grad()
-        loss_fn(model(x), y).backward()
-
+    backward = backward_of(model, x, y, loss_fn)
     backward()
     bare.step()
     wrapper.step()
@@ -481,10 +486,7 @@ def overhead_main(args: argparse.Namespace) -> None:
     bare = torch.optim.Adam(model.parameters(), lr=1e-4)
     wrapper = Teleport(torch.optim.Adam(model.parameters(), lr=1e-4), model, sites, safety=SafetyConfig(watch_steps=0))
 
-    def backward() -> None:
-        model.zero_grad()
-        regression(model(x), y).backward()
-
+    backward = backward_of(model, x, y, regression)
     backward()
     bare.step()
     wrapper.step()
