@@ -189,7 +189,8 @@ class GeneralLinear(_MatrixGroup):
     """GL_n(R) (or ``blocks`` independent copies): Zhao 2026, Ex. 1.2.2, 1.2.11-1.2.13.
 
     Lie algebra coordinates are arbitrary n x n matrices; ``exp`` is
-    ``torch.linalg.matrix_exp``, so every element is exactly invertible.
+    ``torch.linalg.matrix_exp`` (from the eigendecomposition for a symmetric
+    boundary point), so every element is invertible (det = e^trace > 0).
     """
 
     kind: GroupKind = "general"
