@@ -578,8 +578,8 @@ class TeleportEngine:
         return failures + [Failure(f"float64 re-run: outputs changed by {err64:.2e} > {tol64:.0e}", err64, tol64, torch.float64)]
 
     def _grad_norm_after(self, plan: Plan) -> None:
-        grads = [p.grad for p in plan.ctx.trainable.values() if p.grad is not None]
-        if plan.report.grad_norm_after is None and grads:
+        grads = [] if plan.report.grad_norm_after is not None else [p.grad for p in plan.ctx.trainable.values() if p.grad is not None]
+        if grads:
             plan.report.grad_norm_after = math.sqrt(square_sum(grads))
 
     def accept(self, plan: Plan, snapshot: Snapshot | InverseSnapshot) -> None:
