@@ -517,6 +517,42 @@ def test_the_non_finite_gradient_test_reads_each_gradient_once_and_is_exact():
     assert non_finite_gradient(ctx) == "3.weight"
 
 
+def test_a_gradient_norm_that_overflows_declines_the_fast_path_before_anything_moves():
+    """The fast path reads no gradient for finiteness in its plan phase: its search declines on a non-finite
+    gradient norm (a NaN anywhere, or squares that overflow), naming the gradient when an entry is not finite."""
+    model, (x, y) = mlp(), data()
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites())
+    backward(model, x, y)
+    model[5].weight.grad.fill_(torch.finfo(F64).max / 2)  # every entry finite, their squares overflow
+    saved, grads = params_of(model), [p.grad.clone() for p in model.parameters()]
+    report = opt.teleport()
+    assert not report.accepted and report.path == "fast"
+    assert report.reason == "declined: non-finite gradient (its norm overflows)"
+    assert_bitwise(model, saved)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
+def test_moved_gradients_are_proven_finite_only_for_scalings_well_inside_their_dtype():
+    """The verify phase skips its pass over the moved gradients when the predicted norm after the teleport bounds
+    every entry: positive scalings (entrywise products) with a finite norm below half the dtype's largest value."""
+    from teleopt.teleport.context import TeleportContext
+    from teleopt.teleport.fast_path import FastEvaluator
+    from teleopt.teleport.state_policy import StatePolicy
+
+    def evaluator(model, sites):
+        backward(model, *data(dtype=next(model.parameters()).dtype))
+        return FastEvaluator(sites, TeleportContext.build(model, torch.optim.SGD(model.parameters(), lr=1e-2), StatePolicy()))
+
+    scalings = evaluator(mlp(), mlp_sites())
+    assert scalings.gradients_finite_after(1.0) and scalings.gradients_finite_after(1e300)
+    assert not scalings.gradients_finite_after(torch.finfo(F64).max / 2)
+    assert not scalings.gradients_finite_after(math.inf) and not scalings.gradients_finite_after(math.nan)
+    half = evaluator(mlp(dtype=torch.float16), mlp_sites())
+    assert half.gradients_finite_after(1e4) and not half.gradients_finite_after(4e4)  # float16's largest: 65504
+    gl = evaluator(mlp(), [Site(GL, ("0.weight", "0.bias", "3.weight"))])  # matrix products: no entrywise bound
+    assert not gl.gradients_finite_after(1.0)
+
+
 def test_probe_inputs_the_model_does_not_take_decline_the_teleport():
     model, (x, y) = mlp(), data()
     opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), example_inputs=torch.zeros(2, 4, dtype=F64))

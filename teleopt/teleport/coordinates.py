@@ -21,13 +21,18 @@ teleport loss-preserving to rounding of the final cast.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 from torch import Tensor
 
 from teleopt.groups import Group
 from teleopt.site import Site
 
-__all__ = ["zero_coordinates", "project_to_trust_region"]
+__all__ = ["zero_coordinates", "project_to_trust_region", "exact_in_dtype"]
+
+#: 16-bit float dtypes, whose round-off a teleport avoids where the group allows (:meth:`Group.exact_coordinates`).
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def zero_coordinates(site: Site, group: Group, device: torch.device) -> Tensor:
@@ -43,3 +48,14 @@ def project_to_trust_region(xi: Tensor, group: Group, radius: float | None) -> N
     (:meth:`Group.project_coordinates <teleopt.groups.Group.project_coordinates>`; ``None``: unbounded)."""
     if radius is not None:
         group.project_coordinates(xi, radius)
+
+
+def exact_in_dtype(sites: Sequence[Site], groups: Sequence[Group], coords: Sequence[Tensor], tensors: Mapping[str, Tensor]) -> list[Tensor]:
+    """Each site's coordinates moved to an element that acts on its 16-bit members (``tensors`` by name) without
+    round-off (:meth:`Group.exact_coordinates <teleopt.groups.Group.exact_coordinates>`: powers of two for
+    scalings); other sites' unchanged."""
+    out = []
+    for site, group, xi in zip(sites, groups, coords):
+        half = [tensors[n].dtype for n in site.tensor_names if tensors[n].dtype in _HALF]
+        out.append(group.exact_coordinates(xi, half[0]) if half and xi.numel() else xi)
+    return out

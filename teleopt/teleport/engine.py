@@ -40,7 +40,7 @@ from teleopt.site import Site
 from teleopt.teleport.ascent import shrink_to_feasible
 from teleopt.teleport.check import OutputCapture, OutputCheck, buffers_restored, float64_rerun, forward, seeded
 from teleopt.teleport.context import TeleportContext
-from teleopt.teleport.coordinates import zero_coordinates
+from teleopt.teleport.coordinates import exact_in_dtype, zero_coordinates
 from teleopt.teleport.distributed import any_rank, broadcast_, broadcast_batch, check_identical, rank_mean
 from teleopt.teleport.evaluator import Evaluator
 from teleopt.teleport.fast_path import FastEvaluator, fast_path_eligible, member_tensors
@@ -55,10 +55,6 @@ from teleopt.teleport.watch import InverseMove, TeleportRecord, Watch
 from teleopt.wrapper import OptimizerWrapper
 
 __all__ = ["EngineConfig", "TeleportRequest", "Plan", "TeleportEngine"]
-
-
-#: 16-bit float dtypes, whose round-off a teleport avoids where the group allows (:meth:`Group.exact_coordinates`).
-_HALF = (torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -116,6 +112,7 @@ class Plan:
     evaluator: Evaluator | None = None
     check: OutputCheck | None = None
     after: list[Tensor] | None = None
+    grads_finite: bool = False  # the moved gradients are proven finite (FastEvaluator.gradients_finite_after)
 
     def need_evaluator(self) -> Evaluator:
         """The evaluator (planned by every engine that searches)."""
@@ -209,7 +206,7 @@ class TeleportEngine:
         request = replace(request, batch=batch)
         ctx = TeleportContext.build(cfg.module, cfg.optimizer, cfg.policy)
         check = self.plan_check(sites, request)
-        reason = self._declined(ctx, check)
+        reason = self._declined(ctx, check, path)
         out: Any = None
         if reason is None and check is not None:
             report.check, report.check_detail = check.kind, check.describe()
@@ -234,9 +231,10 @@ class TeleportEngine:
         plan = Plan(sites, path, request, report, ctx, fmodel, check=check)
         return self.plan_evaluator(plan)
 
-    def _declined(self, ctx: TeleportContext, check: OutputCheck | None) -> str | None:
-        """Why the teleport cannot go ahead: a non-finite gradient, or nothing to check it on."""
-        bad = non_finite_gradient(ctx)
+    def _declined(self, ctx: TeleportContext, check: OutputCheck | None, path: str) -> str | None:
+        """Why the teleport cannot go ahead: a non-finite gradient (the fast path's search declines on a non-finite
+        gradient norm instead, a pass over the gradients fewer), or nothing to check it on."""
+        bad = None if path == "fast" else non_finite_gradient(ctx)
         if bad is not None:
             return f"declined: non-finite gradient ({bad})"
         if check is None:
@@ -314,12 +312,15 @@ class TeleportEngine:
         """The search phase: the elements to apply, or ``None`` when the teleport is declined."""
         report = plan.report
         start = self._start(plan)
+        if not math.isfinite(start.n0):  # the same on every rank (a global norm); the name is this rank's
+            report.reason = f"declined: non-finite gradient ({non_finite_gradient(plan.ctx) or 'its norm overflows'})"
+            return None
         with double_backward_hint():
             result = self.config.search.strategy_for(self.config.objective, start.problem).search(start.problem)
         report.objective_before = self._objective_before(start, result)
         caps = self._caps(plan, start)
         coords, shrink = shrink_to_feasible(result.coords, caps.feasible)
-        coords = self._exact_in_dtype(plan, start, coords)
+        coords = exact_in_dtype(plan.sites, start.problem.groups, coords, plan.ctx.tensors)
         broadcast_(coords)
         report.shrink = shrink
         report.coordinate_norms = {s.name: float(c.abs().max()) if c.numel() else 0.0 for s, c in zip(plan.sites, coords)}
@@ -330,15 +331,6 @@ class TeleportEngine:
             report.reason = "declined: the caps allow no move" if shrink == 0.0 else "declined: no improvement found"
             return None
         return self._chosen(plan, start, coords)
-
-    def _exact_in_dtype(self, plan: Plan, start: _Start, coords: list[Tensor]) -> list[Tensor]:
-        """Each site's coordinates moved to an element that acts on its 16-bit members without round-off
-        (:meth:`Group.exact_coordinates`: powers of two for scalings); other sites' unchanged."""
-        out = []
-        for site, group, xi in zip(plan.sites, start.problem.groups, coords):
-            half = [plan.ctx.tensors[n].dtype for n in site.tensor_names if plan.ctx.tensors[n].dtype in _HALF]
-            out.append(group.exact_coordinates(xi, half[0]) if half and xi.numel() else xi)
-        return out
 
     def _trust_region(self, site: Site, ctx: TeleportContext) -> float | None:
         radii = [ctx.groups[n][self.config.trust_key] for n in site.tensor_names if n in ctx.groups]
@@ -405,6 +397,7 @@ class TeleportEngine:
             if evaluator.moves_gradients:
                 report.grad_norm_after = math.sqrt(float(evaluator.grad_norm_sq(elements).detach()))
                 report.site_gains = evaluator.site_gains(elements, start.n0)
+                plan.grads_finite = isinstance(evaluator, FastEvaluator) and evaluator.gradients_finite_after(report.grad_norm_after)
         report.elements = {s.name: e.to(torch.float64) for s, e in zip(plan.sites, elements)}
         if self.config.sharded:
             # every rank moves the whole site members and keeps its shard: they must apply the same elements
@@ -446,7 +439,7 @@ class TeleportEngine:
         names = {n for s in plan.sites for n in s.tensor_names}
         ctx = plan.ctx
         moved = [ctx.tensors[n] for n in names]
-        moved += [g for g in (ctx.trainable[n].grad for n in names if n in ctx.trainable) if g is not None]
+        moved += [] if plan.grads_finite else [g for g in (ctx.trainable[n].grad for n in names if n in ctx.trainable) if g is not None]
         reasons = []
         # one vectorised pass, no temporaries: NaN and inf propagate through a sum (an overflowing sum of
         # finite entries would only cause a needless rollback)

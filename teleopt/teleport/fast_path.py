@@ -175,6 +175,15 @@ class FastEvaluator:
             self.__dict__["_norm_memo"] = ([e.detach() for e in elements], value.detach(), [e._version for e in elements])
         return value
 
+    def gradients_finite_after(self, norm_after: float) -> bool:
+        """Whether the gradients the apply moves are finite, proven without a pass over them: every site's group is
+        diagonal (an entry times a few positive factors, each product rounded to within eps) and ``norm_after``, the
+        float64 ||grad L(g . w)|| predicted from the gradients (finite: they were), is below half the largest value of
+        each gradient's dtype, so no entry can overflow (mlp-10M: a pass over 38 MB of gradients saved)."""
+        if not math.isfinite(norm_after) or any(self._own_exp) or not all(_diagonal(g) for g in self.groups):
+            return False
+        return all(norm_after < 0.5 * torch.finfo(g.dtype).max for g in self.grads.values())
+
     def site_gain(self, index: int, element: Tensor, n0: float) -> float:
         """||grad L||^2 ratio when only site ``index`` moves by ``element`` (the others stay at the identity)."""
         return (self.norm_model.site_value(index, element) + self.other_sq) / n0
