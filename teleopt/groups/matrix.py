@@ -7,13 +7,14 @@ import math
 import weakref
 from abc import abstractmethod
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from teleopt.groups.base import BALANCE_RCOND, Group, GroupKind, _check_finite, _check_size, apply_on_axis
+from teleopt.groups.expm import expm_pair
 from teleopt.sharding import from_local_like, full, is_sharded, replicate_like, sharded_dims
 
 __all__ = ["GeneralLinear", "Orthogonal"]
@@ -106,13 +107,15 @@ class _MatrixGroup(Group):
         teleport moves a site's parameters, gradients and moments, and evaluates the search, with the
         same few elements.
         """
-        key = (id(g), type(self), self.n)
-        hit = _CONTRAGREDIENTS.get(key)
-        if hit is not None and hit[0]() is g and hit[1] == g._version:
-            return hit[2]
-        matrices = self._solved(self._blocked(g))
-        self._remember_contragredient(g, matrices)
+        matrices = self._remembered_contragredient(g)
+        if matrices is None:
+            matrices = self._solved(self._blocked(g))
+            self._remember_contragredient(g, matrices)
         return matrices
+
+    def _remembered_contragredient(self, g: Tensor) -> Tensor | None:
+        hit = _CONTRAGREDIENTS.get((id(g), type(self), self.n))
+        return hit[2] if hit is not None and hit[0]() is g and hit[1] == g._version else None
 
     def _remember_contragredient(self, g: Tensor, matrices: Tensor) -> None:
         key = (id(g), type(self), self.n)
@@ -142,7 +145,8 @@ class _MatrixGroup(Group):
             return gb
         if not (torch.is_grad_enabled() and g.requires_grad):
             return self._contragredient_of(g)
-        return self._solved(gb)
+        remembered = self._remembered_contragredient(g)  # exp(-xi)^T from GeneralLinear.exp under autograd
+        return remembered if remembered is not None else self._solved(gb)
 
     def _solved(self, gb: Tensor) -> Tensor:
         eye = torch.eye(self.n, dtype=gb.dtype, device=gb.device).expand(gb.shape)
@@ -204,8 +208,16 @@ class GeneralLinear(_MatrixGroup):
         """``matrix_exp``; for a symmetric boundary point U diag(lambda) U^T (:meth:`boundary_point`, unchanged,
         outside autograd) U diag(e^lambda) U^T from its eigendecomposition instead, with the contragredient
         U diag(e^-lambda) U^T remembered for the apply (vit_tiny's 72 GL(64) blocks: 15 ms of ``matrix_exp``
-        and 48 LU solves per teleport)."""
+        and 48 LU solves per teleport).
+
+        Under autograd (a projected ascent's steps) exp(xi) and exp(-xi) by matrix products
+        (:func:`~teleopt.groups.expm.expm_pair`), exp(-xi)^T remembered as the contragredient: no backward
+        through ``matrix_exp`` and no solve (vit_tiny's blocks: 240 -> 45 ms forward and backward)."""
         self._check_coords(coords)
+        if coords.requires_grad and torch.is_grad_enabled():
+            g, inverse = expm_pair(coords)
+            self._remember_contragredient(g, self._blocked(inverse.mT))
+            return g
         hit = _EIGEN.get(id(coords))
         if hit is None or hit[0]() is not coords or hit[1] != coords._version or coords.requires_grad:
             return torch.linalg.matrix_exp(coords)
@@ -214,6 +226,28 @@ class GeneralLinear(_MatrixGroup):
         inverse = (U * torch.exp(-lam).unsqueeze(-2)) @ U.mT  # g^-1 = g^-T: g is symmetric
         self._remember_contragredient(g, self._blocked(inverse))
         return g
+
+    @staticmethod
+    def exp_stacked(groups: Sequence[GeneralLinear], coords: Sequence[Tensor]) -> list[Tensor]:
+        """:meth:`exp` under autograd of several groups' coordinates of one block size, by one :func:`expm_pair`
+        of all their blocks stacked (vit_tiny's 24 attention sites: one call of 72 blocks instead of 24 of 3,
+        whose fixed costs were half of a projected ascent step); each contragredient remembered as :meth:`exp`
+        does.  The degree and scaling are chosen for the largest block, so values agree with :meth:`exp` to
+        rounding, not bit for bit."""
+        n = {grp.n for grp in groups}
+        if len(n) != 1 or len(groups) != len(coords):
+            raise ValueError(f"exp_stacked takes coordinates of one block size, one per group; got sizes {sorted(n)}")
+        for grp, xi in zip(groups, coords):
+            grp._check_coords(xi)
+        g, inverse = expm_pair(torch.cat([grp._blocked(xi) for grp, xi in zip(groups, coords)]))
+        out, start = [], 0
+        for grp, xi in zip(groups, coords):
+            count = grp.blocks or 1
+            gi = g[start : start + count].reshape(xi.shape)
+            grp._remember_contragredient(gi, inverse[start : start + count].mT)
+            out.append(gi)
+            start += count
+        return out
 
     @staticmethod
     def inverse(g: Tensor) -> Tensor:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from teleopt.actions.axis import AxisAction
 from teleopt.actions.base import GroupAction
-from teleopt.groups import validated
+from teleopt.groups import GeneralLinear, Group, validated
 from teleopt.sharding import full, is_sharded, replicate_like, sharded_dims, write_
 from teleopt.site import Site
 from teleopt.teleport.context import TeleportContext
@@ -134,13 +134,16 @@ class FastEvaluator:
         memo = self.__dict__.get("_elements_memo")
         if not tracked and memo is not None and _unchanged(memo[0], memo[2]) and _equal(memo[0], coords):
             return list(memo[1])
+        stacked = _stacked_exps(self.groups, coords, self._own_exp) if tracked else {}
         out = [
-            site.action.exp(xi, member_tensors(site, self.like))
+            stacked[i]
+            if i in stacked
+            else site.action.exp(xi, member_tensors(site, self.like))
             if own
             else group.shared_identity(dtype=xi.dtype, device=xi.device)
             if group.plain_exp and not xi.requires_grad and not bool((xi != 0).any())  # exp(0) = I, bit for bit
             else group.exp(xi)
-            for site, group, xi, own in zip(self.sites, self.groups, coords, self._own_exp)
+            for i, (site, group, xi, own) in enumerate(zip(self.sites, self.groups, coords, self._own_exp))
         ]
         if not tracked and not any(e.requires_grad for e in out):
             # the coordinates by reference with their versions (an in-place change is a new key): on vit_tiny a copy of
@@ -367,6 +370,23 @@ class FastEvaluator:
             # sharded: one scalar all-reduce, differentiable in the elements (DTensor autograd; full() is not)
             total = total + (part.full_tensor() if is_sharded(part) else part)
         return total
+
+
+def _stacked_exps(groups: Sequence[Group], coords: Sequence[Tensor], own: Sequence[bool]) -> dict[int, Tensor]:
+    """Elements under autograd of the GL sites with the plain exp, by site index: one
+    :meth:`GeneralLinear.exp_stacked <teleopt.groups.GeneralLinear.exp_stacked>` per block size and dtype."""
+    if not torch.is_grad_enabled():
+        return {}
+    by_kind: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
+    for i, (group, xi, o) in enumerate(zip(groups, coords, own)):
+        if not o and type(group) is GeneralLinear and xi.requires_grad:
+            by_kind.setdefault((group.n, xi.dtype, xi.device), []).append(i)
+    out: dict[int, Tensor] = {}
+    for index in by_kind.values():
+        if len(index) > 1:
+            gl = [groups[i] for i in index]
+            out.update(zip(index, GeneralLinear.exp_stacked(gl, [coords[i] for i in index])))  # type: ignore[arg-type]
+    return out
 
 
 def _spectral_bound(xi: Tensor) -> float:
