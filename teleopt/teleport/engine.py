@@ -313,7 +313,7 @@ class TeleportEngine:
         report = plan.report
         start = self._start(plan)
         if not math.isfinite(start.n0):  # the same on every rank (a global norm); the name is this rank's
-            report.reason = f"declined: non-finite gradient ({non_finite_gradient(plan.ctx) or 'its norm overflows'})"
+            report.reason = f"declined: non-finite gradient ({non_finite_gradient(plan.ctx) or 'its norm is not finite'})"
             return None
         with double_backward_hint():
             result = self.config.search.strategy_for(self.config.objective, start.problem).search(start.problem)
