@@ -10,8 +10,9 @@ of degree m in {4, 8, 12, 16} of A = X / 2^s by the Paterson-Stockmeyer scheme
 Taylor rather than Pade approximants, so that nothing but products and sums enter
 the graph).  exp(-X) shares every power: its polynomial is the even part minus
 the odd part.  Autograd then differentiates the computed function exactly, at
-about twice the products of the forward (vit_tiny's blocks: about 25 ms forward
-and backward).
+about twice the products of the forward (vit_tiny's blocks: exp(X) and exp(-X)
+forward and backward in about 45 ms, against 240 ms for ``matrix_exp`` and a
+solve).
 
 The degree and the scaling are chosen from ||X||_1 (the largest column sum of
 absolute values over the whole batch) so that the Taylor remainder of the scaled
