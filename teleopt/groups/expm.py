@@ -47,14 +47,15 @@ def expm_pair(X: Tensor) -> tuple[Tensor, Tensor]:
     """``(exp(X), exp(-X))`` of ``X`` (..., n, n), differentiable by autograd through matrix products only.
 
     Accurate to float64 rounding like ``torch.linalg.matrix_exp`` (see module docs); exp(-X) is not
-    computed as an inverse, so exp(X) exp(-X) = I holds to rounding, not bit for bit.
+    computed as an inverse, so exp(X) exp(-X) = I holds to rounding, not bit for bit.  A NaN or inf
+    entry gives non-finite results, as ``matrix_exp`` does, rather than an error.
     """
     if X.shape[-1] != X.shape[-2]:
         raise ValueError(f"expm_pair takes square matrices, got shape {tuple(X.shape)}")
-    norm = float(X.detach().abs().sum(-2).amax()) if X.numel() else 0.0
-    if not math.isfinite(norm):
-        raise ValueError("expm_pair: X has a NaN or inf entry")
-    m, s = _degree_and_scaling(norm)
+    # the finite blocks' norm: a NaN or inf entry propagates to its own blocks' results (as through matrix_exp; a
+    # search declines on non-finite values, it does not raise), and the other blocks stay accurate
+    columns = torch.nan_to_num(X.detach().abs().sum(-2), nan=0.0, posinf=0.0)
+    m, s = _degree_and_scaling(float(columns.amax()) if X.numel() else 0.0)
     A = X / 2**s if s else X
     eye = torch.eye(X.shape[-1], dtype=X.dtype, device=X.device).expand(X.shape)
     A2 = A @ A
