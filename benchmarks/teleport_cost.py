@@ -33,13 +33,15 @@ alternating the order cancel most of the drift):
    which both pay), free of the noise of subtracting two step times of 10-60 ms; on
    mlp-5678 it also carries the difference of the two updates' own times (the base's
    update inside the wrapper runs a few us faster or slower), so ``over us`` is its figure.
-2. ``fast / base``: one fast-path teleport (library defaults: up to 100 ascent
-   steps, trust region log 4, no batch: checked on probe inputs, the 2 example
-   inputs for vit_tiny, else the first 8 rows of the last forward's inputs; each from
-   the same weights and optimizer state, as teleports back to back without training
-   compound their elements) vs one
-   training iteration of the base optimizer and vs ``optimizer.step()`` alone; goals <= 1.5x a
-   step on mlp-10M, <= 0.5x an iteration on resnet18 and vit_tiny.
+2. ``fast / base``: one fast-path teleport (library defaults: a boundary step, trust
+   region log 4, no batch: checked on probe inputs, the 2 example inputs for vit_tiny,
+   else the first 8 rows of the last forward's inputs; each from the same weights and
+   optimizer state, as teleports back to back without training compound their elements)
+   vs one training iteration of the base optimizer and vs ``optimizer.step()`` alone; goals <= 1.5x a
+   step on mlp-10M, <= 0.5x an iteration on resnet18 and vit_tiny.  Each teleport is paired
+   with a bare step (after its own backward) and an iteration from the same point, in the
+   same loop, and the ratios are medians of the per-pair ratios (``step ms`` and ``iter ms``
+   are the overhead loop's).
 3. ``autograd / fast``: the same objective (gradient norm) and the same number of
    ascent steps (10, no trust region so no early stop) through the model with
    autograd (the general path, double backward on the batch) vs the fast path;
@@ -316,13 +318,33 @@ def measure(
     # every timed teleport starts from the same point: teleports back to back, with no training step between
     # them, compound their elements (vit_tiny's GL blocks: the third one's caps bisect, the fourth is rolled back)
     start = (copy.deepcopy(model.state_dict()), copy.deepcopy(base.state_dict()))
-    fast_times, fast_report = [], None
-    for _ in range(reps):
+
+    scratch = torch.zeros(1 << 24, device=DEVICE)  # 64 MB, twice this CPU's last-level cache
+
+    def restart() -> None:
+        """Back to the same point, then the caches flushed: a training step finds the optimizer state as
+        the last step left it, not as ``load_state_dict`` has just written it (mlp-10M's bare step:
+        14-15 ms right after the load, 19-24 ms in the overhead loop)."""
         model.load_state_dict(start[0])
-        base.load_state_dict(start[1])
+        # a copy: Optimizer.load_state_dict keeps the given state tensors when dtype and device match, and the
+        # teleport's in-place transport of the moments (and a step) would otherwise move the start point itself
+        base.load_state_dict(copy.deepcopy(start[1]))
+        scratch.add_(1.0)
+
+    # each teleport is paired with a bare step and an iteration from the same point in the same loop: on this
+    # shared machine the bare mlp-10M step swung from 14 to 28 ms between runs, and a ratio of medians taken in
+    # different loops carried that drift and compared a teleport after a load with a step after none
+    fast_times, paired_steps, paired_iters, fast_report = [], [], [], None
+    for _ in range(reps):
+        restart()
         backward()
         seconds, fast_report = timed_teleport(wrapper)
         fast_times.append(seconds)
+        restart()
+        backward()
+        paired_steps.append(timed(base.step))
+        restart()
+        paired_iters.append(timed(iteration(base)))
     t_fast = statistics.median(fast_times)
 
     # same objective and number of ascent steps, no trust region (no early stop): fast vs autograd
@@ -346,11 +368,13 @@ def measure(
         loss_fn=loss_fn,
         safety=SafetyConfig(watch_steps=0, max_predicted_decrease=None, loss_tol=1e-3),
     )
-    f10, g10 = [], []
+    f10, g10 = [], []  # each from the start point too: 500 accepted 10-step teleports in a row blew mlp-5678 up
     for _ in range(reps):
+        restart()
         backward()
         f10.append(timed(fast10.teleport))
     for _ in range(general_reps):
+        restart()
         backward()
         g10.append(timed(lambda: general10.teleport(batch=(x, y))))
     t_f10, t_g10 = statistics.median(f10), statistics.median(g10)
@@ -368,8 +392,10 @@ def measure(
         "step_own_pct_of_iteration": 100 * own / t_iter,
         "iteration_ms": 1e3 * t_iter,
         "fast_teleport_ms": 1e3 * t_fast,
-        "fast_over_iteration": t_fast / t_iter,
-        "fast_over_step": t_fast / t_bare,
+        "fast_over_iteration": statistics.median(f / i for f, i in zip(fast_times, paired_iters)),
+        "fast_over_step": statistics.median(f / b for f, b in zip(fast_times, paired_steps)),
+        "paired_step_ms": 1e3 * statistics.median(paired_steps),
+        "paired_iteration_ms": 1e3 * statistics.median(paired_iters),
         "fast_gain": fast_report.gain if fast_report is not None else None,
         "fast10_ms": 1e3 * t_f10,
         "general10_ms": 1e3 * t_g10,
@@ -608,7 +634,7 @@ def main() -> None:
     for r in rows:
         print(
             f"{r['model']:9} {r['params']:>9} {r['sites']:>5} {r['step_bare_ms']:>9.3f} {r['step_wrapped_ms']:>9.3f} {r['step_overhead_pct']:>8.1f}% {r['step_overhead_us']:>8.1f} {r['step_overhead_pct_of_iteration']:>7.2f}% "
-            f"{r['step_own_us']:>8.1f} {r['step_own_pct_of_iteration']:>7.3f}% {r['iteration_ms']:>9.2f} {r['fast_teleport_ms']:>9.2f} {r['fast_over_iteration']:>9.2f} {r['fast_over_step']:>9.1f} {r['fast10_ms']:>12.2f} {r['general10_ms']:>16.1f} {r['general_over_fast']:>13.0f} "
+            f"{r['step_own_us']:>8.1f} {r['step_own_pct_of_iteration']:>7.3f}% {r['iteration_ms']:>9.2f} {r['fast_teleport_ms']:>9.2f} {r['fast_over_iteration']:>9.2f} {r['fast_over_step']:>9.2f} {r['fast10_ms']:>12.2f} {r['general10_ms']:>16.1f} {r['general_over_fast']:>13.0f} "
             f"{r['peak_watch0']:>9.2f}x {r['kept_watch0']:>4.1f}x {r['peak_watch10']:>11.2f}x {r['kept_watch10']:>4.1f}x {r['ckpt_watch10']:>4.2f}x {r['peak_inverse']:>11.2f}x {r['kept_inverse']:>4.2f}x"
         )
     print(f"resnet18 sites: {rows[2]['site_source']}; vit_tiny sites: find_symmetries (attention GL)")

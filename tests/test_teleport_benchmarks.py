@@ -63,6 +63,33 @@ def test_the_overhead_mode_pairs_bare_and_wrapped_steps(tmp_path):
         assert 0 < r["bare_step_us"] and r["overhead_us"] < 0.5 * r["bare_step_us"], r
 
 
+def test_every_timed_teleport_starts_from_the_same_point_and_is_accepted(monkeypatch):
+    """The cost benchmark times each teleport, and its paired bare step and iteration, from one start point:
+    parameters and a copy of the optimizer state (``Optimizer.load_state_dict`` keeps the tensors it is
+    given, which the in-place transport and the paired steps moved, until mlp-5678 diverged to NaN and
+    every later teleport was declined and timed as such)."""
+    from teleopt.teleport import Teleport
+
+    bench = load_benchmark("teleport_cost")
+    monkeypatch.setattr(bench, "peak_extra_memory", lambda *a, **k: {})
+    reports, starts = [], []
+    teleport = Teleport.teleport
+
+    def recorded(self, *args, **kwargs):
+        state = [v.clone() for st in self.base.state.values() for v in st.values() if torch.is_tensor(v)]
+        starts.append(([p.detach().clone() for p in self.base.param_groups[0]["params"]], state))
+        reports.append(teleport(self, *args, **kwargs))
+        return reports[-1]
+
+    monkeypatch.setattr(Teleport, "teleport", recorded)
+    row = bench.measure("mlp-5678", *bench.mlp_5678(), bench.regression, 40, 2)
+    assert len(reports) == 40 + 40 + 2 and all(r.accepted for r in reports), {r.reason for r in reports}
+    first = starts[0]
+    for params, state in starts[1:]:  # the moments and step counts as well as the parameters, bit for bit
+        assert all(torch.equal(a, b) for a, b in zip(params + state, first[0] + first[1]))
+    assert row["fast10_ms"] > row["fast_teleport_ms"] > 0 and row["fast_over_step"] > 0 and row["fast_over_iteration"] > 0
+
+
 def test_live_bytes_counts_new_storages_until_freed():
     """The cost benchmark's memory counter: a clone and a product are counted while both are alive,
     an in-place op and a view add nothing, and every byte is given back when they are freed."""
