@@ -61,8 +61,9 @@ def test_expm_pair_matches_matrix_exp_and_its_gradient(scale):
 
 def test_expm_pair_rejects_non_square_input_and_propagates_non_finite_entries():
     """A search declines on non-finite values: a NaN in the coordinates must come out, as through matrix_exp."""
-    with pytest.raises(ValueError, match="square"):
-        expm_pair(torch.zeros(3, 4, dtype=F64))
+    for bad in (torch.zeros(3, 4, dtype=F64), torch.zeros(3, dtype=F64), torch.zeros(2, 2, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="floating-point square matrices"):
+            expm_pair(bad)
     x = spectral_batch(3.0, (2, 3, 3))  # the finite block needs scaling: its accuracy must not depend on the NaN
     x[1, 0, 2] = math.nan
     plus, minus = expm_pair(x)
@@ -108,3 +109,7 @@ def test_exp_stacked_agrees_with_exp_site_by_site_and_wants_one_block_size():
     assert all(gr.shape == xi.shape and bool(torch.isfinite(gr).all()) for gr, xi in zip(grads, coords))
     with pytest.raises(ValueError, match="one block size"):
         GeneralLinear.exp_stacked([GeneralLinear(5), GeneralLinear(4)], [torch.zeros(5, 5, dtype=F64), torch.zeros(4, 4, dtype=F64)])
+    with pytest.raises(ValueError, match="dtype and device"):  # mixed dtypes would be promoted silently by cat
+        GeneralLinear.exp_stacked([GeneralLinear(5), GeneralLinear(5)], [torch.zeros(5, 5, dtype=F64), torch.zeros(5, 5)])
+    with pytest.raises(ValueError, match="one coordinate tensor per group"):
+        GeneralLinear.exp_stacked([GeneralLinear(5), GeneralLinear(5)], [torch.zeros(5, 5, dtype=F64)])

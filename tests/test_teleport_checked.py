@@ -553,6 +553,37 @@ def test_moved_gradients_are_proven_finite_only_for_scalings_well_inside_their_d
     assert not gl.gradients_finite_after(1.0)
 
 
+@pytest.mark.parametrize("gl", [False, True])
+def test_the_verify_phase_reads_the_moved_gradients_only_when_not_proven_finite(gl):
+    """A scaling teleport's verify phase sums no gradient (gradients_finite_after); a GL site's moves them by
+    matrix products, which the norm does not bound entrywise, so they are summed after the apply."""
+    from torch.overrides import TorchFunctionMode
+
+    model, (x, y) = mlp(), data()
+    sites = mlp_sites()
+    if gl:  # GL(6) acts exactly on the hidden layer of a linear net
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 6), nn.Linear(6, 3)).to(F64)
+        sites = [Site(GL, ("0.weight", "0.bias", "1.weight"))]
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, sites)
+    backward(model, x, y)
+    grads = {p.grad.data_ptr(): name for name, p in model.named_parameters()}
+    summed = set()
+
+    class Sums(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") == "sum" and args and isinstance(args[0], torch.Tensor):
+                t = args[0]
+                if t.data_ptr() in grads and t.numel() == model.get_parameter(grads[t.data_ptr()]).numel():
+                    summed.add(grads[t.data_ptr()])
+            return func(*args, **(kwargs or {}))
+
+    with Sums():
+        report = opt.teleport()
+    assert report.accepted and report.path == "fast"
+    assert summed == ({"0.weight", "0.bias", "1.weight"} if gl else set())
+
+
 def test_probe_inputs_the_model_does_not_take_decline_the_teleport():
     model, (x, y) = mlp(), data()
     opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), example_inputs=torch.zeros(2, 4, dtype=F64))

@@ -50,8 +50,8 @@ def expm_pair(X: Tensor) -> tuple[Tensor, Tensor]:
     computed as an inverse, so exp(X) exp(-X) = I holds to rounding, not bit for bit.  A NaN or inf
     entry gives non-finite results, as ``matrix_exp`` does, rather than an error.
     """
-    if X.shape[-1] != X.shape[-2]:
-        raise ValueError(f"expm_pair takes square matrices, got shape {tuple(X.shape)}")
+    if X.dim() < 2 or X.shape[-1] != X.shape[-2] or not X.is_floating_point():
+        raise ValueError(f"expm_pair takes floating-point square matrices (..., n, n), got shape {tuple(X.shape)} of {X.dtype}")
     # the finite blocks' norm: a NaN or inf entry propagates to its own blocks' results (as through matrix_exp; a
     # search declines on non-finite values, it does not raise), and the other blocks stay accurate
     columns = torch.nan_to_num(X.detach().abs().sum(-2), nan=0.0, posinf=0.0)

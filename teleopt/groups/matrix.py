@@ -234,9 +234,12 @@ class GeneralLinear(_MatrixGroup):
         whose fixed costs were half of a projected ascent step); each contragredient remembered as :meth:`exp`
         does.  The degree and scaling are chosen for the largest block, so values agree with :meth:`exp` to
         rounding, not bit for bit."""
-        n = {grp.n for grp in groups}
-        if len(n) != 1 or len(groups) != len(coords):
-            raise ValueError(f"exp_stacked takes coordinates of one block size, one per group; got sizes {sorted(n)}")
+        n, kinds = {grp.n for grp in groups}, {(xi.dtype, xi.device) for xi in coords}
+        if len(groups) != len(coords) or len(n) != 1 or len(kinds) != 1:
+            raise ValueError(
+                f"exp_stacked takes one coordinate tensor per group, all of one block size, dtype and device; got {len(groups)} "
+                f"groups of sizes {sorted(n)} and {len(coords)} tensors of {sorted(str(k) for k in kinds)}"
+            )
         for grp, xi in zip(groups, coords):
             grp._check_coords(xi)
         g, inverse = expm_pair(torch.cat([grp._blocked(xi) for grp, xi in zip(groups, coords)]))
