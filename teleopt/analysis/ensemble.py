@@ -27,7 +27,7 @@ without the symmetry: ``g_inverse`` (U g^-1, g V) (the linear GL action, a symme
 only for a linear activation), ``random`` (U g', g V) with g' = exp(eps D) for a
 random diagonal D, ``shuffle`` (U pi'(g, H), g V) with the entries of pi(g, H)
 randomly permuted, and ``perm_interp`` (U A^-1, A V) with
-A = (I + eps/2 (I + S)) / (1 + eps) for a random permutation matrix S.
+A = (I + eps/2 (I + S)) / (1 + eps) for a random permutation matrix S other than I.
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ class BaselineEnsemble(ParameterEnsemble):
       permuted (needs ``reference`` and an action with an ``activation``, such as the
       data-dependent GL actions); note that at eps = 0 it still scrambles the identity;
     * ``"perm_interp"``: (W2 A^-1, A W1, A b1), A = (I + eps/2 (I + S)) / (1 + eps) for a
-      random permutation matrix S (g is not used).
+      random permutation matrix S other than I (which would give A = I; g is not used).
 
     The site must be a two-layer site (members (W1, b1, W2) or (U, V, b)) of a
     GL_h or O(h) group: the hidden layer the paper transforms.
@@ -332,7 +332,10 @@ class BaselineEnsemble(ParameterEnsemble):
                 order = torch.randperm(h * h, generator=generator)
                 A, W2_new = g, W2 @ pi.reshape(-1)[order.to(pi.device)].reshape(h, h)
             else:
-                S = eye[torch.randperm(h, generator=generator).to(W1.device)]
+                order = torch.randperm(h, generator=generator)
+                while h > 1 and bool((order == torch.arange(h)).all()):  # S = I would give A = I: no change at all
+                    order = torch.randperm(h, generator=generator)
+                S = eye[order.to(W1.device)]
                 A = (eye + eps / 2 * (eye + S)) / (1 + eps)
                 W2_new = torch.linalg.solve(A.mT, W2.mT).mT
             point = {w1: A @ W1, w2: W2_new}
