@@ -14,10 +14,13 @@ first-order inverse I - T gives errors of order 1e-3 or more).  float32 uses 1e-
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from typing import Any
+
 import torch
 from torch import Tensor
 
-__all__ = ["default_rtol", "relative_error", "assert_close"]
+__all__ = ["default_rtol", "relative_error", "assert_close", "all_finite_sums", "read_together"]
 
 
 def default_rtol(dtype: torch.dtype) -> float:
@@ -55,3 +58,28 @@ def assert_close(actual: Tensor | None, expected: Tensor | None, rtol: float, wh
             f"actual {float(actual.detach()[idx]):.10g}, expected {float(expected.detach()[idx]):.10g}"
         )
     return err
+
+
+def read_together(values: Sequence[Tensor]) -> list[Any]:
+    """The Python values of 0-dim tensors (in order), read with one device synchronisation per device and kind
+    instead of one per tensor (a GPU teleport decides on a few values per site): booleans as ``bool``, numbers
+    in float64."""
+    out: list[Any] = [None] * len(values)
+    groups: dict[tuple[torch.device, bool], list[int]] = {}
+    for i, v in enumerate(values):
+        groups.setdefault((v.device, v.dtype == torch.bool), []).append(i)
+    with torch.no_grad():
+        for (_, flags), index in groups.items():
+            parts = [values[i] if values[i].dim() == 0 else values[i].reshape(()) for i in index]
+            if not flags:
+                parts = [t if t.dtype == torch.float64 else t.to(torch.float64) for t in parts]
+            for i, v in zip(index, (parts[0].reshape(1) if len(parts) == 1 else torch.stack(parts)).tolist()):
+                out[i] = v
+    return out
+
+
+def all_finite_sums(tensors: Iterable[Tensor]) -> bool:
+    """Whether the sum of every tensor is finite: one vectorised pass each, no temporaries, NaN and inf
+    propagate through a sum (an overflowing sum of finite entries reads as non-finite), read together
+    (:func:`read_together`).  Empty tensors are skipped."""
+    return all(read_together([torch.isfinite(t.detach().sum()) for t in tensors if t.numel()]))

@@ -36,6 +36,8 @@ from typing import Any, TypeGuard, cast
 import torch
 from torch import Tensor, nn
 
+from teleopt.numerics import read_together
+
 __all__ = [
     "is_sharded",
     "local",
@@ -48,6 +50,7 @@ __all__ = [
     "write_",
     "total_sum",
     "square_sum",
+    "square_sums",
     "sum_over",
     "sharded_module",
     "unsharded_copy",
@@ -195,11 +198,12 @@ def total_sum(parts: Iterable[tuple[Tensor, Tensor]]) -> float:
     counted once, and ordinary tensors add their value as it is.
     """
     total = 0.0
+    plain: list[Tensor] = []  # read together: once per device, not once per tensor
     pending: dict[tuple[int, tuple[int, ...]], tuple[Any, tuple[int, ...], Tensor]] = {}
     for partial, t in parts:
         value = partial.detach().to(torch.float64)
         if not is_sharded(t):
-            total += float(value)
+            plain.append(value)
             continue
         if any(p.is_partial() for p in t.placements):
             raise ValueError("a DTensor with Partial placements is not a whole tensor; redistribute it first")
@@ -214,7 +218,14 @@ def total_sum(parts: Iterable[tuple[Tensor, Tensor]]) -> float:
             for dim in dims:
                 dist.all_reduce(acc, group=mesh.get_group(dim))
             total += float(acc)
-    return total
+    return total + sum(read_together(plain))
+
+
+def _square_part(t: Tensor) -> Tensor:
+    """The squared norm of ``local(t)`` in float64, accumulated in its own precision (float32 at least)."""
+    x = local(t).detach()
+    x = x if x.dtype in (torch.float32, torch.float64) or not x.is_floating_point() else x.float()
+    return torch.linalg.vector_norm(x).to(torch.float64).square()
 
 
 def square_sum(tensors: Iterable[Tensor]) -> float:
@@ -224,13 +235,15 @@ def square_sum(tensors: Iterable[Tensor]) -> float:
     Each tensor's norm is accumulated in its own precision (float32 at least), as torch's norms do: a
     float64 copy first converts every entry (16 ms against 0.2 ms for a 2048 x 2048 float32 gradient).
     """
+    return total_sum((_square_part(t), t) for t in tensors)
 
-    def part(t: Tensor) -> Tensor:
-        x = local(t).detach()
-        x = x if x.dtype in (torch.float32, torch.float64) or not x.is_floating_point() else x.float()
-        return torch.linalg.vector_norm(x).to(torch.float64).square()
 
-    return total_sum((part(t), t) for t in tensors)
+def square_sums(tensors: Sequence[Tensor]) -> list[float]:
+    """:func:`square_sum` of each tensor on its own, the plain ones read together (one device synchronisation
+    per device, :func:`~teleopt.numerics.read_together`), each ``DTensor`` summed over its ranks."""
+    plain = [i for i, t in enumerate(tensors) if not is_sharded(t)]
+    values = dict(zip(plain, read_together([_square_part(tensors[i]) for i in plain])))
+    return [values[i] if i in values else square_sum([t]) for i, t in enumerate(tensors)]
 
 
 def sum_over(t: Tensor, dims: Sequence[int]) -> Tensor:

@@ -23,7 +23,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "teleopt"
 #: integrations (other libraries' modules recognised by structure) below detection,
 #: which adds their sites.
 LAYERS: list[tuple[str, ...]] = [
-    ("teleopt._lazy", "teleopt._version", "teleopt.numerics", "teleopt.sharding", "teleopt.unwrap"),
+    ("teleopt._lazy", "teleopt._version", "teleopt.numerics", "teleopt.unwrap"),
+    ("teleopt.sharding",),  # sums over ranks, reading values with numerics.read_together
     ("teleopt.groups",),
     ("teleopt.actions",),
     ("teleopt.registry",),

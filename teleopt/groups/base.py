@@ -71,10 +71,9 @@ def apply_on_axis(x: Tensor, axis: int, fn: Callable[[Tensor], Tensor]) -> Tenso
     return out.reshape(moved.shape).movedim(0, axis)
 
 
-def box_boundary_point(direction: Tensor, radius: float) -> Tensor | None:
-    """r sign(d): the corner of the box |xi_i| <= r that maximises <d, xi> (``None`` for d = 0)."""
-    if not bool((direction != 0).any()):
-        return None
+def box_boundary_point(direction: Tensor, radius: float) -> Tensor:
+    """r sign(d): the corner of the box |xi_i| <= r that maximises <d, xi> (the zero coordinates for d = 0,
+    as sign(0) = 0: no device read to decide it)."""
     return radius * torch.sign(direction)
 
 
@@ -216,7 +215,8 @@ class Group(ABC):
     def boundary_point(self, direction: Tensor, radius: float) -> Tensor | None:
         """The coordinates in the trust region of ``radius`` that maximise <direction, xi> (the linear
         maximisation oracle of the Frank-Wolfe method over :meth:`project_coordinates`' region): by
-        default r d / ||d|| on the Euclidean ball; ``None`` for a zero direction."""
+        default r d / ||d|| on the Euclidean ball; ``None`` for a zero direction (or the zero coordinates, where
+        they come without a read from the device: the box groups' r sign(d))."""
         norm = direction.norm()
         if not float(norm) > 0:
             return None

@@ -8,7 +8,7 @@ import weakref
 from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -30,6 +30,15 @@ _EIGEN: OrderedDict[int, tuple[weakref.ref, int, Tensor, Tensor]] = OrderedDict(
 
 def _forget(key: tuple[int, type, int], _: object) -> None:
     _CONTRAGREDIENTS.pop(key, None)
+
+
+#: (id of an element, group type, n, power, device, dtype) -> (a weak reference to it, its version, its block
+#: matrices or contragredient there): a teleport moves every tensor of a site with the same host element
+_PLACED: OrderedDict[tuple[Any, ...], tuple[weakref.ref, int, Tensor]] = OrderedDict()
+
+
+def _forget_placed(key: tuple[Any, ...], _: object) -> None:
+    _PLACED.pop(key, None)
 
 
 def _forget_eigen(key: int, _: object) -> None:
@@ -85,10 +94,10 @@ class _MatrixGroup(Group):
             raise ValueError(f"{type(self).__name__} representations have power +1 or -1, got {power}")
         if is_sharded(x):
             return self._act_on_shards(g, x, axis, power)
-        if power == -1 and not (torch.is_grad_enabled() and g.requires_grad):
+        if not (torch.is_grad_enabled() and g.requires_grad):
             # outside autograd (the apply phase moves parameters, gradients and moments by one element):
             # g^-T once per element in its own precision, then a product per tensor instead of a solve
-            return self._multiply(self._contragredient_of(g).to(device=x.device, dtype=x.dtype), x, axis)
+            return self._multiply(self._placed(g, power, x.device, x.dtype), x, axis)
         gb = self._blocked(g).to(device=x.device, dtype=x.dtype)
         if power == 1:
             return self._multiply(gb, x, axis)
@@ -112,6 +121,25 @@ class _MatrixGroup(Group):
             matrices = self._solved(self._blocked(g))
             self._remember_contragredient(g, matrices)
         return matrices
+
+    def _placed(self, g: Tensor, power: float, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """The block matrices of ``g`` (power 1) or its contragredient (power -1) on ``device`` in ``dtype``.
+
+        A copy to another device is remembered while ``g`` lives unchanged (:data:`_PLACED`): a GL site
+        searched on the host moves a GPU model's parameters, gradients and moments with one copy of its
+        element each, instead of one synchronising host-to-device copy per tensor."""
+        matrices = self._contragredient_of(g) if power == -1 else self._blocked(g)
+        if matrices.device == device:
+            return matrices.to(dtype=dtype)
+        key = (id(g), type(self), self.n, power, device, dtype)
+        hit = _PLACED.get(key)
+        if hit is not None and hit[0]() is g and hit[1] == g._version:
+            return hit[2]
+        placed = matrices.to(device=device, dtype=dtype)
+        _PLACED[key] = (weakref.ref(g, functools.partial(_forget_placed, key)), g._version, placed)
+        while len(_PLACED) > 2 * _MEMO_SIZE:
+            _PLACED.popitem(last=False)
+        return placed
 
     def _remembered_contragredient(self, g: Tensor) -> Tensor | None:
         hit = _CONTRAGREDIENTS.get((id(g), type(self), self.n))

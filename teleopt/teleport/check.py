@@ -18,7 +18,8 @@ model computes unchanged.  Whether it did is measured, never assumed, on one of
 With none of them a teleport is declined.  The forwards before and after run under
 a forked RNG with the same seed (CPU and the CUDA devices of the model), so Dropout
 and DropPath draw the same masks in train mode and the training RNG stream is left
-as it was; buffers are copies (BatchNorm statistics are not updated).  All tensor
+as it was; buffers are restored afterwards (BatchNorm statistics are left as they
+were, a reassigned buffer is put back).  All tensor
 leaves of the output are compared norm-relatively
 (:func:`teleopt.detection.certify.output_error`; for the softmax translation their
 log-softmax), against ``SafetyConfig.loss_tol`` or
@@ -43,7 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from teleopt.detection.certify import log_softmax_leaves, output_error, output_leaves, to_float64
-from teleopt.functional import Batch, FunctionalModel, batch_parts
+from teleopt.functional import Batch, batch_parts
 from teleopt.numerics import default_rtol
 from teleopt.site import Site
 from teleopt.teleport.transport import transport
@@ -176,21 +177,21 @@ class OutputCapture:
             handle.remove()
 
 
-def _cuda_devices(module: nn.Module) -> list[int]:
-    return sorted({int(t.device.index or 0) for t in module.parameters() if t.device.type == "cuda"})
-
-
 @contextmanager
 def seeded(module: nn.Module, seed: int) -> Iterator[None]:
     """Run inside with the RNG forked (CPU and the model's CUDA devices) and seeded by ``seed``."""
-    devices = _cuda_devices(module)
+    places = {t.device for t in module.parameters()}
+    devices = sorted({int(d.index or 0) for d in places if d.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
-        if torch.cuda.is_initialized() or any(t.device.type != "cpu" for t in module.parameters()):
-            torch.manual_seed(seed)  # every device's generator, as the forwards may draw on any
+        # the forked generators alone, each seeded directly: ``torch.manual_seed`` also queues a lazy seeding of
+        # every device type not yet initialised, which records a Python stack trace (1-2 ms per check), and would
+        # seed generators that fork_rng does not restore
+        if any(d.type not in ("cpu", "cuda") for d in places):
+            torch.manual_seed(seed)  # another accelerator's generator (not forked, as before)
         else:
-            # a CPU model with CUDA untouched: ``torch.manual_seed`` would queue a lazy seeding of every
-            # CUDA device, which records a Python stack trace (1-2 ms per check)
             torch.default_generator.manual_seed(seed)
+            for index in devices:
+                torch.cuda.default_generators[index].manual_seed(seed)
         yield
 
 
@@ -212,9 +213,10 @@ def modes(module: nn.Module, train: bool | None) -> Iterator[None]:
 
 @torch.no_grad()
 def forward(module: nn.Module, batch: Batch, train: bool | None, seed: int) -> Any:
-    """The model output on ``batch`` at the live parameters, buffers copied, RNG seeded."""
-    with modes(module, train), seeded(module, seed):
-        return FunctionalModel(module, None).output({}, batch)  # made inside: its passes draw from ``seed``
+    """The model output on ``batch`` at the live parameters, buffers restored afterwards, RNG seeded."""
+    inputs, _, kwargs = batch_parts(batch)
+    with modes(module, train), seeded(module, seed), buffers_restored(module):
+        return module(*inputs, **kwargs)
 
 
 def _output_dtype(leaves: Sequence[Tensor]) -> torch.dtype:
@@ -311,11 +313,15 @@ def float64_rerun(
 
 @contextmanager
 def buffers_restored(module: nn.Module) -> Iterator[None]:
-    """Snapshot the module's buffers and restore them on exit (extra closure passes)."""
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    """Snapshot the module's buffers and restore them on exit (check forwards, extra closure passes): their
+    values, and the tensors themselves where a forward reassigned one (a cache rebuilt for a longer input)."""
+    # every value copied back: BatchNorm's kernel writes its running statistics without a version bump
+    saved = [(owner, name, b, b.detach().clone()) for owner in module.modules() for name, b in owner._buffers.items() if b is not None]
     try:
         yield
     finally:
         with torch.no_grad():
-            for b, v in saved:
+            for owner, name, b, v in saved:
+                if owner._buffers.get(name) is not b:
+                    owner._buffers[name] = b
                 b.copy_(v)

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from teleopt.functional import Batch, FunctionalModel
+from teleopt.numerics import read_together
 from teleopt.sharding import is_sharded, local, total_sum
 from teleopt.teleport.distributed import all_reduce_mean_
 from teleopt.teleport.optimizer_model import OptimizerModel
@@ -90,9 +91,9 @@ class TeleportContext:
         Sharded (FSDP2) parameters contribute from their local shards (the modelled
         updates are elementwise), summed over ranks (:func:`~teleopt.sharding.total_sum`).
         """
-        sq = 0.0
         squares: list[tuple[Tensor, Tensor]] = []
         products: list[tuple[Tensor, Tensor]] = []
+        dense: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for name, p in self.trainable.items():
             if name in exclude or p.grad is None:
                 continue
@@ -100,11 +101,14 @@ class TeleportContext:
             if is_sharded(g):
                 squares.append((local(g).to(torch.float64).square().sum(), g))
             else:
-                sq += float(torch.linalg.vector_norm(g)) ** 2
+                dense.setdefault((g.device, g.dtype), []).append(g)
             if with_decrease:
                 state = {k: local(v) if isinstance(v, Tensor) else v for k, v in self.state(name).items()}
                 u = self.model.update(self.groups[name], local(p), local(g), state)
                 products.append(((local(g).to(torch.float64) * u.to(torch.float64)).sum(), g))
+        # the plain gradients' norms a device and dtype at a time (torch.nn.utils.clip_grad_norm_ does the same), read
+        # once per device and dtype instead of once per parameter (resnet18: 38 device synchronisations)
+        sq = sum(read_together([torch.stack(torch._foreach_norm(gs)).to(torch.float64).square().sum() for gs in dense.values()]))
         return sq + total_sum(squares), total_sum(products)
 
     def gradients_from_batch(self, fmodel: FunctionalModel, batch: Batch) -> None:

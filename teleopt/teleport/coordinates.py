@@ -27,9 +27,10 @@ import torch
 from torch import Tensor
 
 from teleopt.groups import Group
+from teleopt.numerics import read_together
 from teleopt.site import Site
 
-__all__ = ["zero_coordinates", "project_to_trust_region", "exact_in_dtype"]
+__all__ = ["zero_coordinates", "project_to_trust_region", "exact_in_dtype", "max_abs"]
 
 #: 16-bit float dtypes, whose round-off a teleport avoids where the group allows (:meth:`Group.exact_coordinates`).
 _HALF = (torch.bfloat16, torch.float16)
@@ -59,3 +60,10 @@ def exact_in_dtype(sites: Sequence[Site], groups: Sequence[Group], coords: Seque
         half = [tensors[n].dtype for n in site.tensor_names if tensors[n].dtype in _HALF]
         out.append(group.exact_coordinates(xi, half[0]) if half and xi.numel() else xi)
     return out
+
+
+def max_abs(coords: Sequence[Tensor]) -> list[float]:
+    """max |xi_i| of each site's coordinates (0 for none; NaN or inf where a coordinate is), read together
+    (:func:`~teleopt.numerics.read_together`)."""
+    values = iter(read_together([c.detach().abs().amax() for c in coords if c.numel()]))
+    return [next(values) if c.numel() else 0.0 for c in coords]

@@ -34,13 +34,13 @@ from torch.optim import Optimizer
 
 from teleopt.detection.certify import output_leaves
 from teleopt.functional import Batch, FunctionalModel, LossFn
-from teleopt.numerics import default_rtol
+from teleopt.numerics import all_finite_sums, default_rtol
 from teleopt.sharding import local, reshard, square_sum
 from teleopt.site import Site
 from teleopt.teleport.ascent import shrink_to_feasible
 from teleopt.teleport.check import OutputCapture, OutputCheck, buffers_restored, float64_rerun, forward, seeded
 from teleopt.teleport.context import TeleportContext
-from teleopt.teleport.coordinates import exact_in_dtype, zero_coordinates
+from teleopt.teleport.coordinates import exact_in_dtype, max_abs, zero_coordinates
 from teleopt.teleport.distributed import any_rank, broadcast_, broadcast_batch, check_identical, rank_mean
 from teleopt.teleport.evaluator import Evaluator
 from teleopt.teleport.fast_path import FastEvaluator, fast_path_eligible, member_tensors
@@ -323,11 +323,12 @@ class TeleportEngine:
         coords = exact_in_dtype(plan.sites, start.problem.groups, coords, plan.ctx.tensors)
         broadcast_(coords)
         report.shrink = shrink
-        report.coordinate_norms = {s.name: float(c.abs().max()) if c.numel() else 0.0 for s, c in zip(plan.sites, coords)}
-        if not all(bool(torch.isfinite(c).all()) for c in coords):
+        norms = max_abs(coords)  # NaN or inf where a coordinate is
+        report.coordinate_norms = {s.name: v for s, v in zip(plan.sites, norms)}
+        if not all(math.isfinite(v) for v in norms):
             report.reason = "declined: the search returned non-finite coordinates"
             return None
-        if all(float(c.abs().max()) == 0.0 for c in coords if c.numel()):
+        if all(v == 0.0 for v in norms):
             report.reason = "declined: the caps allow no move" if shrink == 0.0 else "declined: no improvement found"
             return None
         return self._chosen(plan, start, coords)
@@ -441,9 +442,7 @@ class TeleportEngine:
         moved = [ctx.tensors[n] for n in names]
         moved += [] if plan.grads_finite else [g for g in (ctx.trainable[n].grad for n in names if n in ctx.trainable) if g is not None]
         reasons = []
-        # one vectorised pass, no temporaries: NaN and inf propagate through a sum (an overflowing sum of
-        # finite entries would only cause a needless rollback)
-        if not all(bool(torch.isfinite(local(t).detach().sum())) for t in moved if local(t).numel()):
+        if not all_finite_sums(local(t) for t in moved):
             reasons.append("non-finite parameters or gradients")
         loss = self._loss_after(plan)
         failures = self._drift(plan, ctx.tensors[next(iter(names))].dtype)

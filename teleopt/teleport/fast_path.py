@@ -21,6 +21,7 @@ from torch import Tensor
 from teleopt.actions.axis import AxisAction
 from teleopt.actions.base import GroupAction
 from teleopt.groups import GeneralLinear, Group, validated
+from teleopt.numerics import read_together
 from teleopt.sharding import full, is_sharded, replicate_like, sharded_dims, write_
 from teleopt.site import Site
 from teleopt.teleport.context import TeleportContext
@@ -135,13 +136,18 @@ class FastEvaluator:
         if not tracked and memo is not None and _unchanged(memo[0], memo[2]) and _equal(memo[0], coords):
             return list(memo[1])
         stacked = _stacked_exps(self.groups, coords, self._own_exp) if tracked else {}
+        # exp(0) = I, bit for bit: the sites at zero decided together (one synchronisation, not one per site)
+        plain = [
+            i for i, (g, xi, own) in enumerate(zip(self.groups, coords, self._own_exp)) if g.plain_exp and not own and not xi.requires_grad
+        ]
+        at_zero = {i for i, nonzero in zip(plain, read_together([(coords[i] != 0).any() for i in plain])) if not nonzero}
         out = [
             stacked[i]
             if i in stacked
             else site.action.exp(xi, member_tensors(site, self.like))
             if own
             else group.shared_identity(dtype=xi.dtype, device=xi.device)
-            if group.plain_exp and not xi.requires_grad and not bool((xi != 0).any())  # exp(0) = I, bit for bit
+            if i in at_zero
             else group.exp(xi)
             for i, (site, group, xi, own) in enumerate(zip(self.sites, self.groups, coords, self._own_exp))
         ]
@@ -149,10 +155,10 @@ class FastEvaluator:
             # the coordinates by reference with their versions (an in-place change is a new key): on vit_tiny a copy of
             # every element or coordinate set is 0.11x the parameters
             self.__dict__["_elements_memo"] = ([xi.detach() for xi in coords], out, [xi._version for xi in coords])
+            exps = [(xi, e) for group, xi, e, own in zip(self.groups, coords, out, self._own_exp) if not own and group.plain_exp]
+            bounds = read_together([_spectral_bound(xi.detach()) for xi, _ in exps])  # NaN fails the comparison
             self.__dict__["_proven_elements"] = {
-                _storage(e): e
-                for group, xi, e, own in zip(self.groups, coords, out, self._own_exp)
-                if not own and group.plain_exp and _spectral_bound(xi.detach()) < _proven_limit(e)
+                _storage(e): e for (_, e), bound in zip(exps, bounds) if bound < _proven_limit(e)
             }  # the last set made: the chosen elements are the memo's, or made after everything else
         return out
 
@@ -195,7 +201,8 @@ class FastEvaluator:
         """Per site: :meth:`site_gain` of its element (``None`` when the gradient is zero)."""
         if n0 == 0:
             return {s.name: None for s in self.sites}
-        return {s.name: self.site_gain(i, e, n0) for i, (s, e) in enumerate(zip(self.sites, elements))}
+        values = self.norm_model.site_values(dict(enumerate(elements)))
+        return {s.name: (values[i] + self.other_sq) / n0 for i, s in enumerate(self.sites)}
 
     def end_search(self) -> None:
         """Free the gradient norm's reduced terms (GL Gram matrices: vit_tiny's are 0.3x the parameters, alive
@@ -275,6 +282,7 @@ class FastEvaluator:
         in float32 and bfloat16), which float16's narrow range makes common: float16 is always copied."""
         if not self.can_undo():
             return False
+        conditions: list[Tensor] = []  # decided together: one device synchronisation, not two per member
         for site, group, g in zip(self.sites, self.groups, elements):
             action = site.action
             if group.kind not in ("diagonal", "sign") or not isinstance(action, AxisAction):
@@ -288,10 +296,8 @@ class FastEvaluator:
                     return False
                 # the factors as Group.act_on_axis_ computes them (the element in the tensor's dtype, then the power)
                 f, f_inv = (x.to(dtype) if member.power == 1 else x.to(dtype) ** member.power for x in (g, inverse))
-                f64 = f.to(torch.float64)
-                if not bool((torch.frexp(f64).mantissa.abs() == 0.5).all()) or not bool(((f * f_inv) == 1).all()):
-                    return False
-        return True
+                conditions += [(torch.frexp(f.to(torch.float64)).mantissa.abs() == 0.5).all(), ((f * f_inv) == 1).all()]
+        return all(read_together(conditions))
 
     @torch.no_grad()
     def undo(self, elements: Sequence[Tensor], params: bool = False) -> None:
@@ -389,14 +395,13 @@ def _stacked_exps(groups: Sequence[Group], coords: Sequence[Tensor], own: Sequen
     return out
 
 
-def _spectral_bound(xi: Tensor) -> float:
-    """An upper bound of every block's spectral norm, sqrt(||xi||_1 ||xi||_inf) (max |xi_i| for diagonal coordinates)."""
-    if not bool(torch.isfinite(xi).all()):
-        return math.inf
-    if xi.dim() < 2:
-        return float(xi.abs().amax()) if xi.numel() else 0.0
+def _spectral_bound(xi: Tensor) -> Tensor:
+    """An upper bound of every block's spectral norm, sqrt(||xi||_1 ||xi||_inf) (max |xi_i| for diagonal
+    coordinates; NaN or inf where a coordinate is), as a 0-dim tensor (read with the other sites')."""
+    if not xi.numel():
+        return torch.zeros((), dtype=torch.float64, device=xi.device)
     a = xi.abs()
-    return float((a.sum(-2).amax(-1) * a.sum(-1).amax(-1)).sqrt().amax())
+    return a.amax() if xi.dim() < 2 else (a.sum(-2).amax(-1) * a.sum(-1).amax(-1)).sqrt().amax()
 
 
 def _proven_limit(g: Tensor) -> float:
@@ -416,8 +421,13 @@ def _unchanged(kept: Sequence[Tensor], versions: Sequence[int]) -> bool:
 
 
 def _equal(a: Sequence[Tensor], b: Sequence[Tensor]) -> bool:
-    """Whether two lists of tensors hold the same values (shapes, dtypes and every entry)."""
-    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+    """Whether two lists of tensors hold the same values (shapes, dtypes and every entry), the memos' keys ``a``
+    unchanged since (:func:`_unchanged`): a tensor reading the same memory as its key needs no comparison (the
+    teleport asks again with the elements it was given), the others are compared with one read per device."""
+    if len(a) != len(b) or any(x.shape != y.shape or x.dtype != y.dtype or x.device != y.device for x, y in zip(a, b)):
+        return False
+    rest = [(x, y) for x, y in zip(a, b) if not (x.data_ptr() == y.data_ptr() and x.stride() == y.stride())]
+    return all(read_together([torch.eq(x, y).all() for x, y in rest]))
 
 
 def _on_shards(sites: Sequence[Site], live: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> set[str] | None:

@@ -20,13 +20,15 @@ Each ascent step then costs O(h^2)-O(h^3) in the group size h, not O(#params).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from teleopt.actions.axis import AxisAction, Member
 from teleopt.groups import Group
-from teleopt.sharding import full, is_sharded, local, sharded_dims, square_sum, sum_over
+from teleopt.numerics import read_together
+from teleopt.sharding import full, is_sharded, local, sharded_dims, square_sums, sum_over
 from teleopt.site import Site
 from teleopt.teleport.transport import transport
 
@@ -65,10 +67,14 @@ def _components(sites: Sequence[Site], names: set[str]) -> list[tuple[list[int],
     return [c for c in comps.values() if c[1]]
 
 
+#: one evaluation's shared values: (site, power) -> block matrices, ("one", site, power) -> whether the factor is 1
+_Cache = dict[tuple[Any, ...], Any]
+
+
 class _Reduced:
     """One gradient tensor reduced to its group axes (see module docs)."""
 
-    def __init__(self, name: str, grad: Tensor, entries: list[tuple[int, Member, Group]], host: bool = False) -> None:
+    def __init__(self, name: str, grad: Tensor, entries: list[tuple[int, Member, Group]]) -> None:
         self.name = name
         self.entries = entries
         self.site_ids = {i for i, _, _ in entries}
@@ -117,15 +123,24 @@ class _Reduced:
             else:
                 self.kind = "matrix"
                 self.K = _summed(flat @ flat.T, g if sharded else None)
-            if host:  # the search's small matrices on the CPU (FastEvaluator.search_device)
-                self.K = self.K.cpu()
             if self.kind == "matrix":
                 self.eye = torch.eye(grp.dim, dtype=torch.float64, device=self.K.device)
         # S in its dtype, as value() contracts it (a float64 sum of a float32 S converted every entry: 16 ms vs 0.2 ms)
-        if self.kind != "scaling":
-            self.identity_value = float(self.K.diagonal(dim1=-2, dim2=-1).sum())
-        else:
-            self.identity_value = float(self.margin(0).sum() if self._S is None else self._S.sum())
+        # the term at the identity, read on first use (GradientNormModel reads every term's at once)
+        self._identity: Tensor | float = (
+            self.K.diagonal(dim1=-2, dim2=-1).sum()
+            if self.kind != "scaling"
+            else self.margin(0).sum()
+            if self._S is None
+            else self._S.sum()
+        )
+
+    @property
+    def identity_value(self) -> float:
+        """The term at the identity: tr K, or the sum of S (float64 accumulation of its entries)."""
+        if isinstance(self._identity, Tensor):
+            self._identity = float(self._identity)
+        return self._identity
 
     @property
     def S(self) -> Tensor:
@@ -170,7 +185,7 @@ class _Reduced:
             total += (torch.linalg.vector_norm(rows * root, dim=1).square() @ xs).to(torch.float64)
         return total
 
-    def value(self, elements: Sequence[Tensor], cache: dict[tuple[int, float], Tensor] | None = None) -> Tensor:
+    def value(self, elements: Sequence[Tensor], cache: _Cache | None = None) -> Tensor:
         """The term at ``elements``; ``cache`` shares each element's block matrices between the terms of one
         evaluation (a GL site's contragredient is one solve however many tensors it acts on).
 
@@ -188,19 +203,21 @@ class _Reduced:
         self.__dict__["_memo"] = (key, mine, value)
         return value
 
-    def _value(self, elements: Sequence[Tensor], cache: dict[tuple[int, float], Tensor] | None) -> Tensor:
+    def _value(self, elements: Sequence[Tensor], cache: _Cache | None) -> Tensor:
         if self.kind == "scaling":
             factors = [_square_factor(grp, elements[i], -member.power) for i, member, grp in self.entries]
-            moving = [k for k, f in enumerate(factors) if not bool((f == 1).all())]
+            ones = [None if cache is None else cache.get(("one", i, -member.power)) for i, member, _ in self.entries]
+            if any(one is None for one in ones):  # not read ahead with the other terms' (GradientNormModel._read_ones)
+                ones = read_together([(f == 1).all() for f in factors])
+            moving = [k for k, one in enumerate(ones) if not one]
             if not moving:
                 # at the identity: the sum of S and, for autograd, the linearisation there, whose gradient in
                 # factor k is S summed over every other axis (a pass over the margins instead of a contraction
                 # of S forward and two backward: the search's start and its gradient, Zhao 2026 Algorithm 1)
                 # (on the gradient's device: the elements may live on the host, FastEvaluator.search_device)
                 device = self.margin(0).device
-                return sum(
-                    ((f - 1).to(device=device, dtype=torch.float64) * self.margin(k)).sum() for k, f in enumerate(factors)
-                ) + torch.tensor(self.identity_value, dtype=torch.float64, device=device)
+                linear = [((f - 1).to(device=device, dtype=torch.float64) * self.margin(k)).sum() for k, f in enumerate(factors)]
+                return torch.stack(linear).sum() + self.identity_value
             if len(moving) == 1 and not any(f.requires_grad for f in factors):  # one site moves (its gain alone)
                 margin = self.margin(moving[0])
                 return (factors[moving[0]].to(device=margin.device, dtype=torch.float64) * margin).sum()
@@ -222,7 +239,7 @@ class _Reduced:
             # contragredient is g itself (Group.block_matrices)
             eye = torch.eye(g.shape[-1], dtype=g.dtype, device=g.device)
             sign = 2.0 if -member.power == 1 or grp.kind == "orthogonal" else -2.0
-            return sign * ((g - eye) * self.K).sum() + torch.tensor(self.identity_value, dtype=torch.float64, device=self.K.device)
+            return sign * ((g - eye) * self.K).sum() + self.identity_value
         if self.kind == "blocks":
             key = (i, -member.power)
             A = None if cache is None else cache.get(key)
@@ -285,6 +302,28 @@ def _diagonal(group: Group) -> bool:
     return group.square_factor(group.identity(), 1.0) is not None
 
 
+def _to_host(terms: Sequence[_Reduced]) -> None:
+    """Move the GL terms' Gram matrices to the CPU for the search (FastEvaluator.search_device), in one copy
+    per dtype and device instead of one synchronising copy per term (vit_tiny: 72)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[_Reduced]] = {}
+    for term in terms:
+        if term.kind != "scaling" and term.K.device.type != "cpu":
+            groups.setdefault((term.K.device, term.K.dtype), []).append(term)
+    for group in groups.values():
+        flat = torch.cat([t.K.reshape(-1) for t in group]).cpu()
+        for term, K in zip(group, flat.split([t.K.numel() for t in group])):
+            term.K = K.reshape(term.K.shape)
+            if term.kind == "matrix":
+                term.eye = term.eye.cpu()
+
+
+def _read_identities(terms: Sequence[_Reduced]) -> None:
+    """Read every term's value at the identity from its device together (:func:`read_together`)."""
+    pending = [t for t in terms if isinstance(t._identity, Tensor)]
+    for term, value in zip(pending, read_together([t._identity for t in pending if isinstance(t._identity, Tensor)])):
+        term._identity = value
+
+
 def _square_factor(group: Group, g: Tensor, power: float) -> Tensor:
     factor = group.square_factor(g, power)
     assert factor is not None, "only diagonal groups are reduced to sums of squares"
@@ -339,12 +378,20 @@ class GradientNormModel:
         self.explicit: list[tuple[list[int], dict[str, Tensor]]] = []
         #: per tensor with sliced entries, the squared norm of its gradient outside every slice (no site moves it)
         self.remainders: list[tuple[str, float]] = []
+        self._pending: list[tuple[str, Tensor, list[_Reduced]]] = []  # sliced tensors, until the terms are read
         for site_ids, names, entries in _plan(self.sites, self.groups, grads):
             if entries is not None:
                 for n in names:
                     self._reduce(n, grads[n], entries[n])
             else:
                 self.explicit.append((site_ids, {n: grads[n] for n in names}))
+        _read_identities(self.reduced)
+        # each sliced tensor's gradient outside its slices: its squared norm less the slices' (read together)
+        for (name, _, terms), whole in zip(self._pending, square_sums([g for _, g, _ in self._pending])):
+            self.remainders.append((name, max(whole - sum(t.identity_value for t in terms), 0.0)))
+        del self._pending
+        if self.host:
+            _to_host(self.reduced)
         self.like = like
         self.explicit_identity = [sum(float(torch.linalg.vector_norm(t)) ** 2 for t in g.values()) for _, g in self.explicit]
         device = torch.device("cpu") if self.host else next(iter(grads.values())).device if grads else None
@@ -354,22 +401,22 @@ class GradientNormModel:
     def _reduce(self, name: str, grad: Tensor, entries: list[tuple[int, Member, Group]]) -> None:
         """One tensor's reduced terms: the whole tensor, or one term per slice plus the remainder."""
         if not _sliced(entries, grad.ndim):
-            self.reduced.append(_Reduced(name, grad, entries, self.host))
+            self.reduced.append(_Reduced(name, grad, entries))
             return
         g = grad.detach()
         axis = entries[0][1].axis % g.ndim  # one axis for every slice (_sliced)
         if axis in sharded_dims(g):  # slices of a sharded axis (FSDP2 rows): gathered; else each rank its shard
             g = full(g)
-        covered = 0.0
+        terms = []
         for entry in entries:
             member = entry[1]
             assert member.start is not None and member.stop is not None  # _sliced
             part = g.narrow(axis, member.start, member.stop - member.start)
             plain = Member(member.name, member.axis, member.power)
-            term = _Reduced(name, part, [(entry[0], plain, entry[2])], self.host)
+            term = _Reduced(name, part, [(entry[0], plain, entry[2])])
             self.reduced.append(term)
-            covered += term.identity_value
-        self.remainders.append((name, max(square_sum([g]) - covered, 0.0)))
+            terms.append(term)
+        self._pending.append((name, g, terms))
 
     def release(self) -> None:
         """Drop the reduced terms (their Gram matrices, squared gradients and margins); :meth:`value` and
@@ -382,27 +429,60 @@ class GradientNormModel:
 
     def site_value(self, index: int, element: Tensor) -> float:
         """The value when only site ``index`` moves (by ``element``); every other site at the identity."""
+        return self.site_values({index: element})[index]
+
+    def site_values(self, moves: Mapping[int, Tensor]) -> dict[int, float]:
+        """:meth:`site_value` of each site in ``moves`` (index -> its element), every term read together."""
         self._check_live()
-        total = 0.0
-        elements = [element if i == index else e for i, e in enumerate(self.identities)]
-        cache: dict[tuple[int, float], Tensor] = {}
-        for r in self.reduced:
-            total += float(r.value(elements, cache)) if index in r.site_ids else r.identity_value
-        total += sum(rest for _, rest in self.remainders)
-        for (site_ids, grads), still in zip(self.explicit, self.explicit_identity):
-            if index in site_ids:
-                moved, _ = transport([self.sites[index]], [element], grads, self.like, "covector")
-                total += sum(float(t.to(torch.float64).square().sum()) for t in moved.values())
-            else:
-                total += still
-        return total
+        evaluations: list[tuple[int, Tensor, list[Tensor], _Cache]] = []
+        for index, element in moves.items():
+            elements = [element if i == index else e for i, e in enumerate(self.identities)]
+            evaluations.append((index, element, elements, {}))
+        self._read_ones([(elements, cache) for _, _, elements, cache in evaluations])
+        totals: dict[int, float] = {}
+        terms: list[tuple[int, Tensor]] = []  # (site, term), read together: one synchronisation per device
+        for index, element, elements, cache in evaluations:
+            total = 0.0
+            for r in self.reduced:
+                if index in r.site_ids:
+                    terms.append((index, r.value(elements, cache)))
+                else:
+                    total += r.identity_value
+            total += sum(rest for _, rest in self.remainders)
+            for (site_ids, grads), still in zip(self.explicit, self.explicit_identity):
+                if index in site_ids:
+                    moved, _ = transport([self.sites[index]], [element], grads, self.like, "covector")
+                    terms += [(index, t.to(torch.float64).square().sum()) for t in moved.values()]
+                else:
+                    total += still
+            totals[index] = total
+        for (index, _), value in zip(terms, read_together([t for _, t in terms])):
+            totals[index] += value
+        return totals
+
+    def _read_ones(self, evaluations: Sequence[tuple[Sequence[Tensor], _Cache]]) -> None:
+        """For each evaluation (its elements and cache), whether each scaling factor its terms compute is 1
+        everywhere (the term is at the identity in it), put in the cache: the shared identities are known
+        to be, the other elements are read all at once instead of once per term."""
+        needed = {(i, -member.power): grp for r in self.reduced if r.kind == "scaling" for i, member, grp in r.entries}
+        pending: list[tuple[_Cache, tuple[Any, ...], Tensor]] = []
+        for elements, cache in evaluations:
+            for (i, power), grp in needed.items():
+                g = elements[i]
+                if g is self.identities[i]:
+                    cache["one", i, power] = True
+                else:
+                    pending.append((cache, ("one", i, power), (_square_factor(grp, g.detach(), power) == 1).all()))
+        for (cache, key, _), one in zip(pending, read_together([flag for _, _, flag in pending])):
+            cache[key] = one
 
     def value(self, elements: Sequence[Tensor], weights: Mapping[str, float] | None = None) -> Tensor:
         """Sum over the sites' tensors of the squared transported gradient (float64),
         each tensor's term multiplied by ``weights[name]`` when given (e.g. its learning rate)."""
         self._check_live()
         total = torch.zeros((), dtype=torch.float64, device=elements[0].device if elements else None)
-        cache: dict[tuple[int, float], Tensor] = {}
+        cache: _Cache = {}
+        self._read_ones([(elements, cache)])
         for r in self.reduced:
             term = r.value(elements, cache).to(total.device)  # a scaling term stays on its gradient's device
             total = total + (term if weights is None else weights[r.name] * term)
