@@ -67,6 +67,8 @@ def read_together(values: Sequence[Tensor]) -> list[Any]:
     out: list[Any] = [None] * len(values)
     groups: dict[tuple[torch.device, bool], list[int]] = {}
     for i, v in enumerate(values):
+        if (type(v) is not Tensor and not isinstance(v, torch.nn.Parameter)) or v.is_complex():
+            raise TypeError(f"read_together reads real values of plain tensors, got a {type(v).__name__} of {v.dtype}")
         groups.setdefault((v.device, v.dtype == torch.bool), []).append(i)
     with torch.no_grad():
         for (_, flags), index in groups.items():

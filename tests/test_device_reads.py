@@ -19,11 +19,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from teleopt import Site, get_action
 from teleopt.functional import Batch
 from teleopt.groups import GeneralLinear
-from teleopt.groups.matrix import _PLACED
+from teleopt.groups.matrix import _PLACED, remembering_placements
 from teleopt.numerics import all_finite_sums, read_together
 from teleopt.teleport import SafetyConfig, Teleport
 from teleopt.teleport.check import buffers_restored, forward, seeded
 from teleopt.teleport.coordinates import max_abs
+from teleopt.teleport.gradient_norm import GradientNormModel, _to_host
+from teleopt.teleport.transport import transport
 
 RELU = get_action("positive_rescaling", activation="relu")
 _READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default)
@@ -155,19 +157,85 @@ def test_seeded_forks_and_seeds_only_the_cpu_generator_of_a_cpu_model(monkeypatc
 
 
 def test_a_gl_element_is_placed_on_another_device_once_for_all_the_tensors_it_moves():
-    """The meta device stands in for a GPU: the host element's block matrices are copied there once per power
-    and dtype, and the copy is forgotten with the element."""
+    """The meta device stands in for a GPU: inside one apply the host element's block matrices are copied there
+    once per power and dtype; afterwards no copy is kept, however long the element lives (reports keep them)."""
     group = GeneralLinear(4)
     g = torch.linalg.matrix_exp(0.1 * torch.randn(4, 4, dtype=torch.float64))
     xs = [torch.empty(4, 6, device="meta") for _ in range(3)]
-    before = len(_PLACED)
-    with torch.no_grad():
+    mine = lambda: {k for k in _PLACED if k[0] == id(g)}  # noqa: E731
+    with torch.no_grad(), remembering_placements():
         moved = [group.act_on_axis(g, x, 0, power) for x in xs for power in (1, -1)]
+        assert len(mine()) == 2  # one copy per power, shared by the three tensors
+        placed = group._placed(g, 1, torch.device("meta"), torch.float32)
+        assert placed is group._placed(g, 1, torch.device("meta"), torch.float32)
+        g.mul_(1.0)  # an in-place change (a new version) is a new element
+        assert group._placed(g, 1, torch.device("meta"), torch.float32) is not placed
     assert all(m.device.type == "meta" and m.shape == (4, 6) for m in moved)
-    assert len(_PLACED) == before + 2  # one copy per power, shared by the three tensors
-    placed = group._placed(g, 1, torch.device("meta"), torch.float32)
-    assert placed is group._placed(g, 1, torch.device("meta"), torch.float32)
-    g.mul_(1.0)  # an in-place change (a new version) is a new element
-    assert group._placed(g, 1, torch.device("meta"), torch.float32) is not placed
-    del g, placed
-    assert len(_PLACED) == before
+    assert not mine()  # forgotten with the apply, though g lives on
+    with torch.no_grad():
+        group.act_on_axis(g, xs[0], 0, 1)
+    assert not mine()  # outside an apply nothing is remembered
+
+
+def test_gram_matrices_move_to_the_search_device_in_chunks_with_their_shapes():
+    """``_to_host`` (the CPU for a GPU model's GL search; here the meta device as the target) copies the terms
+    of one dtype in chunks of at most ``chunk`` elements, each term keeping its shape and identity matrix."""
+    sites = [Site(get_action("gl_linear"), ("0.weight", "0.bias", "2.weight"))]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Identity(), nn.Linear(5, 2)).double()
+    nn.functional.mse_loss(model(torch.randn(7, 3, dtype=torch.float64)), torch.zeros(7, 2, dtype=torch.float64)).backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    norm = GradientNormModel(sites, grads, dict(model.named_parameters()))
+    terms = [t for t in norm.reduced if t.kind != "scaling"]
+    shapes = [tuple(t.K.shape) for t in terms]
+    assert len(terms) >= 3
+    _to_host(terms, torch.device("meta"), chunk=30)
+    assert [tuple(t.K.shape) for t in terms] == shapes
+    assert all(t.K.device.type == "meta" for t in terms)
+    assert all(t.eye.device.type == "meta" for t in terms if t.kind == "matrix")
+
+
+def test_site_values_match_the_gradient_norm_after_moving_each_site_alone():
+    """An independent reference: the squared norm of the gradients transported by one site's element."""
+    model, sites = _relu_mlp(3)
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    model.double()
+    nn.functional.mse_loss(model(x.double()), y.double()).backward()
+    like = dict(model.named_parameters())
+    grads = {n: p.grad for n, p in like.items()}
+    norm = GradientNormModel(sites, grads, like)
+    gen = torch.Generator().manual_seed(1)
+    elements = {i: torch.exp(0.5 * torch.randn(8, generator=gen, dtype=torch.float64)) for i in range(len(sites))}
+    values = norm.site_values(elements)
+    for i, g in elements.items():
+        moved, _ = transport([sites[i]], [g], grads, like, "covector")
+        expected = sum(float(moved.get(n, grads[n]).square().sum()) for n in {n for s in sites for n in s.tensor_names})
+        assert values[i] == pytest.approx(expected, rel=1e-12)
+        assert norm.site_value(i, g) == pytest.approx(expected, rel=1e-12)
+
+
+class _Buffered(nn.Module):
+    """Buffers a copy-back would break: an expanded view, an inference tensor, and one returned as an output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("spread", torch.ones(1).expand(5))
+        with torch.inference_mode():
+            self.register_buffer("cache", torch.zeros(5))
+        self.register_buffer("state", torch.zeros(5))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * self.spread + self.cache
+        self.state.copy_(y.mean(0))
+        return y, self.state
+
+
+def test_a_check_forward_leaves_unwritable_buffers_alone_and_returns_buffers_as_the_forward_made_them():
+    module = nn.Sequential(nn.Linear(5, 5), _Buffered())
+    inner = module[1]
+    before = {n: (b, b.clone()) for n, b in inner.named_buffers()}
+    x = torch.randn(3, 5)
+    y, state = forward(module, Batch((x,), None, None), train=False, seed=0)
+    assert torch.equal(state, y.mean(0)) and bool(state.abs().sum() > 0)
+    for n, (b, value) in before.items():
+        assert getattr(inner, n) is b and torch.equal(b, value)

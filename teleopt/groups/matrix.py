@@ -7,7 +7,8 @@ import math
 import weakref
 from abc import abstractmethod
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
@@ -33,8 +34,25 @@ def _forget(key: tuple[int, type, int], _: object) -> None:
 
 
 #: (id of an element, group type, n, power, device, dtype) -> (a weak reference to it, its version, its block
-#: matrices or contragredient there): a teleport moves every tensor of a site with the same host element
+#: matrices or contragredient there): a teleport moves every tensor of a site with the same host element.
+#: Kept only inside :func:`remembering_placements` (an apply), so no device copy outlives it.
 _PLACED: OrderedDict[tuple[Any, ...], tuple[weakref.ref, int, Tensor]] = OrderedDict()
+_PLACING = 0  # depth of remembering_placements()
+
+
+@contextmanager
+def remembering_placements() -> Iterator[None]:
+    """Inside, a GL element's block matrices copied to another device are remembered for the other tensors it
+    moves (:meth:`GeneralLinear._placed`); forgotten on exit, however long the element itself lives (a
+    teleport's report keeps its elements)."""
+    global _PLACING
+    _PLACING += 1
+    try:
+        yield
+    finally:
+        _PLACING -= 1
+        if not _PLACING:
+            _PLACED.clear()
 
 
 def _forget_placed(key: tuple[Any, ...], _: object) -> None:
@@ -125,12 +143,13 @@ class _MatrixGroup(Group):
     def _placed(self, g: Tensor, power: float, device: torch.device, dtype: torch.dtype) -> Tensor:
         """The block matrices of ``g`` (power 1) or its contragredient (power -1) on ``device`` in ``dtype``.
 
-        A copy to another device is remembered while ``g`` lives unchanged (:data:`_PLACED`): a GL site
-        searched on the host moves a GPU model's parameters, gradients and moments with one copy of its
-        element each, instead of one synchronising host-to-device copy per tensor."""
+        Inside :func:`remembering_placements` a copy to another device is remembered while ``g`` lives
+        unchanged (:data:`_PLACED`): a GL site searched on the host moves a GPU model's parameters,
+        gradients and moments with one copy of its element, instead of one synchronising host-to-device
+        copy per tensor."""
         matrices = self._contragredient_of(g) if power == -1 else self._blocked(g)
-        if matrices.device == device:
-            return matrices.to(dtype=dtype)
+        if matrices.device == device or not _PLACING:
+            return matrices.to(device=device, dtype=dtype)
         key = (id(g), type(self), self.n, power, device, dtype)
         hit = _PLACED.get(key)
         if hit is not None and hit[0]() is g and hit[1] == g._version:

@@ -313,15 +313,19 @@ def float64_rerun(
 
 @contextmanager
 def buffers_restored(module: nn.Module) -> Iterator[None]:
-    """Snapshot the module's buffers and restore them on exit (check forwards, extra closure passes): their
-    values, and the tensors themselves where a forward reassigned one (a cache rebuilt for a longer input)."""
-    # every value copied back: BatchNorm's kernel writes its running statistics without a version bump
-    saved = [(owner, name, b, b.detach().clone()) for owner in module.modules() for name, b in owner._buffers.items() if b is not None]
+    """Run inside with copies of the module's buffers in their place, then put the buffers back (check
+    forwards, extra closure passes), as ``torch.func.functional_call`` does: what a forward writes (BatchNorm
+    statistics) or reassigns (a cache rebuilt for a longer input) goes to the copies, an output that is a
+    buffer stays what the forward made it, and a buffer that cannot be written (an inference tensor, an
+    expanded view) is never written.  A tensor registered in several modules gets one copy."""
+    saved = [(owner, name, b) for owner in module.modules() for name, b in owner._buffers.items() if b is not None]
+    copies: dict[int, Tensor] = {}
+    for owner, name, b in saved:
+        if id(b) not in copies:
+            copies[id(b)] = b.detach().clone()
+        owner._buffers[name] = copies[id(b)]
     try:
         yield
     finally:
-        with torch.no_grad():
-            for owner, name, b, v in saved:
-                if owner._buffers.get(name) is not b:
-                    owner._buffers[name] = b
-                b.copy_(v)
+        for owner, name, b in saved:
+            owner._buffers[name] = b

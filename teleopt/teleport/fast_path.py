@@ -21,6 +21,7 @@ from torch import Tensor
 from teleopt.actions.axis import AxisAction
 from teleopt.actions.base import GroupAction
 from teleopt.groups import GeneralLinear, Group, validated
+from teleopt.groups.matrix import remembering_placements
 from teleopt.numerics import read_together
 from teleopt.sharding import full, is_sharded, replicate_like, sharded_dims, write_
 from teleopt.site import Site
@@ -238,7 +239,7 @@ class FastEvaluator:
         for site, g in zip(sites, elements):  # before anything is written: an invalid element moves nothing
             if not self._proven(g):
                 site.action.validate_element(g, member_tensors(site, like))
-        with validated(elements):
+        with validated(elements), remembering_placements():
             return self._apply(self._placed(elements))
 
     def _apply(self, elements: Sequence[Tensor]) -> Counter[str]:
@@ -308,9 +309,13 @@ class FastEvaluator:
         the rest: bit for bit where :meth:`exactly_invertible`, which ``params`` requires."""
         if params and not self.exactly_invertible(elements):
             raise ValueError("the parameters move back by the inverse elements only where that is exact")
-        ctx = self.ctx
         sites = self.sites[::-1]
         inverses = [site.action.inverse(g) for site, g in zip(sites, elements[::-1])]
+        with remembering_placements():
+            self._undo(sites, inverses, params)
+
+    def _undo(self, sites: Sequence[Site], inverses: Sequence[Tensor], params: bool) -> None:
+        ctx = self.ctx
         grads, _ = transport(sites, inverses, self.grads, self.like, "covector")
         for n, g in grads.items():
             grad = ctx.trainable[n].grad

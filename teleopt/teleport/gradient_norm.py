@@ -302,19 +302,23 @@ def _diagonal(group: Group) -> bool:
     return group.square_factor(group.identity(), 1.0) is not None
 
 
-def _to_host(terms: Sequence[_Reduced]) -> None:
-    """Move the GL terms' Gram matrices to the CPU for the search (FastEvaluator.search_device), in one copy
-    per dtype and device instead of one synchronising copy per term (vit_tiny: 72)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[_Reduced]] = {}
+def _to_host(terms: Sequence[_Reduced], host: torch.device, chunk: int = 1 << 22) -> None:
+    """Move the GL terms' Gram matrices to ``host`` for the search (FastEvaluator.search_device): a copy per
+    ``chunk`` elements (32 MB of float64) of each dtype and device, not one synchronising copy per term
+    (vit_tiny: 72), and never more than a chunk duplicated on the device."""
+    groups: dict[tuple[torch.device, torch.dtype], list[list[_Reduced]]] = {}
     for term in terms:
-        if term.kind != "scaling" and term.K.device.type != "cpu":
-            groups.setdefault((term.K.device, term.K.dtype), []).append(term)
-    for group in groups.values():
-        flat = torch.cat([t.K.reshape(-1) for t in group]).cpu()
-        for term, K in zip(group, flat.split([t.K.numel() for t in group])):
+        if term.kind != "scaling" and term.K.device != host:
+            batches = groups.setdefault((term.K.device, term.K.dtype), [[]])
+            if batches[-1] and sum(t.K.numel() for t in batches[-1]) + term.K.numel() > chunk:
+                batches.append([])
+            batches[-1].append(term)
+    for batch in (b for batches in groups.values() for b in batches):
+        flat = torch.cat([t.K.reshape(-1) for t in batch]).to(host)
+        for term, K in zip(batch, flat.split([t.K.numel() for t in batch])):
             term.K = K.reshape(term.K.shape)
             if term.kind == "matrix":
-                term.eye = term.eye.cpu()
+                term.eye = torch.eye(term.eye.shape[0], dtype=term.eye.dtype, device=host)
 
 
 def _read_identities(terms: Sequence[_Reduced]) -> None:
@@ -391,7 +395,7 @@ class GradientNormModel:
             self.remainders.append((name, max(whole - sum(t.identity_value for t in terms), 0.0)))
         del self._pending
         if self.host:
-            _to_host(self.reduced)
+            _to_host(self.reduced, torch.device("cpu"))
         self.like = like
         self.explicit_identity = [sum(float(torch.linalg.vector_norm(t)) ** 2 for t in g.values()) for _, g in self.explicit]
         device = torch.device("cpu") if self.host else next(iter(grads.values())).device if grads else None
