@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from teleopt import Site, get_action
-from teleopt.teleport import Teleport
+from teleopt.teleport import SafetyConfig, Teleport
 
 LEAKY = get_action("positive_rescaling", activation="leaky_relu", negative_slope=0.1)
 DD = get_action("data_dependent_gl", activation="leaky_relu", negative_slope=0.1)
@@ -48,7 +48,18 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             _mse(model(x), y).backward()
             opt.step()
         dd = [Site(DD, ("module.0.weight", None, "module.2.weight"), data_input="0")]
-        general = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, dd, loss_fn=_mse, ascent_steps=5, trust_region=0.3)
+        # the data-dependent element is a float32 least-squares solve: its check reads about 1e-5, the default
+        # float32 tolerance, and its rounding varies from run to run on this CPU (2 of 22 runs under
+        # load were rolled back at 1.11e-5); this test is about the ranks agreeing, so the check gets 1e-4
+        general = Teleport(
+            torch.optim.SGD(model.parameters(), lr=1e-2),
+            model,
+            dd,
+            loss_fn=_mse,
+            ascent_steps=5,
+            trust_region=0.3,
+            safety=SafetyConfig(loss_tol=1e-4),
+        )
         x, y = torch.randn(4, 5, generator=gen), torch.randn(4, 3, generator=gen)
         opt.zero_grad()
         _mse(model(x), y).backward()
