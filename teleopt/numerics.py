@@ -67,8 +67,10 @@ def read_together(values: Sequence[Tensor]) -> list[Any]:
     out: list[Any] = [None] * len(values)
     groups: dict[tuple[torch.device, bool], list[int]] = {}
     for i, v in enumerate(values):
-        if (type(v) is not Tensor and not isinstance(v, torch.nn.Parameter)) or v.is_complex():
-            raise TypeError(f"read_together reads real values of plain tensors, got a {type(v).__name__} of {v.dtype}")
+        if not isinstance(v, Tensor) or (type(v) is not Tensor and not isinstance(v, torch.nn.Parameter)) or v.is_complex():
+            raise TypeError(f"read_together reads real values of plain tensors, got {type(v).__name__} {getattr(v, 'dtype', '')}".rstrip())
+        if v.numel() != 1:
+            raise ValueError(f"read_together reads one value per tensor, got a tensor of shape {tuple(v.shape)}")
         groups.setdefault((v.device, v.dtype == torch.bool), []).append(i)
     with torch.no_grad():
         for (_, flags), index in groups.items():

@@ -69,6 +69,15 @@ def test_read_together_keeps_the_order_and_the_kinds_with_one_read_per_device_an
     assert read_together([]) == []
 
 
+def test_read_together_refuses_what_it_cannot_read_with_a_clear_error():
+    with pytest.raises(ValueError, match="one value per tensor"):
+        read_together([torch.tensor(1.0), torch.ones(3)])
+    with pytest.raises(TypeError, match="real values of plain tensors, got float"):
+        read_together([1.0])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="real values of plain tensors"):
+        read_together([torch.tensor(1 + 2j)])
+
+
 def test_all_finite_sums_finds_one_nan_or_inf_among_tensors_of_any_dtype():
     ok = [torch.ones(3), torch.ones(2, 2, dtype=torch.bfloat16), torch.empty(0), torch.ones(4, dtype=torch.float64)]
     assert all_finite_sums(ok)

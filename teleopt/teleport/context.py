@@ -100,8 +100,8 @@ class TeleportContext:
             g = p.grad.to_dense() if p.grad.is_sparse else p.grad  # sparse norms need torch >= 2.13
             if is_sharded(g):
                 squares.append((local(g).to(torch.float64).square().sum(), g))
-            elif p.grad.is_sparse:  # its dense copy freed now, not kept for the grouped norms
-                squares.append((torch.linalg.vector_norm(g).to(torch.float64).square(), g))
+            elif p.grad.is_sparse:  # its norm now, and the dense copy not kept (total_sum only asks whether it is sharded)
+                squares.append((torch.linalg.vector_norm(g).to(torch.float64).square(), p.grad))
             else:
                 dense.setdefault((g.device, g.dtype), []).append(g)
             if with_decrease:

@@ -67,7 +67,8 @@ def _components(sites: Sequence[Site], names: set[str]) -> list[tuple[list[int],
     return [c for c in comps.values() if c[1]]
 
 
-#: one evaluation's shared values: (site, power) -> block matrices, ("one", site, power) -> whether the factor is 1
+#: one evaluation's shared values: (site, power) -> block matrices, ("factor", site, power) -> a scaling factor,
+#: ("one", site, power) -> whether that factor is 1 everywhere
 _Cache = dict[tuple[Any, ...], Any]
 
 
@@ -137,7 +138,7 @@ class _Reduced:
 
     @property
     def identity_value(self) -> float:
-        """The term at the identity: tr K, or the sum of S (float64 accumulation of its entries)."""
+        """The term at the identity: tr K, or the sum of S (in S's dtype, read as a float)."""
         if isinstance(self._identity, Tensor):
             self._identity = float(self._identity)
         return self._identity
@@ -205,7 +206,11 @@ class _Reduced:
 
     def _value(self, elements: Sequence[Tensor], cache: _Cache | None) -> Tensor:
         if self.kind == "scaling":
-            factors = [_square_factor(grp, elements[i], -member.power) for i, member, grp in self.entries]
+            kept = [None if cache is None else cache.get(("factor", i, -member.power)) for i, member, _ in self.entries]
+            factors = [
+                f if f is not None and not elements[i].requires_grad else _square_factor(grp, elements[i], -member.power)
+                for f, (i, member, grp) in zip(kept, self.entries)
+            ]
             ones = [None if cache is None else cache.get(("one", i, -member.power)) for i, member, _ in self.entries]
             if any(one is None for one in ones):  # not read ahead with the other terms' (GradientNormModel._read_ones)
                 ones = read_together([(f == 1).all() for f in factors])
@@ -475,8 +480,11 @@ class GradientNormModel:
                 g = elements[i]
                 if g is self.identities[i]:
                     cache["one", i, power] = True
-                else:
-                    pending.append((cache, ("one", i, power), (_square_factor(grp, g.detach(), power) == 1).all()))
+                    continue
+                factor = _square_factor(grp, g.detach(), power)
+                if not g.requires_grad:  # the terms reuse it (under autograd they need their own, with its graph)
+                    cache["factor", i, power] = factor
+                pending.append((cache, ("one", i, power), (factor == 1).all()))
         for (cache, key, _), one in zip(pending, read_together([flag for _, _, flag in pending])):
             cache[key] = one
 
