@@ -21,7 +21,21 @@ Configurations (``configs.CONFIGS``; digits = scikit-learn's bundled digits, 109
   600 steps on a synthetic teacher task A (token + bigram counts, 8 classes, 16 tokens of 16),
   then LoRA rank 4 (``lora_a``/``lora_b`` on q, v, fc1, fc2, detected as ``gl_linear`` sites) plus
   the head fine-tuned on task B (the teacher changed by a rank-2 update), 1000/250/1000
-  sequences, AdamW, warm-up 20 + cosine, 400 steps, lr grid 1e-3/3e-3/1e-2.
+  sequences, AdamW, warm-up 20 + cosine, 400 steps, lr grid 1e-3/3e-3/1e-2;
+* ``llama_lm`` (``lm.py``): ``transformers.LlamaForCausalLM`` built from a config (RMSNorm,
+  rotary, SwiGLU, grouped-query attention; hidden 256, 8 layers, 4 heads, 2 KV heads: 5.9M
+  parameters), byte-level, trained from scratch on the English text of Python's documentation
+  topics (``pydoc_data``), context 64, batch 32, AdamW (0.9, 0.95), warm-up 100 + cosine, 1500
+  steps; lr 1e-3/3e-3/1e-2 x weight decay 0/0.1/0.3 tuned together;
+* ``llama_lora``: that model pre-trained 1500 steps on English (per seed, not timed), then
+  peft LoRA r=8 on every projection fine-tuned on Python standard-library source, 600 steps;
+  plain LoRA and ``balora`` (every pair projected onto the balanced set after each step) are
+  baselines tuned each on its own lr x decay grid.
+
+The language models are meant for a GPU (``--device cuda``); their ``--quick`` form (hidden 64,
+2 layers) runs anywhere.  On them the next-byte accuracy stands for the test accuracy, the
+"never worse" bound on the best validation loss is 1.01x, and the decay arms add Cautious
+Weight Decay (``cautious_wd``) to plain decay and Syre.
 
 Each baseline's lr is the grid point with the lowest best validation loss on seed 1000
 (no measured run uses it); while the best point is at an edge the grid is extended by its own

@@ -54,7 +54,23 @@ class ArmContext:
         groups = [g for g in groups if g["params"]]
         if self.family == "sgd":
             return torch.optim.SGD(groups, lr=self.lr, momentum=0.9)
+        if self.family == "adamw95":
+            return torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95))
         return torch.optim.AdamW(groups, lr=self.lr)
+
+    def cautious(self) -> Optimizer:
+        """The baseline with Cautious Weight Decay (Chen et al. 2025, arXiv:2510.12402) at the comparison decay.
+
+        ``p <- p - lr (u + wd * 1[u * p > 0] * p)``: the decoupled decay acts only on the
+        coordinates where the optimizer's update ``u`` and the weight have the same sign.
+        """
+        return CautiousWeightDecay(self.optimizer(weight_decay=0.0), self.decay)
+
+    def balora(self) -> Optimizer:
+        """The baseline followed, after every step, by the projection of every LoRA pair onto the balanced set."""
+        from benchmarks.realistic.lm import balanced_lora_projection
+
+        return AfterStep(self.optimizer(), lambda: balanced_lora_projection(self.model))
 
     def teleport_kwargs(self) -> dict[str, Any]:
         """What every Teleport arm passes besides the optimizer, model and sites."""
@@ -69,6 +85,43 @@ class ArmContext:
     def syre(self, **kwargs: Any) -> Syre:
         """Syre at the comparison decay in place of the optimizer's own decay (decoupled for AdamW, as its decay is)."""
         return Syre(self.optimizer(weight_decay=0.0), gamma=self.decay, decoupled=self.family == "adamw", exclude_1d=True, **kwargs)
+
+
+class AfterStep(Optimizer):
+    """``base.step()`` then ``after()``: a baseline that acts on the weights after every step (same param groups)."""
+
+    def __init__(self, base: Optimizer, after: Callable[[], None]) -> None:
+        self.base, self.after = base, after
+        self.defaults = base.defaults
+        self.param_groups = base.param_groups
+        self.state = base.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.base.zero_grad(set_to_none)
+
+    def step(self, closure: Any = None) -> Any:
+        loss = self.base.step(closure)
+        self.after()
+        return loss
+
+
+class CautiousWeightDecay(AfterStep):
+    """Decoupled decay masked by the sign agreement of the update and the weight (see ``ArmContext.cautious``)."""
+
+    def __init__(self, base: Optimizer, decay: float) -> None:
+        super().__init__(base, lambda: None)
+        self.decay = decay
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        decayed = [p for g in self.param_groups for p in g["params"] if p.grad is not None and p.ndim >= 2]
+        before = [p.detach().clone() for p in decayed]
+        loss = self.base.step(closure)
+        lr = {id(p): g["lr"] for g in self.param_groups for p in g["params"]}
+        for p, w in zip(decayed, before):
+            update = w - p  # the step is p <- w - lr * u, so u has the sign of w - p
+            p.sub_(lr[id(p)] * self.decay * w * (update * w > 0))
+        return loss
 
 
 ARMS: dict[str, Callable[[ArmContext], Optimizer]] = {
@@ -91,6 +144,12 @@ ARMS: dict[str, Callable[[ArmContext], Optimizer]] = {
     "weight_decay": lambda c: c.optimizer(weight_decay=c.decay),
     "syre_default": lambda c: c.syre(),
     "syre_sigma1": lambda c: c.syre(sigma0=1.0),
+    # the language models' decay comparison: Cautious Weight Decay at the same strength
+    "cautious_wd": lambda c: c.cautious(),
+    # LoRA: every pair projected onto the balanced set after every step (a baseline of its own, tuned on its own grid)
+    "balora": lambda c: c.balora(),
+    # teleopt's balance on every step
+    "balance_every1": lambda c: Teleport(c.optimizer(), c.model, "auto", objective="balance", every=1, **c.teleport_kwargs()),
 }
 """Arm name -> optimizer factory.  Order is the default run order (rotated per seed)."""
 

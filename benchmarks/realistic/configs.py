@@ -47,7 +47,10 @@ class Problem:
 
 @dataclass
 class Config:
-    """A training recipe: sizes, optimizer family, lr grid, schedule, decay strengths.
+    """A training recipe: sizes, optimizer family, lr (and weight-decay) grid, schedule, decay strengths.
+
+    ``optimizer``: ``"sgd"`` (momentum 0.9), ``"adamw"`` or ``"adamw95"`` (AdamW with
+    betas (0.9, 0.95), the language models' recipe).
 
     ``base_wd`` is the baseline's own (realistic) weight decay on >= 2-D tensors;
     ``decay`` is the stronger decay at which plain weight decay and Syre are compared.
@@ -70,6 +73,11 @@ class Config:
     cosine: bool = False
     teleport_at: int = 20
     collapse: bool = False
+    wd_grid: tuple[float, ...] = ()  # tuned jointly with the lr (AlgoPerf's protocol) when given
+    quick_wd_grid: tuple[float, ...] = ()
+    tuned_arms: tuple[str, ...] = ()  # arms that are baselines of their own, each tuned on the same grid
+    val_ratio: float = 1.05  # "never worse": the default's median best validation loss at most this x the baseline's
+    language_model: bool = False
 
     def lr_factor(self, step: int, steps: int) -> float:
         """Linear warm-up then cosine to 0 (or constant)."""
@@ -303,6 +311,18 @@ def _lora_problem(quick: bool, large: bool) -> Problem:
     )
 
 
+def _llama_lm(quick: bool, large: bool) -> Problem:
+    from benchmarks.realistic.lm import llama_lm_problem
+
+    return llama_lm_problem(quick, large)
+
+
+def _llama_lora(quick: bool, large: bool) -> Problem:
+    from benchmarks.realistic.lm import llama_lora_problem
+
+    return llama_lora_problem(quick, large)
+
+
 # ----------------------------------------------------------------------------- the table
 CONFIGS: dict[str, Config] = {
     c.name: c
@@ -390,6 +410,51 @@ CONFIGS: dict[str, Config] = {
             warmup=20,
             cosine=True,
             teleport_at=20,
+        ),
+        Config(
+            "llama_lm",
+            "byte-level Llama (RMSNorm, rotary, SwiGLU, GQA; 5.9M) from scratch on Python's documentation text, "
+            "AdamW (0.9, 0.95), warm-up 100 + cosine, batch 32 x 64 bytes",
+            _llama_lm,
+            "adamw95",
+            steps=1500,
+            quick_steps=8,
+            batch=32,
+            eval_every=50,
+            lr_grid=(1e-3, 3e-3, 1e-2),
+            quick_lr_grid=(3e-3,),
+            wd_grid=(0.0, 0.1, 0.3),
+            quick_wd_grid=(0.1,),
+            base_wd=0.1,
+            decay=0.1,
+            warmup=100,
+            cosine=True,
+            teleport_at=150,
+            val_ratio=1.01,
+            language_model=True,
+        ),
+        Config(
+            "llama_lora",
+            "the English Llama, LoRA r=8 on every projection (peft), fine-tuned on Python source, "
+            "AdamW (0.9, 0.95), warm-up 30 + cosine, batch 32 x 64 bytes",
+            _llama_lora,
+            "adamw95",
+            steps=600,
+            quick_steps=6,
+            batch=32,
+            eval_every=25,
+            lr_grid=(1e-3, 3e-3, 1e-2),
+            quick_lr_grid=(3e-3,),
+            wd_grid=(0.0, 0.01, 0.1),
+            quick_wd_grid=(0.0,),
+            base_wd=0.0,
+            decay=0.1,
+            warmup=30,
+            cosine=True,
+            teleport_at=50,
+            tuned_arms=("balora",),
+            val_ratio=1.01,
+            language_model=True,
         ),
     )
 }

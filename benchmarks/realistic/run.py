@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -84,66 +85,97 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _signature(cfg: Config, steps: int, args: argparse.Namespace) -> str:
-    return f"{cfg.name}|steps={steps}|large={args.large}|quick={args.quick}|device={args.device}"
+def _signature(cfg: Config, steps: int, args: argparse.Namespace, arm: str = "baseline") -> str:
+    own = "" if arm == "baseline" else f"|arm={arm}"
+    return f"{cfg.name}|steps={steps}|large={args.large}|quick={args.quick}|device={args.device}{own}"
 
 
 def _lr(value: float) -> float:
     return float(f"{value:.6g}")
 
 
-def tune(cfg: Config, problem, steps: int, args: argparse.Namespace, cache: dict[str, Any], log) -> float:
-    """Baseline lr with the lowest best validation loss on the tuning seed.
+def _point(lr: float, wd: float | None) -> str:
+    return f"{lr:g}" if wd is None else f"{lr:g}|wd={wd:g}"
 
-    The grid is extended (up to twice, by the grid's own ratio) while the best point is at its edge.
-    Scores are cached per configuration; only grid points not yet scored are run (``--retune``: all).
+
+def tune(
+    cfg: Config, problem, steps: int, args: argparse.Namespace, cache: dict[str, Any], log, arm: str = "baseline"
+) -> tuple[float, float]:
+    """(lr, weight decay) with the lowest best validation loss of ``arm`` on the tuning seed.
+
+    Without a weight-decay grid the decay is the configuration's ``base_wd`` and only the lr is
+    tuned; with one (AlgoPerf's protocol: Kasimbeg et al., ICLR 2025) every lr x decay pair is
+    scored.  The lr grid is extended (up to twice, by the grid's own ratio) while the best point is
+    at its edge.  Scores are cached per configuration and arm; only points not yet scored are run
+    (``--retune``: all).
     """
-    key = _signature(cfg, steps, args)
+    key = _signature(cfg, steps, args, arm)
     entry = None if args.retune else cache.get(key)
-    scores: dict[float, float] = {_lr(float(k)): v for k, v in entry["grid"].items()} if entry else {}
+    wds: list[float | None] = list((cfg.quick_wd_grid if args.quick else cfg.wd_grid) or [None])
+    scores: dict[str, float] = dict(entry["grid"]) if entry else {}
     grid = sorted(_lr(g) for g in (cfg.quick_lr_grid if args.quick else cfg.lr_grid))
 
-    def score(lr: float) -> None:
-        if lr in scores:
+    def score(lr: float, wd: float | None) -> None:
+        point = _point(lr, wd)
+        if point in scores:
             return
-        r = train_run(cfg, problem, "baseline", ARMS["baseline"], lr, TUNE_SEED, steps, args.device)
-        scores[lr] = math.inf if r["diverged"] else r["best_val_loss"]
-        log(f"  tune {cfg.name} lr {lr:g}: best val loss {scores[lr]:.4f} ({r['train_seconds']:.1f} s)")
+        recipe = cfg if wd is None else dataclasses.replace(cfg, base_wd=wd)
+        r = train_run(recipe, problem, arm, ARMS[arm], lr, TUNE_SEED, steps, args.device)
+        scores[point] = math.inf if r["diverged"] else r["best_val_loss"]
+        log(f"  tune {cfg.name} {arm} {point}: best val loss {scores[point]:.4f} ({r['train_seconds']:.1f} s)")
+
+    def best_of(lrs: list[float]) -> tuple[float, float | None]:
+        pairs = [(lr, wd) for lr in lrs for wd in wds if _point(lr, wd) in scores]
+        return min(pairs, key=lambda p: scores[_point(*p)])
 
     for lr in grid:
-        score(lr)
+        for wd in wds:
+            score(lr, wd)
     ratio = grid[1] / grid[0] if len(grid) > 1 else None
+    lrs = list(grid)
     for _ in range(2):
-        points = sorted(scores)
-        best = min(points, key=lambda lr: scores[lr])
-        if ratio is None or len(points) < 3 or best not in (points[0], points[-1]):
+        best, _wd = best_of(lrs)
+        if ratio is None or len(lrs) < 3 or best not in (lrs[0], lrs[-1]):
             break
-        score(_lr(best / ratio if best == points[0] else best * ratio))
-    points = sorted(scores)
-    best = min(points, key=lambda lr: scores[lr])
-    if len(points) >= 3 and best in (points[0], points[-1]):
-        log(f"  note: {cfg.name}'s tuned lr {best:g} is still at the edge of {points}")
+        new = _lr(best / ratio if best == lrs[0] else best * ratio)
+        lrs = sorted({*lrs, new})
+        for wd in wds:
+            score(new, wd)
+    best, wd = best_of(lrs)
+    if len(lrs) >= 3 and best in (lrs[0], lrs[-1]):
+        log(f"  note: {cfg.name}'s tuned lr {best:g} is still at the edge of {lrs}")
     cache.setdefault("_tuned_here", []).append(key)
     cache[key] = {
         "lr": best,
-        "grid": {f"{k:g}": v for k, v in sorted(scores.items())},
+        "weight_decay": cfg.base_wd if wd is None else wd,
+        "grid": dict(sorted(scores.items())),
         "seed": TUNE_SEED,
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
     }
-    return best
+    return best, cfg.base_wd if wd is None else wd
+
+
+def arms_for(cfg: Config, arms: list[str]) -> list[str]:
+    """The arms that mean something on ``cfg``: BaLoRA needs LoRA pairs, Cautious Weight Decay is the LMs' comparison."""
+    only = {"balora": cfg.name == "llama_lora", "cautious_wd": cfg.language_model}
+    return [a for a in arms if only.get(a, True)]
 
 
 def run_config(cfg: Config, args: argparse.Namespace, arms: list[str], seeds: int, cache: dict[str, Any], log) -> dict[str, Any]:
     start = time.perf_counter()
     problem = cfg.build(args.quick, args.large).to(args.device)
     steps = args.steps or (cfg.quick_steps if args.quick else cfg.steps)
-    lr = tune(cfg, problem, steps, args, cache, log)
+    arms = arms_for(cfg, arms)
+    lr, wd = tune(cfg, problem, steps, args, cache, log)
+    recipe = dataclasses.replace(cfg, base_wd=wd)
+    own = {arm: tune(cfg, problem, steps, args, cache, log, arm) for arm in cfg.tuned_arms if arm in arms}
     runs = []
     for seed in range(seeds):
         order = arms[seed % len(arms) :] + arms[: seed % len(arms)]  # rotated per seed: machine noise favours no arm
         for arm in order:
-            r = train_run(cfg, problem, arm, ARMS[arm], lr, seed, steps, args.device)
+            arm_lr, arm_wd = own.get(arm, (lr, wd))
+            r = train_run(dataclasses.replace(recipe, base_wd=arm_wd), problem, arm, ARMS[arm], arm_lr, seed, steps, args.device)
             runs.append(r)
             log(
                 f"  {cfg.name} seed {seed} {arm:18s} train {r['final_train_loss']:.4f} best val {r['best_val_loss']:.4f} "
@@ -173,14 +205,18 @@ def run_config(cfg: Config, args: argparse.Namespace, arms: list[str], seeds: in
         },
         "optimizer": cfg.optimizer,
         "lr": lr,
-        "lr_grid": [float(k) for k in cache[_signature(cfg, steps, args)]["grid"]],
-        "base_weight_decay": cfg.base_wd,
+        "lr_grid": sorted({float(k.split("|")[0]) for k in cache[_signature(cfg, steps, args)]["grid"]}),
+        "base_weight_decay": wd,
+        "wd_grid": list(cfg.quick_wd_grid if args.quick else cfg.wd_grid),
+        "tuned_arms": {arm: {"lr": v[0], "weight_decay": v[1]} for arm, v in own.items()},
         "compared_decay": cfg.decay,
         "collapse": cfg.collapse,
+        "language_model": cfg.language_model,
+        "val_ratio": cfg.val_ratio,
         "seeds": seeds,
         "arms": arms,
         "summary": summary,
-        "verdict": verdicts(summary, cfg.collapse),
+        "verdict": verdicts(summary, cfg.collapse, cfg.val_ratio),
         "seconds": time.perf_counter() - start,
         "runs": runs,
     }
@@ -243,7 +279,7 @@ def table(result: dict[str, Any]) -> str:
     o = result["verdict"]
     lines.append(
         f"\n== verdict over {len(result['configs'])} configuration(s)"
-        + ("" if o["complete"] else " (incomplete: the done-when needs all 5)")
+        + ("" if o["complete"] else " (incomplete: the done-when needs every configuration)")
         + ":"
     )
     lines.append(f"  default Teleport never worse than the tuned baseline: {o['default_never_worse']} ({o['default_never_worse_configs']})")
@@ -341,14 +377,14 @@ def merge(args: argparse.Namespace) -> int:
     for c in configs:  # summaries and verdicts recomputed from the runs with this version's code
         add_targets(c["runs"])
         c["summary"] = {a: v for a, v in summarise(c["runs"]).items()}
-        c["verdict"] = verdicts(c["summary"], c["collapse"])
+        c["verdict"] = verdicts(c["summary"], c["collapse"], c.get("val_ratio", 1.05))
     result = {
         "benchmark": "realistic",
         "date": max(p["date"] for p in parts),
         "machine": parts[-1]["machine"],
         "settings": {"merged": [str(p) for p in args.merge], "parts": [p["settings"] for p in parts]},
         "configs": configs,
-        "verdict": overall_verdict({c["config"]: c["verdict"] for c in configs}),
+        "verdict": overall_verdict({c["config"]: c["verdict"] for c in configs}, [c["config"] for c in configs if c.get("language_model")]),
         "seconds": sum(p["seconds"] for p in parts),
     }
     _finish(result, args, lambda s: print(s, file=sys.stderr))
@@ -384,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "configs": configs,
-        "verdict": overall_verdict({c["config"]: c["verdict"] for c in configs}),
+        "verdict": overall_verdict({c["config"]: c["verdict"] for c in configs}, [c["config"] for c in configs if c.get("language_model")]),
         "seconds": time.perf_counter() - start,
     }
     _finish(result, args, log)
