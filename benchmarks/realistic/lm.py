@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -143,7 +144,28 @@ def llama_lm_problem(quick: bool, large: bool) -> Any:
 
 
 def _pretrain(size: str, context: int, seed: int, x: Tensor, y: Tensor, steps: int, device: str) -> dict[str, Tensor]:
-    """AdamW 3e-3, warm-up 10% + cosine, batch 32: the checkpoint being fine-tuned (not timed)."""
+    """AdamW 3e-3, warm-up 10% + cosine, batch 32: the checkpoint being fine-tuned (not timed).
+
+    With ``TELEOPT_BENCH_CACHE`` set, the checkpoint is kept there as a safetensors file and
+    reused (parallel processes of one suite pre-train each seed once).
+    """
+    folder = os.environ.get("TELEOPT_BENCH_CACHE")
+    path = Path(folder) / f"llama_{size}_{context}_{seed}_{steps}.safetensors" if folder else None
+    if path is not None and path.is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    state = _pretrain_now(size, context, seed, x, y, steps, device)
+    if path is not None:
+        from safetensors.torch import save_file
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(path.with_suffix(".tmp")))
+        path.with_suffix(".tmp").rename(path)
+    return state
+
+
+def _pretrain_now(size: str, context: int, seed: int, x: Tensor, y: Tensor, steps: int, device: str) -> dict[str, Tensor]:
     model = _llama(size, context, 50_000 + seed).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(60_000 + seed)
@@ -156,7 +178,7 @@ def _pretrain(size: str, context: int, seed: int, x: Tensor, y: Tensor, steps: i
         opt.zero_grad()
         F.cross_entropy(model(x[rows].to(device)), y[rows].to(device)).backward()
         opt.step()
-    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
 
 
 def llama_lora_problem(quick: bool, large: bool) -> Any:

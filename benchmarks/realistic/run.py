@@ -54,6 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"arms to run (default all: {' '.join(ARMS)}); baseline is always added",
     )
     p.add_argument("--seeds", type=int, default=None, help="number of seeds (default 5; --quick 1; 0: tune only)")
+    p.add_argument(
+        "--only-seeds",
+        nargs="+",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="run just these of the seeds (parallel processes, one seed each, combined with --merge)",
+    )
+    p.add_argument("--lr-grid", nargs="+", type=float, default=None, help="score just these lrs when tuning (parallel tuning)")
+    p.add_argument("--wd-grid", nargs="+", type=float, default=None, help="score just these weight decays when tuning")
     p.add_argument("--steps", type=int, default=None, help="override every configuration's training steps")
     p.add_argument("--retune", action="store_true", help="re-run the lr grid even when the cache has the configuration")
     p.add_argument(
@@ -111,9 +121,9 @@ def tune(
     """
     key = _signature(cfg, steps, args, arm)
     entry = None if args.retune else cache.get(key)
-    wds: list[float | None] = list((cfg.quick_wd_grid if args.quick else cfg.wd_grid) or [None])
+    wds: list[float | None] = list(args.wd_grid or (cfg.quick_wd_grid if args.quick else cfg.wd_grid) or [None])
     scores: dict[str, float] = dict(entry["grid"]) if entry else {}
-    grid = sorted(_lr(g) for g in (cfg.quick_lr_grid if args.quick else cfg.lr_grid))
+    grid = sorted(_lr(g) for g in (args.lr_grid or (cfg.quick_lr_grid if args.quick else cfg.lr_grid)))
 
     def score(lr: float, wd: float | None) -> None:
         point = _point(lr, wd)
@@ -131,7 +141,7 @@ def tune(
     for lr in grid:
         for wd in wds:
             score(lr, wd)
-    ratio = grid[1] / grid[0] if len(grid) > 1 else None
+    ratio = grid[1] / grid[0] if len(grid) > 1 and args.lr_grid is None else None  # an explicit grid is not extended
     lrs = list(grid)
     for _ in range(2):
         best, _wd = best_of(lrs)
@@ -172,6 +182,8 @@ def run_config(cfg: Config, args: argparse.Namespace, arms: list[str], seeds: in
     own = {arm: tune(cfg, problem, steps, args, cache, log, arm) for arm in cfg.tuned_arms if arm in arms}
     runs = []
     for seed in range(seeds):
+        if args.only_seeds is not None and seed not in args.only_seeds:
+            continue
         order = arms[seed % len(arms) :] + arms[: seed % len(arms)]  # rotated per seed: machine noise favours no arm
         for arm in order:
             arm_lr, arm_wd = own.get(arm, (lr, wd))
@@ -370,9 +382,21 @@ def _finish(result: dict[str, Any], args: argparse.Namespace, log) -> None:
 
 
 def merge(args: argparse.Namespace) -> int:
-    """Combine earlier results: configurations in --configs order, the last file wins for a repeated one."""
+    """Combine earlier results, configurations in the suite's order.
+
+    The runs of a configuration found in several files (seeds run in parallel processes) are
+    pooled; for a repeated (arm, seed) the last file wins.
+    """
     parts = [json.loads(p.read_text()) for p in args.merge]
-    by_name = {c["config"]: c for part in parts for c in part["configs"]}
+    by_name: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for c in part["configs"]:
+            if c["config"] not in by_name:
+                by_name[c["config"]] = c
+                continue
+            pooled = {(r["arm"], r["seed"]): r for r in by_name[c["config"]]["runs"] + c["runs"]}
+            by_name[c["config"]] = {**c, "runs": list(pooled.values()), "seeds": len({seed for _, seed in pooled})}
+            by_name[c["config"]]["arms"] = list(dict.fromkeys(arm for arm, _ in pooled))
     configs = [by_name[name] for name in CONFIGS if name in by_name]
     for c in configs:  # summaries and verdicts recomputed from the runs with this version's code
         add_targets(c["runs"])
