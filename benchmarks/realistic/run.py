@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SEED",
         help="run just these of the seeds (parallel processes, one seed each, combined with --merge)",
     )
+    p.add_argument("--skip-baseline", action="store_true", help="run only the named arms (parallel processes; --merge adds the baseline's)")
     p.add_argument("--lr-grid", nargs="+", type=float, default=None, help="score just these lrs when tuning (parallel tuning)")
     p.add_argument("--wd-grid", nargs="+", type=float, default=None, help="score just these weight decays when tuning")
     p.add_argument("--steps", type=int, default=None, help="override every configuration's training steps")
@@ -421,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown arm(s) {unknown}; known: {list(ARMS)}")
     arms = list(dict.fromkeys(["baseline", *args.arms]))
+    if args.skip_baseline and len(arms) > 1:
+        arms.remove("baseline")
     seeds = args.seeds if args.seeds is not None else (1 if args.quick else 5)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device available")
