@@ -4,7 +4,7 @@ For a machine with many cores and one GPU, where one small model leaves most of 
 
     python -m benchmarks.realistic.parallel --configs llama_lm llama_lora --device cuda --out results/lm
 
-Phase 1 scores every (lr, weight decay) point of every baseline (and of every arm tuned as a
+Phase 0 pre-trains the base model of each seed of a fine-tuning configuration once.  Phase 1 scores every (lr, weight decay) point of every baseline (and of every arm tuned as a
 baseline of its own) in its own process, each writing its own cache; the caches are combined
 into ``OUT/tuned.json``.  Phase 2 runs each seed of each configuration in its own process (all
 arms of a seed in one process, in the suite's rotated order, so that the arms of a seed share
@@ -56,7 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arms", nargs="+", default=None)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--warm", nargs=2, metavar=("CONFIG", "SEED"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--split-arms", action="store_true", help="one process per (configuration, seed, arm) instead of per seed")
+    if argv is None and "--warm" in sys.argv:  # phase 0's worker: build one seed's model (pre-training it into the cache)
+        name, seed = sys.argv[sys.argv.index("--warm") + 1 :][:2]
+        CONFIGS[name].build("--quick" in sys.argv, False).make_model(int(seed))
+        return 0
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     env_cache = args.out / "pretrained"
@@ -65,6 +70,20 @@ def main(argv: list[str] | None = None) -> int:
     base += ["--quick"] if args.quick else []
     base += ["--steps", str(args.steps)] if args.steps else []
     arms = ["--arms", *args.arms] if args.arms else []
+    # phase 0: pre-train each seed's base model once (configurations that fine-tune one), in parallel
+    from benchmarks.realistic.run import TUNE_SEED
+
+    warm = [n for n in args.configs if CONFIGS[n].name == "llama_lora"]
+    jobs = [
+        [sys.executable, "-m", "benchmarks.realistic.parallel", "--warm", n, str(seed), "--configs", n, "--out", str(args.out)]
+        + (["--quick"] if args.quick else [])
+        for n in warm
+        for seed in [TUNE_SEED, *range(args.seeds)]
+    ]
+    if jobs:
+        start = time.perf_counter()
+        codes = _launch(jobs, [args.out / f"warm_{i}.log" for i in range(len(jobs))], args.jobs)
+        print(f"phase 0: {len(jobs)} pre-training processes, {sum(c != 0 for c in codes)} failed, {time.perf_counter() - start:.0f} s")
     # phase 1: one process per tuning point (the grids are explicit, so nothing is extended)
     jobs, logs, caches = [], [], []
     for name in args.configs:
