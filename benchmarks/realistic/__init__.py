@@ -23,8 +23,8 @@ Configurations (``configs.CONFIGS``; digits = scikit-learn's bundled digits, 109
   the head fine-tuned on task B (the teacher changed by a rank-2 update), 1000/250/1000
   sequences, AdamW, warm-up 20 + cosine, 400 steps, lr grid 1e-3/3e-3/1e-2;
 * ``llama_lm`` (``lm.py``): ``transformers.LlamaForCausalLM`` built from a config (RMSNorm,
-  rotary, SwiGLU, grouped-query attention; hidden 256, 8 layers, 4 heads, 2 KV heads: 5.9M
-  parameters), byte-level, trained from scratch on the English text of Python's documentation
+  rotary, SwiGLU, grouped-query attention; hidden 64, 4 layers, 4 heads, 2 KV heads: 0.21M
+  parameters; ``--large``: hidden 256, 8 layers, 5.9M parameters), byte-level, trained from scratch on the English text of Python's documentation
   topics (``pydoc_data``), context 64, batch 32, AdamW (0.9, 0.95), warm-up 100 + cosine, 1500
   steps; lr 1e-3/3e-3/1e-2 x weight decay 0/0.1/0.3 tuned together;
 * ``llama_lora``: that model pre-trained 1500 steps on English (per seed, not timed), then
@@ -32,8 +32,8 @@ Configurations (``configs.CONFIGS``; digits = scikit-learn's bundled digits, 109
   plain LoRA and ``balora`` (every pair projected onto the balanced set after each step) are
   baselines tuned each on its own lr x decay grid.
 
-The language models are meant for a GPU (``--device cuda``); their ``--quick`` form (hidden 64,
-2 layers) runs anywhere.  On them the next-byte accuracy stands for the test accuracy, the
+The language models' default sizes train on a CPU core; ``--large`` is meant for a GPU
+(``--device cuda``); their ``--quick`` form (hidden 64, 2 layers) is the CI smoke run.  On them the next-byte accuracy stands for the test accuracy, the
 "never worse" bound on the best validation loss is 1.01x, and the decay arms add Cautious
 Weight Decay (``cautious_wd``) to plain decay and Syre.
 

@@ -413,7 +413,7 @@ CONFIGS: dict[str, Config] = {
         ),
         Config(
             "llama_lm",
-            "byte-level Llama (RMSNorm, rotary, SwiGLU, GQA; 5.9M) from scratch on Python's documentation text, "
+            "byte-level Llama (RMSNorm, rotary, SwiGLU, GQA; 0.21M, --large 5.9M) from scratch on Python's documentation text, "
             "AdamW (0.9, 0.95), warm-up 100 + cosine, batch 32 x 64 bytes",
             _llama_lm,
             "adamw95",

@@ -37,8 +37,13 @@ __all__ = ["CausalLM", "english_bytes", "code_bytes", "windows", "llama_lm_probl
 
 CONTEXT = 64
 QUICK_CONTEXT = 32
-# sizes: (hidden, intermediate, layers, heads, kv heads); the full one has 5.9M parameters
-SIZES = {"quick": (64, 172, 2, 4, 2), "full": (256, 688, 8, 4, 2)}
+# sizes: (hidden, intermediate, layers, heads, kv heads): "small" (0.21M parameters) trains on a CPU core,
+# "large" (5.9M, ``--large``) is meant for a GPU
+SIZES = {"quick": (64, 172, 2, 4, 2), "small": (64, 172, 4, 4, 2), "large": (256, 688, 8, 4, 2)}
+
+
+def _size(quick: bool, large: bool) -> str:
+    return "quick" if quick else "large" if large else "small"
 
 
 class CausalLM(nn.Module):
@@ -123,11 +128,11 @@ def _features(model: nn.Module, x: Tensor) -> Tensor:
 
 
 def llama_lm_problem(quick: bool, large: bool) -> Any:
-    """Byte-level Llama (5.9M parameters; ``quick``: 0.1M) pre-trained from scratch on the English corpus."""
+    """Byte-level Llama (0.21M parameters; ``large``: 5.9M; ``quick``: 0.1M) trained from scratch on the English corpus."""
     from benchmarks.realistic.configs import Problem
 
     context = QUICK_CONTEXT if quick else CONTEXT
-    size = "quick" if quick else "full"
+    size = _size(quick, large)
     parts = _split(*windows(english_bytes(), context), quick)
     n_params = sum(p.numel() for p in _llama(size, context, 0).parameters())
     return Problem(
@@ -188,7 +193,7 @@ def llama_lora_problem(quick: bool, large: bool) -> Any:
     from benchmarks.realistic.configs import Problem
 
     context = QUICK_CONTEXT if quick else CONTEXT
-    size = "quick" if quick else "full"
+    size = _size(quick, large)
     pre_x, pre_y, *_ = _split(*windows(english_bytes(), context), quick)
     parts = _split(*windows(code_bytes(), context), quick)
     pre_steps = 20 if quick else 1500
