@@ -206,6 +206,7 @@ class Case:
     options: dict[str, Any]
     closure: bool = False  # teleport(closure) instead of step() with batch_fn
     points: int = 4  # injection points per phase (first, last, evenly between)
+    lookahead: bool = False  # timm's Lookahead(Adam, k=2): the commit phase moves its slow weights
 
 
 def mlp() -> nn.Module:
@@ -218,6 +219,7 @@ CASES = [
     Case("attention GL and scalings, fast path, default watch", Attention, (4, 3, 8), 4, {}),
     Case("mlp scalings, general path", mlp, (16, 5), 3, {"path": "general"}, points=3),
     Case("mlp scalings, teleport(closure), no watch", mlp, (16, 5), 3, {"safety": SafetyConfig(watch_steps=0)}, closure=True),
+    Case("mlp scalings, Lookahead(Adam), fast path", mlp, (16, 5), 3, {}, points=3, lookahead=True),
 ]
 
 
@@ -230,10 +232,15 @@ def build(case: Case) -> tuple[nn.Module, PhasedTeleport, Callable[[], Any]]:
     x = torch.randn(*case.shape, generator=gen, dtype=torch.float64)
     y = torch.randn(case.shape[0], case.out, generator=gen, dtype=torch.float64)
     loss_fn = nn.functional.mse_loss
+    base: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if case.lookahead:
+        from timm.optim import Lookahead
+
+        base = Lookahead(base, k=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # sites left out of "auto" detection
         opt = PhasedTeleport(
-            torch.optim.Adam(model.parameters(), lr=1e-2),
+            base,
             model,
             "auto",
             example_inputs=x[:4],
@@ -283,7 +290,8 @@ def inject(case: Case, per_phase: int) -> dict[str, int]:
     before = state_of(model, opt)  # (the global RNG as the twin left it)
     points = injection_points(counter.ops, per_phase)
     tried = {p: sum(counter.ops[i] == p for i in points) for p in PHASES}
-    print(f"{case.name}: ops per phase {({p: counter.ops.count(p) for p in PHASES})}")
+    counts = {p: counter.ops.count(p) for p in PHASES}
+    print(f"{case.name}: ops per phase {counts}")
     faults: list[tuple[str, Callable[[BaseException], Any]]] = []
     for at in points:
         faults.append((f"op {at} ({counter.ops[at]})", lambda fault, at=at: Faults(phases, injectable, at, fault)))
@@ -336,3 +344,32 @@ def test_an_exception_anywhere_in_a_teleport_leaves_everything_bitwise_as_before
 def test_a_dense_sweep_of_faults_leaves_everything_bitwise_as_before(case: Case) -> None:
     tried = inject(case, 40)
     print(f"{case.name}: injection points per phase {tried}")
+
+
+def test_a_fault_after_the_search_puts_back_the_gradients_the_plan_computed_and_the_generator() -> None:
+    # without .grad, the fast path's plan computes it from the batch; the curvature objective draws its random
+    # orbit curves from the wrapper's generator: both are replaced, not written in place, and both go back
+    torch.manual_seed(0)
+    model = mlp().double()
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 5, generator=gen, dtype=torch.float64), torch.randn(16, 3, generator=gen, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = PhasedTeleport(
+            torch.optim.SGD(model.parameters(), lr=1e-2),
+            model,
+            "auto",
+            objective="curvature",
+            example_inputs=x[:4],
+            loss_fn=nn.functional.mse_loss,
+        )
+    before = state_of(model, opt)
+    assert all(p.grad is None for p in model.parameters())
+    fault = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt) as info, _Boundary(opt.phases, ("search", "exit"), fault):
+        opt.teleport(batch=(x, y))
+    assert info.value is fault
+    assert not differences(before, state_of(model, opt))
+    report = opt.teleport(batch=(x, y))  # what the fault undid: the same teleport, completed
+    assert report.reason != "" and all(p.grad is not None for p in model.parameters())
+    assert differences(before["state_dict"], state_of(model, opt)["state_dict"])  # the generator moved on

@@ -15,6 +15,8 @@ teleport to a :class:`TeleportEngine`:
   them the plan phase declines), and an unchanged loss (and held-out loss), or a
   rollback; an accepted teleport is then watched (:class:`~teleopt.teleport.watch.Watch`).
 
+All four run inside a :class:`~teleopt.teleport.transaction.Transaction`: an exception anywhere leaves everything as it was.
+
 The papers' first-order teleport is another engine
 (:class:`~teleopt.teleport.paper_compat.PaperCompatEngine`), not a branch here.
 """
