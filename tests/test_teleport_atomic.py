@@ -26,6 +26,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from teleopt.teleport import SafetyConfig, Teleport
 from teleopt.teleport.engine import TeleportEngine
@@ -104,6 +105,23 @@ class Faults(TorchFunctionMode):
         self.ops: list[str] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.phases.current in self.injectable:
+            self.ops.append(self.phases.current)
+            if len(self.ops) - 1 == self.at and self.fault is not None:
+                fault, self.fault = self.fault, None
+                raise fault
+        return func(*args, **(kwargs or {}))
+
+
+class DispatchFaults(TorchDispatchMode):
+    """:class:`Faults` one level down: the ATen operations (inside composite functions and autograd's backward too)."""
+
+    def __init__(self, phases: Phases, injectable: tuple[str, ...], at: int | None = None, fault: BaseException | None = None):
+        super().__init__()
+        self.phases, self.injectable, self.at, self.fault = phases, injectable, at, fault
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.phases.current in self.injectable:
             self.ops.append(self.phases.current)
             if len(self.ops) - 1 == self.at and self.fault is not None:
@@ -275,13 +293,14 @@ def injection_points(ops: list[str], per_phase: int) -> list[int]:
     return points
 
 
-def inject(case: Case, per_phase: int) -> dict[str, int]:
-    """The harness (module docs); returns the injection points tried per phase (boundaries under "boundaries")."""
+def inject(case: Case, per_phase: int, mode: type[Faults] | type[DispatchFaults] = Faults) -> dict[str, int]:
+    """The harness (module docs) with faults raised by ``mode``; returns the injection points tried per phase
+    (boundaries under "boundaries")."""
     model, opt, teleport = build(case)
     phases = opt.phases
     injectable = PHASES[1:] if case.closure else PHASES  # before the engine, a closure is the user's own code
     twin_model, twin, twin_teleport = build(case)  # counted on a twin: the wrapper under test stays as it is
-    counter = Faults(twin.phases, injectable)
+    counter = mode(twin.phases, injectable)
     twin.phases.current = "wrapper"
     with counter:
         twin_teleport()
@@ -294,7 +313,7 @@ def inject(case: Case, per_phase: int) -> dict[str, int]:
     print(f"{case.name}: ops per phase {counts}")
     faults: list[tuple[str, Callable[[BaseException], Any]]] = []
     for at in points:
-        faults.append((f"op {at} ({counter.ops[at]})", lambda fault, at=at: Faults(phases, injectable, at, fault)))
+        faults.append((f"op {at} ({counter.ops[at]})", lambda fault, at=at: mode(phases, injectable, at, fault)))
     for phase in ("plan", "search", "apply", "verify"):
         for side in ("enter", "exit"):
             faults.append((f"{side} {phase}", lambda fault, b=(phase, side): _Boundary(phases, b, fault)))
@@ -337,6 +356,14 @@ def test_an_exception_anywhere_in_a_teleport_leaves_everything_bitwise_as_before
     tried = inject(case, case.points)
     assert all(tried[p] >= 1 for p in ("plan", "search", "apply", "verify")), tried
     print(f"{case.name}: injection points per phase {tried}")
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=[CASES[0].name, CASES[3].name])
+def test_a_fault_inside_an_aten_operation_leaves_everything_bitwise_as_before(case: Case) -> None:
+    # one level below torch functions: ATen ops inside composite functions and inside autograd's backward
+    tried = inject(case, 3, DispatchFaults)
+    assert all(tried[p] >= 1 for p in ("plan", "search", "apply", "verify")), tried
+    print(f"{case.name}: ATen injection points per phase {tried}")
 
 
 @pytest.mark.slow
