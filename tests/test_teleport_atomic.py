@@ -3,14 +3,15 @@
 The fault-injection harness runs a teleport once under a counting ``TorchFunctionMode`` that labels every torch
 function call (every tensor operation, and attribute reads such as ``.grad``) with the phase it runs in (the
 engine's phases are named by a subclass: plan, search, apply, verify; "wrapper" before the engine, "commit" after
-it up to the report).  It then re-runs the same teleport from the same state once per injection point (the first
-and last operation of each phase and points evenly spaced between, plus the entry and exit of each phase),
-raising there in turn a ``RuntimeError("simulated OOM")``, a ``torch.OutOfMemoryError`` and a
+it up to the report), on a twin built the same way.  It then re-runs the same teleport from the same state once
+per injection point (the first and last operation of each phase and points evenly spaced between, plus the entry
+and exit of each phase), raising there in turn a ``RuntimeError("simulated OOM")``, a ``torch.OutOfMemoryError`` and a
 ``KeyboardInterrupt``.  Each time the very exception object must come out of ``step()``/``teleport()``, and the
 parameters, gradients, buffers, the wrapper's ``state_dict`` (the base optimizer's state and step counts, the
-wrapper's counters, generator, watch), its record and its list of reports must be bitwise what they were.  A
-rollback that is right leaves the state the next injection starts from identical, so one wrapper serves all of
-them; at the end it must still teleport and step exactly as a wrapper that was never interrupted.
+wrapper's counters, generator, watch), its record, its list of reports and torch's global RNG must be bitwise
+what they were.  A rollback that is right leaves the state the next injection starts from identical, so one wrapper
+serves all of them; at the end it must still teleport and step exactly as a wrapper that was never interrupted.
+:class:`DispatchFaults` does the same one level down, on ATen operations (inside autograd's backward too).
 """
 
 from __future__ import annotations
@@ -400,3 +401,32 @@ def test_a_fault_after_the_search_puts_back_the_gradients_the_plan_computed_and_
     report = opt.teleport(batch=(x, y))  # what the fault undid: the same teleport, completed
     assert report.reason != "" and all(p.grad is not None for p in model.parameters())
     assert differences(before["state_dict"], state_of(model, opt)["state_dict"])  # the generator moved on
+
+
+def test_a_wrapper_interrupted_mid_teleport_trains_on_exactly_like_one_never_interrupted() -> None:
+    case = CASES[1]  # no watch: the apply moves members in place, the rollback needs the transaction's copies
+    model, opt, _ = build(case)
+    twin_model, twin, _ = build(case)
+    counter = Faults(twin.phases, PHASES)
+    twin.phases.current = "wrapper"
+    with counter:
+        twin.step()
+    applies = [i for i, p in enumerate(counter.ops) if p == "apply"]
+    middle = applies[len(applies) // 2]
+    fault = KeyboardInterrupt()
+    opt.phases.current = "wrapper"
+    with pytest.raises(KeyboardInterrupt), Faults(opt.phases, PHASES, middle, fault):
+        opt.step()
+    gen = torch.Generator().manual_seed(2)
+    for m, o in ((model, opt), (twin_model, twin)):
+        if o is opt:
+            o.step()  # the step that was interrupted, now whole
+        for _ in range(4):  # teleports at every step, then the base's update
+            x = torch.randn(*case.shape, generator=gen.manual_seed(3), dtype=torch.float64)
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    a, b = state_of(model, opt), state_of(twin_model, twin)
+    a.pop("record"), b.pop("record")
+    assert not differences(b, a)
+    assert [r.reason for r in opt.reports] == [r.reason for r in twin.reports]
