@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from teleopt import Site, get_action
 from teleopt.teleport import SafetyConfig, Teleport
 from teleopt.teleport.engine import TeleportEngine
 
@@ -430,3 +431,36 @@ def test_a_wrapper_interrupted_mid_teleport_trains_on_exactly_like_one_never_int
     a.pop("record"), b.pop("record")
     assert not differences(b, a)
     assert [r.reason for r in opt.reports] == [r.reason for r in twin.reports]
+
+
+def test_a_fault_in_a_paper_compat_teleport_leaves_everything_bitwise_as_before() -> None:
+    # the papers' first-order engine replaces search, apply and verify by its own loop: a fault anywhere in it
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(5, 6, bias=False), nn.LeakyReLU(0.1), nn.Linear(6, 7, bias=False)).double()
+    gen = torch.Generator().manual_seed(4)
+    x, y = torch.randn(8, 5, generator=gen, dtype=torch.float64), torch.randn(8, 7, generator=gen, dtype=torch.float64)
+    site = Site(
+        get_action("data_dependent_gl", activation="leaky_relu", negative_slope=0.1), ("0.weight", None, "2.weight"), data_input="0"
+    )
+    opt = Teleport(
+        torch.optim.Adam(model.parameters(), lr=1e-2), model, [site], loss_fn=nn.functional.mse_loss, paper_compat=True, ascent_steps=3
+    )
+    for _ in range(2):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    phases = Phases()  # one phase, "wrapper": the whole teleport() call
+    counter = Faults(phases, ("wrapper",))
+    twin = copy.deepcopy((model, opt))
+    with counter:
+        twin[1].teleport(batch=(x, y))
+    assert twin[1].reports[-1].accepted
+    before = state_of(model, opt)
+    points = injection_points(counter.ops, 12)
+    for n, at in enumerate(points):
+        fault = _fault(n)
+        with pytest.raises(type(fault)) as info, Faults(phases, ("wrapper",), at, fault):
+            opt.teleport(batch=(x, y))
+        assert info.value is fault
+        assert not differences(before, state_of(model, opt)), f"fault at op {at} of {len(counter.ops)}"
+    assert opt.teleport(batch=(x, y)).accepted
