@@ -15,6 +15,8 @@ teleport to a :class:`TeleportEngine`:
   them the plan phase declines), and an unchanged loss (and held-out loss), or a
   rollback; an accepted teleport is then watched (:class:`~teleopt.teleport.watch.Watch`).
 
+All four run inside a :class:`~teleopt.teleport.transaction.Transaction`: an exception anywhere leaves everything as it was.
+
 The papers' first-order teleport is another engine
 (:class:`~teleopt.teleport.paper_compat.PaperCompatEngine`), not a branch here.
 """
@@ -50,6 +52,7 @@ from teleopt.teleport.report import TeleportReport
 from teleopt.teleport.safety import Caps, InverseSnapshot, SafetyConfig, Snapshot, StabilityCap, stability_cap
 from teleopt.teleport.search import SearchConfig, SearchProblem, SearchResult
 from teleopt.teleport.state_policy import StatePolicy
+from teleopt.teleport.transaction import Transaction
 from teleopt.teleport.verdict import Failure, loss_failures, non_finite_gradient, output_failures, restore_difference
 from teleopt.teleport.watch import InverseMove, TeleportRecord, Watch
 from teleopt.wrapper import OptimizerWrapper
@@ -113,6 +116,7 @@ class Plan:
     check: OutputCheck | None = None
     after: list[Tensor] | None = None
     grads_finite: bool = False  # the moved gradients are proven finite (FastEvaluator.gradients_finite_after)
+    transaction: Transaction | None = None  # what any exception rolls back to (Teleport opens it before the plan)
 
     def need_evaluator(self) -> Evaluator:
         """The evaluator (planned by every engine that searches)."""
@@ -137,12 +141,13 @@ class TeleportEngine:
         self.config = config
         self.record = record
 
-    def run(self, sites: list[Site], request: TeleportRequest) -> tuple[TeleportReport, Any]:
-        """Plan, then search, apply and verify; returns the report and the loss to hand back."""
+    def run(self, sites: list[Site], request: TeleportRequest, transaction: Transaction | None = None) -> tuple[TeleportReport, Any]:
+        """Plan, then search, apply and verify inside ``transaction``; returns the report and the loss to hand back."""
         start = time.perf_counter()
         plan = self.plan(sites, request)
         if isinstance(plan, TeleportReport):  # declined while planning
             return plan, request.loss
+        plan.transaction = transaction
         loss = self.execute(plan)
         plan.report.time_s = time.perf_counter() - start
         return plan.report, loss
@@ -431,6 +436,8 @@ class TeleportEngine:
     def apply(self, plan: Plan, elements: list[Tensor]) -> Snapshot | InverseSnapshot:
         """The apply phase: snapshot, then move parameters, gradients and optimizer state to g . w."""
         snapshot = self.snapshot(plan, elements)
+        if plan.transaction is not None:  # before anything is written in place
+            plan.transaction.protect_sites(plan.sites, plan.ctx, plan.request.closure is not None, snapshot)
         plan.report.state_decisions = dict(plan.need_evaluator().apply(elements))
         return snapshot
 

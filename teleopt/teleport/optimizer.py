@@ -66,6 +66,7 @@ from teleopt.teleport.sites import (
     validate_sites,
 )
 from teleopt.teleport.state_policy import StatePolicy, restart_curvature_history
+from teleopt.teleport.transaction import Transaction
 from teleopt.teleport.watch import InverseMove, TeleportRecord
 from teleopt.unwrap import hook_target, unwrap
 from teleopt.wrapper import OptimizerWrapper, no_grad_step
@@ -508,11 +509,14 @@ class Teleport(OptimizerWrapper):
         skipped.update({s.name: "a member has a sparse gradient" for s in sites if s not in movable})
         probe, source = self._probe_inputs()
         request = replace(request, probe=probe, probe_source=source, skipped=skipped)
-        with self._probe.pause():
-            report, loss = self._engine.run(movable, request)
-        if report.accepted:
-            restart_curvature_history(self.innermost)
-            self._lookahead.follow(report, self._module)
+        # all or nothing up to the report (teleopt.teleport.transaction); the hooks see a completed teleport
+        optimizers = (self._engine.config.optimizer, self.innermost, self._lookahead.slow_owner)
+        with self._probe.pause(), Transaction.of(self._module, optimizers, self._record, self._generator) as transaction:
+            transaction.keep(self._lookahead, "_before")
+            report, loss = self._engine.run(movable, request, transaction)
+            if report.accepted:
+                restart_curvature_history(self.innermost)
+                self._lookahead.follow(report, self._module)
         self._call_hooks(report)
         return report, loss
 

@@ -157,6 +157,12 @@ class PaperCompatEngine(TeleportEngine):
         live = {n: ctx.tensors[n] for n in ctx.trainable}
         for s in plan.sites:
             live.update({n: ctx.tensors[n] for n in s.tensor_names})
+        if plan.transaction is not None:  # all or nothing: the live tensors, every gradient, the optimizer state
+            grads = [p.grad for p in cfg.module.parameters() if p.grad is not None]
+            plan.transaction.protect(list(live.values()) + grads, [ctx.trainable[n] for n in live if n in ctx.trainable])
+        if plan.transaction is not None:  # all or nothing: the live tensors, their gradients and state
+            grads = [p.grad for p in cfg.module.parameters() if p.grad is not None]
+            plan.transaction.protect(list(live.values()) + grads, [ctx.trainable[n] for n in live if n in ctx.trainable])
         paper_compat_teleport(fmodel, plan.sites, request.batch, list(ctx.trainable), live, cfg.search.steps, cfg.search.lr)
         # the check is measured like any other teleport's, but decides nothing: this mode is not loss-preserving
         check = plan.check
