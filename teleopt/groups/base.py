@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import ClassVar, Literal
 
 import torch
@@ -17,8 +18,9 @@ BALANCE_RCOND = 1e-10
 
 __all__ = ["BALANCE_RCOND", "Group", "GroupKind", "apply_on_axis", "validated", "is_validated"]
 
-#: (storage address, shape, dtype) of elements a caller validated and holds for the duration of :func:`validated`
-_VALIDATED: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
+#: (storage address, shape, dtype) of the elements validated by the enclosing :func:`validated` blocks of this
+#: context (an immutable set; each block sets its own and restores the one before)
+_VALIDATED: ContextVar[frozenset[tuple[int, tuple[int, ...], torch.dtype]]] = ContextVar("teleopt_validated", default=frozenset())
 
 
 def _key(g: Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
@@ -30,17 +32,17 @@ def validated(elements: Sequence[Tensor]) -> Iterator[None]:
     """Within the block, :func:`is_validated` holds for ``elements`` (and views of their data): the caller
     validated them (:meth:`Group.validate`) and keeps them alive and unchanged, so actions applying them
     again skip the check (a GL element's is an SVD: 48 of them per vit_tiny teleport, half repeats)."""
-    keys = {_key(g) for g in elements} - _VALIDATED
-    _VALIDATED.update(keys)
+    token = _VALIDATED.set(_VALIDATED.get() | {_key(g) for g in elements})
     try:
         yield
     finally:
-        _VALIDATED.difference_update(keys)
+        _VALIDATED.reset(token)
 
 
 def is_validated(g: Tensor) -> bool:
     """Whether ``g`` is an element of an enclosing :func:`validated` block."""
-    return bool(_VALIDATED) and _key(g) in _VALIDATED
+    keys = _VALIDATED.get()
+    return bool(keys) and _key(g) in keys
 
 
 def _check_tensor(g: object, what: str) -> Tensor:

@@ -24,6 +24,8 @@ outside autograd keep ``matrix_exp``.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
@@ -32,7 +34,9 @@ __all__ = ["THETA", "expm_pair"]
 
 #: Degree m -> the largest theta = ||A||_1 for which sum_{k > m} theta^k / k! <= 2^-53 e^-theta: the remainder of
 #: the Taylor polynomial of degree m is below float64's unit roundoff relative to ||exp(A)|| >= e^-theta.
-THETA = {4: 0.0016778312117956388, 8: 0.06939604586415658, 12: 0.3269045734215958, 16: 0.7873811561929019}
+THETA: Mapping[int, float] = MappingProxyType(
+    {4: 0.0016778312117956388, 8: 0.06939604586415658, 12: 0.3269045734215958, 16: 0.7873811561929019}
+)
 
 
 def _degree_and_scaling(norm: float) -> tuple[int, int]:

@@ -2,65 +2,20 @@
 
 from __future__ import annotations
 
-import functools
 import math
-import weakref
 from abc import abstractmethod
-from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from typing import Any, ClassVar
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from teleopt.groups.base import BALANCE_RCOND, Group, GroupKind, _check_finite, _check_size, apply_on_axis
+from teleopt.groups.cache import active_cache, active_placements, remembering_placements
 from teleopt.groups.expm import expm_pair
 from teleopt.sharding import from_local_like, full, is_sharded, replicate_like, sharded_dims
 
-__all__ = ["GeneralLinear", "Orthogonal"]
-
-#: (id, group type, n) of a live element -> (a weak reference to it, its version, its contragredient blocks)
-_CONTRAGREDIENTS: OrderedDict[tuple[int, type, int], tuple[weakref.ref, int, Tensor]] = OrderedDict()
-_MEMO_SIZE = 64
-
-
-#: id of a live symmetric boundary point U diag(lambda) U^T -> (a weak reference to it, its version, U, lambda)
-_EIGEN: OrderedDict[int, tuple[weakref.ref, int, Tensor, Tensor]] = OrderedDict()
-
-
-def _forget(key: tuple[int, type, int], _: object) -> None:
-    _CONTRAGREDIENTS.pop(key, None)
-
-
-#: (id of an element, group type, n, power, device, dtype) -> (a weak reference to it, its version, its block
-#: matrices or contragredient there): a teleport moves every tensor of a site with the same host element.
-#: Kept only inside :func:`remembering_placements` (an apply), so no device copy outlives it.
-_PLACED: OrderedDict[tuple[Any, ...], tuple[weakref.ref, int, Tensor]] = OrderedDict()
-_PLACING = 0  # depth of remembering_placements()
-
-
-@contextmanager
-def remembering_placements() -> Iterator[None]:
-    """Inside, a GL element's block matrices copied to another device are remembered for the other tensors it
-    moves (:meth:`GeneralLinear._placed`); forgotten on exit, however long the element itself lives (a
-    teleport's report keeps its elements)."""
-    global _PLACING
-    _PLACING += 1
-    try:
-        yield
-    finally:
-        _PLACING -= 1
-        if not _PLACING:
-            _PLACED.clear()
-
-
-def _forget_placed(key: tuple[Any, ...], _: object) -> None:
-    _PLACED.pop(key, None)
-
-
-def _forget_eigen(key: int, _: object) -> None:
-    _EIGEN.pop(key, None)
+__all__ = ["GeneralLinear", "Orthogonal", "remembering_placements"]
 
 
 class _MatrixGroup(Group):
@@ -130,8 +85,8 @@ class _MatrixGroup(Group):
     def _contragredient_of(self, g: Tensor) -> Tensor:
         """:meth:`block_matrices` of ``g`` for power -1, remembered while ``g`` lives unchanged.
 
-        Actions build a group per call, so the memo is kept by element (:data:`_CONTRAGREDIENTS`): one
-        teleport moves a site's parameters, gradients and moments, and evaluates the search, with the
+        Actions build a group per call, so the memo is kept by element, in the active
+        :class:`~teleopt.groups.cache.GroupCache` (table ``"contragredient"``): one teleport moves a site's parameters, gradients and moments, and evaluates the search, with the
         same few elements.
         """
         matrices = self._remembered_contragredient(g)
@@ -143,32 +98,30 @@ class _MatrixGroup(Group):
     def _placed(self, g: Tensor, power: float, device: torch.device, dtype: torch.dtype) -> Tensor:
         """The block matrices of ``g`` (power 1) or its contragredient (power -1) on ``device`` in ``dtype``.
 
-        Inside :func:`remembering_placements` a copy to another device is remembered while ``g`` lives
-        unchanged (:data:`_PLACED`): a GL site searched on the host moves a GPU model's parameters,
+        Inside :func:`~teleopt.groups.cache.remembering_placements` a copy to another device is remembered
+        while ``g`` lives unchanged: a GL site searched on the host moves a GPU model's parameters,
         gradients and moments with one copy of its element, instead of one synchronising host-to-device
         copy per tensor."""
         matrices = self._contragredient_of(g) if power == -1 else self._blocked(g)
-        if matrices.device == device or not _PLACING:
+        placements = active_placements()
+        if matrices.device == device or placements is None:
             return matrices.to(device=device, dtype=dtype)
         key = (id(g), type(self), self.n, power, device, dtype)
-        hit = _PLACED.get(key)
-        if hit is not None and hit[0]() is g and hit[1] == g._version:
-            return hit[2]
+        hit = placements.get("placed", g, key)
+        if hit is not None:
+            return hit
         placed = matrices.to(device=device, dtype=dtype)
-        _PLACED[key] = (weakref.ref(g, functools.partial(_forget_placed, key)), g._version, placed)
-        while len(_PLACED) > 2 * _MEMO_SIZE:
-            _PLACED.popitem(last=False)
+        placements.put("placed", g, key, placed)
         return placed
 
     def _remembered_contragredient(self, g: Tensor) -> Tensor | None:
-        hit = _CONTRAGREDIENTS.get((id(g), type(self), self.n))
-        return hit[2] if hit is not None and hit[0]() is g and hit[1] == g._version else None
+        cache = active_cache()
+        return None if cache is None else cache.get("contragredient", g, (id(g), type(self), self.n))
 
     def _remember_contragredient(self, g: Tensor, matrices: Tensor) -> None:
-        key = (id(g), type(self), self.n)
-        _CONTRAGREDIENTS[key] = (weakref.ref(g, functools.partial(_forget, key)), g._version, matrices)
-        while len(_CONTRAGREDIENTS) > _MEMO_SIZE:
-            _CONTRAGREDIENTS.popitem(last=False)
+        cache = active_cache()
+        if cache is not None:
+            cache.put("contragredient", g, (id(g), type(self), self.n), matrices)
 
     def _act_on_shards(self, g: Tensor, x: Tensor, axis: int, power: float) -> Tensor:
         """:meth:`act_on_axis` of a ``DTensor`` (FSDP2).  On an axis that no mesh dimension shards, each rank
@@ -265,10 +218,11 @@ class GeneralLinear(_MatrixGroup):
             g, inverse = expm_pair(coords)
             self._remember_contragredient(g, self._blocked(inverse.mT))
             return g
-        hit = _EIGEN.get(id(coords))
-        if hit is None or hit[0]() is not coords or hit[1] != coords._version or coords.requires_grad:
+        cache = active_cache()
+        hit = None if cache is None or coords.requires_grad else cache.get("eigen", coords, id(coords))
+        if hit is None:
             return torch.linalg.matrix_exp(coords)
-        U, lam = hit[2], hit[3]
+        U, lam = hit
         g = (U * torch.exp(lam).unsqueeze(-2)) @ U.mT
         inverse = (U * torch.exp(-lam).unsqueeze(-2)) @ U.mT  # g^-1 = g^-T: g is symmetric
         self._remember_contragredient(g, self._blocked(inverse))
@@ -332,15 +286,9 @@ class GeneralLinear(_MatrixGroup):
             lam, U = torch.linalg.eigh(sym)
             kept = (lam.abs() > BOUNDARY_RTOL * lam.abs().amax(dim=-1, keepdim=True)).to(U.dtype)
             point = radius * ((U * (torch.sign(lam) * kept).unsqueeze(-2)) @ U.mT)
-            if not point.requires_grad:  # exp(point) then needs no matrix_exp (see exp)
-                _EIGEN[id(point)] = (
-                    weakref.ref(point, functools.partial(_forget_eigen, id(point))),
-                    point._version,
-                    U,
-                    radius * torch.sign(lam) * kept,
-                )
-                while len(_EIGEN) > _MEMO_SIZE:
-                    _EIGEN.popitem(last=False)
+            cache = active_cache()
+            if cache is not None and not point.requires_grad:  # exp(point) then needs no matrix_exp (see exp)
+                cache.put("eigen", point, id(point), (U, radius * torch.sign(lam) * kept))
             return point
         U, S, Vh = torch.linalg.svd(direction, full_matrices=False)
         # singular values at round-off level relative to the block's largest leave <d, xi> unchanged whatever

@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from teleopt.functional import Batch, LossFn, as_batch
+from teleopt.groups import GroupCache
 from teleopt.sharding import reshard, sharded_module, unsupported_layout
 from teleopt.site import Site
 from teleopt.teleport.check import OutputCapture, ProbeRecorder, seeded
@@ -508,7 +509,7 @@ class Teleport(OptimizerWrapper):
         skipped.update({s.name: "a member has a sparse gradient" for s in sites if s not in movable})
         probe, source = self._probe_inputs()
         request = replace(request, probe=probe, probe_source=source, skipped=skipped)
-        with self._probe.pause():
+        with self._probe.pause(), GroupCache().active():  # what the groups remember lives for this teleport
             report, loss = self._engine.run(movable, request)
         if report.accepted:
             restart_curvature_history(self.innermost)
