@@ -31,7 +31,7 @@ def _key(g: Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
 def validated(elements: Sequence[Tensor]) -> Iterator[None]:
     """Within the block, :func:`is_validated` holds for ``elements`` (and views of their data): the caller
     validated them (:meth:`Group.validate`) and keeps them alive and unchanged, so actions applying them
-    again skip the check (a GL element's is an SVD: 48 of them per vit_tiny teleport, half repeats)."""
+    again skip the check (a GL element's is an SVD)."""
     token = _VALIDATED.set(_VALIDATED.get() | {_key(g) for g in elements})
     try:
         yield
@@ -128,8 +128,7 @@ class Group(ABC):
 
     def shared_identity(self, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None) -> Tensor:
         """The identity element for reading only: equal to :meth:`identity`, but a block-diagonal matrix group's
-        blocks share one n x n identity (a broadcast view: a teleport of vit_tiny's 24 GL sites holds 72 of
-        them, 0.1x the parameters each time); writing into it is an error."""
+        blocks share one n x n identity (a broadcast view, not a copy per block); writing into it is an error."""
         return self.identity(dtype, device)
 
     @staticmethod

@@ -207,12 +207,11 @@ class GeneralLinear(_MatrixGroup):
     def exp(self, coords: Tensor) -> Tensor:
         """``matrix_exp``; for a symmetric boundary point U diag(lambda) U^T (:meth:`boundary_point`, unchanged,
         outside autograd) U diag(e^lambda) U^T from its eigendecomposition instead, with the contragredient
-        U diag(e^-lambda) U^T remembered for the apply (vit_tiny's 72 GL(64) blocks: 15 ms of ``matrix_exp``
-        and 48 LU solves per teleport).
+        U diag(e^-lambda) U^T remembered for the apply (no ``matrix_exp`` and no LU solve).
 
         Under autograd (a projected ascent's steps) exp(xi) and exp(-xi) by matrix products
         (:func:`~teleopt.groups.expm.expm_pair`), exp(-xi)^T remembered as the contragredient: no backward
-        through ``matrix_exp`` and no solve (vit_tiny's blocks: 240 -> 45 ms forward and backward)."""
+        through ``matrix_exp`` and no solve."""
         self._check_coords(coords)
         if coords.requires_grad and torch.is_grad_enabled():
             g, inverse = expm_pair(coords)
@@ -231,8 +230,8 @@ class GeneralLinear(_MatrixGroup):
     @staticmethod
     def exp_stacked(groups: Sequence[GeneralLinear], coords: Sequence[Tensor]) -> list[Tensor]:
         """:meth:`exp` under autograd of several groups' coordinates of one block size, by one :func:`expm_pair`
-        of all their blocks stacked (vit_tiny's 24 attention sites: one call of 72 blocks instead of 24 of 3,
-        whose fixed costs were half of a projected ascent step); each contragredient remembered as :meth:`exp`
+        of all their blocks stacked (one call for all sites instead of one per site, whose fixed costs
+        dominate for small blocks); each contragredient remembered as :meth:`exp`
         does.  The degree and scaling are chosen for the largest block, so values agree with :meth:`exp` to
         rounding, not bit for bit."""
         n, kinds = {grp.n for grp in groups}, {(xi.dtype, xi.device) for xi in coords}
@@ -282,7 +281,7 @@ class GeneralLinear(_MatrixGroup):
         sym = (direction + direction.mT) / 2
         if bool((direction - sym).abs().amax() <= SYMMETRIC_RTOL * direction.abs().amax()):
             # symmetric up to round-off (the gradient norm's 2 (B - A)): an eigendecomposition U Lambda U^T is the
-            # SVD with V = U sign(Lambda), at under half its cost (vit_tiny's 72 GL(64) blocks: 36 -> 15 ms)
+            # SVD with V = U sign(Lambda), at a fraction of its cost
             lam, U = torch.linalg.eigh(sym)
             kept = (lam.abs() > BOUNDARY_RTOL * lam.abs().amax(dim=-1, keepdim=True)).to(U.dtype)
             point = radius * ((U * (torch.sign(lam) * kept).unsqueeze(-2)) @ U.mT)

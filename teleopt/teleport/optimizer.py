@@ -219,8 +219,7 @@ class Teleport(OptimizerWrapper):
         """Teleport hooks, reports, and the forward pre-hook that keeps probe inputs for the check.
 
         With ``example_inputs`` the check probes those and the pre-hook is not registered: any
-        forward hook takes a module off torch's fast call path, which cost 34 us a forward (6% of
-        an iteration) on a 64-256-256-10 MLP.
+        forward hook takes a module off torch's fast call path (cost: ``docs/performance.md``).
         """
         self._hooks: OrderedDict[int, TeleportHook] = OrderedDict()
         self.reports: list[TeleportReport] = []
