@@ -16,7 +16,8 @@ counts once.  Reported:
 * ``code``: the same lines without blank lines, comments and docstrings;
 * ``functions`` and ``files``: how many distinct ones ran.
 
-Run: ``python benchmarks/code_reading.py [--base adamw|sgd] [--json out.json] [--top N]``.
+Run: ``python benchmarks/code_reading.py [--base adamw|sgd] [--json out.json] [--top N]`` (it counts
+the ``teleopt/`` beside it, whatever is installed).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from typing import Any
 import torch
 from torch import nn
 
-import teleopt
-from teleopt.teleport import Teleport
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # count this checkout's teleopt, not an installed one
+import teleopt  # noqa: E402
+from teleopt.teleport import Teleport  # noqa: E402
 
 PACKAGE = Path(teleopt.__file__).resolve().parent
 BASES: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
