@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import ClassVar, Literal
@@ -89,6 +89,26 @@ class Group(ABC):
 
     kind: GroupKind
     continuous: bool
+
+    #: whether the representation on an axis is diagonal: each entry multiplied by its own factor, a power of
+    #: the element's entry (positive scalings, signs), so an in-place product moves a tensor
+    diagonal: ClassVar[bool] = False
+    #: whether the contragredient representation equals the representation, rho(g)^-T = rho(g) (orthogonal
+    #: matrices, signs, permutations): a covector then moves like a vector on the same axis
+    self_dual: ClassVar[bool] = False
+    #: whether the Lie algebra is every n x n matrix (gl(n)), so I + T is a first-order element for any T
+    #: (Zhao 2026, Sec. 4.6.1's approximation)
+    full_matrix_algebra: ClassVar[bool] = False
+
+    def exp_stack_key(self) -> Hashable | None:
+        """Groups whose :meth:`exp` under autograd :meth:`exp_stacked` evaluates in one call share this key
+        (``None``: the group's own :meth:`exp`, one call per group)."""
+        return None
+
+    @staticmethod
+    def exp_stacked(groups: Sequence[Group], coords: Sequence[Tensor]) -> list[Tensor]:
+        """:meth:`exp` of each group's coordinates (groups sharing an :meth:`exp_stack_key` may batch it)."""
+        return [grp.exp(xi) for grp, xi in zip(groups, coords)]
 
     def __init__(self, n: int) -> None:
         _check_size(n, "group size n")

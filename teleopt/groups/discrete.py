@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
@@ -20,6 +22,7 @@ class Permutation(Group):
     """
 
     kind: GroupKind = "permutation"
+    self_dual: ClassVar[bool] = True
     continuous = False
 
     def __init__(self, n: int, unit_size: int = 1) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -203,6 +203,11 @@ class GeneralLinear(_MatrixGroup):
     # boundary, where one BoundaryStep lands at a fraction of the cost of 100 steps through matrix_exp
     boundary_search: ClassVar[bool] = True
     plain_exp: ClassVar[bool] = True
+    full_matrix_algebra: ClassVar[bool] = True
+
+    def exp_stack_key(self) -> Hashable | None:
+        """GL groups of one block size stack their exps (:meth:`exp_stacked`), unless a subclass has its own exp."""
+        return ("general", self.n) if type(self).exp is GeneralLinear.exp else None
 
     def exp(self, coords: Tensor) -> Tensor:
         """``matrix_exp``; for a symmetric boundary point U diag(lambda) U^T (:meth:`boundary_point`, unchanged,
@@ -228,23 +233,26 @@ class GeneralLinear(_MatrixGroup):
         return g
 
     @staticmethod
-    def exp_stacked(groups: Sequence[GeneralLinear], coords: Sequence[Tensor]) -> list[Tensor]:
+    def exp_stacked(groups: Sequence[Group], coords: Sequence[Tensor]) -> list[Tensor]:
         """:meth:`exp` under autograd of several groups' coordinates of one block size, by one :func:`expm_pair`
         of all their blocks stacked (one call for all sites instead of one per site, whose fixed costs
         dominate for small blocks); each contragredient remembered as :meth:`exp`
         does.  The degree and scaling are chosen for the largest block, so values agree with :meth:`exp` to
         rounding, not bit for bit."""
-        n, kinds = {grp.n for grp in groups}, {(xi.dtype, xi.device) for xi in coords}
+        if not all(isinstance(grp, GeneralLinear) for grp in groups):
+            raise TypeError(f"GeneralLinear.exp_stacked takes GeneralLinear groups, got {sorted({type(grp).__name__ for grp in groups})}")
+        gl = [grp for grp in groups if isinstance(grp, GeneralLinear)]
+        n, kinds = {grp.n for grp in gl}, {(xi.dtype, xi.device) for xi in coords}
         if len(groups) != len(coords) or len(n) != 1 or len(kinds) != 1:
             raise ValueError(
                 f"exp_stacked takes one coordinate tensor per group, all of one block size, dtype and device; got {len(groups)} "
                 f"groups of sizes {sorted(n)} and {len(coords)} tensors of {sorted(str(k) for k in kinds)}"
             )
-        for grp, xi in zip(groups, coords):
+        for grp, xi in zip(gl, coords):
             grp._check_coords(xi)
-        g, inverse = expm_pair(torch.cat([grp._blocked(xi) for grp, xi in zip(groups, coords)]))
+        g, inverse = expm_pair(torch.cat([grp._blocked(xi) for grp, xi in zip(gl, coords)]))
         out, start = [], 0
-        for grp, xi in zip(groups, coords):
+        for grp, xi in zip(gl, coords):
             count = grp.blocks or 1
             gi = g[start : start + count].reshape(xi.shape)
             grp._remember_contragredient(gi, inverse[start : start + count].mT)
@@ -358,6 +366,7 @@ class Orthogonal(_MatrixGroup):
     """
 
     kind: GroupKind = "orthogonal"
+    self_dual: ClassVar[bool] = True
     continuous = True
 
     def exp(self, coords: Tensor) -> Tensor:

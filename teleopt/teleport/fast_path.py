@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from teleopt.actions.axis import AxisAction
 from teleopt.actions.base import GroupAction
-from teleopt.groups import GeneralLinear, Group, validated
+from teleopt.groups import Group, validated
 from teleopt.groups.matrix import remembering_placements
 from teleopt.numerics import read_together
 from teleopt.sharding import full, is_sharded, replicate_like, sharded_dims, write_
@@ -285,7 +285,7 @@ class FastEvaluator:
         conditions: list[Tensor] = []  # decided together: one device synchronisation, not two per member
         for site, group, g in zip(self.sites, self.groups, elements):
             action = site.action
-            if group.kind not in ("diagonal", "sign") or not isinstance(action, AxisAction):
+            if not group.diagonal or not isinstance(action, AxisAction):
                 return False
             inverse = action.inverse(g)
             for member, name in zip(action.members, site.members):
@@ -383,19 +383,19 @@ class FastEvaluator:
 
 
 def _stacked_exps(groups: Sequence[Group], coords: Sequence[Tensor], own: Sequence[bool]) -> dict[int, Tensor]:
-    """Elements under autograd of the GL sites with the plain exp, by site index: one
-    :meth:`GeneralLinear.exp_stacked <teleopt.groups.GeneralLinear.exp_stacked>` per block size and dtype."""
+    """Elements under autograd of the sites whose groups stack their exps, by site index: one
+    :meth:`Group.exp_stacked <teleopt.groups.Group.exp_stacked>` per :meth:`Group.exp_stack_key` and dtype."""
     if not torch.is_grad_enabled():
         return {}
-    by_kind: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
+    by_kind: dict[tuple[Hashable, torch.dtype, torch.device], list[int]] = {}
     for i, (group, xi, o) in enumerate(zip(groups, coords, own)):
-        if not o and type(group) is GeneralLinear and xi.requires_grad:
-            by_kind.setdefault((group.n, xi.dtype, xi.device), []).append(i)
+        if not o and group.exp_stack_key() is not None and xi.requires_grad:
+            by_kind.setdefault((group.exp_stack_key(), xi.dtype, xi.device), []).append(i)
     out: dict[int, Tensor] = {}
     for index in by_kind.values():
         if len(index) > 1:
             gl = [groups[i] for i in index]
-            out.update(zip(index, GeneralLinear.exp_stacked(gl, [coords[i] for i in index])))  # type: ignore[arg-type]
+            out.update(zip(index, type(gl[0]).exp_stacked(gl, [coords[i] for i in index])))
     return out
 
 

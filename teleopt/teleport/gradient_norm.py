@@ -243,7 +243,7 @@ class _Reduced:
             # -2 K for A = g^-T (no solve, no product of the blocks: the search's start and its gradient); O(n)'s
             # contragredient is g itself (Group.block_matrices)
             eye = torch.eye(g.shape[-1], dtype=g.dtype, device=g.device)
-            sign = 2.0 if -member.power == 1 or grp.kind == "orthogonal" else -2.0
+            sign = 2.0 if -member.power == 1 or grp.self_dual else -2.0
             return sign * ((g - eye) * self.K).sum() + self.identity_value
         if self.kind == "blocks":
             key = (i, -member.power)
