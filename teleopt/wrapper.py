@@ -78,8 +78,7 @@ def _class_needs_closure(cls: Any) -> bool:
 
 def no_grad_step(step: Callable[..., Any]) -> Callable[..., Any]:
     """``@torch.no_grad()`` for a wrapper's ``step``, without the context decorator's per-call machinery
-    (a copy of the context manager per call: 2 of the 8 us a ``Teleport`` step added to a bare ``Adam``
-    step on a small MLP).  Grad mode is off inside and restored afterwards, also on an exception."""
+    (a copy of the context manager per call).  Grad mode is off inside and restored afterwards, also on an exception."""
 
     @functools.wraps(step)
     def without_grad(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -100,23 +100,26 @@ def test_exp_of_a_symmetric_boundary_point_comes_from_its_eigendecomposition(blo
     contragredient U diag(e^-lambda) U^T remembered for the apply: both within float64 round-off of
     matrix_exp and of the solve they replace (entries of size e^r, r = log 4).  A point changed in place, a
     copy of it takes matrix_exp (one differentiated through: expm_pair, tested with the group)."""
-    from teleopt.groups.matrix import _CONTRAGREDIENTS
+    from teleopt.groups import GroupCache
 
     group = GeneralLinear(6, blocks=blocks)
     gen = torch.Generator().manual_seed(3)
     a = torch.randn(group.coord_shape, generator=gen, dtype=F64)
-    point = group.boundary_point(a + a.mT, R)
-    assert point is not None
-    g = group.exp(point)
-    torch.testing.assert_close(g, torch.linalg.matrix_exp(point), rtol=0, atol=1e-13)
-    assert not torch.equal(g, torch.linalg.matrix_exp(point))  # not matrix_exp: the eigendecomposition
-    hit = _CONTRAGREDIENTS[(id(g), GeneralLinear, 6)]
-    blocked = g if blocks else g.unsqueeze(0)
-    torch.testing.assert_close(hit[2], torch.linalg.solve(blocked.mT, torch.eye(6, dtype=F64).expand(blocked.shape)), rtol=0, atol=1e-13)
-    assert torch.equal(group.block_matrices(g, -1), hit[2])  # the apply's g^-T is the remembered one
-    other = point.clone()
-    assert torch.equal(group.exp(other), torch.linalg.matrix_exp(other))
-    point.mul_(0.5)  # changed in place: its eigenvalues are no longer the remembered ones
+    with GroupCache().active() as cache:
+        point = group.boundary_point(a + a.mT, R)
+        assert point is not None
+        g = group.exp(point)
+        torch.testing.assert_close(g, torch.linalg.matrix_exp(point), rtol=0, atol=1e-13)
+        assert not torch.equal(g, torch.linalg.matrix_exp(point))  # not matrix_exp: the eigendecomposition
+        hit = cache.get("contragredient", g, (id(g), GeneralLinear, 6))
+        blocked = g if blocks else g.unsqueeze(0)
+        torch.testing.assert_close(hit, torch.linalg.solve(blocked.mT, torch.eye(6, dtype=F64).expand(blocked.shape)), rtol=0, atol=1e-13)
+        assert torch.equal(group.block_matrices(g, -1), hit)  # the apply's g^-T is the remembered one
+        other = point.clone()
+        assert torch.equal(group.exp(other), torch.linalg.matrix_exp(other))
+        point.mul_(0.5)  # changed in place: its eigenvalues are no longer the remembered ones
+        assert torch.equal(group.exp(point), torch.linalg.matrix_exp(point))
+    point.mul_(2.0)  # no active cache: nothing remembered, matrix_exp
     assert torch.equal(group.exp(point), torch.linalg.matrix_exp(point))
 
 

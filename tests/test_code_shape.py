@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import ast
 import inspect
+import typing
 from pathlib import Path
 
 import teleopt.groups
 from teleopt.groups import Group
+from teleopt.groups.base import GroupKind
 
 PACKAGE = Path(__file__).resolve().parents[1] / "teleopt"
 MAX_MODULE_LINES = 600
@@ -82,3 +84,57 @@ def test_teleport_never_asks_a_group_its_concrete_type():
                 if names & concrete:
                     found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert found == []
+
+
+def _concrete_groups() -> set[str]:
+    return {
+        name
+        for name, obj in inspect.getmembers(teleopt.groups, inspect.isclass)
+        if issubclass(obj, Group) and obj is not Group and obj.__module__.startswith("teleopt.groups.")
+    }
+
+
+def group_type_questions(source: str, concrete: set[str]) -> list[str]:
+    """Where ``source`` asks a group what it is rather than what it can do: ``type(x) is/==`` tests,
+    ``.kind`` compared with a group kind (``"general"``, ``"diagonal"``, ...), and any use of a
+    concrete group class by name (``isinstance``/``issubclass``, ``GeneralLinear.exp_stacked``, imports)."""
+    kinds = set(typing.get_args(GroupKind))
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(s, ast.Call) and isinstance(s.func, ast.Name) and s.func.id == "type" for s in sides):
+                found.append(f"{node.lineno}: type(...) comparison")
+            if any(isinstance(s, ast.Attribute) and s.attr == "kind" for s in sides):
+                strings = {c.value for s in sides for c in ast.walk(s) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+                if strings & kinds:
+                    found.append(f"{node.lineno}: .kind compared with {sorted(strings & kinds)}")
+        elif isinstance(node, ast.Name) and node.id in concrete:
+            found.append(f"{node.lineno}: {node.id}")
+        elif isinstance(node, ast.ImportFrom) and {a.name for a in node.names} & concrete:
+            found.append(f"{node.lineno}: imports {sorted({a.name for a in node.names} & concrete)}")
+    return found
+
+
+def test_teleport_asks_groups_what_they_can_do_not_what_they_are():
+    concrete = _concrete_groups()
+    found = {
+        str(path.relative_to(PACKAGE)): where
+        for path in sorted((PACKAGE / "teleport").rglob("*.py"))
+        if (where := group_type_questions(path.read_text(), concrete))
+    }
+    assert found == {}, "decide on a Group capability (diagonal, self_dual, exp_stack_key, ...), not on its type or kind"
+
+
+def test_the_group_type_check_sees_every_form():
+    source = (
+        "from teleopt.groups import GeneralLinear\n"
+        "a = type(group) is GeneralLinear\n"
+        "b = group.kind in ('diagonal', 'sign')\n"
+        "c = grp.kind == 'orthogonal'\n"
+        "d = issubclass(t, PositiveScaling)\n"
+        "e = check.kind == 'batch'\n"  # not a group kind
+        "f = type(site.action).exp is GroupAction.exp\n"  # an overridden method, not a type test
+    )
+    found = group_type_questions(source, _concrete_groups())
+    assert sorted(int(f.split(":")[0]) for f in found) == [1, 2, 2, 3, 4, 5], found

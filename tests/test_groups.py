@@ -168,25 +168,28 @@ def test_a_gl_contragredient_is_solved_once_per_element_and_again_after_an_in_pl
     """Outside autograd, g^-T is remembered per live element (a teleport moves parameters, gradients
     and moments by the same element): equal to the solve, not recomputed for the same unchanged
     element, recomputed after an in-place change, and forgotten when the element dies."""
-    from teleopt.groups import matrix
+    from teleopt.groups import GroupCache
 
     group = GeneralLinear(4, blocks=2)
     g = group.random(torch.Generator().manual_seed(0))
     x = torch.randn(8, 5, dtype=torch.float64)
     solved = torch.linalg.solve(g.mT, torch.eye(4, dtype=torch.float64).expand(2, 4, 4))
-    first = group.block_matrices(g, -1)
-    torch.testing.assert_close(first, solved, rtol=1e-13, atol=1e-13)
-    assert group.block_matrices(g, -1) is first and GeneralLinear(4, blocks=2).block_matrices(g, -1) is first
-    expected = (solved @ x.reshape(2, 4, 5)).reshape(8, 5)
-    torch.testing.assert_close(group.act_on_axis(g, x, 0, -1), expected, rtol=1e-13, atol=1e-13)
-    g.mul_(2)
-    torch.testing.assert_close(group.block_matrices(g, -1), solved / 2, rtol=1e-13, atol=1e-13)
-    key = (id(g), GeneralLinear, 4)
-    assert key in matrix._CONTRAGREDIENTS
-    del g
-    assert key not in matrix._CONTRAGREDIENTS
-    leaf = group.random(torch.Generator().manual_seed(1)).requires_grad_(True)  # differentiable: solved each time
-    assert group.block_matrices(leaf, -1).requires_grad
+    with GroupCache().active() as cache:
+        first = group.block_matrices(g, -1)
+        torch.testing.assert_close(first, solved, rtol=1e-13, atol=1e-13)
+        assert group.block_matrices(g, -1) is first and GeneralLinear(4, blocks=2).block_matrices(g, -1) is first
+        expected = (solved @ x.reshape(2, 4, 5)).reshape(8, 5)
+        torch.testing.assert_close(group.act_on_axis(g, x, 0, -1), expected, rtol=1e-13, atol=1e-13)
+        g.mul_(2)
+        torch.testing.assert_close(group.block_matrices(g, -1), solved / 2, rtol=1e-13, atol=1e-13)
+        key = (id(g), GeneralLinear, 4)
+        assert key in cache.keys("contragredient")
+        del g
+        assert key not in cache.keys("contragredient")
+        leaf = group.random(torch.Generator().manual_seed(1)).requires_grad_(True)  # differentiable: solved each time
+        assert group.block_matrices(leaf, -1).requires_grad
+    g = group.random(torch.Generator().manual_seed(0))  # outside an active cache: solved each time, nothing kept
+    assert group.block_matrices(g, -1) is not group.block_matrices(g, -1) and not cache.keys("contragredient")
 
 
 def test_elements_validated_by_a_caller_are_not_validated_again():
@@ -207,3 +210,37 @@ def test_elements_validated_by_a_caller_are_not_validated_again():
         with pytest.raises(ValueError, match="not invertible"):
             action.act(singular, params)
     assert not is_validated(good)
+
+
+CAPABILITY_GROUPS = [
+    PositiveScaling(5),
+    SignFlip(5),
+    Permutation(5),
+    GeneralLinear(5),
+    GeneralLinear(3, blocks=2),
+    Orthogonal(5),
+]
+
+
+@pytest.mark.parametrize("group", CAPABILITY_GROUPS, ids=repr)
+def test_group_capabilities_say_what_the_representation_does(group):  # Translation acts affinely: no representation
+    """The flags teleport decides on hold numerically: ``diagonal`` (each entry times its own factor),
+    ``self_dual`` (power -1 acts as power +1), ``full_matrix_algebra`` (exp of any
+    matrix is ``matrix_exp``), and ``exp_stacked`` equals each group's ``exp`` (to float64 round-off)."""
+    gen = torch.Generator().manual_seed(0)
+    g = group.random(gen)
+    x = torch.randn(group.dim, 4, generator=gen, dtype=torch.float64)
+    factors = group.act_on_axis(g, torch.ones_like(x), 0, 1)
+    assert group.diagonal == torch.allclose(group.act_on_axis(g, x, 0, 1), factors * x, rtol=1e-15, atol=0)
+    same = torch.allclose(group.act_on_axis(g, x, 0, -1), group.act_on_axis(g, x, 0, 1), rtol=1e-12, atol=1e-12)
+    assert group.self_dual == same
+    if group.coord_shape is not None:
+        xi = torch.randn(group.coord_shape, generator=gen, dtype=torch.float64) * 0.3
+        if group.full_matrix_algebra:
+            assert_close(group.exp(xi), torch.linalg.matrix_exp(xi), rtol=1e-13)
+        with torch.enable_grad():
+            xs = [xi.clone().requires_grad_(True), (0.5 * xi).requires_grad_(True)]
+            stacked = type(group).exp_stacked([group, group], xs)
+        for e, c in zip(stacked, xs):
+            assert_close(e.detach(), group.exp(c.detach()), rtol=1e-13)
+        assert (group.exp_stack_key() is not None) == isinstance(group, GeneralLinear)

@@ -126,7 +126,7 @@ class LossWeights:
 
         ``linearity`` defaults to 0 (the papers' objective).  In our runs on the
         sigmoid network of Sec. 5.4 these weights left the invariance term too weak
-        (loss along learned curves only ~2x flatter than along random ones);
+        (learned curves barely flatter than random ones, ``docs/performance.md``);
         ``benchmarks/discovery.py`` uses the Sec. 5.3 weights with ``linearity=0``.
         """
         return cls(invariance=1.0, identity=10.0, associativity=1.0, norm=10.0, orthogonality=1.0, sparsity=0.1, linearity=linearity)

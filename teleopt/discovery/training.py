@@ -139,9 +139,8 @@ def discover(
     restarts:
         Train this many times, with seeds ``seed, seed + 1, ...``, and keep the run
         with the lowest training objective (mean total loss over its last 50 steps).
-        The objective is non-convex in the generators: on the width-3 LeakyReLU
-        network of ``benchmarks/discovery.py``, 2 of 4 seeds left one of three
-        generators outside the rescaling span, with a 15x larger invariance term.
+        The objective is non-convex in the generators: a seed can leave a generator
+        outside the symmetry's span (measured: ``docs/performance.md``).
     """
     if isinstance(loss_fn, DiscoveryProblem):
         if param_shapes is not None or sampler is not None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import ClassVar, Literal
 
 import torch
@@ -17,8 +18,9 @@ BALANCE_RCOND = 1e-10
 
 __all__ = ["BALANCE_RCOND", "Group", "GroupKind", "apply_on_axis", "validated", "is_validated"]
 
-#: (storage address, shape, dtype) of elements a caller validated and holds for the duration of :func:`validated`
-_VALIDATED: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
+#: (storage address, shape, dtype) of the elements validated by the enclosing :func:`validated` blocks of this
+#: context (an immutable set; each block sets its own and restores the one before)
+_VALIDATED: ContextVar[frozenset[tuple[int, tuple[int, ...], torch.dtype]]] = ContextVar("teleopt_validated", default=frozenset())
 
 
 def _key(g: Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
@@ -29,18 +31,18 @@ def _key(g: Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
 def validated(elements: Sequence[Tensor]) -> Iterator[None]:
     """Within the block, :func:`is_validated` holds for ``elements`` (and views of their data): the caller
     validated them (:meth:`Group.validate`) and keeps them alive and unchanged, so actions applying them
-    again skip the check (a GL element's is an SVD: 48 of them per vit_tiny teleport, half repeats)."""
-    keys = {_key(g) for g in elements} - _VALIDATED
-    _VALIDATED.update(keys)
+    again skip the check (a GL element's is an SVD)."""
+    token = _VALIDATED.set(_VALIDATED.get() | {_key(g) for g in elements})
     try:
         yield
     finally:
-        _VALIDATED.difference_update(keys)
+        _VALIDATED.reset(token)
 
 
 def is_validated(g: Tensor) -> bool:
     """Whether ``g`` is an element of an enclosing :func:`validated` block."""
-    return bool(_VALIDATED) and _key(g) in _VALIDATED
+    keys = _VALIDATED.get()
+    return bool(keys) and _key(g) in keys
 
 
 def _check_tensor(g: object, what: str) -> Tensor:
@@ -88,6 +90,26 @@ class Group(ABC):
     kind: GroupKind
     continuous: bool
 
+    #: whether the representation on an axis is diagonal: each entry multiplied by its own factor, a power of
+    #: the element's entry (positive scalings, signs), so an in-place product moves a tensor
+    diagonal: ClassVar[bool] = False
+    #: whether the contragredient representation equals the representation, rho(g)^-T = rho(g) (orthogonal
+    #: matrices, signs, permutations): a covector then moves like a vector on the same axis
+    self_dual: ClassVar[bool] = False
+    #: whether the Lie algebra is every n x n matrix (gl(n)), so I + T is a first-order element for any T
+    #: (Zhao 2026, Sec. 4.6.1's approximation)
+    full_matrix_algebra: ClassVar[bool] = False
+
+    def exp_stack_key(self) -> Hashable | None:
+        """Groups whose :meth:`exp` under autograd :meth:`exp_stacked` evaluates in one call share this key
+        (``None``: the group's own :meth:`exp`, one call per group)."""
+        return None
+
+    @staticmethod
+    def exp_stacked(groups: Sequence[Group], coords: Sequence[Tensor]) -> list[Tensor]:
+        """:meth:`exp` of each group's coordinates (groups sharing an :meth:`exp_stack_key` may batch it)."""
+        return [grp.exp(xi) for grp, xi in zip(groups, coords)]
+
     def __init__(self, n: int) -> None:
         _check_size(n, "group size n")
         self.n = n
@@ -126,8 +148,7 @@ class Group(ABC):
 
     def shared_identity(self, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None) -> Tensor:
         """The identity element for reading only: equal to :meth:`identity`, but a block-diagonal matrix group's
-        blocks share one n x n identity (a broadcast view: a teleport of vit_tiny's 24 GL sites holds 72 of
-        them, 0.1x the parameters each time); writing into it is an error."""
+        blocks share one n x n identity (a broadcast view, not a copy per block); writing into it is an error."""
         return self.identity(dtype, device)
 
     @staticmethod

@@ -22,6 +22,7 @@ class PositiveScaling(Group):
     """
 
     kind: GroupKind = "diagonal"
+    diagonal: ClassVar[bool] = True
     boundary_search_when_convex: ClassVar[bool] = True
     plain_exp: ClassVar[bool] = True
     continuous = True
@@ -143,6 +144,8 @@ class SignFlip(Group):
     """
 
     kind: GroupKind = "sign"
+    diagonal: ClassVar[bool] = True
+    self_dual: ClassVar[bool] = True
     continuous = False
 
     def identity(self, dtype=torch.float64, device=None) -> Tensor:

@@ -1,8 +1,7 @@
 """exp(X) and exp(-X) of square matrices with matrix products only, for autograd through the exponential.
 
 ``torch.linalg.matrix_exp`` differentiates by the exponential of a 2n x 2n block
-matrix; on vit_tiny's 72 GL(64) blocks its backward takes about 110 ms on a
-2-core CPU, and a projected ascent through GL elements (Zhao 2026, Algorithm 1
+matrix, and a projected ascent through GL elements (Zhao 2026, Algorithm 1
 line 3) pays it at every step.  :func:`expm_pair` evaluates the Taylor polynomial
 of degree m in {4, 8, 12, 16} of A = X / 2^s by the Paterson-Stockmeyer scheme
 (powers A^2, A^3, A^4, then Horner in A^4) and squares it s times (Higham 2005,
@@ -10,9 +9,7 @@ of degree m in {4, 8, 12, 16} of A = X / 2^s by the Paterson-Stockmeyer scheme
 Taylor rather than Pade approximants, so that nothing but products and sums enter
 the graph).  exp(-X) shares every power: its polynomial is the even part minus
 the odd part.  Autograd then differentiates the computed function exactly, at
-about twice the products of the forward (vit_tiny's blocks: exp(X) and exp(-X)
-forward and backward in about 45 ms, against 240 ms for ``matrix_exp`` and a
-solve).
+about twice the products of the forward (timings: ``docs/performance.md``).
 
 The degree and the scaling are chosen from ||X||_1 (the largest column sum of
 absolute values over the whole batch) so that the Taylor remainder of the scaled
@@ -24,6 +21,8 @@ outside autograd keep ``matrix_exp``.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
@@ -32,7 +31,9 @@ __all__ = ["THETA", "expm_pair"]
 
 #: Degree m -> the largest theta = ||A||_1 for which sum_{k > m} theta^k / k! <= 2^-53 e^-theta: the remainder of
 #: the Taylor polynomial of degree m is below float64's unit roundoff relative to ||exp(A)|| >= e^-theta.
-THETA = {4: 0.0016778312117956388, 8: 0.06939604586415658, 12: 0.3269045734215958, 16: 0.7873811561929019}
+THETA: Mapping[int, float] = MappingProxyType(
+    {4: 0.0016778312117956388, 8: 0.06939604586415658, 12: 0.3269045734215958, 16: 0.7873811561929019}
+)
 
 
 def _degree_and_scaling(norm: float) -> tuple[int, int]:

@@ -2,65 +2,20 @@
 
 from __future__ import annotations
 
-import functools
 import math
-import weakref
 from abc import abstractmethod
-from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from typing import Any, ClassVar
+from collections.abc import Hashable, Mapping, Sequence
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from teleopt.groups.base import BALANCE_RCOND, Group, GroupKind, _check_finite, _check_size, apply_on_axis
+from teleopt.groups.cache import active_cache, active_placements, remembering_placements
 from teleopt.groups.expm import expm_pair
 from teleopt.sharding import from_local_like, full, is_sharded, replicate_like, sharded_dims
 
-__all__ = ["GeneralLinear", "Orthogonal"]
-
-#: (id, group type, n) of a live element -> (a weak reference to it, its version, its contragredient blocks)
-_CONTRAGREDIENTS: OrderedDict[tuple[int, type, int], tuple[weakref.ref, int, Tensor]] = OrderedDict()
-_MEMO_SIZE = 64
-
-
-#: id of a live symmetric boundary point U diag(lambda) U^T -> (a weak reference to it, its version, U, lambda)
-_EIGEN: OrderedDict[int, tuple[weakref.ref, int, Tensor, Tensor]] = OrderedDict()
-
-
-def _forget(key: tuple[int, type, int], _: object) -> None:
-    _CONTRAGREDIENTS.pop(key, None)
-
-
-#: (id of an element, group type, n, power, device, dtype) -> (a weak reference to it, its version, its block
-#: matrices or contragredient there): a teleport moves every tensor of a site with the same host element.
-#: Kept only inside :func:`remembering_placements` (an apply), so no device copy outlives it.
-_PLACED: OrderedDict[tuple[Any, ...], tuple[weakref.ref, int, Tensor]] = OrderedDict()
-_PLACING = 0  # depth of remembering_placements()
-
-
-@contextmanager
-def remembering_placements() -> Iterator[None]:
-    """Inside, a GL element's block matrices copied to another device are remembered for the other tensors it
-    moves (:meth:`GeneralLinear._placed`); forgotten on exit, however long the element itself lives (a
-    teleport's report keeps its elements)."""
-    global _PLACING
-    _PLACING += 1
-    try:
-        yield
-    finally:
-        _PLACING -= 1
-        if not _PLACING:
-            _PLACED.clear()
-
-
-def _forget_placed(key: tuple[Any, ...], _: object) -> None:
-    _PLACED.pop(key, None)
-
-
-def _forget_eigen(key: int, _: object) -> None:
-    _EIGEN.pop(key, None)
+__all__ = ["GeneralLinear", "Orthogonal", "remembering_placements"]
 
 
 class _MatrixGroup(Group):
@@ -130,8 +85,8 @@ class _MatrixGroup(Group):
     def _contragredient_of(self, g: Tensor) -> Tensor:
         """:meth:`block_matrices` of ``g`` for power -1, remembered while ``g`` lives unchanged.
 
-        Actions build a group per call, so the memo is kept by element (:data:`_CONTRAGREDIENTS`): one
-        teleport moves a site's parameters, gradients and moments, and evaluates the search, with the
+        Actions build a group per call, so the memo is kept by element, in the active
+        :class:`~teleopt.groups.cache.GroupCache` (table ``"contragredient"``): one teleport moves a site's parameters, gradients and moments, and evaluates the search, with the
         same few elements.
         """
         matrices = self._remembered_contragredient(g)
@@ -143,32 +98,30 @@ class _MatrixGroup(Group):
     def _placed(self, g: Tensor, power: float, device: torch.device, dtype: torch.dtype) -> Tensor:
         """The block matrices of ``g`` (power 1) or its contragredient (power -1) on ``device`` in ``dtype``.
 
-        Inside :func:`remembering_placements` a copy to another device is remembered while ``g`` lives
-        unchanged (:data:`_PLACED`): a GL site searched on the host moves a GPU model's parameters,
+        Inside :func:`~teleopt.groups.cache.remembering_placements` a copy to another device is remembered
+        while ``g`` lives unchanged: a GL site searched on the host moves a GPU model's parameters,
         gradients and moments with one copy of its element, instead of one synchronising host-to-device
         copy per tensor."""
         matrices = self._contragredient_of(g) if power == -1 else self._blocked(g)
-        if matrices.device == device or not _PLACING:
+        placements = active_placements()
+        if matrices.device == device or placements is None:
             return matrices.to(device=device, dtype=dtype)
         key = (id(g), type(self), self.n, power, device, dtype)
-        hit = _PLACED.get(key)
-        if hit is not None and hit[0]() is g and hit[1] == g._version:
-            return hit[2]
+        hit = placements.get("placed", g, key)
+        if hit is not None:
+            return hit
         placed = matrices.to(device=device, dtype=dtype)
-        _PLACED[key] = (weakref.ref(g, functools.partial(_forget_placed, key)), g._version, placed)
-        while len(_PLACED) > 2 * _MEMO_SIZE:
-            _PLACED.popitem(last=False)
+        placements.put("placed", g, key, placed)
         return placed
 
     def _remembered_contragredient(self, g: Tensor) -> Tensor | None:
-        hit = _CONTRAGREDIENTS.get((id(g), type(self), self.n))
-        return hit[2] if hit is not None and hit[0]() is g and hit[1] == g._version else None
+        cache = active_cache()
+        return None if cache is None else cache.get("contragredient", g, (id(g), type(self), self.n))
 
     def _remember_contragredient(self, g: Tensor, matrices: Tensor) -> None:
-        key = (id(g), type(self), self.n)
-        _CONTRAGREDIENTS[key] = (weakref.ref(g, functools.partial(_forget, key)), g._version, matrices)
-        while len(_CONTRAGREDIENTS) > _MEMO_SIZE:
-            _CONTRAGREDIENTS.popitem(last=False)
+        cache = active_cache()
+        if cache is not None:
+            cache.put("contragredient", g, (id(g), type(self), self.n), matrices)
 
     def _act_on_shards(self, g: Tensor, x: Tensor, axis: int, power: float) -> Tensor:
         """:meth:`act_on_axis` of a ``DTensor`` (FSDP2).  On an axis that no mesh dimension shards, each rank
@@ -250,48 +203,56 @@ class GeneralLinear(_MatrixGroup):
     # boundary, where one BoundaryStep lands at a fraction of the cost of 100 steps through matrix_exp
     boundary_search: ClassVar[bool] = True
     plain_exp: ClassVar[bool] = True
+    full_matrix_algebra: ClassVar[bool] = True
+
+    def exp_stack_key(self) -> Hashable | None:
+        """GL groups of one block size stack their exps (:meth:`exp_stacked`), unless a subclass has its own exp."""
+        return ("general", self.n) if type(self).exp is GeneralLinear.exp else None
 
     def exp(self, coords: Tensor) -> Tensor:
         """``matrix_exp``; for a symmetric boundary point U diag(lambda) U^T (:meth:`boundary_point`, unchanged,
         outside autograd) U diag(e^lambda) U^T from its eigendecomposition instead, with the contragredient
-        U diag(e^-lambda) U^T remembered for the apply (vit_tiny's 72 GL(64) blocks: 15 ms of ``matrix_exp``
-        and 48 LU solves per teleport).
+        U diag(e^-lambda) U^T remembered for the apply (no ``matrix_exp`` and no LU solve).
 
         Under autograd (a projected ascent's steps) exp(xi) and exp(-xi) by matrix products
         (:func:`~teleopt.groups.expm.expm_pair`), exp(-xi)^T remembered as the contragredient: no backward
-        through ``matrix_exp`` and no solve (vit_tiny's blocks: 240 -> 45 ms forward and backward)."""
+        through ``matrix_exp`` and no solve."""
         self._check_coords(coords)
         if coords.requires_grad and torch.is_grad_enabled():
             g, inverse = expm_pair(coords)
             self._remember_contragredient(g, self._blocked(inverse.mT))
             return g
-        hit = _EIGEN.get(id(coords))
-        if hit is None or hit[0]() is not coords or hit[1] != coords._version or coords.requires_grad:
+        cache = active_cache()
+        hit = None if cache is None or coords.requires_grad else cache.get("eigen", coords, id(coords))
+        if hit is None:
             return torch.linalg.matrix_exp(coords)
-        U, lam = hit[2], hit[3]
+        U, lam = hit
         g = (U * torch.exp(lam).unsqueeze(-2)) @ U.mT
         inverse = (U * torch.exp(-lam).unsqueeze(-2)) @ U.mT  # g^-1 = g^-T: g is symmetric
         self._remember_contragredient(g, self._blocked(inverse))
         return g
 
     @staticmethod
-    def exp_stacked(groups: Sequence[GeneralLinear], coords: Sequence[Tensor]) -> list[Tensor]:
+    def exp_stacked(groups: Sequence[Group], coords: Sequence[Tensor]) -> list[Tensor]:
         """:meth:`exp` under autograd of several groups' coordinates of one block size, by one :func:`expm_pair`
-        of all their blocks stacked (vit_tiny's 24 attention sites: one call of 72 blocks instead of 24 of 3,
-        whose fixed costs were half of a projected ascent step); each contragredient remembered as :meth:`exp`
+        of all their blocks stacked (one call for all sites instead of one per site, whose fixed costs
+        dominate for small blocks); each contragredient remembered as :meth:`exp`
         does.  The degree and scaling are chosen for the largest block, so values agree with :meth:`exp` to
         rounding, not bit for bit."""
-        n, kinds = {grp.n for grp in groups}, {(xi.dtype, xi.device) for xi in coords}
+        if not all(isinstance(grp, GeneralLinear) for grp in groups):
+            raise TypeError(f"GeneralLinear.exp_stacked takes GeneralLinear groups, got {sorted({type(grp).__name__ for grp in groups})}")
+        gl = [grp for grp in groups if isinstance(grp, GeneralLinear)]
+        n, kinds = {grp.n for grp in gl}, {(xi.dtype, xi.device) for xi in coords}
         if len(groups) != len(coords) or len(n) != 1 or len(kinds) != 1:
             raise ValueError(
                 f"exp_stacked takes one coordinate tensor per group, all of one block size, dtype and device; got {len(groups)} "
                 f"groups of sizes {sorted(n)} and {len(coords)} tensors of {sorted(str(k) for k in kinds)}"
             )
-        for grp, xi in zip(groups, coords):
+        for grp, xi in zip(gl, coords):
             grp._check_coords(xi)
-        g, inverse = expm_pair(torch.cat([grp._blocked(xi) for grp, xi in zip(groups, coords)]))
+        g, inverse = expm_pair(torch.cat([grp._blocked(xi) for grp, xi in zip(gl, coords)]))
         out, start = [], 0
-        for grp, xi in zip(groups, coords):
+        for grp, xi in zip(gl, coords):
             count = grp.blocks or 1
             gi = g[start : start + count].reshape(xi.shape)
             grp._remember_contragredient(gi, inverse[start : start + count].mT)
@@ -328,19 +289,13 @@ class GeneralLinear(_MatrixGroup):
         sym = (direction + direction.mT) / 2
         if bool((direction - sym).abs().amax() <= SYMMETRIC_RTOL * direction.abs().amax()):
             # symmetric up to round-off (the gradient norm's 2 (B - A)): an eigendecomposition U Lambda U^T is the
-            # SVD with V = U sign(Lambda), at under half its cost (vit_tiny's 72 GL(64) blocks: 36 -> 15 ms)
+            # SVD with V = U sign(Lambda), at a fraction of its cost
             lam, U = torch.linalg.eigh(sym)
             kept = (lam.abs() > BOUNDARY_RTOL * lam.abs().amax(dim=-1, keepdim=True)).to(U.dtype)
             point = radius * ((U * (torch.sign(lam) * kept).unsqueeze(-2)) @ U.mT)
-            if not point.requires_grad:  # exp(point) then needs no matrix_exp (see exp)
-                _EIGEN[id(point)] = (
-                    weakref.ref(point, functools.partial(_forget_eigen, id(point))),
-                    point._version,
-                    U,
-                    radius * torch.sign(lam) * kept,
-                )
-                while len(_EIGEN) > _MEMO_SIZE:
-                    _EIGEN.popitem(last=False)
+            cache = active_cache()
+            if cache is not None and not point.requires_grad:  # exp(point) then needs no matrix_exp (see exp)
+                cache.put("eigen", point, id(point), (U, radius * torch.sign(lam) * kept))
             return point
         U, S, Vh = torch.linalg.svd(direction, full_matrices=False)
         # singular values at round-off level relative to the block's largest leave <d, xi> unchanged whatever
@@ -411,6 +366,7 @@ class Orthogonal(_MatrixGroup):
     """
 
     kind: GroupKind = "orthogonal"
+    self_dual: ClassVar[bool] = True
     continuous = True
 
     def exp(self, coords: Tensor) -> Tensor:

@@ -105,7 +105,7 @@ def shrink_to_feasible(
     """Largest s in [0, 1] (by bisection) with ``feasible(s * coords)``; returns (s * coords, s).
 
     The identity (s = 0) is assumed feasible; s = 0 means the teleport is declined.  For s = 1 the
-    given tensors themselves are returned (no copy: vit_tiny's coordinates are 0.1x its parameters).
+    given tensors themselves are returned (no copy: a coordinate set can be a sizeable fraction of the parameters).
     """
     if feasible(coords):
         return list(coords), 1.0

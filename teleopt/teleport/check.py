@@ -184,7 +184,7 @@ def seeded(module: nn.Module, seed: int) -> Iterator[None]:
     devices = sorted({int(d.index or 0) for d in places if d.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
         # the forked generators alone, each seeded directly: ``torch.manual_seed`` also queues a lazy seeding of
-        # every device type not yet initialised, which records a Python stack trace (1-2 ms per check), and would
+        # every device type not yet initialised, which records a Python stack trace (slow, every check), and would
         # seed generators that fork_rng does not restore
         if any(d.type not in ("cpu", "cuda") for d in places):
             torch.manual_seed(seed)  # another accelerator's generator (not forked, as before)

@@ -109,7 +109,7 @@ class TeleportContext:
                 u = self.model.update(self.groups[name], local(p), local(g), state)
                 products.append(((local(g).to(torch.float64) * u.to(torch.float64)).sum(), g))
         # the plain gradients' norms a device and dtype at a time (torch.nn.utils.clip_grad_norm_ does the same), read
-        # once per device and dtype instead of once per parameter (resnet18: 38 device synchronisations)
+        # once per device and dtype instead of once per parameter (a device synchronisation each)
         sq = sum(read_together([torch.stack(torch._foreach_norm(gs)).to(torch.float64).square().sum() for gs in dense.values()]))
         return sq + total_sum(squares), total_sum(products)
 

@@ -354,7 +354,7 @@ class TeleportEngine:
         groups = [s.action.group(member_tensors(s, like)) for s in sites]
         coords0 = [zero_coordinates(s, g, device) for s, g in zip(sites, groups)]
         prepared = self.config.objective.prepare(evaluator, self.config.generator)
-        identity = coords0  # read only: every strategy copies its start (vit_tiny: 0.1x the parameters each)
+        identity = coords0  # read only: every strategy copies its start (a coordinate set can be large)
         with torch.enable_grad():
             n0 = float(evaluator.grad_norm_sq(evaluator.elements(identity)).detach())
         plan.report.grad_norm_before = math.sqrt(n0)

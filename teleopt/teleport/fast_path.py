@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from teleopt.actions.axis import AxisAction
 from teleopt.actions.base import GroupAction
-from teleopt.groups import GeneralLinear, Group, validated
+from teleopt.groups import Group, validated
 from teleopt.groups.matrix import remembering_placements
 from teleopt.numerics import read_together
 from teleopt.sharding import full, is_sharded, replicate_like, sharded_dims, write_
@@ -130,7 +130,7 @@ class FastEvaluator:
 
         Coordinates outside autograd equal to the last call's return its elements (not for actions with their
         own ``exp``, which reads the moving members): a teleport asks for its chosen point's elements in the
-        line search, the caps and the report (on vit_tiny, 72 ``matrix_exp`` of 64 x 64 blocks each time).
+        line search, the caps and the report (a ``matrix_exp`` per GL block each time otherwise).
         """
         tracked = any(xi.requires_grad for xi in coords) or any(self._own_exp)  # an action's exp reads the members
         memo = self.__dict__.get("_elements_memo")
@@ -153,8 +153,7 @@ class FastEvaluator:
             for i, (site, group, xi, own) in enumerate(zip(self.sites, self.groups, coords, self._own_exp))
         ]
         if not tracked and not any(e.requires_grad for e in out):
-            # the coordinates by reference with their versions (an in-place change is a new key): on vit_tiny a copy of
-            # every element or coordinate set is 0.11x the parameters
+            # the coordinates by reference with their versions (an in-place change is a new key), not copies
             self.__dict__["_elements_memo"] = ([xi.detach() for xi in coords], out, [xi._version for xi in coords])
             exps = [(xi, e) for group, xi, e, own in zip(self.groups, coords, out, self._own_exp) if not own and group.plain_exp]
             bounds = read_together([_spectral_bound(xi.detach()) for xi, _ in exps])  # NaN fails the comparison
@@ -189,7 +188,7 @@ class FastEvaluator:
         """Whether the gradients the apply moves are finite, proven without a pass over them: every site's group is
         diagonal (an entry times a few positive factors, each product rounded to within eps) and ``norm_after``, the
         float64 ||grad L(g . w)|| predicted from the gradients (finite: they were), is below half the largest value of
-        each gradient's dtype, so no entry can overflow (mlp-10M: a pass over 38 MB of gradients saved)."""
+        each gradient's dtype, so no entry can overflow (a pass over the gradients saved)."""
         if not math.isfinite(norm_after) or any(self._own_exp) or not all(_diagonal(g) for g in self.groups):
             return False
         return all(norm_after < 0.5 * torch.finfo(g.dtype).max for g in self.grads.values())
@@ -206,7 +205,7 @@ class FastEvaluator:
         return {s.name: (values[i] + self.other_sq) / n0 for i, s in enumerate(self.sites)}
 
     def end_search(self) -> None:
-        """Free the gradient norm's reduced terms (GL Gram matrices: vit_tiny's are 0.3x the parameters, alive
+        """Free the gradient norm's reduced terms (GL Gram matrices, large, alive
         at the apply's peak otherwise) and the value memos; :meth:`grad_norm_sq` raises afterwards."""
         self.norm_model.release()
         self.__dict__.pop("_norm_memo", None)
@@ -286,7 +285,7 @@ class FastEvaluator:
         conditions: list[Tensor] = []  # decided together: one device synchronisation, not two per member
         for site, group, g in zip(self.sites, self.groups, elements):
             action = site.action
-            if group.kind not in ("diagonal", "sign") or not isinstance(action, AxisAction):
+            if not group.diagonal or not isinstance(action, AxisAction):
                 return False
             inverse = action.inverse(g)
             for member, name in zip(action.members, site.members):
@@ -384,19 +383,19 @@ class FastEvaluator:
 
 
 def _stacked_exps(groups: Sequence[Group], coords: Sequence[Tensor], own: Sequence[bool]) -> dict[int, Tensor]:
-    """Elements under autograd of the GL sites with the plain exp, by site index: one
-    :meth:`GeneralLinear.exp_stacked <teleopt.groups.GeneralLinear.exp_stacked>` per block size and dtype."""
+    """Elements under autograd of the sites whose groups stack their exps, by site index: one
+    :meth:`Group.exp_stacked <teleopt.groups.Group.exp_stacked>` per :meth:`Group.exp_stack_key` and dtype."""
     if not torch.is_grad_enabled():
         return {}
-    by_kind: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
+    by_kind: dict[tuple[Hashable, torch.dtype, torch.device], list[int]] = {}
     for i, (group, xi, o) in enumerate(zip(groups, coords, own)):
-        if not o and type(group) is GeneralLinear and xi.requires_grad:
-            by_kind.setdefault((group.n, xi.dtype, xi.device), []).append(i)
+        if not o and group.exp_stack_key() is not None and xi.requires_grad:
+            by_kind.setdefault((group.exp_stack_key(), xi.dtype, xi.device), []).append(i)
     out: dict[int, Tensor] = {}
     for index in by_kind.values():
         if len(index) > 1:
             gl = [groups[i] for i in index]
-            out.update(zip(index, GeneralLinear.exp_stacked(gl, [coords[i] for i in index])))  # type: ignore[arg-type]
+            out.update(zip(index, type(gl[0]).exp_stacked(gl, [coords[i] for i in index])))
     return out
 
 

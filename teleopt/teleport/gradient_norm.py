@@ -92,11 +92,11 @@ class _Reduced:
             self._g: Tensor | None = None
             S: Tensor | None
             if other and other == list(range(grad.ndim - len(other), grad.ndim)) and not is_sharded(g):
-                # trailing axes (the rows of a writer): one pass, no squared copy (a 2048 x 1024 gradient: 4 -> 0.3 ms)
+                # trailing axes (the rows of a writer): one pass, no squared copy
                 S = torch.linalg.vector_norm(g.flatten(grad.ndim - len(other)), dim=-1).square()
             elif not other and g.ndim == 2 and not is_sharded(g):
                 # both axes acted (between two chained sites): S = g^2 would copy the whole gradient (a fresh
-                # 16 MB on mlp-10M, 4.8 ms), so margins and values read g in row chunks; S is made only for
+                # allocation and a pass over it), so margins and values read g in row chunks; S is made only for
                 # autograd away from the identity (the projected ascent), and g must not change meanwhile
                 self._g, self._version, S = g, g._version, None
             else:
@@ -126,7 +126,7 @@ class _Reduced:
                 self.K = _summed(flat @ flat.T, g if sharded else None)
             if self.kind == "matrix":
                 self.eye = torch.eye(grp.dim, dtype=torch.float64, device=self.K.device)
-        # S in its dtype, as value() contracts it (a float64 sum of a float32 S converted every entry: 16 ms vs 0.2 ms)
+        # S in its dtype, as value() contracts it (a float64 sum of a float32 S would convert every entry first)
         # the term at the identity, read on first use (GradientNormModel reads every term's at once)
         self._identity: Tensor | float = (
             self.K.diagonal(dim1=-2, dim2=-1).sum()
@@ -158,7 +158,7 @@ class _Reduced:
         return g
 
     def _rows(self) -> list[Tensor]:
-        """The kept gradient in chunks of rows of about 2 MB (the squares of a chunk stay in cache)."""
+        """The kept gradient in chunks of about 2^19 entries (the squares of a chunk stay in cache)."""
         g = self._gradient()
         return list(g.split(max(1, (1 << 19) // max(1, g.shape[1]))))
 
@@ -243,7 +243,7 @@ class _Reduced:
             # -2 K for A = g^-T (no solve, no product of the blocks: the search's start and its gradient); O(n)'s
             # contragredient is g itself (Group.block_matrices)
             eye = torch.eye(g.shape[-1], dtype=g.dtype, device=g.device)
-            sign = 2.0 if -member.power == 1 or grp.kind == "orthogonal" else -2.0
+            sign = 2.0 if -member.power == 1 or grp.self_dual else -2.0
             return sign * ((g - eye) * self.K).sum() + self.identity_value
         if self.kind == "blocks":
             key = (i, -member.power)
@@ -309,7 +309,7 @@ def _diagonal(group: Group) -> bool:
 
 def _to_host(terms: Sequence[_Reduced], host: torch.device, chunk: int = 1 << 22) -> None:
     """Move the GL terms' Gram matrices to ``host`` for the search (FastEvaluator.search_device): a copy per
-    ``chunk`` elements (32 MB of float64) of each dtype and device, not one synchronising copy per term
+    ``chunk`` elements of each dtype and device, not one synchronising copy per term
     (vit_tiny: 72), and never more than a chunk duplicated on the device."""
     groups: dict[tuple[torch.device, torch.dtype], list[list[_Reduced]]] = {}
     for term in terms:

@@ -4,8 +4,7 @@ Lookahead (Zhang et al. 2019) keeps a second, slow copy of the weights and pulls
 the fast weights towards it every ``k`` steps.  A teleport moves the fast weights
 to ``g . w``; if the slow copy stayed at its old point of the orbit, the next sync
 would average two points of *different* orbits and change what the model computes
-(measured before this module: with lr = 0 the loss moved from 0.99361 to 0.99923
-at the next sync).  So after an accepted teleport the slow weights are moved by
+(``docs/performance.md``).  So after an accepted teleport the slow weights are moved by
 the same elements (they transform like the parameters), and a watch rollback
 restores them.  The inner optimizer, not the Lookahead shell, is the one whose
 state a teleport transports and whose next update the objectives model.

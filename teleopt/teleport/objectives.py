@@ -110,8 +110,7 @@ class Objective(ABC):
         """When to teleport if ``Teleport`` is given no ``every``/``at``/``when`` (``None``: only on request).
 
         ``None`` for the searched objectives: scheduled gradient-norm teleports diverged or collapsed
-        training in benchmarks/realistic (every 200 steps: 1 of 5 SGD seeds diverged; once at step 20:
-        a ViT under AdamW fell from 0.887 to 0.449 test accuracy, median of 3 seeds)."""
+        training in benchmarks/realistic (figures: ``docs/performance.md``)."""
         return None
 
     @abstractmethod
@@ -370,9 +369,8 @@ class Balance(Objective):
         self.min_move = None if min_move is None else float(min_move)
 
     def default_schedule(self) -> Schedule:
-        """Every 50 steps from step 50 (never at step 0, before any training): in benchmarks/realistic
-        (3 seeds, results/cpu_2026-11-24_balance.txt) it lowered the best validation loss on both MLPs in
-        every seed and moved the median test accuracy by +0.2 (MLPs), 0 (CNN) and -0.45 points (ViT)."""
+        """Every 50 steps from step 50 (never at step 0, before any training), as measured in
+        benchmarks/realistic (figures: ``docs/performance.md``)."""
         return Schedule(every=DEFAULT_BALANCE_EVERY, warmup=DEFAULT_BALANCE_EVERY)
 
     def prepare(self, evaluator: Evaluator, generator: torch.Generator) -> WeightNormModel:

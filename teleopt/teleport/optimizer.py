@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from teleopt.functional import Batch, LossFn, as_batch
+from teleopt.groups import GroupCache
 from teleopt.sharding import reshard, sharded_module, unsupported_layout
 from teleopt.site import Site
 from teleopt.teleport.check import OutputCapture, ProbeRecorder, seeded
@@ -219,8 +220,7 @@ class Teleport(OptimizerWrapper):
         """Teleport hooks, reports, and the forward pre-hook that keeps probe inputs for the check.
 
         With ``example_inputs`` the check probes those and the pre-hook is not registered: any
-        forward hook takes a module off torch's fast call path, which cost 34 us a forward (6% of
-        an iteration) on a 64-256-256-10 MLP.
+        forward hook takes a module off torch's fast call path (cost: ``docs/performance.md``).
         """
         self._hooks: OrderedDict[int, TeleportHook] = OrderedDict()
         self.reports: list[TeleportReport] = []
@@ -509,9 +509,10 @@ class Teleport(OptimizerWrapper):
         skipped.update({s.name: "a member has a sparse gradient" for s in sites if s not in movable})
         probe, source = self._probe_inputs()
         request = replace(request, probe=probe, probe_source=source, skipped=skipped)
-        # all or nothing up to the report (teleopt.teleport.transaction); the hooks see a completed teleport
+        # all or nothing up to the report (teleport.transaction), hooks after; group caches live for this teleport
         optimizers = (self._engine.config.optimizer, self.innermost, self._lookahead.slow_owner)
-        with self._probe.pause(), Transaction.of(self._module, optimizers, self._record, self._generator) as transaction:
+        atomic = Transaction.of(self._module, optimizers, self._record, self._generator)
+        with self._probe.pause(), GroupCache().active(), atomic as transaction:
             transaction.keep(self._lookahead, "_before")
             report, loss = self._engine.run(movable, request, transaction)
             if report.accepted:

@@ -52,7 +52,7 @@ def check_paper_compat_sites(sites: Sequence[Site]) -> None:
                 raise ValueError(f"paper_compat: site {site.name!r} has a first-layer bias; the official MLP teleport has none")
             if site.data_input is None:
                 raise ValueError(f"paper_compat: data-dependent site {site.name!r} names no data_input module")
-        elif not (isinstance(action, AxisAction) and action.group_type.kind == "general" and action.blocks is None):
+        elif not (isinstance(action, AxisAction) and action.group_type.full_matrix_algebra and action.blocks is None):
             raise ValueError(
                 f"paper_compat reproduces the official first-order GL teleport (I + T, I - T); site {site.name!r} "
                 f"({action.name}, {action.group_name}) is not a GL site"

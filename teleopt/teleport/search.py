@@ -72,8 +72,8 @@ class SearchProblem:
         Where every site's element is the plain exponential of its coordinates
         (:attr:`Group.plain_exp <teleopt.groups.Group.plain_exp>`, with the action's default ``exp``), d exp
         at 0 is the identity map, and the gradient is taken in the elements at the identity: no forward or
-        backward through ``matrix_exp`` (on vit_tiny's 72 GL(64) blocks that backward was most of a
-        boundary step).  Otherwise by autograd through exp.
+        backward through ``matrix_exp`` (most of a boundary step's time on GL sites otherwise).  Otherwise by
+        autograd through exp.
         """
         plain = all(g.plain_exp and type(s.action).exp is GroupAction.exp for s, g in zip(self.sites, self.groups))
         if plain:
@@ -141,10 +141,8 @@ class BoundaryStep:
     default 1 alone where the score is convex along the ray, else 1, 0.5 and 0.25).
     The gradient norm is convex in the log-scales and, for a GL site, in g^T g, so its maximum over
     the trust region lies on the boundary; the linearisation picks the boundary point in one
-    gradient evaluation instead of ``GradientAscent``'s up to 100.  On the GL(16) site of a linear
-    12-16-10 network it reached a larger gain than 100 projected-Adam steps (13.9-14.0x vs
-    9.6-11.5x over 3 seeds, ``tests/test_boundary_step.py``), on vit_tiny's attention sites 2.74x
-    vs 2.20x.
+    gradient evaluation instead of ``GradientAscent``'s up to 100 (gains compared in
+    ``docs/performance.md``).
 
     Needs a finite trust region and a boundary point for every site; otherwise the search is
     ``fallback`` (projected ascent).
@@ -184,7 +182,7 @@ class BoundaryStep:
             if point is None and g is not None and bool((g != 0).any()):
                 return self.fallback.search(problem)  # a group without a boundary point
             points.append(torch.zeros_like(x0) if point is None else point.to(x0.dtype))
-        del grads, g  # the memory of one coordinate set (vit_tiny: 0.1x the parameters) before the candidates
+        del grads, g  # the memory of one coordinate set before the candidates
         best: list[Tensor] | None = None
         best_score, evaluations = start, 1
         for t in self._fractions(problem):
@@ -292,8 +290,7 @@ class SearchConfig:
         (GL, :attr:`Group.boundary_search <teleopt.groups.Group.boundary_search>`) or, when the ascent
         was not configured and the objective's maximum lies on the boundary (the gradient norm,
         increasing), only groups that search it then (positive scalings); else projected ascent.
-        Measured (``benchmarks/teleport_cost.py --quick --search``, CPU): the same gains as 100 ascent
-        steps, in 4.8 ms instead of 11.0 ms per teleport on an MLP 64-256-256-10."""
+        (Gains and times against projected ascent: ``docs/performance.md``.)"""
         if self.strategy is None and objective.closed_form:
             return ClosedForm()
         if self.strategy is None and problem is not None and self._boundary_problem(problem, objective):

@@ -24,8 +24,7 @@ keeping it and resetting it).  Each state tensor gets one policy:
     unless a reset above applies.
 
 Defaults: transport first and second moments, except Adagrad's ``sum``, which is
-kept (benchmarks/teleport_mlp.py: on the papers' MLP regression, keeping the sum
-reaches AdaGrad's final loss about twice as fast as transporting it, because the
+kept (benchmarks/teleport_mlp.py, figures in ``docs/performance.md``: the
 transported sum makes AdaGrad's next update the same vector as before the
 teleport); fallback when no exact rule: reset first moments, keep second moments (a kept second moment has the right
 magnitude, a reset one makes an adaptive optimizer's next step a sign step);

@@ -119,7 +119,7 @@ def transport_(
         if not isinstance(action, AxisAction) or any(named.count(n) > 1 and not _composes_parts(site, n) for n in named):
             return False
         group = action.group(tuple(None if n is None else like[n] for n in site.members))
-        diagonal = group.kind in ("diagonal", "sign")
+        diagonal = group.diagonal
         if not diagonal and (group.block_size is None or kind == "second_moment" or any(is_sharded(values[n]) for n in named)):
             return False
         for member, n in zip(action.members, site.members):
