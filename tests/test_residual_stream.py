@@ -182,6 +182,21 @@ def test_frozen_gains_other_than_one_are_left_out():
     assert "not all ones" in entry[2]
 
 
+def test_tied_embeddings_are_one_member_and_refuse_folding_the_final_gain():
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True
+        )
+    )
+    with pytest.raises(ValueError, match="model.norm.weight cannot be folded into model.embed_tokens.weight: that tensor is tied"):
+        fold_norm_gains(model, example_kwargs=_call())
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.requires_grad_(False)
+    site = _stream_site(model)
+    assert site.tensor_names.count("model.embed_tokens.weight") == 1 and "lm_head.weight" not in site.tensor_names
+
+
 def test_a_model_returning_the_stream_is_left_out():
     model = build("llama", head=False)
     for name, p in model.named_parameters():

@@ -448,7 +448,12 @@ def fold_norm_gains(model: nn.Module, example_inputs: Any = None, *, example_kwa
     a = _trace(model, inputs, dict(example_kwargs or {}), include_frozen=False)
     problems = a.failures + [f"the gain of {n} cannot be folded: {why}" for n, why in a.unfoldable.items()]
     tied = {n for names in _aliases(model).values() if len(names) > 1 for n in names}
-    problems += [f"{w} reads a gain but is tied to another tensor" for ws in a.folds.values() for w in ws if w in tied]
+    problems += [
+        f"the gain {a.gains[norm]} cannot be folded into {w}: that tensor is tied to another (untie it, or freeze the gain at one)"
+        for norm, ws in a.folds.items()
+        for w in sorted(ws)
+        if w in tied
+    ]
     if not a.d or problems:
         raise ValueError(f"fold_norm_gains: {problems[0] if problems else 'the model has no residual stream (no nn.Embedding)'}")
     folded = []
