@@ -21,11 +21,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 import teleopt  # noqa: E402
+from teleopt.actions.axis import AxisAction, Member  # noqa: E402
 from teleopt.detection.float64 import keep_float64  # noqa: E402
 from teleopt.detection.residual import find_residual_sites, fold_norm_gains  # noqa: E402
 from teleopt.numerics import relative_error  # noqa: E402
 from teleopt.site import Site  # noqa: E402
 from teleopt.teleport.fast_path import fast_path_eligible  # noqa: E402
+from teleopt.teleport.objectives import get_objective  # noqa: E402
+from teleopt.teleport.search import SearchProblem  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -290,3 +293,20 @@ def test_teleport_auto_takes_the_fast_path_along_the_rotation(folded):
     tp.step()
     report = tp.reports[-1]
     assert report.accepted and report.path == "fast" and site.name in report.site_gains
+    # the gradient norm is the same all along the rotation's orbit: the search leaves it at the identity
+    assert report.coordinate_norms[site.name] == 0.0 and report.site_gains[site.name] == pytest.approx(1.0, abs=1e-12)
+
+
+def _problem(sites: list[Site], objective: str) -> SearchProblem:
+    return SearchProblem(sites, [], None, get_objective(objective), None, [], [])
+
+
+def test_the_search_leaves_an_isometric_site_idle_only_where_the_objective_cannot_change(folded):
+    site = _stream_site(folded["llama"])
+    down = "model.layers.0.mlp.down_proj.weight"
+    beside = Site(AxisAction("s", "diagonal", (Member("W", 1, -1),)), (down,))  # the columns: another axis
+    across = Site(AxisAction("s", "diagonal", (Member("W", 0, -1),)), (down,))  # the rows: the stream's axis
+    assert site.action.isometric and not beside.action.isometric
+    assert _problem([site, beside], "grad_norm").idle() == [True, False]
+    assert _problem([site, across], "grad_norm").idle() == [False, False]  # a scaling after the rotation
+    assert _problem([site], "preconditioned_norm").idle() == [False]  # Adam's step sees the basis

@@ -415,7 +415,9 @@ def find_residual_sites(
     failures = a.failures + a.gain_problems()
     if failures:
         hint = " (teleopt.detection.residual.fold_norm_gains folds trainable gains)" if a.gains and not a.failures else ""
-        return ResidualStream([], [("site", "residual stream", f"no rotation of the residual stream: {failures[0]}{hint}")])
+        more = f" (and {len(failures) - 2} more)" if len(failures) > 2 else ""
+        why = "; ".join(dict.fromkeys(failures[:2]))
+        return ResidualStream([], [("site", "residual stream", f"no rotation of the residual stream: {why}{more}{hint}")])
     members = tuple(a.members.values())
     readers = sum(1 for m in members if m.power < 0)
     if not readers:
