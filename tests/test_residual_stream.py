@@ -295,6 +295,8 @@ def test_teleport_auto_takes_the_fast_path_along_the_rotation(folded):
     assert report.accepted and report.path == "fast" and site.name in report.site_gains
     # the gradient norm is the same all along the rotation's orbit: the search leaves it at the identity
     assert report.coordinate_norms[site.name] == 0.0 and report.site_gains[site.name] == pytest.approx(1.0, abs=1e-12)
+    # ... and its identity element moves nothing: AdamW's second moments keep an exact rule (no fallback)
+    assert not any(decision.startswith("fallback") for decision in report.state_decisions)
 
 
 def _problem(sites: list[Site], objective: str) -> SearchProblem:
