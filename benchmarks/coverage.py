@@ -15,6 +15,12 @@ Goal (issue 3): detection on vit_base_patch16_224 takes < 5 s on CPU.
 
 Run: ``python benchmarks/coverage.py [--quick] [--json out.json] [--plot-dir DIR]``.
 ``--quick`` runs three small models at 32x32 once (the smoke test uses it).
+
+``--residual`` prints the residual stream's rows instead (:func:`residual_rows`): tiny causal
+LMs (hidden 64, 2 layers, 4 heads, 2 KV heads, vocabulary 1000, 16 tokens) as built, whose
+trainable RMSNorm gains leave the stream's rotation out, and after
+``teleopt.detection.residual.fold_norm_gains``; ``--residual-big`` adds a 12-layer,
+768-wide Llama (detection time with certification).
 """
 
 from __future__ import annotations
@@ -114,6 +120,78 @@ def measure(name: str, kwargs: dict[str, Any], size: int, repeats: int) -> dict[
     }
 
 
+#: causal LMs of the residual-stream rows: name -> (config class, config kwargs)
+RESIDUAL_ZOO = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "mistral": ("MistralConfig", {}),
+}
+_TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
+_BIG = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 12, "intermediate_size": 2048}
+
+
+def residual_rows(big: bool = False) -> list[dict[str, Any]]:
+    """Coverage of exact continuous sites on causal LMs with and without folded norm gains (the residual rotation)."""
+    import transformers
+
+    from teleopt.detection.residual import fold_norm_gains
+
+    rows = []
+    cases = [(name, cls, dict(_TINY, **extra)) for name, (cls, extra) in RESIDUAL_ZOO.items()]
+    if big:
+        cases.append(("llama-12x768", "LlamaConfig", _BIG))
+    for name, config_cls, config in cases:
+        torch.manual_seed(0)
+        cfg = getattr(transformers, config_cls)(vocab_size=1000, max_position_embeddings=64, **config)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        ids = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
+        call = {"input_ids": ids, "use_cache": False}
+        for folded in (False, True):
+            if folded:
+                fold_norm_gains(model, example_kwargs=call)
+            start = time.perf_counter()
+            report = find_symmetries(model, example_kwargs=call)
+            seconds = time.perf_counter() - start
+            stream = [s for s in report.sites if s.action.name == "residual_rotation"]
+            why = next((e.reason for e in report.skipped if e.where == "residual stream"), "")
+            rows.append(
+                {
+                    "model": f"{name}{' (folded)' if folded else ''}",
+                    "parameters": report.parameters,
+                    "residual_site": bool(stream),
+                    "residual_members": len(stream[0].members) if stream else 0,
+                    "coverage_exact": report.coverage_exact,
+                    "seconds": seconds,
+                    "certify_seconds": report.certify_seconds,
+                    "left_out": why,
+                }
+            )
+            print(f"{rows[-1]['model']}: coverage {100 * report.coverage_exact:.1f}%, {seconds:.2f} s", flush=True)
+    return rows
+
+
+def residual_table(rows: list[dict[str, Any]]) -> str:
+    """The rows of :func:`residual_rows` as text."""
+    lines = [("model", "params", "residual site", "exact coverage", "detect s", "certify s")]
+    for r in rows:
+        site = f"yes ({r['residual_members']} members)" if r["residual_site"] else "no"
+        lines.append(
+            (
+                r["model"],
+                f"{r['parameters'] / 1e6:.2f}M",
+                site,
+                f"{100 * r['coverage_exact']:.1f}%",
+                f"{r['seconds']:.2f}",
+                f"{r['certify_seconds']:.2f}",
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    out = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    reasons = sorted({r["left_out"] for r in rows if r["left_out"]})
+    return "\n".join(out + [f"left out: {why}" for why in reasons])
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "model",
@@ -179,7 +257,17 @@ def main() -> None:
     parser.add_argument("--plot-dir", type=str, default=None, help="write coverage.png here (default: next to --json)")
     parser.add_argument("--repeats", type=int, default=3, help="detection runs per model (median reported)")
     parser.add_argument("--models", type=str, default=None, help="comma-separated subset of the zoo (e.g. vit_base_patch16_224,resnet50)")
+    parser.add_argument("--residual", action="store_true", help="only the residual stream's rows (tiny causal LMs)")
+    parser.add_argument("--residual-big", action="store_true", help="with --residual: add a 12-layer, 768-wide Llama")
     args = parser.parse_args()
+    if args.residual:
+        rows = residual_rows(big=args.residual_big)
+        print(f"\n# exact coverage with the residual stream's rotation ({datetime.date.today().isoformat()}; torch {torch.__version__})")
+        print(residual_table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"rows": rows}, f, indent=1)
+        return
 
     zoo = QUICK if args.quick else ZOO
     if args.models:

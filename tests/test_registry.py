@@ -33,6 +33,7 @@ EXPECTED = {
     "rosenbrock_so2",
     "booth_so2",
     "quadratic_orthogonal",
+    "residual_rotation",
 }
 
 
@@ -41,7 +42,7 @@ def test_known_actions_are_registered_with_references():
     assert EXPECTED <= set(rows)
     for name in EXPECTED:
         row = rows[name]
-        assert row["reference"].startswith(("Zhao", "Ziyin et al. 2025", "Gideoni 2023")), name  # a paper by name
+        assert row["reference"].startswith(("Zhao", "Ziyin et al. 2025", "Gideoni 2023", "Ashkboos et al. 2024a")), name  # a paper by name
         assert row["exactness"] in ("exact", "data-dependent", "approximate")
         assert isinstance(row["linear"], bool) and isinstance(row["continuous"], bool)
 

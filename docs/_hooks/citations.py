@@ -37,6 +37,8 @@ CITATIONS: dict[str, str] = {
     "Zhao 2026": "zhao-2026",
     "Ziyin et al. 2025": "ziyin-et-al-2025",
     "Gideoni 2023": "gideoni-2023",
+    "Ashkboos et al. 2024a": "ashkboos-et-al-2024a",
+    "Ashkboos et al. 2024b": "ashkboos-et-al-2024b",
     "Stock et al. 2019": "stock-et-al-2019",
     "Mishkin et al. 2024": "mishkin-et-al-2024",
     "Wu et al. 2025": "wu-et-al-2025",

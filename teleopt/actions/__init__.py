@@ -19,6 +19,7 @@ from teleopt.actions.feedforward import (
 )
 from teleopt.actions.lora import LoRAGL
 from teleopt.actions.nonlinear import NonlinearGL
+from teleopt.actions.residual import ResidualRotation
 from teleopt.actions.softmax import SoftmaxTranslation
 from teleopt.actions.test_functions import Booth, QuadraticOrthogonal, Rosenbrock
 
@@ -34,6 +35,7 @@ KNOWN_ACTIONS = (
     AttentionQK,
     AttentionVO,
     AttentionHeadPermutation,
+    ResidualRotation,
     LoRAGL,
     DataDependentGL,
     DataDependentGLLstsq,

@@ -375,6 +375,14 @@ class AxisAction(GroupAction):
             return None
         return self._apply(g, moments, -1, square=True)
 
+    @property
+    def isometric(self) -> bool:
+        """Orthogonal, permutation and sign groups with every member by rho(g) or its contragredient."""
+        return self.group_kind in ("orthogonal", "permutation", "sign") and all(abs(m.power) == 1 for m in self.members)
+
+    def acted_axes(self) -> tuple[int | None, ...]:
+        return tuple(None if m.groups > 1 else m.axis for m in self.members)
+
     def norm_statistics(self, group: Group, params: Sequence[Tensor | None]) -> dict[float, Tensor] | None:
         """The group's :meth:`~teleopt.groups.Group.norm_statistic` of every given member's acted-on part,
         summed per power: sum over the members of ||rho(g)^power x||^2 is a function of these alone

@@ -107,6 +107,17 @@ class GroupAction(ABC):
         """Whether ``transport_gradient`` is available (constant Jacobian: linear or translation)."""
         return self.linear
 
+    @property
+    def isometric(self) -> bool:
+        """Whether every element moves each member by an isometry of the Frobenius norm (an orthogonal or
+        permutation matrix on one axis): the norms of the parameters and of the transported gradients are
+        the same all along an orbit (Zhao 2026, Prop. 4.5.1 with J orthogonal)."""
+        return False
+
+    def acted_axes(self) -> tuple[int | None, ...]:
+        """Per member, the axis of its tensor the group acts on (``None``: not a single axis, or unknown)."""
+        return (None,) * len(self.member_names)
+
     def describe(self) -> dict[str, Any]:
         """One row of the registry table."""
         return {

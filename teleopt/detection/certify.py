@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from teleopt.detection.float64 import keep_float64
 from teleopt.numerics import default_rtol
 from teleopt.site import Site
 
@@ -243,7 +244,7 @@ class _Checker:
         for mode in self.modes:
             saved = {k: v.detach().clone() for k, v in self.model.named_buffers()}
             try:
-                with torch.random.fork_rng(devices=[]):
+                with torch.random.fork_rng(devices=[]), keep_float64():  # the model's float32 casts stay float64
                     torch.manual_seed(self.seed)
                     self.model.train(mode == "train")
                     y = self.model(*self.inputs, **self.kwargs)

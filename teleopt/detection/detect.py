@@ -24,6 +24,7 @@ from teleopt.detection.certify import CertificationEntry, certify_sites
 from teleopt.detection.ops import custom_module_types
 from teleopt.detection.relations import ModelTensors, Relations
 from teleopt.detection.report import SkippedEntry, SymmetryReport
+from teleopt.detection.residual import ResidualStream, find_residual_sites
 from teleopt.detection.rules import run_rules
 from teleopt.detection.sites import blocked_reasons, class_sites, direct_sites, module_order, settle, softmax_translation_sites
 from teleopt.detection.tracing import DetectionError, trace_model
@@ -129,8 +130,11 @@ def find_symmetries(
         raise ValueError(f"loss must be one of {_LOSSES}, got {loss!r}")
     flags = [(m, m.training) for m in model.modules()]
     lora = lora_sites(model, include_frozen=include_frozen)  # peft layers are not traceable: found by structure
+    stream = find_residual_sites(model, inputs, kwargs, include_frozen=include_frozen)  # a dynamic trace of the root
     try:
-        return _find(model, inputs, kwargs, loss, include_discrete, include_approximate, include_frozen, certify, certify_seed, lora)
+        return _find(
+            model, inputs, kwargs, loss, include_discrete, include_approximate, include_frozen, certify, certify_seed, lora, stream
+        )
     finally:
         for m, flag in flags:
             m.training = flag
@@ -147,18 +151,21 @@ def _find(
     certify: bool,
     certify_seed: int,
     lora: LoRASites | None = None,
+    stream: ResidualStream | None = None,
 ) -> SymmetryReport:
     start = time.perf_counter()
     model.eval()
     lora = LoRASites() if lora is None else lora
+    stream = ResidualStream() if stream is None else stream
     try:
         graphs, opaque = trace_model(model, inputs, kwargs, custom_module_types())
     except DetectionError as e:
         if not str(e).startswith("could not trace") or not any(True for _ in model.children()) or isinstance(model, _Call):
             raise
         report = _find_children(model, inputs, kwargs, loss, include_discrete, include_approximate, include_frozen, str(e))
-        report.sites = _name(_dedupe(report.sites + lora.sites), module_order(model))
+        report.sites = _name(_dedupe(report.sites + lora.sites + stream.sites), module_order(model))
         report.skipped += [SkippedEntry("site", where, f"LoRA adapter {reason}") for where, reason in lora.skipped]
+        report.skipped += [SkippedEntry(*entry) for entry in stream.skipped]
         return _certified(model, report, inputs, kwargs, certify, certify_seed, ("eval", "train"), start)
     rel = Relations(ModelTensors.of(model, include_frozen))
     run_rules(model, rel, graphs)
@@ -172,7 +179,7 @@ def _find(
     kinds = KINDS if include_discrete else ("general", "diagonal")
     generic, notes = class_sites(rel, order, kinds)
     attention, notes2 = direct_sites(rel, len(graphs))
-    sites = attention + generic + lora.sites
+    sites = attention + generic + lora.sites + stream.sites
     if loss == "cross_entropy":
         translation, notes3 = softmax_translation_sites(graphs, rel)
         sites += translation
@@ -199,7 +206,7 @@ def _find(
             if checked.status == "dropped":
                 skipped.append(SkippedEntry("site", checked.site, f"failed certification: relative output error {checked.error:.2e}"))
     lora_notes = [("site", where, f"LoRA adapter {reason}") for where, reason in lora.skipped]
-    for kind, where, reason in [*rel.skipped, *notes, *notes2, *lora_notes]:
+    for kind, where, reason in [*rel.skipped, *notes, *notes2, *lora_notes, *stream.skipped]:
         entry = SkippedEntry(kind, where, reason)
         if entry not in skipped:
             skipped.append(entry)

@@ -93,6 +93,9 @@ class Objective(ABC):
     needs_optimizer_model: bool = False
     direction: Direction = "increase"
     closed_form: bool = False  #: whether :meth:`solve` gives the optimum (then no ascent runs by default)
+    #: whether the value depends on the transported gradients through their Euclidean norm only, so that it
+    #: is the same all along the orbit of an isometric site (:attr:`GroupAction.isometric`) acting alone
+    isometry_invariant: bool = False
 
     @property
     def maximum_on_boundary(self) -> bool:
@@ -135,6 +138,7 @@ class GradientNorm(Objective):
     """||grad L(g . w)||^2 (Zhao 2026, Algorithm 1, line 3)."""
 
     name = "grad_norm"
+    isometry_invariant = True
 
     def __init__(self, direction: Direction = "increase") -> None:
         self.direction = _check_direction(direction)

@@ -61,6 +61,32 @@ class SearchProblem:
     start: list[Tensor]
     trust_regions: list[float | None]
 
+    def idle(self) -> list[bool]:
+        """Per site: whether the score is the same all along its orbit, so the search leaves it at the identity.
+
+        An isometric site (:attr:`GroupAction.isometric <teleopt.actions.base.GroupAction.isometric>`, the
+        residual stream's rotation) under an objective of Euclidean norms (:attr:`Objective.isometry_invariant`):
+        each transported gradient is an isometric image, unless another site of the problem acts on one of its
+        axes (a scaling after a rotation of the same axis changes the norm).  Ascending it would move the
+        parameters by round-off directions for no gain (and cost the boundary step its one-step search)."""
+        n = max(len(self.sites), len(self.groups))
+        if not self.objective.isometry_invariant or len(self.sites) != n:
+            return [False] * n
+        axes = [list(zip(s.members, s.action.acted_axes())) for s in self.sites]
+        return [
+            site.action.isometric
+            and site.action.continuous
+            and not any(
+                other == name and (a is None or b is None or a < 0 or b < 0 or a == b)
+                for name, a in mine
+                if name is not None
+                for j, theirs in enumerate(axes)
+                if j != i
+                for other, b in theirs
+            )
+            for i, (site, mine) in enumerate(zip(self.sites, axes))
+        ]
+
     def score(self, coords: Sequence[Tensor]) -> Tensor:
         """What the search maximises at ``coords``: the objective's score at exp(coords) . w."""
         return self.objective.score(self.evaluator, self.evaluator.elements(coords), self.prepared)
@@ -118,8 +144,13 @@ class GradientAscent:
     lr: float = _ASCENT_LR
 
     def search(self, problem: SearchProblem) -> SearchResult:
+        idle = problem.idle()
+
+        def score(coords: Sequence[Tensor]) -> Tensor:  # idle sites stay at the identity (no gradient, no step)
+            return problem.score([x0 if skip else x for x, x0, skip in zip(coords, problem.start, idle)])
+
         found = ascend(
-            problem.score,
+            score if any(idle) else problem.score,
             problem.start,
             problem.groups,
             self.steps,
@@ -172,11 +203,14 @@ class BoundaryStep:
         return (1.0,) if convex else (1.0, 0.5, 0.25)
 
     def search(self, problem: SearchProblem) -> SearchResult:
-        if any(r is None for r in problem.trust_regions):
+        if any(r is None for r, idle in zip(problem.trust_regions, problem.idle()) if not idle):
             return self.fallback.search(problem)
         start, grads = problem.score_and_gradient()
         points = []
-        for grp, g, radius, x0 in zip(problem.groups, grads, problem.trust_regions, problem.start):
+        for grp, g, radius, x0, idle in zip(problem.groups, grads, problem.trust_regions, problem.start, problem.idle()):
+            if idle:
+                points.append(torch.zeros_like(x0))
+                continue
             # every radius is finite here (checked above); the test narrows the type
             point = None if g is None or radius is None else grp.boundary_point(g.detach(), radius)
             if point is None and g is not None and bool((g != 0).any()):
@@ -298,9 +332,10 @@ class SearchConfig:
         return self.chooser
 
     def _boundary_problem(self, problem: SearchProblem, objective: Objective) -> bool:
-        if not problem.evaluator.moves_gradients or any(r is None for r in problem.trust_regions):
+        active = [(g, r) for g, r, idle in zip(problem.groups, problem.trust_regions, problem.idle()) if not idle]
+        if not problem.evaluator.moves_gradients or any(r is None for _, r in active):
             return False
-        if any(g.boundary_search for g in problem.groups):
+        if any(g.boundary_search for g, _ in active):
             return True
         convex = objective.maximum_on_boundary and not self.ascent_configured
-        return convex and all(g.boundary_search_when_convex for g in problem.groups)
+        return convex and all(g.boundary_search_when_convex for g, _ in active)

@@ -65,7 +65,7 @@ def transport(
     no_rule: set[str] = set()
     for site, g in zip(sites, elements):
         names = site.members
-        if not any(n is not None and n in out for n in names):
+        if not any(n is not None and n in out for n in names) or _identity_matrix(g):
             continue
         vals = tuple(None if n is None else (out[n] if n in out else torch.zeros_like(like[n])) for n in names)
         if kind == "params":
@@ -119,7 +119,7 @@ def transport_(
         if not isinstance(action, AxisAction) or any(named.count(n) > 1 and not _composes_parts(site, n) for n in named):
             return False
         group = action.group(tuple(None if n is None else like[n] for n in site.members))
-        diagonal = group.diagonal
+        diagonal, idle = group.diagonal, _identity_matrix(g)
         if not diagonal and (group.block_size is None or kind == "second_moment" or any(is_sharded(values[n]) for n in named)):
             return False
         for member, n in zip(action.members, site.members):
@@ -133,11 +133,23 @@ def transport_(
             axis = member.axis % x.ndim
             part = x if member.start is None or member.stop is None else x.narrow(axis, member.start, member.stop - member.start)
             power = member.power if kind == "params" else -member.power
+            if idle:
+                continue
             plan.append((group, g, part, axis, _second_moment_power(group, power) if kind == "second_moment" else power))
     for group, g, part, axis, power in plan:
         if not group.act_on_axis_(g, part, axis, power):  # matrix groups: the moved part, written over it
             part.copy_(group.act_on_axis(g, part, axis, power))
     return True
+
+
+def _identity_matrix(g: Tensor) -> bool:
+    """Whether ``g`` is a host-side matrix element that is exactly the identity (a site the search left idle,
+    :meth:`~teleopt.teleport.search.SearchProblem.idle`): it moves nothing, whatever the kind of tensor (an
+    exact rule for second moments too), so a d x d product per member (the residual stream's rotation acts
+    on every weight) is skipped.  Elements on a device are not read (False)."""
+    if g.device.type != "cpu" or g.ndim < 2 or g.shape[-1] != g.shape[-2] or g.requires_grad:
+        return False
+    return bool(torch.equal(g, torch.eye(g.shape[-1], dtype=g.dtype).expand(g.shape)))
 
 
 def _composes_parts(site: Site, name: str) -> bool:
