@@ -410,9 +410,11 @@ def test_with_example_inputs_no_forward_hook_slows_the_model():
     gc.collect()
     assert not model._forward_pre_hooks
     opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), example_inputs=x[:8], ascent_steps=3)
-    assert not model._forward_pre_hooks and not model._forward_hooks
+    # one pre-hook for one forward: the keyword names of the training forward (compared with example_kwargs)
+    assert len(model._forward_pre_hooks) == 1 and not model._forward_hooks
     model.zero_grad()
     mse(model(x), y).backward()
+    assert not model._forward_pre_hooks  # the forwards until the next teleport run on the fast path
     report = opt.teleport()
     assert report.accepted and report.check == "probe", report.reason
     assert_checked(report)

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,7 @@ __all__ = [
     "PROBE_ROWS",
     "INCONCLUSIVE_FACTOR",
     "ProbeRecorder",
+    "KeywordCheck",
     "OutputCapture",
     "OutputCheck",
     "seeded",
@@ -65,6 +67,9 @@ __all__ = [
 PROBE_ROWS = 8
 #: A check within this factor of its tolerance, below float64, is re-run in float64.
 INCONCLUSIVE_FACTOR = 100.0
+#: Keywords that choose what a model returns, not what it computes (transformers' ``labels`` adds the loss):
+#: a training forward may pass them without ``example_kwargs``.
+OUTPUT_KEYWORDS = frozenset({"labels", "return_dict", "output_attentions", "output_hidden_states", "use_cache"})
 #: Elements of one output leaf a closure check keeps (of its first PROBE_ROWS rows).
 _CLOSURE_LEAF_ELEMENTS = 1 << 20
 
@@ -146,6 +151,54 @@ class ProbeRecorder:
             yield
         finally:
             self.paused -= 1
+
+
+class KeywordCheck:
+    """Warns when the training forward's keyword arguments differ from ``example_kwargs``.
+
+    Detection and the probe check run the model on ``example_inputs``/``example_kwargs``; a
+    keyword the training loop passes and they do not (``model(x, scale=s)``) can change what the
+    model computes, and neither would see it.  A one-shot forward pre-hook (``with_kwargs=True``)
+    records the keyword names of the next forward that is not ``probe``'s paused one, then removes
+    itself (:meth:`arm` re-registers it), so the training loop keeps torch's fast call path.
+    """
+
+    def __init__(self, target: nn.Module, expected: Iterable[str], probe: ProbeRecorder) -> None:
+        self.expected = frozenset(expected)
+        self.seen: frozenset[str] | None = None
+        self._target, self._probe = target, probe
+        self._handle: Any = None
+        self._warned: set[frozenset[str]] = set()
+
+    def arm(self) -> None:
+        """Record the keyword names of the next (unpaused) forward."""
+        if self._handle is None:
+            self._handle = self._target.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self._probe.paused and self._handle is not None:
+            self.seen = frozenset(kwargs)
+            self._handle.remove()
+            self._handle = None
+
+    def warn_if_different(self, stacklevel: int = 2) -> None:
+        """One ``UserWarning`` per distinct set of keyword names that differs from ``expected`` (ignoring
+        :data:`OUTPUT_KEYWORDS`); then record the next forward's names."""
+        self.arm()
+        seen = self.seen
+        if seen is None or seen - OUTPUT_KEYWORDS == self.expected - OUTPUT_KEYWORDS or seen in self._warned:
+            return
+        self._warned.add(seen)
+        extra, missing = sorted(seen - self.expected - OUTPUT_KEYWORDS), sorted(self.expected - seen - OUTPUT_KEYWORDS)
+        what = f"passes keyword argument(s) {extra} that example_kwargs does not give" if extra else ""
+        what += (" and " if extra and missing else "") + (f"omits example_kwargs {missing}" if missing else "")
+        warnings.warn(
+            f"Teleport: the model's training forward {what}; sites='auto' detection and the teleport's check ran "
+            "on example_inputs/example_kwargs, so they do not see what these keywords change. Pass the forward's "
+            "keyword arguments as Teleport(..., example_kwargs={...}) (or teleport batches with them through batch_fn)",
+            UserWarning,
+            stacklevel=stacklevel + 1,
+        )
 
 
 def _bounded(leaf: Tensor) -> Tensor:

@@ -34,7 +34,7 @@ from torch.utils.hooks import RemovableHandle
 from teleopt.functional import Batch, LossFn, as_batch
 from teleopt.sharding import reshard, sharded_module, unsupported_layout
 from teleopt.site import Site
-from teleopt.teleport.check import OutputCapture, ProbeRecorder, seeded
+from teleopt.teleport.check import KeywordCheck, OutputCapture, ProbeRecorder, seeded
 from teleopt.teleport.config import (
     Shortcuts,
     check_seed,
@@ -64,6 +64,7 @@ from teleopt.teleport.sites import (
     unsharded_twin,
     unusable,
     validate_sites,
+    warn_left_out,
 )
 from teleopt.teleport.state_policy import StatePolicy, restart_curvature_history
 from teleopt.teleport.watch import InverseMove, TeleportRecord
@@ -152,7 +153,8 @@ class Teleport(OptimizerWrapper):
         checked (:mod:`teleopt.teleport.check`): on its batch, else on the closure's
         forwards, else on the probe inputs (these, or else the first up to 8 rows of
         the last forward's inputs, copied), in eval mode; with none of them it is
-        declined, never accepted unchecked.
+        declined, never accepted unchecked.  A training forward whose keyword arguments
+        differ from ``example_kwargs`` is warned about (neither detection nor the check saw them).
     paper_compat:
         Reproduce the papers' first-order, non-invariant teleport
         (:mod:`~teleopt.teleport.paper_compat`); for comparisons only.
@@ -219,13 +221,17 @@ class Teleport(OptimizerWrapper):
 
         With ``example_inputs`` the check probes those and the pre-hook is not registered: any
         forward hook takes a module off torch's fast call path, which cost 34 us a forward (6% of
-        an iteration) on a 64-256-256-10 MLP.
+        an iteration) on a 64-256-256-10 MLP.  A one-shot pre-hook (:class:`KeywordCheck`) reads the
+        keyword names of one training forward after construction and after each teleport instead.
         """
         self._hooks: OrderedDict[int, TeleportHook] = OrderedDict()
         self.reports: list[TeleportReport] = []
         self._sparse_warned: set[str] = set()
         self._probe = ProbeRecorder()
-        if self._example is None:
+        self._keywords = None if self._example is None else KeywordCheck(self._hook_target, self._example.kwargs or (), self._probe)
+        if self._keywords is not None:
+            self._keywords.arm()  # one forward at a time: the keywords the training loop passes
+        else:
             handle = self._hook_target.register_forward_pre_hook(self._probe, with_kwargs=True)
             weakref.finalize(self, handle.remove)  # the hook goes when the wrapper does
 
@@ -314,15 +320,7 @@ class Teleport(OptimizerWrapper):
             )
             left_out = set(norm)
             found = [s for s in found if s.name not in left_out]
-        if skipped:
-            listed = "; ".join(f"{name}: {why}" for name, why in list(skipped.items())[:5])
-            more = f" (and {len(skipped) - 5} more)" if len(skipped) > 5 else ""
-            warnings.warn(
-                f"Teleport(sites='auto'): {len(skipped)} detected site(s) left out ({listed}{more}); "
-                "each teleport's report lists them in report.skipped",
-                UserWarning,
-                stacklevel=3,
-            )
+        warn_left_out(skipped, stacklevel=3)
         for name in norm:
             skipped[name] = f"normalisation-affine rescaling under {type(self.innermost).__name__} (scale-free steps)"
         self._auto_skipped = skipped
@@ -506,6 +504,8 @@ class Teleport(OptimizerWrapper):
         sites, skipped = self._active_sites(request.batch)
         movable = self._movable(sites)
         skipped.update({s.name: "a member has a sparse gradient" for s in sites if s not in movable})
+        if self._keywords is not None:
+            self._keywords.warn_if_different(stacklevel=4)
         probe, source = self._probe_inputs()
         request = replace(request, probe=probe, probe_source=source, skipped=skipped)
         with self._probe.pause():

@@ -13,6 +13,7 @@ leaves them out).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "normalization_affine",
     "scale_free_updates",
     "unsharded_twin",
+    "warn_left_out",
 ]
 
 _NORMS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm) + (
@@ -220,3 +222,17 @@ def scale_free_updates(optimizer: Optimizer) -> bool:
     rescaled normalisation gain moves by the same absolute amount whatever its size, so shrinking it
     (as the gradient-norm and balance objectives do) multiplies its relative learning rate."""
     return OptimizerModel(optimizer).family != "sgd"
+
+
+def warn_left_out(skipped: dict[str, str], stacklevel: int = 2) -> None:
+    """One ``UserWarning`` listing the sites ``sites="auto"`` detection left out (the first five with the reason)."""
+    if not skipped:
+        return
+    listed = "; ".join(f"{name}: {why}" for name, why in list(skipped.items())[:5])
+    more = f" (and {len(skipped) - 5} more)" if len(skipped) > 5 else ""
+    warnings.warn(
+        f"Teleport(sites='auto'): {len(skipped)} detected site(s) left out ({listed}{more}); "
+        "each teleport's report lists them in report.skipped",
+        UserWarning,
+        stacklevel=stacklevel + 1,
+    )

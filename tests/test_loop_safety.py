@@ -1,0 +1,112 @@
+"""Safe in the training loops people write: what the teleport check cannot see is refused or warned.
+
+Each test states one behaviour of the wrappers in an everyday loop shape: a forward
+keyword the check never saw, inputs with no rows, option values written into a param
+group after construction, a closure-evaluating base (LBFGS), an install without numpy,
+a wrapper that can never teleport.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from teleopt import Teleport
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _ScaledNet(nn.Module):
+    """``model(x)`` is a ReLU MLP (positive rescaling of the hidden units is exact); ``model(x, scale=s)``
+    runs tanh(s h) instead, which that rescaling changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.fc2(torch.relu(h) if scale is None else torch.tanh(h * scale))
+
+
+def _data(seed: int = 0, rows: int = 16) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    model = _ScaledNet().double()
+    return model, torch.randn(rows, 4, generator=g, dtype=torch.float64), torch.randn(rows, 3, generator=g, dtype=torch.float64)
+
+
+def _messages(record: list[warnings.WarningMessage], text: str) -> list[str]:
+    return [str(w.message) for w in record if text in str(w.message)]
+
+
+# -- a forward keyword the check never saw ---------------------------------------------------------------------
+
+
+def _train_with_keyword(example_kwargs: dict | None) -> tuple[list[str], float, Teleport]:
+    """A balance teleport in a loop that calls ``model(x, scale=2.0)``: the warnings naming example_kwargs, the
+    relative change of the trained forward's outputs over the teleport and the SGD step, and the wrapper."""
+    model, x, y = _data()
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=0.01), model, example_inputs=x, example_kwargs=example_kwargs, objective="balance", every=1
+    )
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x, scale=2.0), y).backward()
+        with torch.no_grad():
+            before = model(x, scale=2.0)
+        opt.step()  # the teleport, then the SGD update
+        with torch.no_grad():
+            change = float((model(x, scale=2.0) - before).norm() / before.norm())
+    return _messages(record, "example_kwargs"), change, opt
+
+
+def test_a_training_forward_keyword_missing_from_example_kwargs_is_warned_naming_the_fix():
+    messages, change, opt = _train_with_keyword(None)
+    assert len(messages) == 1
+    assert "['scale']" in messages[0] and "example_kwargs={...}" in messages[0]
+    # what the warning is about: the check (on x alone) accepted a teleport that moved the trained forward
+    assert opt.reports[-1].accepted and change > 0.1
+
+
+def test_the_same_keywords_given_as_example_kwargs_give_no_warning():
+    messages, _, opt = _train_with_keyword({"scale": 2.0})  # detection saw tanh(s h): nothing is exact
+    assert messages == [] and opt.sites == []
+
+
+def test_the_keyword_check_keeps_the_training_forward_free_of_hooks():
+    model, x, y = _data()
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, example_inputs=x, objective="balance", every=1)
+    assert len(model._forward_pre_hooks) == 1  # armed for the next forward only
+    model(x, scale=2.0)
+    assert len(model._forward_pre_hooks) == 0  # it recorded the keyword names and removed itself
+    with pytest.warns(UserWarning, match="example_kwargs"):
+        opt.teleport()
+    assert len(model._forward_pre_hooks) == 1  # armed again after the teleport
+
+
+def test_output_selecting_keywords_such_as_labels_are_not_warned():
+    model, x, _ = _data()
+
+    class WithLabels(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = model
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+            return self.body(x)
+
+    wrapped = WithLabels()
+    opt = Teleport(torch.optim.SGD(wrapped.parameters(), lr=0.01), wrapped, example_inputs=x, objective="balance", every=1)
+    wrapped(x, labels=torch.zeros(16))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        opt.teleport()
+    assert _messages(record, "example_kwargs") == []
