@@ -15,7 +15,9 @@ import pytest
 import torch
 from torch import nn
 
+import teleopt
 from teleopt import Teleport
+from teleopt.detection.certify import certify_sites
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -110,3 +112,45 @@ def test_output_selecting_keywords_such_as_labels_are_not_warned():
         warnings.simplefilter("always")
         opt.teleport()
     assert _messages(record, "example_kwargs") == []
+
+
+# -- inputs with no rows -------------------------------------------------------------------------------------------
+
+
+def test_zero_row_example_inputs_are_refused_at_construction():
+    model, _, _ = _data()
+    empty = torch.zeros(0, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="example_inputs has a tensor with no rows"):
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, example_inputs=empty, objective="balance")
+    with pytest.raises(ValueError, match="example_kwargs has a tensor with no rows"):
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, example_kwargs={"x": empty}, objective="balance")
+    with pytest.raises(ValueError, match="heldout_batch has a tensor with no rows"):
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, heldout_batch=(empty, None), objective="balance")
+
+
+def test_zero_row_inputs_are_refused_by_detection_and_certification():
+    model, x, _ = _data()
+    empty = torch.zeros(0, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="example_inputs has a tensor with no rows"):
+        teleopt.find_symmetries(model, empty)
+    with pytest.raises(ValueError, match="example_inputs has a tensor with no rows"):
+        teleopt.find_symmetries(model, (x, empty))
+    sites = teleopt.find_symmetries(model, x).sites
+    with pytest.raises(ValueError, match="no rows"):
+        certify_sites(model, sites, (empty,))
+
+
+def test_a_zero_row_forward_does_not_become_the_probe_inputs():
+    model, x, _ = _data()
+    sites = [s for s in teleopt.find_symmetries(model, x).sites if s.action.continuous]
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, sites, objective="balance", every=1)
+    g = torch.Generator().manual_seed(1)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+    model(torch.zeros(0, 4, dtype=torch.float64))  # before any forward with rows: nothing to probe on
+    report = opt.teleport()
+    assert not report.accepted and "nothing to check" in report.reason
+    model(x)
+    model(torch.zeros(0, 4, dtype=torch.float64))  # the probe stays the last forward with rows
+    report = opt.teleport()
+    assert report.accepted and report.check == "probe"

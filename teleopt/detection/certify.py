@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from teleopt.functional import check_has_rows
 from teleopt.numerics import default_rtol
 from teleopt.site import Site
 
@@ -317,6 +318,7 @@ def certify_sites(
     copy's outputs are not finite, the model's own parameters are used.
     """
     kwargs = dict(kwargs or {})
+    check_has_rows(inputs, kwargs, "inputs/kwargs")
     tol = default_rtol(torch.float64) if rtol is None else rtol
     try:
         moved = copy.deepcopy(model).to(torch.float64)

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from teleopt.detection.certify import log_softmax_leaves, output_error, output_leaves, to_float64
-from teleopt.functional import Batch, batch_parts
+from teleopt.functional import Batch, batch_parts, has_rows
 from teleopt.numerics import default_rtol
 from teleopt.site import Site
 from teleopt.teleport.transport import transport
@@ -140,7 +140,7 @@ class ProbeRecorder:
         self.paused = 0
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self.paused:
+        if not self.paused and has_rows(args, kwargs):  # a zero-row forward would make the probe check vacuous
             self.batch = probe_slice(args, kwargs)
 
     @contextmanager

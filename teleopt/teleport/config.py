@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, TypedDict
 
-from teleopt.functional import Batch, LossFn, as_batch
+from teleopt.functional import Batch, LossFn, as_batch, check_has_rows
 from teleopt.teleport.safety import SafetyConfig
 from teleopt.teleport.schedule import Schedule
 from teleopt.teleport.search import Path, SearchConfig
@@ -144,11 +144,16 @@ def resolve_data(
         raise ValueError(f"batches={batches} needs batch_fn to draw the teleport batches")
     if example_kwargs is not None and (not isinstance(example_kwargs, Mapping) or not all(isinstance(k, str) for k in example_kwargs)):
         raise TypeError(f"example_kwargs must be a mapping of keyword arguments, got {type(example_kwargs).__name__}")
+    check_has_rows(example_inputs, None, "example_inputs")
+    check_has_rows((), example_kwargs, "example_kwargs")
+    heldout = None if heldout_batch is None else as_batch(heldout_batch)
+    if heldout is not None:
+        check_has_rows(heldout.inputs, heldout.kwargs, "heldout_batch")
     example = None
     if example_inputs is not None or example_kwargs:
         inputs = () if example_inputs is None else example_inputs
         example = as_batch((tuple(inputs) if isinstance(inputs, list) else inputs, None, example_kwargs))
-    return DataSources(loss_fn, batch_fn, None if heldout_batch is None else as_batch(heldout_batch), example)
+    return DataSources(loss_fn, batch_fn, heldout, example)
 
 
 def resolve_safety(safety: SafetyConfig | None) -> SafetyConfig:
