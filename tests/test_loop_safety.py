@@ -8,6 +8,7 @@ a wrapper that can never teleport.
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 import teleopt
-from teleopt import Teleport
+from teleopt import Syre, Teleport
 from teleopt.detection.certify import certify_sites
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -154,3 +155,38 @@ def test_a_zero_row_forward_does_not_become_the_probe_inputs():
     model(torch.zeros(0, 4, dtype=torch.float64))  # the probe stays the last forward with rows
     report = opt.teleport()
     assert report.accepted and report.check == "probe"
+
+
+# -- syre options written into a param group later -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "error"),
+    [
+        ("sigma0", math.nan, ValueError),
+        ("sigma0", math.inf, ValueError),
+        ("sigma0", -0.5, ValueError),
+        ("gamma", math.nan, ValueError),
+        ("gamma", -math.inf, ValueError),
+        ("diagonal_eps", math.nan, ValueError),
+        ("diagonal_eps", 1.5, ValueError),
+        ("sigma0", "0.1", TypeError),
+    ],
+)
+@pytest.mark.parametrize("steps_before", [0, 1])  # anchors not drawn yet, and drawn
+def test_bad_syre_values_written_into_a_param_group_fail_at_step_before_any_change(key, value, error, steps_before):
+    g = torch.Generator().manual_seed(0)
+    w, v = (nn.Parameter(torch.randn(4, 3, generator=g, dtype=torch.float64)) for _ in range(2))
+    syre = Syre(torch.optim.Adam([{"params": [w]}, {"params": [v]}], lr=0.1), gamma=0.1)
+    for _ in range(steps_before):
+        w.grad, v.grad = torch.ones_like(w), torch.ones_like(v)
+        syre.step()
+    syre.param_groups[1][Syre.prefix + key] = value
+    w.grad, v.grad = torch.ones_like(w), torch.ones_like(v)
+    before = [t.detach().clone() for t in (w, v, w.grad, v.grad)]
+    state = {k: t.clone() for k, t in syre.state[v].items()} if steps_before else {}
+    with pytest.raises(error, match=rf"param group 1: teleopt_syre_{key} must"):
+        syre.step()
+    assert all(torch.equal(a, b) for a, b in zip((w, v, w.grad, v.grad), before))
+    assert {k: t for k, t in syre.state[v].items()}.keys() == state.keys()
+    assert all(torch.equal(syre.state[v][k], t) for k, t in state.items())
