@@ -190,3 +190,45 @@ def test_bad_syre_values_written_into_a_param_group_fail_at_step_before_any_chan
     assert all(torch.equal(a, b) for a, b in zip((w, v, w.grad, v.grad), before))
     assert {k: t for k, t in syre.state[v].items()}.keys() == state.keys()
     assert all(torch.equal(syre.state[v][k], t) for k, t in state.items())
+
+
+# -- Syre around LBFGS ----------------------------------------------------------------------------------------------
+
+
+def _lbfgs_run(gamma: float, sigma0: float | None, steps: int = 6) -> tuple[list[float], list[torch.Tensor]]:
+    """LBFGS (lr 0.5, max_iter 5) on a float64 4-8-3 ReLU MLP: through ``Syre(gamma, sigma0)``, or (``sigma0=None``)
+    bare on the loss plus (gamma / 2) ||W||^2 of the weight matrices (Syre's exclude_1d leaves the biases out)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(16, 4, generator=g, dtype=torch.float64), torch.randn(16, 3, generator=g, dtype=torch.float64)
+    base = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
+    opt = base if sigma0 is None else Syre(base, gamma=gamma, sigma0=sigma0)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        if sigma0 is None:
+            loss = loss + 0.5 * gamma * sum((p * p).sum() for p in model.parameters() if p.dim() >= 2)
+        loss.backward()
+        return loss
+
+    losses = [float(opt.step(closure).detach()) for _ in range(steps)]
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_syre_around_lbfgs_with_plain_decay_takes_the_steps_of_lbfgs_on_the_decayed_loss():
+    losses, params = _lbfgs_run(1e-3, 0.0)
+    ref_losses, ref_params = _lbfgs_run(1e-3, None)
+    # the decay enters every closure evaluation: the same arithmetic, so the same trajectory to rounding
+    assert losses == pytest.approx(ref_losses, rel=1e-12, abs=0)
+    assert all(torch.allclose(p, q, rtol=1e-12, atol=1e-14) for p, q in zip(params, ref_params))
+
+
+def test_syre_around_lbfgs_stays_finite_and_close_to_bare_lbfgs():
+    losses, _ = _lbfgs_run(1e-3, 0.01)
+    bare, _ = _lbfgs_run(0.0, None)
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < 0.5 * losses[0]
+    # a 1e-3 decay towards a small anchor moves the loss by little (the penalty is about 1e-2 here)
+    assert all(abs(a - b) <= 0.1 * b for a, b in zip(losses, bare))
