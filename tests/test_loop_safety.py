@@ -9,6 +9,9 @@ a wrapper that can never teleport.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -232,3 +235,21 @@ def test_syre_around_lbfgs_stays_finite_and_close_to_bare_lbfgs():
     assert losses[-1] < 0.5 * losses[0]
     # a 1e-3 decay towards a small anchor moves the loss by little (the penalty is about 1e-2 here)
     assert all(abs(a - b) <= 0.1 * b for a, b in zip(losses, bare))
+
+
+# -- no numpy -------------------------------------------------------------------------------------------------------
+
+
+def test_the_core_import_and_discover_run_without_numpy():
+    script = (
+        "import sys\n"
+        "sys.modules['numpy'] = None  # an install without numpy: every import of it fails\n"
+        "import torch, teleopt\n"
+        "from teleopt.discovery import problems\n"
+        "action = teleopt.discover(problems.two_layer(), steps=2, batch_size=4, progress=False, seed=0)\n"
+        "print(type(action).__name__)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("LearnedAction")
