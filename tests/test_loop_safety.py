@@ -22,6 +22,7 @@ from torch import nn
 import teleopt
 from teleopt import Syre, Teleport
 from teleopt.detection.certify import certify_sites
+from teleopt.teleport.schedule import Schedule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -83,7 +84,8 @@ def test_a_training_forward_keyword_missing_from_example_kwargs_is_warned_naming
 
 
 def test_the_same_keywords_given_as_example_kwargs_give_no_warning():
-    messages, _, opt = _train_with_keyword({"scale": 2.0})  # detection saw tanh(s h): nothing is exact
+    with pytest.warns(UserWarning, match="found no continuous site"):  # detection saw tanh(s h): nothing is exact
+        messages, _, opt = _train_with_keyword({"scale": 2.0})
     assert messages == [] and opt.sites == []
 
 
@@ -253,3 +255,39 @@ def test_the_core_import_and_discover_run_without_numpy():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("LearnedAction")
+
+
+# -- a wrapper that can never teleport -----------------------------------------------------------------------------
+
+
+def test_auto_sites_with_no_continuous_site_warn_at_construction():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 3))  # GELU: no rescaling passes it
+    x = torch.randn(4, 4)
+    with pytest.warns(UserWarning, match="found no continuous site it can teleport") as record:
+        opt = Teleport(torch.optim.AdamW(model.parameters()), model, example_inputs=x, objective="balance")
+    assert len(_messages(record.list, "found no continuous site")) == 1
+    assert "every teleport would be declined" in _messages(record.list, "found no continuous site")[0]
+    assert opt.teleport().reason == "declined: no active continuous sites"
+
+
+def test_auto_sites_all_left_out_under_adamw_warn_with_the_reasons():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.LayerNorm(8), nn.Linear(8, 3))  # only the norm's gain rescales
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        Teleport(torch.optim.AdamW(model.parameters()), model, example_inputs=torch.randn(4, 4), objective="balance")
+    messages = _messages(record, "found no continuous site")
+    assert len(messages) == 1 and "normalisation-affine" in messages[0]
+
+
+def test_a_teleport_without_a_schedule_warns_at_construction_unless_it_is_chosen():
+    model, x, _ = _data()
+    sites = [s for s in teleopt.find_symmetries(model, x).sites if s.action.continuous]
+    with pytest.warns(UserWarning, match="no schedule"):
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, sites)  # grad_norm: no default schedule
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, sites, schedule=Schedule())
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, sites, every=10)
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, sites, objective="balance")

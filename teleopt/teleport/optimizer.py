@@ -121,7 +121,8 @@ class Teleport(OptimizerWrapper):
         ``every``, ``at``, ``when``, ``warmup``, ``batches``, ``max_teleports``.  Without
         ``every``/``at``/``when`` the objective's default applies: ``"balance"`` every 50
         steps from step 50; every other objective (the default ``"grad_norm"`` included)
-        only when :meth:`teleport` is called.  No default teleports at step 0.
+        only when :meth:`teleport` is called (a ``UserWarning`` says so; an explicit
+        ``schedule=Schedule()`` chooses it without one).  No default teleports at step 0.
     search:
         How elements are chosen (:class:`~teleopt.teleport.search.SearchConfig`: ascent
         steps and step size, trust region, path, strategy); shortcuts ``ascent_steps``,
@@ -320,10 +321,12 @@ class Teleport(OptimizerWrapper):
             )
             left_out = set(norm)
             found = [s for s in found if s.name not in left_out]
-        warn_left_out(skipped, stacklevel=3)
-        for name in norm:
-            skipped[name] = f"normalisation-affine rescaling under {type(self.innermost).__name__} (scale-free steps)"
-        self._auto_skipped = skipped
+        reasons = {
+            **skipped,
+            **{n: f"normalisation-affine rescaling under {type(self.innermost).__name__} (scale-free steps)" for n in norm},
+        }
+        warn_left_out(skipped, stacklevel=3, none_left=None if found else reasons)
+        self._auto_skipped = reasons
         return found
 
     @property

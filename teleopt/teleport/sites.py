@@ -224,8 +224,23 @@ def scale_free_updates(optimizer: Optimizer) -> bool:
     return OptimizerModel(optimizer).family != "sgd"
 
 
-def warn_left_out(skipped: dict[str, str], stacklevel: int = 2) -> None:
-    """One ``UserWarning`` listing the sites ``sites="auto"`` detection left out (the first five with the reason)."""
+def warn_left_out(skipped: dict[str, str], stacklevel: int = 2, none_left: dict[str, str] | None = None) -> None:
+    """One ``UserWarning`` listing the sites ``sites="auto"`` detection left out (the first five with the reason).
+
+    ``none_left`` (every site left out, with the reasons): the warning says instead that no site is left
+    and every teleport would be declined, and what to do.
+    """
+    if none_left is not None:
+        listed = "; ".join(f"{name}: {why}" for name, why in list(none_left.items())[:5])
+        found = f" (left out: {listed}{' and more' if len(none_left) > 5 else ''})" if none_left else ""
+        warnings.warn(
+            f"Teleport(sites='auto') found no continuous site it can teleport on this model{found}; every teleport "
+            "would be declined. Pass sites explicitly (teleopt.find_symmetries lists what the model has), use "
+            "teleopt.Syre instead, or leave the optimizer unwrapped",
+            UserWarning,
+            stacklevel=stacklevel + 1,
+        )
+        return
     if not skipped:
         return
     listed = "; ".join(f"{name}: {why}" for name, why in list(skipped.items())[:5])
