@@ -162,6 +162,23 @@ def test_a_zero_row_forward_does_not_become_the_probe_inputs():
     assert report.accepted and report.check == "probe"
 
 
+def test_zero_row_teleport_batches_are_refused():
+    model, x, y = _data()
+    sites = [s for s in teleopt.find_symmetries(model, x).sites if s.action.continuous]
+    empty = (torch.zeros(0, 4, dtype=torch.float64), torch.zeros(0, 3, dtype=torch.float64))
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, sites, loss_fn=nn.functional.mse_loss, schedule=Schedule())
+    nn.functional.mse_loss(model(x), y).backward()
+    with pytest.raises(ValueError, match="batch has a tensor with no rows"):
+        opt.teleport(batch=empty)
+    with pytest.raises(ValueError, match="heldout_batch has a tensor with no rows"):
+        opt.teleport(batch=(x, y), heldout_batch=empty)
+    scheduled = Teleport(
+        torch.optim.SGD(model.parameters(), lr=0.01), model, sites, loss_fn=nn.functional.mse_loss, batch_fn=lambda: empty, every=1
+    )
+    with pytest.raises(ValueError, match=r"the batch of batch_fn\(\) has a tensor with no rows"):
+        scheduled.step()
+
+
 # -- syre options written into a param group later -------------------------------------------------------------
 
 

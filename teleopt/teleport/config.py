@@ -28,6 +28,7 @@ __all__ = [
     "check_seed",
     "check_shortcuts",
     "resolve_data",
+    "checked_batch",
     "resolve_safety",
     "resolve_schedule",
     "resolve_search",
@@ -170,6 +171,16 @@ def resolve_data(
         inputs = () if example_inputs is None else example_inputs
         example = as_batch((tuple(inputs) if isinstance(inputs, list) else inputs, None, example_kwargs))
     return DataSources(loss_fn, batch_fn, heldout, example)
+
+
+def checked_batch(batch: Any, name: str) -> Batch | None:
+    """``batch`` as a :class:`Batch` (``None`` stays ``None``); ``ValueError`` naming ``name`` when it has no rows
+    (a check on its empty outputs would pass anything)."""
+    if batch is None:
+        return None
+    out = as_batch(batch)
+    check_has_rows(out.inputs, out.kwargs, name)
+    return out
 
 
 def resolve_safety(safety: SafetyConfig | None) -> SafetyConfig:

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from teleopt.functional import Batch, LossFn, as_batch
+from teleopt.functional import Batch, LossFn
 from teleopt.sharding import reshard, sharded_module, unsupported_layout
 from teleopt.site import Site
 from teleopt.teleport.check import KeywordCheck, OutputCapture, ProbeRecorder, seeded
@@ -39,6 +39,7 @@ from teleopt.teleport.config import (
     Shortcuts,
     check_seed,
     check_shortcuts,
+    checked_batch,
     resolve_data,
     resolve_safety,
     resolve_schedule,
@@ -412,8 +413,8 @@ class Teleport(OptimizerWrapper):
             with capture.on(self._hook_target), seeded(self._module, seed):
                 loss = self._run_closure(closure)
             outputs = capture.leaves
-        heldout = self._heldout if heldout_batch is None else as_batch(heldout_batch)
-        request = TeleportRequest(loss, closure, None if batch is None else as_batch(batch), heldout, seed=seed, closure_outputs=outputs)
+        heldout = self._heldout if heldout_batch is None else checked_batch(heldout_batch, "heldout_batch")
+        request = TeleportRequest(loss, closure, checked_batch(batch, "batch"), heldout, seed=seed, closure_outputs=outputs)
         report, _ = self._teleport_now(request)
         return report
 
@@ -435,7 +436,7 @@ class Teleport(OptimizerWrapper):
             return loss
         if due:
             for _ in range(self._schedule.batches):
-                batch = None if self._batch_fn is None else as_batch(self._batch_fn())
+                batch = None if self._batch_fn is None else checked_batch(self._batch_fn(), "the batch of batch_fn()")
                 # the closure already ran once (torch's contract: at most once per step)
                 self._teleport_now(TeleportRequest(loss, None, batch, self._heldout, seed=self._check_seed()))
         loss = self._step_base(closure, loss)
