@@ -120,6 +120,16 @@ def test_output_selecting_keywords_such_as_labels_are_not_warned():
     assert _messages(record, "example_kwargs") == []
 
 
+def test_an_input_given_by_keyword_instead_of_position_is_not_warned():
+    model, x, _ = _data()
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, example_inputs=x, objective="balance", every=1)
+    model(x=x)  # the same argument of forward as example_inputs=x supplies
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        opt.teleport()
+    assert _messages(record, "example_kwargs") == []
+
+
 # -- inputs with no rows -------------------------------------------------------------------------------------------
 
 

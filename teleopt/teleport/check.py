@@ -34,9 +34,10 @@ against the float64 tolerance.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,47 +155,64 @@ class ProbeRecorder:
 
 
 class KeywordCheck:
-    """Warns when the training forward's keyword arguments differ from ``example_kwargs``.
+    """Warns when the training forward's arguments differ from ``example_inputs``/``example_kwargs``.
 
-    Detection and the probe check run the model on ``example_inputs``/``example_kwargs``; a
-    keyword the training loop passes and they do not (``model(x, scale=s)``) can change what the
+    Detection and the probe check run the model on ``example_inputs``/``example_kwargs``; an
+    argument the training loop passes and they do not (``model(x, scale=s)``) can change what the
     model computes, and neither would see it.  A one-shot forward pre-hook (``with_kwargs=True``)
-    records the keyword names of the next forward that is not ``probe``'s paused one, then removes
-    itself (:meth:`arm` re-registers it), so the training loop keeps torch's fast call path.
+    records which arguments of ``forward`` the next forward supplies (bound to its signature, so an
+    input given by position or by keyword counts the same; a ``**kwargs`` catch-all by its keys),
+    then removes itself (:meth:`arm` re-registers it), so the training loop keeps torch's fast call
+    path.  Forwards while ``probe`` is paused (the teleport's own) are not recorded.
     """
 
-    def __init__(self, target: nn.Module, expected: Iterable[str], probe: ProbeRecorder) -> None:
-        self.expected = frozenset(expected)
-        self.seen: frozenset[str] | None = None
+    def __init__(self, target: nn.Module, example: Batch, probe: ProbeRecorder) -> None:
         self._target, self._probe = target, probe
+        self.expected = self._supplied(example.inputs, example.kwargs or {})
+        self.seen: frozenset[str] | None = None
         self._handle: Any = None
         self._warned: set[frozenset[str]] = set()
 
+    def _supplied(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> frozenset[str]:
+        """The names of the arguments a call supplies (its keyword names where the signature does not bind)."""
+        try:
+            bound = inspect.signature(self._target.forward).bind(*args, **kwargs)
+        except (TypeError, ValueError):
+            return frozenset(kwargs)
+        names: set[str] = set()
+        for name, value in bound.arguments.items():
+            kind = bound.signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                names.update(value)
+            elif kind is not inspect.Parameter.VAR_POSITIONAL:
+                names.add(name)
+        return frozenset(names)
+
     def arm(self) -> None:
-        """Record the keyword names of the next (unpaused) forward."""
+        """Record the arguments of the next (unpaused) forward."""
         if self._handle is None:
             self._handle = self._target.register_forward_pre_hook(self._record, with_kwargs=True)
 
     def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self._probe.paused and self._handle is not None:
-            self.seen = frozenset(kwargs)
             self._handle.remove()
             self._handle = None
+            self.seen = self._supplied(args, kwargs)
 
     def warn_if_different(self, stacklevel: int = 2) -> None:
-        """One ``UserWarning`` per distinct set of keyword names that differs from ``expected`` (ignoring
-        :data:`OUTPUT_KEYWORDS`); then record the next forward's names."""
+        """One ``UserWarning`` per distinct set of arguments that differs from ``expected`` (ignoring
+        :data:`OUTPUT_KEYWORDS`); then record the next forward's."""
         self.arm()
         seen = self.seen
         if seen is None or seen - OUTPUT_KEYWORDS == self.expected - OUTPUT_KEYWORDS or seen in self._warned:
             return
         self._warned.add(seen)
         extra, missing = sorted(seen - self.expected - OUTPUT_KEYWORDS), sorted(self.expected - seen - OUTPUT_KEYWORDS)
-        what = f"passes keyword argument(s) {extra} that example_kwargs does not give" if extra else ""
-        what += (" and " if extra and missing else "") + (f"omits example_kwargs {missing}" if missing else "")
+        what = f"passes argument(s) {extra} that example_inputs/example_kwargs do not give" if extra else ""
+        what += (" and " if extra and missing else "") + (f"omits argument(s) {missing} they give" if missing else "")
         warnings.warn(
             f"Teleport: the model's training forward {what}; sites='auto' detection and the teleport's check ran "
-            "on example_inputs/example_kwargs, so they do not see what these keywords change. Pass the forward's "
+            "on example_inputs/example_kwargs, so they do not see what these arguments change. Pass the forward's "
             "keyword arguments as Teleport(..., example_kwargs={...}) (or teleport batches with them through batch_fn)",
             UserWarning,
             stacklevel=stacklevel + 1,

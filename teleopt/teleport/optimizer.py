@@ -155,8 +155,8 @@ class Teleport(OptimizerWrapper):
         checked (:mod:`teleopt.teleport.check`): on its batch, else on the closure's
         forwards, else on the probe inputs (these, or else the first up to 8 rows of
         the last forward's inputs, copied), in eval mode; with none of them it is
-        declined, never accepted unchecked.  A training forward whose keyword arguments
-        differ from ``example_kwargs`` is warned about (neither detection nor the check saw them).
+        declined, never accepted unchecked.  A training forward whose arguments differ
+        from these is warned about (neither detection nor the check saw them).
     paper_compat:
         Reproduce the papers' first-order, non-invariant teleport
         (:mod:`~teleopt.teleport.paper_compat`); for comparisons only.
@@ -230,7 +230,7 @@ class Teleport(OptimizerWrapper):
         self.reports: list[TeleportReport] = []
         self._sparse_warned: set[str] = set()
         self._probe = ProbeRecorder()
-        self._keywords = None if self._example is None else KeywordCheck(self._hook_target, self._example.kwargs or (), self._probe)
+        self._keywords = None if self._example is None else KeywordCheck(self._hook_target, self._example, self._probe)
         if self._keywords is not None:
             self._keywords.arm()  # one forward at a time: the keywords the training loop passes
         else:
