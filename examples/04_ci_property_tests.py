@@ -1,7 +1,7 @@
 """Example 4: teleopt's property tests in *your* CI, on *your* model and optimizer setup.
 
 Copy this file into your test folder (as ``test_symmetries.py``) and adapt the three
-parts marked YOURS.  It needs ``pip install "teleopt[testing]"`` (hypothesis and
+parts marked YOURS.  It needs the ``testing`` extra, ``pip install "/path/to/teleopt[testing]"`` (hypothesis and
 pytest; the ``teleopt`` pytest plugin loads by itself).  Run it with
 ``python -m pytest examples/04_ci_property_tests.py``.
 

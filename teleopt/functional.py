@@ -15,14 +15,14 @@ tokenizer's ``BatchEncoding`` or a ``DataCollator``'s dict (``model(**inputs)``)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-__all__ = ["Batch", "LossFn", "as_batch", "batch_parts", "FunctionalModel", "module_input"]
+__all__ = ["Batch", "LossFn", "as_batch", "batch_parts", "check_has_rows", "has_rows", "FunctionalModel", "module_input"]
 
 
 LossFn = Callable[[Any, Any], Tensor]
@@ -76,6 +76,35 @@ def as_batch(batch: Any) -> Batch:
     elif not isinstance(inputs, tuple):
         raise TypeError(f"batch inputs must be a tensor, a tuple of tensors or a mapping of keyword inputs, got {type(inputs).__name__}")
     return Batch(inputs, target, _kwargs(batch[2]) if len(batch) == 3 else None)
+
+
+def _leaves(value: Any, depth: int = 0) -> Iterator[Tensor]:
+    if isinstance(value, Tensor):
+        yield value
+    elif depth < 4 and isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _leaves(v, depth + 1)
+    elif depth < 4 and isinstance(value, Mapping):
+        for v in value.values():
+            yield from _leaves(v, depth + 1)
+
+
+def has_rows(inputs: Any, kwargs: Mapping[str, Any] | None = None) -> bool:
+    """Whether no tensor (of one dimension or more) among ``inputs`` and ``kwargs`` has first size 0."""
+    return all(t.ndim == 0 or t.shape[0] > 0 for t in _leaves((inputs, dict(kwargs or {}))))
+
+
+def check_has_rows(inputs: Any, kwargs: Mapping[str, Any] | None, name: str) -> None:
+    """``ValueError`` naming ``name`` unless :func:`has_rows`.
+
+    A forward on a zero-row batch returns empty outputs, so an invariance check on it
+    compares nothing and passes whatever the parameters became: it must not be run.
+    """
+    if not has_rows(inputs, kwargs):
+        raise ValueError(
+            f"{name} has a tensor with no rows (first dimension 0): the outputs on it are empty, so no symmetry "
+            "or teleport could be checked on it; give at least one row"
+        )
 
 
 def _kwargs(kwargs: Any) -> dict[str, Any] | None:

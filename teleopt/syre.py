@@ -447,10 +447,12 @@ class Syre(OptimizerWrapper):
         return swapped
 
     def _check_acting(self, with_grad: bool = True) -> None:
-        """Validate gamma and materialise/check every anchor, so a bad one fails before any tensor changes."""
+        """Validate every group's options (written into a group after construction too) and materialise/check
+        every anchor, so a bad one fails before any tensor changes."""
+        for number, group in enumerate(self.param_groups):
+            check_options(self._options(group), f"Syre.step: param group {number}", self.prefix)
         for group, members in self._acting(with_grad):
             options = self._options(group)
-            check_options({"gamma": options["gamma"]}, "Syre.step")
             for index, p in members:
                 check_scales(options, p, f"Syre.step: parameter {index}")
                 if self.store_anchors:

@@ -117,39 +117,37 @@ def draw_diagonal(seed: int, index: int, p: Tensor, eps: float) -> Tensor:
     return shard_like(uniform.mul_(2 * eps).add_(1 - eps).to(device=target.device, dtype=target.dtype), target)
 
 
-def _is_real_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def check_options(options: dict[str, Any], where: str, prefix: str = "") -> None:
+    """Validate syre hyperparameters (names without prefix); raises ValueError/TypeError naming the option.
 
-
-def check_options(options: dict[str, Any], where: str) -> None:
-    """Validate syre hyperparameters (names without prefix); raises ValueError/TypeError naming the option."""
+    Messages name each option as ``prefix + name`` (``"teleopt_syre_"`` for the keys of a param group).
+    A number of the wrong type is a ``TypeError``; a non-finite or out-of-range one a ``ValueError``.
+    """
     unknown = set(options) - set(OPTION_NAMES)
     if unknown:
         raise TypeError(f"{where}: unknown syre option(s) {sorted(unknown)}; known: {list(OPTION_NAMES)}")
-    for name in ("gamma", "sigma0"):
+    for name in ("gamma", "sigma0", "diagonal_eps"):
         if name in options:
             value = options[name]
-            if not _is_real_number(value):
-                raise TypeError(f"{where}: {name} must be a finite real number, got {value!r}")
-            if value < 0:
-                raise ValueError(f"{where}: {name} must be >= 0, got {value}")
-    if "diagonal_eps" in options:
-        value = options["diagonal_eps"]
-        if not _is_real_number(value):
-            raise TypeError(f"{where}: diagonal_eps must be a finite real number, got {value!r}")
-        if not 0 <= value < 1:
-            raise ValueError(f"{where}: diagonal_eps must lie in [0, 1) so that D is positive, got {value}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise TypeError(f"{where}: {prefix}{name} must be a finite real number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{where}: {prefix}{name} must be a finite real number, got {value!r}")
+            if name != "diagonal_eps" and value < 0:
+                raise ValueError(f"{where}: {prefix}{name} must be >= 0, got {value}")
+            if name == "diagonal_eps" and not 0 <= value < 1:
+                raise ValueError(f"{where}: {prefix}diagonal_eps must lie in [0, 1) so that D is positive, got {value}")
     for name in ("decoupled", "enabled", "exclude_1d"):
         if name in options and not isinstance(options[name], bool):
-            raise TypeError(f"{where}: {name} must be a bool, got {options[name]!r}")
+            raise TypeError(f"{where}: {prefix}{name} must be a bool, got {options[name]!r}")
     if "fan_in" in options and options["fan_in"] is not None:
         value = options["fan_in"]
         if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{where}: fan_in must be None or a positive int, got {value!r}")
+            raise TypeError(f"{where}: {prefix}fan_in must be None or a positive int, got {value!r}")
         if value < 1:
-            raise ValueError(f"{where}: fan_in must be a positive int, got {value}")
+            raise ValueError(f"{where}: {prefix}fan_in must be a positive int, got {value}")
     if "seed" in options and (not isinstance(options["seed"], int) or isinstance(options["seed"], bool)):
-        raise TypeError(f"{where}: seed must be an int, got {options['seed']!r}")
+        raise TypeError(f"{where}: {prefix}seed must be an int, got {options['seed']!r}")
 
 
 def check_scales(options: dict[str, Any], p: Tensor, where: str) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 from teleopt import Site, get_action
 from teleopt.actions.axis import AxisAction, Member
 from teleopt.groups import GeneralLinear, PositiveScaling
-from teleopt.teleport import Balance, ClosedForm, GradientAscent, SafetyConfig, SearchConfig, Teleport
+from teleopt.teleport import Balance, ClosedForm, GradientAscent, SafetyConfig, Schedule, SearchConfig, Teleport
 from teleopt.teleport.balance import balance_coordinates
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -309,7 +309,7 @@ def test_auto_leaves_out_normalisation_affine_sites_under_adaptive_optimizers():
         adam = Teleport(torch.optim.AdamW(model.parameters()), model, "auto", example_inputs=x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        sgd = Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, "auto", example_inputs=x)
+        sgd = Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, "auto", example_inputs=x, schedule=Schedule())
     names = lambda opt: {n for s in opt.sites for n in s.tensor_names}  # noqa: E731
     assert "2.weight" in names(sgd) and "2.weight" not in names(adam)
     assert "3.weight" in names(adam)  # the rescaling between the two later layers stays

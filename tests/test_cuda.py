@@ -122,7 +122,7 @@ def test_a_timm_vit_trains_with_teleport_and_syre_on_the_gpu():
     assert teleport.reports and any(r.accepted for r in teleport.reports)
     for r in teleport.reports:
         if r.accepted:
-            assert r.check_error is not None and r.check_error <= r.check_tol, r
+            assert r.check_error is not None and r.check_passed, r  # float32: or passed its float64 re-run
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     assert all(p.is_cuda for p in model.parameters())
     assert all(v.is_cuda for s in teleport.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)

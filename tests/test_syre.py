@@ -452,7 +452,7 @@ def test_syre_inside_syre_is_rejected():
     ("kwargs", "error", "match"),
     [
         ({"gamma": -0.1}, ValueError, "gamma must be >= 0"),
-        ({"gamma": float("nan")}, TypeError, "gamma must be a finite real number"),
+        ({"gamma": float("nan")}, ValueError, "gamma must be a finite real number"),
         ({"gamma": True}, TypeError, "gamma"),
         ({"gamma": 0.1, "sigma0": -1.0}, ValueError, "sigma0 must be >= 0"),
         ({"gamma": 0.1, "diagonal_eps": 1.0}, ValueError, "diagonal_eps must lie in"),

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from teleopt.detection.float64 import keep_float64
+from teleopt.functional import check_has_rows
 from teleopt.numerics import default_rtol
 from teleopt.site import Site
 
@@ -318,6 +319,7 @@ def certify_sites(
     copy's outputs are not finite, the model's own parameters are used.
     """
     kwargs = dict(kwargs or {})
+    check_has_rows(inputs, kwargs, "inputs/kwargs")
     tol = default_rtol(torch.float64) if rtol is None else rtol
     try:
         moved = copy.deepcopy(model).to(torch.float64)

@@ -28,6 +28,7 @@ from teleopt.detection.residual import ResidualStream, find_residual_sites
 from teleopt.detection.rules import run_rules
 from teleopt.detection.sites import blocked_reasons, class_sites, direct_sites, module_order, settle, softmax_translation_sites
 from teleopt.detection.tracing import DetectionError, trace_model
+from teleopt.functional import check_has_rows
 from teleopt.integrations.peft import LoRASites, lora_sites
 from teleopt.site import Site
 from teleopt.unwrap import unwrap as unwrap_model
@@ -104,7 +105,8 @@ def find_symmetries(
         ``model`` is not an ``nn.Module`` or the inputs are not tensors.
     ValueError
         (``teleopt.detection.DetectionError``) ``forward`` cannot be traced, or the
-        example inputs do not fit the model; ``loss`` is unknown.
+        example inputs do not fit the model, or have a tensor with no rows (a check on
+        empty outputs would pass anything); ``loss`` is unknown.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -126,6 +128,8 @@ def find_symmetries(
         raise TypeError("example_inputs must contain only tensors")
     if not inputs and not any(isinstance(v, Tensor) for v in kwargs.values()):
         raise TypeError("example_inputs must contain at least one tensor (or example_kwargs a tensor input)")
+    check_has_rows(inputs, None, "example_inputs")
+    check_has_rows((), kwargs, "example_kwargs")
     if loss not in _LOSSES:
         raise ValueError(f"loss must be one of {_LOSSES}, got {loss!r}")
     flags = [(m, m.training) for m in model.modules()]

@@ -113,7 +113,9 @@ class LearnedLieGroup(Group):
         super().__init__(int(generators.shape[1]))
         self.generators = generators.detach().to(torch.float64)
         self.num_generators = int(generators.shape[0])
-        self._key = hashlib.sha1(self.generators.cpu().numpy().tobytes()).hexdigest()[:16]
+        # the exact float64 bits, read without numpy (not a dependency of teleopt)
+        bits = self.generators.cpu().contiguous().view(torch.int64).flatten().tolist()
+        self._key = hashlib.sha1(repr(bits).encode()).hexdigest()[:16]
 
     def _config(self) -> tuple:
         return (self.n, self.num_generators, self._key)

@@ -34,7 +34,9 @@ against the float64 tolerance.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from teleopt.detection.certify import log_softmax_leaves, output_error, output_leaves, to_float64
-from teleopt.functional import Batch, batch_parts
+from teleopt.functional import Batch, batch_parts, has_rows
 from teleopt.numerics import default_rtol
 from teleopt.site import Site
 from teleopt.teleport.transport import transport
@@ -53,6 +55,7 @@ __all__ = [
     "PROBE_ROWS",
     "INCONCLUSIVE_FACTOR",
     "ProbeRecorder",
+    "KeywordCheck",
     "OutputCapture",
     "OutputCheck",
     "seeded",
@@ -65,6 +68,9 @@ __all__ = [
 PROBE_ROWS = 8
 #: A check within this factor of its tolerance, below float64, is re-run in float64.
 INCONCLUSIVE_FACTOR = 100.0
+#: Keywords that choose what a model returns, not what it computes (transformers' ``labels`` adds the loss):
+#: a training forward may pass them without ``example_kwargs``.
+OUTPUT_KEYWORDS = frozenset({"labels", "return_dict", "output_attentions", "output_hidden_states", "use_cache"})
 #: Elements of one output leaf a closure check keeps (of its first PROBE_ROWS rows).
 _CLOSURE_LEAF_ELEMENTS = 1 << 20
 
@@ -135,7 +141,7 @@ class ProbeRecorder:
         self.paused = 0
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self.paused:
+        if not self.paused and has_rows(args, kwargs):  # a zero-row forward would make the probe check vacuous
             self.batch = probe_slice(args, kwargs)
 
     @contextmanager
@@ -146,6 +152,71 @@ class ProbeRecorder:
             yield
         finally:
             self.paused -= 1
+
+
+class KeywordCheck:
+    """Warns when the training forward's arguments differ from ``example_inputs``/``example_kwargs``.
+
+    Detection and the probe check run the model on ``example_inputs``/``example_kwargs``; an
+    argument the training loop passes and they do not (``model(x, scale=s)``) can change what the
+    model computes, and neither would see it.  A one-shot forward pre-hook (``with_kwargs=True``)
+    records which arguments of ``forward`` the next forward supplies (bound to its signature, so an
+    input given by position or by keyword counts the same; a ``**kwargs`` catch-all by its keys),
+    then removes itself (:meth:`arm` re-registers it), so the training loop keeps torch's fast call
+    path.  Forwards while ``probe`` is paused (the teleport's own) are not recorded.
+    """
+
+    def __init__(self, target: nn.Module, example: Batch, probe: ProbeRecorder) -> None:
+        self._target, self._probe = target, probe
+        self.expected = self._supplied(example.inputs, example.kwargs or {})
+        self.seen: frozenset[str] | None = None
+        self._handle: Any = None
+        self._warned: set[frozenset[str]] = set()
+
+    def _supplied(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> frozenset[str]:
+        """The names of the arguments a call supplies (its keyword names where the signature does not bind)."""
+        try:
+            bound = inspect.signature(self._target.forward).bind(*args, **kwargs)
+        except (TypeError, ValueError):
+            return frozenset(kwargs)
+        names: set[str] = set()
+        for name, value in bound.arguments.items():
+            kind = bound.signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                names.update(value)
+            elif kind is not inspect.Parameter.VAR_POSITIONAL:
+                names.add(name)
+        return frozenset(names)
+
+    def arm(self) -> None:
+        """Record the arguments of the next (unpaused) forward."""
+        if self._handle is None:
+            self._handle = self._target.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self._probe.paused and self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+            self.seen = self._supplied(args, kwargs)
+
+    def warn_if_different(self, stacklevel: int = 2) -> None:
+        """One ``UserWarning`` per distinct set of arguments that differs from ``expected`` (ignoring
+        :data:`OUTPUT_KEYWORDS`); then record the next forward's."""
+        self.arm()
+        seen = self.seen
+        if seen is None or seen - OUTPUT_KEYWORDS == self.expected - OUTPUT_KEYWORDS or seen in self._warned:
+            return
+        self._warned.add(seen)
+        extra, missing = sorted(seen - self.expected - OUTPUT_KEYWORDS), sorted(self.expected - seen - OUTPUT_KEYWORDS)
+        what = f"passes argument(s) {extra} that example_inputs/example_kwargs do not give" if extra else ""
+        what += (" and " if extra and missing else "") + (f"omits argument(s) {missing} they give" if missing else "")
+        warnings.warn(
+            f"Teleport: the model's training forward {what}; sites='auto' detection and the teleport's check ran "
+            "on example_inputs/example_kwargs, so they do not see what these arguments change. Pass the forward's "
+            "keyword arguments as Teleport(..., example_kwargs={...}) (or teleport batches with them through batch_fn)",
+            UserWarning,
+            stacklevel=stacklevel + 1,
+        )
 
 
 def _bounded(leaf: Tensor) -> Tensor:

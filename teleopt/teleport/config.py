@@ -12,10 +12,11 @@ given together.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, TypedDict
 
-from teleopt.functional import Batch, LossFn, as_batch
+from teleopt.functional import Batch, LossFn, as_batch, check_has_rows
 from teleopt.teleport.safety import SafetyConfig
 from teleopt.teleport.schedule import Schedule
 from teleopt.teleport.search import Path, SearchConfig
@@ -27,6 +28,7 @@ __all__ = [
     "check_seed",
     "check_shortcuts",
     "resolve_data",
+    "checked_batch",
     "resolve_safety",
     "resolve_schedule",
     "resolve_search",
@@ -62,31 +64,46 @@ def resolve_schedule(schedule: Schedule | None, s: Shortcuts, default: Schedule 
     """``schedule``, or one built from the ``every``/``at``/``when``/``warmup``/``batches``/``max_teleports`` shortcuts.
 
     With none of ``every``/``at``/``when``, ``default`` (the objective's default schedule) gives them and the
-    warm-up (a given ``warmup`` replaces it); without a default, teleports happen only on request.
+    warm-up (a given ``warmup`` replaces it); without a default, teleports happen only on request, and a
+    ``UserWarning`` says so (an explicit ``Schedule()`` is a manual schedule chosen, without warning).
     """
     if schedule is None:
-        if default is not None and all(s.get(k) is None for k in ("every", "at", "when")):
-            return Schedule(
-                every=default.every,
-                at=default.at,
-                when=default.when,
-                warmup=s.get("warmup", default.warmup),
-                batches=s.get("batches", default.batches),
-                max_teleports=s.get("max_teleports", default.max_teleports),
+        resolved = _schedule_from_shortcuts(s, default)
+        if resolved.manual:
+            warnings.warn(
+                "Teleport has no schedule (no every=, at= or when=, and the objective has no default one): step() "
+                "never teleports, only explicit opt.teleport() calls do. Pass every=N to teleport every N steps, or "
+                "schedule=Schedule() to say that teleports are manual",
+                UserWarning,
+                stacklevel=3,
             )
-        return Schedule(
-            every=s.get("every"),
-            at=s.get("at"),
-            when=s.get("when"),
-            warmup=s.get("warmup", 0),
-            batches=s.get("batches", 1),
-            max_teleports=s.get("max_teleports"),
-        )
+        return resolved
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a teleopt Schedule, got {type(schedule).__name__}")
     if any(s.get(k) is not None for k in ("every", "at", "when", "max_teleports")) or s.get("warmup", 0) or s.get("batches", 1) != 1:
         raise ValueError("give either schedule= or every/at/when/warmup/batches/max_teleports, not both")
     return schedule
+
+
+def _schedule_from_shortcuts(s: Shortcuts, default: Schedule | None) -> Schedule:
+    """The schedule of the shortcuts, the objective's ``default`` filling in when none of every/at/when is given."""
+    if default is not None and all(s.get(k) is None for k in ("every", "at", "when")):
+        return Schedule(
+            every=default.every,
+            at=default.at,
+            when=default.when,
+            warmup=s.get("warmup", default.warmup),
+            batches=s.get("batches", default.batches),
+            max_teleports=s.get("max_teleports", default.max_teleports),
+        )
+    return Schedule(
+        every=s.get("every"),
+        at=s.get("at"),
+        when=s.get("when"),
+        warmup=s.get("warmup", 0),
+        batches=s.get("batches", 1),
+        max_teleports=s.get("max_teleports"),
+    )
 
 
 def resolve_search(search: SearchConfig | None, s: Shortcuts) -> SearchConfig:
@@ -144,11 +161,26 @@ def resolve_data(
         raise ValueError(f"batches={batches} needs batch_fn to draw the teleport batches")
     if example_kwargs is not None and (not isinstance(example_kwargs, Mapping) or not all(isinstance(k, str) for k in example_kwargs)):
         raise TypeError(f"example_kwargs must be a mapping of keyword arguments, got {type(example_kwargs).__name__}")
+    check_has_rows(example_inputs, None, "example_inputs")
+    check_has_rows((), example_kwargs, "example_kwargs")
+    heldout = None if heldout_batch is None else as_batch(heldout_batch)
+    if heldout is not None:
+        check_has_rows(heldout.inputs, heldout.kwargs, "heldout_batch")
     example = None
     if example_inputs is not None or example_kwargs:
         inputs = () if example_inputs is None else example_inputs
         example = as_batch((tuple(inputs) if isinstance(inputs, list) else inputs, None, example_kwargs))
-    return DataSources(loss_fn, batch_fn, None if heldout_batch is None else as_batch(heldout_batch), example)
+    return DataSources(loss_fn, batch_fn, heldout, example)
+
+
+def checked_batch(batch: Any, name: str) -> Batch | None:
+    """``batch`` as a :class:`Batch` (``None`` stays ``None``); ``ValueError`` naming ``name`` when it has no rows
+    (a check on its empty outputs would pass anything)."""
+    if batch is None:
+        return None
+    out = as_batch(batch)
+    check_has_rows(out.inputs, out.kwargs, name)
+    return out
 
 
 def resolve_safety(safety: SafetyConfig | None) -> SafetyConfig:

@@ -567,12 +567,12 @@ class TeleportEngine:
         except Exception as e:  # noqa: BLE001 - a model that cannot be copied to float64: the failure stands
             return failures + [Failure(f"(inconclusive; the float64 re-run failed: {type(e).__name__})", math.inf, 0.0, torch.float64)]
         tol64 = default_rtol(torch.float64)
+        report.check_error_float64, report.check_tol_float64 = err64, tol64
         if err64 <= tol64:
             report.check_detail += (
                 f"; {failures[0].reason} in {failures[0].dtype}: inconclusive, re-run on a float64 copy "
                 f"({rerun.describe()}): {err64:.1e} <= {tol64:.0e}"
             )
-            report.check_error, report.check_tol = err64, tol64
             return []
         return failures + [Failure(f"float64 re-run: outputs changed by {err64:.2e} > {tol64:.0e}", err64, tol64, torch.float64)]
 

@@ -31,15 +31,16 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from teleopt.functional import Batch, LossFn, as_batch
+from teleopt.functional import Batch, LossFn
 from teleopt.groups import GroupCache
 from teleopt.sharding import reshard, sharded_module, unsupported_layout
 from teleopt.site import Site
-from teleopt.teleport.check import OutputCapture, ProbeRecorder, seeded
+from teleopt.teleport.check import KeywordCheck, OutputCapture, ProbeRecorder, seeded
 from teleopt.teleport.config import (
     Shortcuts,
     check_seed,
     check_shortcuts,
+    checked_batch,
     resolve_data,
     resolve_safety,
     resolve_schedule,
@@ -60,11 +61,13 @@ from teleopt.teleport.search import SearchConfig
 from teleopt.teleport.sites import (
     check_model_matches_optimizer,
     detect_sites,
+    movable_sites,
     normalization_affine,
     scale_free_updates,
     unsharded_twin,
     unusable,
     validate_sites,
+    warn_left_out,
 )
 from teleopt.teleport.state_policy import StatePolicy, restart_curvature_history
 from teleopt.teleport.transaction import Transaction
@@ -84,10 +87,6 @@ def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"Teleport needs the model (an nn.Module) whose parameters the optimizer updates, got {type(model).__name__}")
     check_supported_sharding(model)
-
-
-def _has_sparse_grad(p: Tensor) -> bool:
-    return p.grad is not None and p.grad.is_sparse
 
 
 class Teleport(OptimizerWrapper):
@@ -122,7 +121,8 @@ class Teleport(OptimizerWrapper):
         ``every``, ``at``, ``when``, ``warmup``, ``batches``, ``max_teleports``.  Without
         ``every``/``at``/``when`` the objective's default applies: ``"balance"`` every 50
         steps from step 50; every other objective (the default ``"grad_norm"`` included)
-        only when :meth:`teleport` is called.  No default teleports at step 0.
+        only when :meth:`teleport` is called (a ``UserWarning`` says so; an explicit
+        ``schedule=Schedule()`` chooses it without one).  No default teleports at step 0.
     search:
         How elements are chosen (:class:`~teleopt.teleport.search.SearchConfig`: ascent
         steps and step size, trust region, path, strategy); shortcuts ``ascent_steps``,
@@ -154,7 +154,8 @@ class Teleport(OptimizerWrapper):
         checked (:mod:`teleopt.teleport.check`): on its batch, else on the closure's
         forwards, else on the probe inputs (these, or else the first up to 8 rows of
         the last forward's inputs, copied), in eval mode; with none of them it is
-        declined, never accepted unchecked.
+        declined, never accepted unchecked.  A training forward whose arguments differ
+        from these is warned about (neither detection nor the check saw them).
     paper_compat:
         Reproduce the papers' first-order, non-invariant teleport
         (:mod:`~teleopt.teleport.paper_compat`); for comparisons only.
@@ -220,13 +221,18 @@ class Teleport(OptimizerWrapper):
         """Teleport hooks, reports, and the forward pre-hook that keeps probe inputs for the check.
 
         With ``example_inputs`` the check probes those and the pre-hook is not registered: any
-        forward hook takes a module off torch's fast call path (cost: ``docs/performance.md``).
+        forward hook takes a module off torch's fast call path (cost: ``docs/performance.md``).  A
+        one-shot pre-hook (:class:`KeywordCheck`) reads the arguments of one training forward after
+        construction and after each teleport instead.
         """
         self._hooks: OrderedDict[int, TeleportHook] = OrderedDict()
         self.reports: list[TeleportReport] = []
         self._sparse_warned: set[str] = set()
         self._probe = ProbeRecorder()
-        if self._example is None:
+        self._keywords = None if self._example is None else KeywordCheck(self._hook_target, self._example, self._probe)
+        if self._keywords is not None:
+            self._keywords.arm()  # one forward at a time: the keywords the training loop passes
+        else:
             handle = self._hook_target.register_forward_pre_hook(self._probe, with_kwargs=True)
             weakref.finalize(self, handle.remove)  # the hook goes when the wrapper does
 
@@ -315,18 +321,12 @@ class Teleport(OptimizerWrapper):
             )
             left_out = set(norm)
             found = [s for s in found if s.name not in left_out]
-        if skipped:
-            listed = "; ".join(f"{name}: {why}" for name, why in list(skipped.items())[:5])
-            more = f" (and {len(skipped) - 5} more)" if len(skipped) > 5 else ""
-            warnings.warn(
-                f"Teleport(sites='auto'): {len(skipped)} detected site(s) left out ({listed}{more}); "
-                "each teleport's report lists them in report.skipped",
-                UserWarning,
-                stacklevel=3,
-            )
-        for name in norm:
-            skipped[name] = f"normalisation-affine rescaling under {type(self.innermost).__name__} (scale-free steps)"
-        self._auto_skipped = skipped
+        reasons = {
+            **skipped,
+            **{n: f"normalisation-affine rescaling under {type(self.innermost).__name__} (scale-free steps)" for n in norm},
+        }
+        warn_left_out(skipped, stacklevel=3, none_left=None if found else reasons)
+        self._auto_skipped = reasons
         return found
 
     @property
@@ -412,8 +412,8 @@ class Teleport(OptimizerWrapper):
             with capture.on(self._hook_target), seeded(self._module, seed):
                 loss = self._run_closure(closure)
             outputs = capture.leaves
-        heldout = self._heldout if heldout_batch is None else as_batch(heldout_batch)
-        request = TeleportRequest(loss, closure, None if batch is None else as_batch(batch), heldout, seed=seed, closure_outputs=outputs)
+        heldout = self._heldout if heldout_batch is None else checked_batch(heldout_batch, "heldout_batch")
+        request = TeleportRequest(loss, closure, checked_batch(batch, "batch"), heldout, seed=seed, closure_outputs=outputs)
         report, _ = self._teleport_now(request)
         return report
 
@@ -435,7 +435,7 @@ class Teleport(OptimizerWrapper):
             return loss
         if due:
             for _ in range(self._schedule.batches):
-                batch = None if self._batch_fn is None else as_batch(self._batch_fn())
+                batch = None if self._batch_fn is None else checked_batch(self._batch_fn(), "the batch of batch_fn()")
                 # the closure already ran once (torch's contract: at most once per step)
                 self._teleport_now(TeleportRequest(loss, None, batch, self._heldout, seed=self._check_seed()))
         loss = self._step_base(closure, loss)
@@ -505,8 +505,10 @@ class Teleport(OptimizerWrapper):
             # reads and writes the shards the optimizer holds
             reshard(self._module)
         sites, skipped = self._active_sites(request.batch)
-        movable = self._movable(sites)
+        movable = movable_sites(sites, self._module, self._sparse_warned)
         skipped.update({s.name: "a member has a sparse gradient" for s in sites if s not in movable})
+        if self._keywords is not None:
+            self._keywords.warn_if_different(stacklevel=4)
         probe, source = self._probe_inputs()
         request = replace(request, probe=probe, probe_source=source, skipped=skipped)
         # all or nothing up to the report (teleport.transaction), hooks after; group caches live for this teleport
@@ -520,29 +522,6 @@ class Teleport(OptimizerWrapper):
                 self._lookahead.follow(report, self._module)
         self._call_hooks(report)
         return report, loss
-
-    def _movable(self, sites: list[Site]) -> list[Site]:
-        """The sites a teleport may move now: none with a member whose gradient is sparse.
-
-        A sparse COO gradient (``nn.Embedding(sparse=True)``) has no dense layout to
-        transport along a site's axes, and densifying it would change what the base
-        optimizer receives (``SparseAdam`` refuses dense gradients); such a site sits
-        out until its gradient is dense again, with a warning once per site.
-        """
-        params = dict(self._module.named_parameters())
-        kept = []
-        for site in sites:
-            sparse = [n for n in site.tensor_names if n in params and _has_sparse_grad(params[n])]
-            if not sparse:
-                kept.append(site)
-            elif site.name not in self._sparse_warned:
-                self._sparse_warned.add(site.name)
-                warnings.warn(
-                    f"Teleport: site {site.name!r} sits out teleports while {sparse[0]!r} has a sparse gradient "
-                    "(sparse gradients cannot be transported along the site's axes)",
-                    stacklevel=4,
-                )
-        return kept
 
     def _call_hooks(self, report: TeleportReport) -> None:
         self.reports.append(report)

@@ -40,11 +40,17 @@ class TeleportReport:
         only for a teleport declined before anything moved.  No teleport is accepted
         with ``"none"``.
     check_error:
-        The measured relative change of the model outputs (``None`` when not
-        measured); ``check_error <= check_tol`` for every accepted teleport of exact
-        sites (approximate sites are decided by the loss tolerance instead).
+        The measured relative change of the model outputs, in the precision the model
+        runs in (``None`` when not measured).  Every accepted teleport of exact sites
+        has ``check_error <= check_tol``, or an inconclusive check (above the tolerance
+        but within 100 times it, below float64) that its float64 re-run decided:
+        ``check_error_float64 <= check_tol_float64`` (:attr:`check_passed` is either).
+        Approximate sites are decided by the loss tolerance instead.
     check_tol:
         The tolerance ``check_error`` was compared with.
+    check_error_float64, check_tol_float64:
+        The float64 re-run of an inconclusive check (the same elements and inputs on a
+        float64 copy of the model) and its tolerance; ``None`` when there was none.
     check_detail:
         What exactly was compared (inputs, mode, a float64 re-run of an inconclusive
         check).
@@ -87,6 +93,8 @@ class TeleportReport:
     check: str = "none"
     check_error: float | None = None
     check_tol: float | None = None
+    check_error_float64: float | None = None
+    check_tol_float64: float | None = None
     check_detail: str = ""
     skipped: dict[str, str] = field(default_factory=dict)
     loss_before: float | None = None
@@ -112,6 +120,13 @@ class TeleportReport:
         if self.loss_before is None or self.loss_after is None:
             return None
         return abs(self.loss_after - self.loss_before) / max(abs(self.loss_before), torch.finfo(torch.float64).tiny)
+
+    @property
+    def check_passed(self) -> bool:
+        """Whether the outputs stayed within tolerance: ``check_error <= check_tol``, or, for an
+        inconclusive check below float64, ``check_error_float64 <= check_tol_float64``."""
+        measured = [(self.check_error, self.check_tol), (self.check_error_float64, self.check_tol_float64)]
+        return any(err is not None and tol is not None and err <= tol for err, tol in measured)
 
     @property
     def gain(self) -> float | None:
@@ -151,6 +166,8 @@ class TeleportReport:
             "check": self.check,
             "check_error": self.check_error,
             "check_tol": self.check_tol,
+            "check_error_float64": self.check_error_float64,
+            "check_tol_float64": self.check_tol_float64,
             "check_detail": self.check_detail,
             "skipped": dict(self.skipped),
             "loss_before": self.loss_before,

@@ -13,6 +13,7 @@ leaves them out).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "normalization_affine",
     "scale_free_updates",
     "unsharded_twin",
+    "warn_left_out",
 ]
 
 _NORMS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm) + (
@@ -220,3 +222,57 @@ def scale_free_updates(optimizer: Optimizer) -> bool:
     rescaled normalisation gain moves by the same absolute amount whatever its size, so shrinking it
     (as the gradient-norm and balance objectives do) multiplies its relative learning rate."""
     return OptimizerModel(optimizer).family != "sgd"
+
+
+def warn_left_out(skipped: dict[str, str], stacklevel: int = 2, none_left: dict[str, str] | None = None) -> None:
+    """One ``UserWarning`` listing the sites ``sites="auto"`` detection left out (the first five with the reason).
+
+    ``none_left`` (every site left out, with the reasons): the warning says instead that no site is left
+    and every teleport would be declined, and what to do.
+    """
+    if none_left is not None:
+        listed = "; ".join(f"{name}: {why}" for name, why in list(none_left.items())[:5])
+        found = f" (left out: {listed}{' and more' if len(none_left) > 5 else ''})" if none_left else ""
+        warnings.warn(
+            f"Teleport(sites='auto') found no continuous site it can teleport on this model{found}; every teleport "
+            "would be declined. Pass sites explicitly (teleopt.find_symmetries lists what the model has), use "
+            "teleopt.Syre instead, or leave the optimizer unwrapped",
+            UserWarning,
+            stacklevel=stacklevel + 1,
+        )
+        return
+    if not skipped:
+        return
+    listed = "; ".join(f"{name}: {why}" for name, why in list(skipped.items())[:5])
+    more = f" (and {len(skipped) - 5} more)" if len(skipped) > 5 else ""
+    warnings.warn(
+        f"Teleport(sites='auto'): {len(skipped)} detected site(s) left out ({listed}{more}); "
+        "each teleport's report lists them in report.skipped",
+        UserWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
+def movable_sites(sites: Sequence[Site], module: nn.Module, warned: set[str]) -> list[Site]:
+    """The sites a teleport may move now: none with a member whose gradient is sparse.
+
+    A sparse COO gradient (``nn.Embedding(sparse=True)``) has no dense layout to
+    transport along a site's axes, and densifying it would change what the base
+    optimizer receives (``SparseAdam`` refuses dense gradients); such a site sits
+    out until its gradient is dense again, with a warning once per site (``warned``
+    holds the names already warned about).
+    """
+    params = dict(module.named_parameters())
+    kept = []
+    for site in sites:
+        sparse = [n for n in site.tensor_names if n in params and getattr(params[n].grad, "is_sparse", False)]
+        if not sparse:
+            kept.append(site)
+        elif site.name not in warned:
+            warned.add(site.name)
+            warnings.warn(
+                f"Teleport: site {site.name!r} sits out teleports while {sparse[0]!r} has a sparse gradient "
+                "(sparse gradients cannot be transported along the site's axes)",
+                stacklevel=4,
+            )
+    return kept
