@@ -143,3 +143,23 @@ def test_a_capped_checked_teleport_never_simulates_the_optimizer_and_decides_as_
     assert reduced.accepted and 0 < reduced.shrink < 1
     assert reduced_calls == 0 and simulated_calls >= 10
     assert reduced.shrink == pytest.approx(simulated.shrink, abs=2**-11)
+
+
+def test_large_weights_between_two_sites_keep_half_precision_weights_rounded_up(monkeypatch):
+    """Above ``_COMPACT`` entries a weight between two sites keeps its per-entry weights in float16, each rounded
+    towards +inf (with a power-of-two unit per chunk of rows): still never below the simulated decrease, and
+    above it by at most the rounding, 2^-11 relative per entry (asserted: 2^-9 of the total)."""
+    import teleopt.teleport.decrease_bound as reduced
+
+    monkeypatch.setattr(reduced, "_COMPACT", 0)
+    monkeypatch.setattr(reduced, "_CHUNK", 14)  # several chunks of rows, each its own unit
+    model, base, sites, _ = trained("adam", 6)
+    evaluator = evaluator_of(model, base, sites)
+    coords = random_coordinates(evaluator, sites, 6)
+    for s in (1.0, 0.5):
+        elements = evaluator.elements([s * c for c in coords])
+        exact = float(evaluator.first_order_decrease(elements).detach())
+        bound = evaluator.decrease_bound(elements)
+        assert bound is not None
+        assert exact <= bound <= exact + 2**-9 * abs(exact)
+    assert any(term.units for term in evaluator.__dict__["_bound"].linear)

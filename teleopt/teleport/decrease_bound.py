@@ -36,7 +36,7 @@ sharded tensors); the cap then evaluates the simulated decrease.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,10 @@ from teleopt.teleport.optimizer_model import state_role
 __all__ = ["DecreaseBound", "decrease_bound"]
 
 _CHUNK = 1 << 18  # entries per slice of the one-off pass over moments (1 MB of float32 temporaries)
+# entries above which a weight between two sites keeps its weights in float16, rounded up: half the memory, at
+# about twice the time of each candidate and of the pass (mlp-10M's 2048 x 2048 weights: +60 ms a teleport), so only
+# for weights whose float32 copy is large in itself (a 4096 x 4096 projection: 64 MB)
+_COMPACT = 1 << 24
 _Entries = list[tuple[int, Member, Group]]
 
 
@@ -61,26 +65,79 @@ class _Linear:
     """sum_e W_e f_e^k for one tensor, f_e the product of its covector factors c^-p, from W summed over the
     axes no site acts on (kept whole where every axis is acted: a weight between two sites), times ``scale``."""
 
-    def __init__(self, W: Tensor, scale: float, entries: _Entries, k: int, lowest: float = 0.0) -> None:
+    def __init__(self, chunks: Iterable[Tensor], shape: torch.Size, scale: float, entries: _Entries, k: int, lowest: float = 0.0) -> None:
         self.scale, self.entries, self.k, self.lowest = scale, entries, k, lowest
-        axes = [m.axis % W.ndim for _, m, _ in entries]
-        self.W = sum_over(W, [d for d in range(W.ndim) if d not in axes])
+        axes = [m.axis % len(shape) for _, m, _ in entries]
         order = sorted(axes)
         self.positions = [order.index(a) for a in axes]
-        eps, tiny = torch.finfo(W.dtype).eps, torch.finfo(W.dtype).tiny
+        self.units: list[float] = []
+        if len(shape) == 2 and len(axes) == 2 and shape.numel() > _COMPACT:
+            W, total = self._compact(chunks, shape)
+        else:
+            W, total = self._reduced(chunks, shape, axes)
+        work = torch.float32 if self.units else W.dtype  # the contraction's dtype
+        eps, tiny = torch.finfo(work).eps, torch.finfo(work).tiny
         # the float32 rounding of the factors and of the contraction, and products flushed to zero, per unit of
         # the largest factor
-        self.slack = (64 * eps * float(self.W.abs().sum()) + W.numel() * tiny) * scale
+        self.slack = (64 * eps * total + shape.numel() * tiny) * scale
+        self.W = W
+
+    @staticmethod
+    def _reduced(chunks: Iterable[Tensor], shape: torch.Size, axes: list[int]) -> tuple[Tensor, float]:
+        """W summed over the axes no site acts on, a chunk of rows at a time (written into place when the rows
+        are acted on), and sum |W_e|."""
+        out: Tensor | None = None
+        total, row = 0.0, 0
+        for chunk in chunks:
+            total += float(torch.linalg.vector_norm(chunk, 1))
+            part = sum_over(chunk.reshape(-1, *shape[1:]), [d for d in range(len(shape)) if d not in axes])
+            if 0 not in axes:
+                out = part if out is None else out.add_(part)
+                continue
+            if out is None:
+                out = torch.empty((shape[0], *part.shape[1:]), dtype=part.dtype, device=part.device)
+            out[row : row + part.shape[0]] = part
+            row += part.shape[0]
+        if out is None:  # no entries
+            out = torch.zeros([shape[a] for a in sorted(axes)])
+        return out, total
+
+    def _compact(self, chunks: Iterable[Tensor], shape: torch.Size) -> tuple[Tensor, float]:
+        """float16 weights H >= W / unit entrywise (rounded towards +inf), one power-of-two unit above max |W| per
+        chunk of rows: half the memory, and sum H f * unit still bounds sum W f from above for positive factors
+        (at most 2^-11 relative per entry more, plus 6e-8 unit for entries below float16's normal range)."""
+        H = torch.empty(shape, dtype=torch.float16)
+        total, row = 0.0, 0
+        for chunk in chunks:
+            rows = chunk.numel() // shape[1]
+            top = float(chunk.abs().amax()) if chunk.numel() else 0.0
+            total += float(torch.linalg.vector_norm(chunk, 1))
+            unit = 2.0 ** math.ceil(math.log2(top)) if 0 < top < math.inf else 1.0 if top == 0 else math.inf
+            scaled = chunk.reshape(rows, shape[1]) / unit
+            half = scaled.to(torch.float16)
+            H[row : row + rows] = torch.where(half.float() < scaled, torch.nextafter(half, torch.full_like(half, math.inf)), half)
+            self.units.append(unit)
+            row += rows
+        return H.to(chunk.device) if row else H, total
 
     def value(self, elements: Sequence[Tensor]) -> float:
         """The term at ``elements`` (``inf`` where a factor is below the ``lowest`` the weights assume)."""
         if self.lowest and _extreme_factor(elements, self.entries, torch.amin) < self.lowest:
             return math.inf
-        factors = [_factor(grp, elements[i], m.power * self.k) for i, m, grp in self.entries]
-        letters = "abcdefghij"[: self.W.ndim]
-        spec = letters + "," + ",".join(letters[pos] for pos in self.positions) + "->"
-        value = float(torch.einsum(spec, self.W, *(f.to(self.W) for f in factors))) * self.scale
-        return value + self.slack * _extreme_factor(elements, self.entries, torch.amax) ** self.k
+        factors = [
+            _factor(grp, elements[i], m.power * self.k).to(torch.float32 if self.W.dtype == torch.float16 else self.W.dtype)
+            for i, m, grp in self.entries
+        ]
+        if self.units:  # chunks of rows of the half-precision weights, widened one at a time
+            x, y = (factors[self.positions.index(d)] for d in (0, 1))
+            rows = max(1, _CHUNK // self.W.shape[1])
+            parts = zip(self.W.split(rows), x.split(rows), self.units)
+            value = sum(float((W.float() @ y) @ xs) * unit for W, xs, unit in parts)
+        else:
+            letters = "abcdefghij"[: self.W.ndim]
+            spec = letters + "," + ",".join(letters[pos] for pos in self.positions) + "->"
+            value = float(torch.einsum(spec, self.W, *factors))
+        return value * self.scale + self.slack * _extreme_factor(elements, self.entries, torch.amax) ** self.k
 
 
 def _factor(group: Group, g: Tensor, power: float) -> Tensor:
@@ -219,8 +276,11 @@ def _sgd(
         return bound
     if entries is not None:  # grad_e b_e moves by f_e^2: exact
         for n, b in buffers.items():
-            W = grads[n].detach().to(torch.float32 if b.dtype != torch.float64 else torch.float64) * b.detach()
-            bound.linear.append(_Linear(W, cross[n], entries[n], 2))
+            g = grads[n].detach()
+            work = torch.float64 if g.dtype == torch.float64 else torch.float32
+            flat, other = g.reshape(-1), b.detach().reshape(-1)
+            chunks = (flat[part].to(work) * other[part].to(work) for part in _row_chunks(g.shape))
+            bound.linear.append(_Linear(chunks, g.shape, cross[n], entries[n], 2))
         return bound
     # w_n = ||b_n|| / ||g_n||: sum c_n ||g'_n|| ||b'_n|| <= sqrt(sum c_n w_n ||g'_n||^2) sqrt(sum c_n ||b'_n||^2 / w_n),
     # an equality at the identity
@@ -252,29 +312,37 @@ def _adam(
         if wd and not bool(group.get("decoupled_weight_decay", False)):
             return None  # L2 decay mixes w' into Adam's moments
         lowest = min(_extreme_factor(elements, entries[n], torch.amin), 1.0)
-        W, scale = _adam_weights(group, ctx.state(n), g, lowest)
-        terms.append(_Linear(W, scale, entries[n], 1, lowest))
+        chunks, scale = _adam_weights(group, ctx.state(n), g, lowest)
+        terms.append(_Linear(chunks, g.shape, scale, entries[n], 1, lowest))
         decay[n] = float(group["lr"]) * wd
     constant = _dots({n: (g, ctx.trainable[n]) for n, g in grads.items()}, decay)
 
     def at_identity() -> float:  # a second pass, only for a cap the bound could not clear
         return constant + sum(
             float(W.sum(dtype=torch.float64)) * scale
-            for W, scale in (_adam_weights(ctx.groups[n], ctx.state(n), g, None) for n, g in grads.items())
+            for chunks, scale in (_adam_weights(ctx.groups[n], ctx.state(n), g, None) for n, g in grads.items())
+            for W in chunks
         )
 
     return DecreaseBound(norm, constant, at_identity, linear=terms)
 
 
 @torch.no_grad()
-def _adam_weights(group: dict[str, Any], state: Mapping[str, Any], grad: Tensor, lowest: float | None) -> tuple[Tensor, float]:
-    """(W, scale): scale * W_e f_e bounds entry e's term of <grad', u'> wherever f_e >= ``lowest`` (module
-    docs); with ``lowest`` None, scale * sum_e W_e is the decrease at the identity, eps included.
+def _row_chunks(shape: torch.Size) -> list[slice]:
+    """Slices of the flattened tensor of about ``_CHUNK`` entries each, whole rows (of the last axes) each."""
+    cols = shape[1:].numel() if len(shape) > 1 else 1
+    step = max(1, _CHUNK // max(1, cols)) * cols
+    return [slice(start, start + step) for start in range(0, shape.numel(), step)]
+
+
+def _adam_weights(group: dict[str, Any], state: Mapping[str, Any], grad: Tensor, lowest: float | None) -> tuple[Iterator[Tensor], float]:
+    """(chunks of W, scale): scale * W_e f_e bounds entry e's term of <grad', u'> wherever f_e >= ``lowest``
+    (module docs); with ``lowest`` None, scale * sum_e W_e is the decrease at the identity, eps included.
 
     m' and v' are Adam's moments after the next gradient (AMSGrad's running maximum).  A gradient whose
     square underflows (v'_e = 0 < |g_e|) reads as if sqrt(v'_e) were the smallest normal number: its
-    positive term only grows, so the bound holds.  Built in slices of the flattened tensors, so the
-    temporaries stay small."""
+    positive term only grows, so the bound holds.  W comes in slices of whole rows of the flattened
+    tensor (:func:`_row_chunks`), made as they are read, so the temporaries stay small."""
     lr, eps = float(group["lr"]), float(group["eps"])
     beta1, beta2 = (float(b) for b in group["betas"])
     step = state.get("step", 0)
@@ -284,21 +352,23 @@ def _adam_weights(group: dict[str, Any], state: Mapping[str, Any], grad: Tensor,
     vmax = state.get("max_exp_avg_sq") if group.get("amsgrad", False) else None
     work = torch.float64 if grad.dtype == torch.float64 else torch.float32  # half precisions read in float32
     flat = [None if x is None else x.detach().reshape(-1) for x in (grad, m, v, vmax)]
-    W = torch.empty(grad.numel(), dtype=work, device=grad.device)
     tiny = torch.finfo(work).tiny
-    for start in range(0, grad.numel(), _CHUNK):
-        g, mi, vi, vm = (None if x is None else x[start : start + _CHUNK].to(work) for x in flat)
-        assert g is not None
-        m1 = g.mul(1 - beta1) if mi is None else torch.lerp(mi, g, 1 - beta1)
-        # v' / beta2 in one op
-        v1 = g.square().mul_((1 - beta2) / beta2) if vi is None else torch.addcmul(vi, g, g, value=(1 - beta2) / beta2)
-        if vm is not None:
-            torch.maximum(v1, vm.div(beta2), out=v1)
-        den = v1.sqrt_().clamp_min_(tiny)  # 0 / 0 (no gradient, no moments) reads 0
-        gm = m1.mul_(g)
-        if lowest is None:
-            den.add_(eps * root)
-        else:
-            den.add_(gm.lt(0), alpha=eps * root / lowest)
-        torch.div(gm, den, out=W[start : start + _CHUNK])
-    return W.reshape(grad.shape), lr / (1 - beta1**t) * root
+
+    def chunks() -> Iterator[Tensor]:
+        for part in _row_chunks(grad.shape):
+            g, mi, vi, vm = (None if x is None else x[part].to(work) for x in flat)
+            assert g is not None
+            m1 = g.mul(1 - beta1) if mi is None else torch.lerp(mi, g, 1 - beta1)
+            # v' / beta2 in one op
+            v1 = g.square().mul_((1 - beta2) / beta2) if vi is None else torch.addcmul(vi, g, g, value=(1 - beta2) / beta2)
+            if vm is not None:
+                torch.maximum(v1, vm.div(beta2), out=v1)
+            den = v1.sqrt_().clamp_min_(tiny)  # 0 / 0 (no gradient, no moments) reads 0
+            gm = m1.mul_(g)
+            if lowest is None:
+                den.add_(eps * root)
+            else:
+                den.add_(gm.lt(0), alpha=eps * root / lowest)
+            yield gm.div_(den)
+
+    return chunks(), lr / (1 - beta1**t) * root
