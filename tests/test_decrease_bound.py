@@ -163,3 +163,16 @@ def test_large_weights_between_two_sites_keep_half_precision_weights_rounded_up(
         assert bound is not None
         assert exact <= bound <= exact + 2**-9 * abs(exact)
     assert any(term.units for term in evaluator.__dict__["_bound"].linear)
+
+
+def test_elements_farther_out_than_the_first_candidate_get_weights_of_their_own():
+    """Adam's weights assume every factor at least the first candidate's smallest (the bisection only moves
+    inwards); a candidate farther out (the gain cap passed a smaller step first) is bounded afresh, not
+    declared infeasible."""
+    model, base, sites, _ = trained("adam", 7)
+    evaluator = evaluator_of(model, base, sites)
+    coords = random_coordinates(evaluator, sites, 7)
+    evaluator.decrease_bound(evaluator.elements([0.25 * c for c in coords]))
+    elements = evaluator.elements(coords)
+    exact = float(evaluator.first_order_decrease(elements).detach())
+    assert exact <= evaluator.decrease_bound(elements) <= exact + 1e-5 * abs(exact)

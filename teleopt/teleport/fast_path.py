@@ -362,11 +362,18 @@ class FastEvaluator:
     def decrease_bound(self, elements: Sequence[Tensor]) -> float | None:
         """An upper bound of :meth:`first_order_decrease` from the gradient norm's reduced terms
         (:mod:`~teleopt.teleport.decrease_bound`; built on first use, for these elements and any closer to the
-        identity, as the caps' bisection asks), or ``None`` where there is none."""
+        identity, as the caps' bisection asks: made again for elements farther out), or ``None`` where there is
+        none."""
         if "_bound" not in self.__dict__:
             self.__dict__["_bound"] = decrease_bound(self.sites, self.groups, self.ctx, self.norm_model, self.grads, elements)
         bound = self.__dict__["_bound"]
-        return None if bound is None else bound(elements) + float(self.other_decrease)
+        if bound is None:
+            return None
+        value = bound(elements)
+        if value == math.inf:  # a factor below those the weights were made for (or an underflowing gradient)
+            self.__dict__["_bound"] = bound = decrease_bound(self.sites, self.groups, self.ctx, self.norm_model, self.grads, elements)
+            value = math.inf if bound is None else bound(elements)
+        return value + float(self.other_decrease)
 
     @property
     def decrease_bound_tight(self) -> bool:
