@@ -1,4 +1,26 @@
-"""What teleporting costs: step overhead, one teleport, autograd vs fast path and peak memory, on four models.
+"""What teleporting costs: the configuration users run, and the bare fast path's step overhead, autograd vs
+fast path and memory.
+
+**The default table** times the README's configuration, ``Teleport(base, model, sites,
+example_inputs=x[:2], loss_fn=..., batch_fn=...)`` with the library's defaults (the
+predicted-decrease cap, the output check on the teleport batch and the watch on), one
+thread, CPU process time: one ``teleport(batch=...)`` right after a backward, and next
+to it the bare fast path ``teleport()`` (probe check, no caps), each paired with a bare
+``step()`` and a training iteration from the same start point, interleaved (medians of
+the per-pair ratios), and the peak extra memory of one checked teleport.  Rows:
+
+* ``mlp-10M``: ReLU MLP 1024-2048-2048-1536-10, batch 64 (``--quick``: 16), cross entropy, Adam lr 1e-4;
+* ``resnet18``: timm resnet18 at 64x64, batch 8, SGD momentum 0.9 (``sites="auto"``: under
+  Adam it keeps no site there);
+* ``vit_tiny``: timm vit_tiny at 32x32 with 8x8 patches, batch 8, Adam (attention Q/K and V/O GL sites);
+* ``llama-4L``: a 4-layer Llama-architecture causal LM (transformers ``LlamaConfig``, hidden 128,
+  vocab 256), batch 4 x 64 tokens, Adam;
+
+and ``objective="balance", every=1`` over a training run (AdamW lr 1e-3, 40 iterations,
+``--quick`` 10, each paired with the bare optimizer's, alternating), as run-time growth, on
+peft LoRA (r 8, q_proj and v_proj) of a 2-layer Llama and on the 4-layer Llama LM.
+
+**``--bare``** prints the earlier table instead, the fast path without a batch:
 
 Models (CPU, float32, Adam as the base optimizer):
 
@@ -55,7 +77,7 @@ alternating the order cancel most of the drift):
    checkpoint too), and with ``watch_restore="inverse"`` (the watch keeps the
    elements alone); goal <= 1x.  ``kept`` is what stays allocated after the teleport.
 
-Run: ``python benchmarks/teleport_cost.py [--quick] [--json out.json] [--device cuda]``.  With
+Run: ``python benchmarks/teleport_cost.py [--quick] [--bare] [--json out.json] [--device cuda]``.  With
 ``--device cuda`` models, batches and optimizer state live on the GPU and every timed interval
 waits for the device's queued kernels (``torch.cuda.synchronize``) at both ends.
 
@@ -575,6 +597,218 @@ def balance_main(args: argparse.Namespace) -> None:
             )
 
 
+# ---------------------------------------------------------------- the configuration users run (the default table)
+
+
+def _vit_8(batch: int) -> tuple[nn.Module, str, tuple[torch.Tensor, torch.Tensor]]:
+    """timm vit_tiny at 32x32 with 8x8 patches (16 tokens), 10 classes."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10, img_size=32, patch_size=8)
+    return model, "auto", (torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,)))
+
+
+def _llama(layers: int, lora: bool) -> tuple[nn.Module, Any, tuple[torch.Tensor, torch.Tensor]]:
+    """A tiny Llama-architecture causal LM (transformers ``LlamaConfig``: hidden 128, 4 heads, 2 KV heads, vocab
+    256), batch 4 x 64 tokens; with ``lora`` wrapped by peft LoRA (r 8 on q_proj and v_proj), its pairs the sites."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=128,
+    )
+    model: nn.Module = transformers.LlamaForCausalLM(cfg)
+    sites: Any = "auto"
+    if lora:
+        import peft
+
+        from teleopt.integrations.peft import lora_sites
+
+        config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        model = peft.get_peft_model(model, config)
+        sites = lora_sites(model).sites
+    ids = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(1))
+    return model, sites, (ids[:, :-1], ids[:, 1:])
+
+
+def lm_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy of a causal LM's logits against the shifted tokens."""
+    return nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+
+def cpu_timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Process (CPU) seconds of ``fn()`` (wall seconds on a GPU, after its queued kernels) and its result."""
+    _synchronize()
+    clock = time.perf_counter if DEVICE.type == "cuda" else time.process_time
+    start = clock()
+    out = fn()
+    _synchronize()
+    return clock() - start, out
+
+
+def measure_checked(
+    name: str, model: nn.Module, sites: Any, batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable, optimizer: Callable, reps: int
+) -> dict[str, Any]:
+    """The README's configuration, ``Teleport(base, model, sites, example_inputs=x[:2], loss_fn, batch_fn)`` with
+    the library's defaults (caps, check and watch on): one ``teleport(batch=...)`` right after a backward (checked
+    and capped), and next to it ``teleport()`` (the bare fast path: checked on the probe inputs, no caps), each
+    paired with a bare ``step()`` and a training iteration from the same start point, interleaved; and the peak
+    extra memory of one checked teleport (:class:`LiveBytes`, in multiples of the parameters' bytes)."""
+    model = model.to(DEVICE)
+    x, y = (t.to(DEVICE) for t in batch)
+    base = optimizer([p for p in model.parameters() if p.requires_grad])
+    wrapper = Teleport(base, model, sites, example_inputs=(x[:2],), loss_fn=loss_fn, batch_fn=lambda: (x, y))
+
+    def iteration() -> None:
+        base.zero_grad()
+        loss_fn(model(x), y).backward()
+        base.step()
+
+    for _ in range(2):
+        iteration()
+    start = (copy.deepcopy(model.state_dict()), copy.deepcopy(base.state_dict()))
+
+    def restart(backward: bool = True) -> None:
+        model.load_state_dict(start[0])
+        base.load_state_dict(copy.deepcopy(start[1]))  # a copy: the transport moves the moments in place
+        wrapper.record.watch = None  # the last teleport's watch is not this one's
+        if backward:
+            base.zero_grad()
+            loss_fn(model(x), y).backward()
+
+    checked, fast, steps, iters, reports = [], [], [], [], []
+    for rep in range(reps):
+        for kind in ("checked", "fast", "step", "iteration") if rep % 2 else ("iteration", "step", "fast", "checked"):
+            restart(kind != "iteration")
+            if kind == "checked":
+                seconds, report = cpu_timed(lambda: wrapper.teleport(batch=(x, y)))
+                checked.append(seconds)
+                reports.append(report)
+            elif kind == "fast":
+                fast.append(cpu_timed(wrapper.teleport)[0])
+            elif kind == "step":
+                steps.append(cpu_timed(base.step)[0])
+            else:
+                iters.append(cpu_timed(iteration)[0])
+    restart()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    counter = LiveBytes()
+    with counter:
+        report = wrapper.teleport(batch=(x, y))
+    return {
+        "model": name,
+        "params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "sites": len(wrapper.sites or []),
+        "optimizer": type(base).__name__,
+        "step_ms": 1e3 * statistics.median(steps),
+        "iteration_ms": 1e3 * statistics.median(iters),
+        "checked_ms": 1e3 * statistics.median(checked),
+        "checked_over_step": statistics.median(c / s for c, s in zip(checked, steps)),
+        "checked_over_iteration": statistics.median(c / i for c, i in zip(checked, iters)),
+        "fast_ms": 1e3 * statistics.median(fast),
+        "fast_over_step": statistics.median(f / s for f, s in zip(fast, steps)),
+        "accepted": sum(r.accepted for r in reports),
+        "teleports": len(reports),
+        "reasons": sorted({r.reason for r in reports}),
+        "shrink": statistics.median(r.shrink for r in reports),
+        "peak_extra": counter.peak / param_bytes,
+        "peak_accepted": report.accepted,
+    }
+
+
+def measure_balance_run(
+    name: str, model: nn.Module, sites: Any, batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable, steps: int
+) -> dict[str, Any]:
+    """A training run with ``Teleport(AdamW, objective="balance", every=1)`` (library defaults otherwise) against
+    the bare AdamW on a copy of the model, iteration by iteration, in alternating order: the run's time growth."""
+    x, y = (t.to(DEVICE) for t in batch)
+    models = {"bare": model.to(DEVICE), "balance": copy.deepcopy(model).to(DEVICE)}
+    opts: dict[str, torch.optim.Optimizer] = {
+        k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3) for k, m in models.items()
+    }
+    opts["balance"] = Teleport(opts["balance"], models["balance"], sites, objective="balance", every=1, example_inputs=(x[:2],))
+    times: dict[str, list[float]] = {"bare": [], "balance": []}
+
+    def iteration(kind: str) -> None:
+        opts[kind].zero_grad()
+        loss_fn(models[kind](x), y).backward()
+        opts[kind].step()
+
+    for kind in ("bare", "balance"):
+        iteration(kind)
+    for rep in range(steps):
+        for kind in ("bare", "balance") if rep % 2 else ("balance", "bare"):
+            times[kind].append(cpu_timed(lambda kind=kind: iteration(kind))[0])
+    reports = opts["balance"].reports  # type: ignore[attr-defined]
+    return {
+        "model": name,
+        "params": sum(p.numel() for p in models["bare"].parameters() if p.requires_grad),
+        "sites": len(opts["balance"].sites or []),  # type: ignore[attr-defined]
+        "iteration_ms": 1e3 * statistics.median(times["bare"]),
+        "balance_iteration_ms": 1e3 * statistics.median(times["balance"]),
+        "growth_pct": 100 * (sum(times["balance"]) / sum(times["bare"]) - 1),
+        "accepted": sum(r.accepted for r in reports),
+        "teleports": len(reports),
+    }
+
+
+def users_main(args: argparse.Namespace) -> None:
+    """The default table: the README's configuration on five models and balance every step on two."""
+    import timm  # noqa: F401  (the image rows)
+
+    reps = 3 if args.quick else 7
+    rows = []
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-4)  # noqa: E731
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)  # noqa: E731
+    model, _, batch = mlp_10m(16 if args.quick else 64)
+    rows.append(measure_checked("mlp-10M", model, "auto", (batch[0], batch[1].argmax(1)), nn.functional.cross_entropy, adam, reps))
+    model, _, batch, _ = resnet18(8, 64, auto=True)
+    rows.append(measure_checked("resnet18", model, "auto", batch, nn.functional.cross_entropy, sgd, reps))
+    model, sites, batch = _vit_8(8)
+    rows.append(measure_checked("vit_tiny", model, sites, batch, nn.functional.cross_entropy, adam, reps))
+    model, sites, batch = _llama(4, lora=False)
+    rows.append(measure_checked("llama-4L", model, sites, batch, lm_loss, adam, reps))
+    steps = 10 if args.quick else 40
+    balance = [measure_balance_run("lora llama-2L", *_llama(2, lora=True), lm_loss, steps)]
+    balance.append(measure_balance_run("llama-4L LM", *_llama(4, lora=False), lm_loss, steps))
+    print(
+        f"Teleport cost, the README configuration, {datetime.date.today()}, {machine()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)"
+    )
+    head = f"{'model':9} {'optimizer':9} {'params':>9} {'sites':>5} {'step ms':>8} {'iter ms':>8} {'checked ms':>10} {'/step':>6} {'/iter':>6} {'bare fast ms':>12} {'/step':>6} {'accepted':>8} {'shrink':>6} {'peak extra':>10}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['model']:9} {r['optimizer']:9} {r['params']:>9} {r['sites']:>5} {r['step_ms']:>8.2f} {r['iteration_ms']:>8.2f} {r['checked_ms']:>10.2f} "
+            f"{r['checked_over_step']:>6.2f} {r['checked_over_iteration']:>6.2f} {r['fast_ms']:>12.2f} {r['fast_over_step']:>6.2f} "
+            f"{r['accepted']:>4}/{r['teleports']:<3} {r['shrink']:>6.3f} {r['peak_extra']:>9.2f}x"
+        )
+    print("checked: teleport(batch=...) with loss_fn and batch_fn (caps, check and watch on); bare fast: teleport() (probe check, no caps)")
+    print("peak extra: one checked teleport's peak of new tensor bytes (LiveBytes), in multiples of the trainable parameters' bytes")
+    head = (
+        f"{'balance every step':18} {'params':>9} {'sites':>5} {'iter ms':>8} {'with balance':>12} {'run time growth':>15} {'accepted':>8}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in balance:
+        print(
+            f"{r['model']:18} {r['params']:>9} {r['sites']:>5} {r['iteration_ms']:>8.2f} {r['balance_iteration_ms']:>12.2f} "
+            f"{r['growth_pct']:>14.1f}% {r['accepted']:>4}/{r['teleports']:<3}"
+        )
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            record = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(), "torch": torch.__version__}
+            json.dump({**record, "rows": rows, "balance": balance}, f, indent=1)
+
+
 def machine() -> str:
     """The processor and, when the benchmark runs on a GPU, its name."""
     cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
@@ -594,6 +828,12 @@ def main() -> None:
     parser.add_argument("--search", action="store_true", help="only: scaling sites, the default boundary step vs 100 ascent steps")
     parser.add_argument("--overhead", action="store_true", help="only: the step overhead on mlp-5678, thousands of paired repetitions")
     parser.add_argument(
+        "--bare",
+        action="store_true",
+        help="the bare fast path's table (no batch: no caps; step overhead, autograd vs fast, memory with the watch) "
+        "instead of the default README configuration's",
+    )
+    parser.add_argument(
         "--image-batch",
         type=int,
         default=None,
@@ -612,6 +852,10 @@ def main() -> None:
         return
     if args.overhead:
         overhead_main(args)
+        return
+    if not args.bare:
+        torch.set_num_threads(1)
+        users_main(args)
         return
     reps = 5 if args.quick else 11
     general_reps = 1 if args.quick else 3

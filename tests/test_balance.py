@@ -568,3 +568,28 @@ def test_trust_region_clips_the_balance():
     model(x).square().sum().backward()
     report = opt.teleport()
     assert report.accepted and report.coordinate_norms[site.name] <= math.log(4.0) + 1e-12
+
+
+def test_independent_lora_pairs_of_one_rank_are_solved_in_one_batched_call(monkeypatch):
+    """Sites sharing no tensor are independent: GL sites of one size go to one ``balance_many`` (a stacked,
+    batched eigendecomposition), which gives each pair what its own ``balance`` gives (float64, 1e-12:
+    the same LAPACK routine per block), and every pair ends balanced, A A^T = B^T B."""
+    action = get_action("lora_gl")
+    g = _gen(11)
+    tensors = {}
+    for k, scale in enumerate((1.0, 1e-2, 20.0)):
+        tensors[f"B{k}"] = torch.randn(9, 4, generator=g, dtype=torch.float64) * scale
+        tensors[f"A{k}"] = torch.randn(4, 7, generator=g, dtype=torch.float64)
+    sites = [Site(action, (f"B{k}", f"A{k}")) for k in range(3)]
+    groups = [action.group((tensors[f"B{k}"], tensors[f"A{k}"])) for k in range(3)]
+    start = [torch.zeros(grp.coord_shape, dtype=torch.float64) for grp in groups]
+    calls = []
+    many = GeneralLinear.balance_many
+    monkeypatch.setattr(GeneralLinear, "balance_many", lambda self, *a, **k: calls.append(len(a[0])) or many(self, *a, **k))
+    found = balance_coordinates(sites, groups, tensors, set(tensors), [None] * 3, start)
+    assert calls == [3] and found.sweeps == 1
+    for k, (grp, xi) in enumerate(zip(groups, found.coords)):
+        alone, _ = balance_site(action, {f"B{k}": tensors[f"B{k}"], f"A{k}": tensors[f"A{k}"]})
+        assert _rel(xi, alone) <= 1e-12
+        B2, A2 = action.act(grp.exp(xi), (tensors[f"B{k}"], tensors[f"A{k}"]))
+        assert _rel(A2 @ A2.T, B2.T @ B2) <= 1e-12

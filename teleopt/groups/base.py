@@ -279,6 +279,14 @@ class Group(ABC):
         no minimum there, only an infimum at infinity.  ``None`` when the group has no closed form."""
         return None
 
+    def balance_many(
+        self, stats: Sequence[Mapping[float, Tensor]], radius: float | None, rcond: float = BALANCE_RCOND
+    ) -> list[Tensor | None]:
+        """:meth:`balance` of several independent sites whose groups equal this one (same kind and
+        coordinate shape), all with ``radius``: one call each here; groups whose closed form batches
+        solve them in one."""
+        return [self.balance(s, radius, rcond) for s in stats]
+
     def _check_axis(self, x: Tensor, axis: int) -> None:
         if x.shape[axis] != self.dim:
             raise ValueError(

@@ -344,6 +344,17 @@ class GeneralLinear(_MatrixGroup):
             xi = xi.clamp(-radius, radius)
         return torch.where(mask, (W * xi.unsqueeze(-2)) @ W.mT, torch.zeros_like(A))
 
+    def balance_many(
+        self, stats: Sequence[Mapping[float, Tensor]], radius: float | None, rcond: float = BALANCE_RCOND
+    ) -> list[Tensor | None]:
+        """:meth:`balance` of several sites at once: their Gram matrices stacked on a leading axis, one batched
+        eigendecomposition per step for all (each block is solved on its own, as one call each would)."""
+        both = all(set(s) == {1.0, -1.0} for s in stats)
+        if len(stats) < 2 or not both or len({(s[1.0].shape, s[-1.0].shape, s[1.0].dtype) for s in stats}) != 1:
+            return super().balance_many(stats, radius, rcond)
+        A, B = (torch.stack([s[p] for s in stats]) for p in (1.0, -1.0))
+        return list(self.balance({1.0: A, -1.0: B}, radius, rcond).unbind(0))
+
     def validate(self, g: Tensor) -> None:
         self._check_shape(g)
         if not g.is_floating_point():

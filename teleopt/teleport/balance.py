@@ -229,6 +229,21 @@ class WeightNormModel:
             total = total + t.value(elements).to(torch.float64)
         return total
 
+    def _stats(self, site: int, elements: Sequence[Tensor]) -> dict[float, Tensor]:
+        """Site ``site``'s statistics with the other sites at ``elements``."""
+        stats: dict[float, Tensor] = {}
+        for t in self.terms_of[site]:
+            t.add_stats(site, elements, stats)
+        return stats
+
+    def _move(self, i: int, new: Tensor | None, coords: list[Tensor], elements: list[Tensor]) -> float:
+        """Site ``i`` to its solved coordinates; returns how far they moved (max abs change)."""
+        assert new is not None  # admitted sites have a closed form
+        new = new.to(coords[i])
+        change = float((new - coords[i]).abs().max()) if new.numel() else 0.0
+        coords[i], elements[i] = new, self.groups[i].exp(new)
+        return change
+
     def solve(
         self,
         radii: Sequence[float | None],
@@ -252,23 +267,30 @@ class WeightNormModel:
         sweeps = 0
         while dirty and sweeps < max_sweeps:
             sweeps += 1
+            # sites sharing no tensor with another are independent: those of one kind and size are solved together
+            # (Group.balance_many: LoRA pairs of one rank, attention blocks of one head size); the rest in order
+            alone = [i for i in order if i in dirty and not self.neighbours[i]]
+            for batch in _alike(alone, groups, coords, radii):
+                stats = [self._stats(i, elements) for i in batch]
+                for i, new in zip(batch, groups[batch[0]].balance_many(stats, radii[batch[0]], rcond)):
+                    dirty.discard(i)  # no neighbours to mark
+                    self._move(i, new, coords, elements)
             for i in order:
-                if i not in dirty:
-                    continue
-                stats: dict[float, Tensor] = {}
-                for t in self.terms_of[i]:
-                    t.add_stats(i, elements, stats)
-                new = groups[i].balance(stats, radii[i], rcond)
-                assert new is not None  # admitted sites have a closed form
-                new = new.to(coords[i])
-                change = float((new - coords[i]).abs().max()) if new.numel() else 0.0
-                coords[i], elements[i] = new, groups[i].exp(new)
-                dirty.discard(i)
-                if change > tol:
-                    dirty |= self.neighbours[i]
+                if i in dirty:
+                    dirty.discard(i)
+                    if self._move(i, groups[i].balance(self._stats(i, elements), radii[i], rcond), coords, elements) > tol:
+                        dirty |= self.neighbours[i]
             if trace:
                 norms.append(float(self.value(elements)))
         return BalanceResult(coords, norm_start, sweeps, norms, dict(self.skipped))
+
+
+def _alike(sites: Sequence[int], groups: Sequence[Group], coords: Sequence[Tensor], radii: Sequence[float | None]) -> list[list[int]]:
+    """``sites`` bucketed by group class, coordinate shape and dtype, and radius (what one ``balance_many`` takes)."""
+    buckets: dict[tuple[object, ...], list[int]] = {}
+    for i in sites:
+        buckets.setdefault((type(groups[i]), tuple(coords[i].shape), coords[i].dtype, radii[i]), []).append(i)
+    return list(buckets.values())
 
 
 def balance_coordinates(

@@ -372,15 +372,14 @@ class TeleportEngine:
 
     def _caps(self, plan: Plan, start: _Start) -> Caps:
         safety, evaluator, loss0 = self.config.safety, start.problem.evaluator, plan.report.loss_before
-        dec0 = None
         if self.config.sharded and loss0 is not None:  # the global loss: the caps' bisection communicates
             device = next(iter(plan.ctx.tensors.values())).device
             loss0 = rank_mean(loss0, device if device.type != "cpu" else None)
-        if safety.max_predicted_decrease is not None and loss0 is not None and plan.ctx.model.supported and loss0 > safety.loss_floor:
-            with torch.enable_grad():
-                dec0 = float(evaluator.first_order_decrease(evaluator.elements(start.identity)).detach())
+        decrease = (
+            safety.max_predicted_decrease is not None and loss0 is not None and plan.ctx.model.supported and loss0 > safety.loss_floor
+        )
         stability = self._stability(plan, start.identity)
-        return Caps(safety, evaluator, self.record.backoff, start.n0, dec0, loss0, stability)
+        return Caps(safety, evaluator, self.record.backoff, start.n0, None, loss0, stability, decrease, start.identity)
 
     def _stability(self, plan: Plan, identity: list[Tensor]) -> StabilityCap | None:
         """(sharpness of a candidate, cap) for ``SafetyConfig.stability_margin``, or None when off or impossible."""

@@ -26,6 +26,7 @@ from teleopt.numerics import read_together
 from teleopt.sharding import full, is_sharded, replicate_like, sharded_dims, write_
 from teleopt.site import Site
 from teleopt.teleport.context import TeleportContext
+from teleopt.teleport.decrease_bound import decrease_bound
 from teleopt.teleport.distributed import is_distributed
 from teleopt.teleport.gradient_norm import GradientNormModel, _diagonal, _plain, _plan, member_tensors
 from teleopt.teleport.state_policy import StatePolicy
@@ -356,6 +357,38 @@ class FastEvaluator:
             state = moved.values.get(name, states.get(name, {}))
             P[name] = ctx.model.preconditioner(ctx.groups[name], params[name], g, state)
         return params, P
+
+    def decrease_bound(self, elements: Sequence[Tensor]) -> float | None:
+        """An upper bound of :meth:`first_order_decrease` from the gradient norm's reduced terms
+        (:mod:`~teleopt.teleport.decrease_bound`; built on first use, for these elements and any closer to the
+        identity, as the caps' bisection asks: made again for elements farther out), or ``None`` where there is
+        none."""
+        if "_bound" not in self.__dict__:
+            self.__dict__["_bound"] = decrease_bound(self.sites, self.groups, self.ctx, self.norm_model, self.grads, elements)
+        bound = self.__dict__["_bound"]
+        if bound is None:
+            return None
+        value = bound(elements)
+        if value == math.inf:  # a factor below those the weights were made for (or an underflowing gradient)
+            self.__dict__["_bound"] = bound = decrease_bound(self.sites, self.groups, self.ctx, self.norm_model, self.grads, elements)
+            value = math.inf if bound is None else bound(elements)
+        return value + float(self.other_decrease)
+
+    @property
+    def decrease_bound_tight(self) -> bool:
+        """Whether :meth:`decrease_bound` (once made) is the decrease itself up to eps and round-off, so that
+        the simulated decrease has nothing to add."""
+        bound = self.__dict__.get("_bound")
+        return bound is not None and bound.tight
+
+    def decrease_at_identity(self) -> float:
+        """:meth:`first_order_decrease` at the identity: read off the decrease bound's pass where it was made,
+        else the modelled update of each site tensor where it is (one pass, no transport)."""
+        bound = self.__dict__.get("_bound")
+        if bound is not None:
+            return bound.at_identity() + float(self.other_decrease)
+        _, products = self.ctx.constant_terms(set(self.ctx.trainable) - set(self.grads), True)
+        return products + float(self.other_decrease)
 
     def first_order_decrease(self, elements: Sequence[Tensor]) -> Tensor:
         """<grad, u> of the base optimizer's next step from g . w, summed over all trainable parameters.

@@ -16,7 +16,10 @@ trust region on the coordinates, a teleport is scaled back towards the identity
   eta * lambda >= 2 - 2 / ratio along the gradient (lambda the curvature there),
   so a large ratio means the step sits at the edge of GD's stability region
   eta * lambda < 2.  This ties the cap to the learning rate; it needs the loss
-  (a closure or batch) and a modelled optimizer, and is skipped otherwise.
+  (a closure or batch) and a modelled optimizer, and is skipped otherwise.  On the
+  fast path it is decided from one pass over the site tensors' gradients and
+  moments (:mod:`~teleopt.teleport.decrease_bound`: exact for SGD under scalings,
+  an upper bound within eps for Adam), not by simulating the optimizer per candidate.
 * ``stability_margin`` (opt-in; needs a teleport batch and a modelled optimizer):
   the sharpness of the teleported point as the optimizer sees it,
   lambda_max(P^1/2 H P^1/2) with P the next step's diagonal preconditioner
@@ -163,9 +166,17 @@ StabilityCap = tuple[Callable[[Sequence[Tensor]], float], float]
 class Caps:
     """The caps of :class:`SafetyConfig` for one teleport (see module docs).
 
-    ``n0`` is ||grad L(w)||^2, ``dec0`` the predicted decrease at the identity
-    (``None``: the decrease cap is off), ``loss0`` the loss at w, ``backoff`` the
-    factor later teleports' caps are scaled by after watch rollbacks.
+    ``n0`` is ||grad L(w)||^2, ``loss0`` the loss at w, ``backoff`` the factor later
+    teleports' caps are scaled by after watch rollbacks.  ``decrease`` turns the
+    predicted-decrease cap on; its value at the identity, ``dec0``, is read (at
+    ``identity``) only when a candidate's bound exceeds the cap's multiple of the loss.
+
+    The decrease cap is decided by the evaluator's ``decrease_bound`` where it has one
+    (:mod:`~teleopt.teleport.decrease_bound`: no pass over the model per candidate); a
+    candidate a loose bound cannot clear gets the exact, simulated decrease at most
+    ``exact_left`` times per teleport (else it counts as infeasible, so the bisection
+    goes on with the bound alone); a tight bound decides alone.  Evaluators without a
+    bound are decided by the simulated decrease.
     """
 
     safety: SafetyConfig
@@ -175,27 +186,60 @@ class Caps:
     dec0: float | None = None
     loss0: float | None = None
     stability: StabilityCap | None = None
+    decrease: bool = False
+    identity: Sequence[Tensor] | None = None
+    exact_left: int = 1
+
+    def __post_init__(self) -> None:
+        self.decrease = self.decrease or self.dec0 is not None
 
     def feasible(self, coords: Sequence[Tensor]) -> bool:
-        """Whether every cap holds at ``coords``."""
+        """Whether every cap holds at ``coords`` (the cheap ones first)."""
         safety, evaluator = self.safety, self.evaluator
-        if self.stability is not None:
-            sharpness, cap = self.stability
-            with torch.enable_grad():
-                if not sharpness(coords) <= cap:
-                    return False
         with torch.enable_grad():
             elements = evaluator.elements(coords)
             if safety.max_gain is not None:
                 n = float(evaluator.grad_norm_sq(elements).detach())
                 if not n <= safety.max_gain * self.n0:
                     return False
-            if self.dec0 is not None and self.loss0 is not None and safety.max_predicted_decrease is not None:
-                # at most the cap, or what the current point already has (the identity stays feasible)
-                cap = max(safety.max_predicted_decrease * self.backoff * (self.loss0 - safety.loss_floor), self.dec0)
-                if not float(evaluator.first_order_decrease(elements).detach()) <= cap:
+            if self.decrease and self.loss0 is not None and safety.max_predicted_decrease is not None:
+                if not self._decrease_holds(elements):
+                    return False
+        if self.stability is not None:
+            sharpness, cap = self.stability
+            with torch.enable_grad():
+                if not sharpness(coords) <= cap:
                     return False
         return True
+
+    def _decrease_holds(self, elements: Sequence[Tensor]) -> bool:
+        """<grad', u'> at most the cap, or what the current point already has (the identity stays feasible)."""
+        assert self.loss0 is not None and self.safety.max_predicted_decrease is not None  # feasible() checked
+        limit = self.safety.max_predicted_decrease * self.backoff * (self.loss0 - self.safety.loss_floor)
+        bound_of = getattr(self.evaluator, "decrease_bound", None)
+        bound = None if bound_of is None else bound_of(elements)
+        if bound is not None and bound <= limit:
+            return True
+        limit = max(limit, self.decrease_before())
+        if bound is not None:
+            if bound <= limit:
+                return True
+            if self.exact_left <= 0 or getattr(self.evaluator, "decrease_bound_tight", False):
+                return False
+            self.exact_left -= 1
+        return float(self.evaluator.first_order_decrease(elements).detach()) <= limit
+
+    def decrease_before(self) -> float:
+        """The predicted decrease at the identity (computed once)."""
+        if self.dec0 is None:
+            at_identity = getattr(self.evaluator, "decrease_at_identity", None)
+            if at_identity is not None:
+                self.dec0 = float(at_identity())
+            else:
+                assert self.identity is not None  # given with decrease=True
+                with torch.enable_grad():
+                    self.dec0 = float(self.evaluator.first_order_decrease(self.evaluator.elements(self.identity)).detach())
+        return self.dec0
 
 
 def preconditioned_sharpness(
