@@ -126,30 +126,33 @@ def check_options(options: dict[str, Any], where: str) -> None:
     unknown = set(options) - set(OPTION_NAMES)
     if unknown:
         raise TypeError(f"{where}: unknown syre option(s) {sorted(unknown)}; known: {list(OPTION_NAMES)}")
-    for name in ("gamma", "sigma0"):
+    for name in ("gamma", "sigma0", "diagonal_eps"):
         if name in options:
-            value = options[name]
-            if not _is_real_number(value):
-                raise TypeError(f"{where}: {name} must be a finite real number, got {value!r}")
-            if value < 0:
-                raise ValueError(f"{where}: {name} must be >= 0, got {value}")
-    if "diagonal_eps" in options:
-        value = options["diagonal_eps"]
-        if not _is_real_number(value):
-            raise TypeError(f"{where}: diagonal_eps must be a finite real number, got {value!r}")
-        if not 0 <= value < 1:
-            raise ValueError(f"{where}: diagonal_eps must lie in [0, 1) so that D is positive, got {value}")
+            _check_scale(name, options[name], where)
     for name in ("decoupled", "enabled", "exclude_1d"):
         if name in options and not isinstance(options[name], bool):
             raise TypeError(f"{where}: {name} must be a bool, got {options[name]!r}")
-    if "fan_in" in options and options["fan_in"] is not None:
-        value = options["fan_in"]
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{where}: fan_in must be None or a positive int, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{where}: fan_in must be a positive int, got {value}")
+    if options.get("fan_in") is not None:
+        _check_fan_in(options["fan_in"], where)
     if "seed" in options and (not isinstance(options["seed"], int) or isinstance(options["seed"], bool)):
         raise TypeError(f"{where}: seed must be an int, got {options['seed']!r}")
+
+
+def _check_scale(name: str, value: Any, where: str) -> None:
+    """gamma and sigma0 are finite reals >= 0; diagonal_eps lies in [0, 1) so that D is positive."""
+    if not _is_real_number(value):
+        raise TypeError(f"{where}: {name} must be a finite real number, got {value!r}")
+    if name == "diagonal_eps" and not 0 <= value < 1:
+        raise ValueError(f"{where}: diagonal_eps must lie in [0, 1) so that D is positive, got {value}")
+    if value < 0:
+        raise ValueError(f"{where}: {name} must be >= 0, got {value}")
+
+
+def _check_fan_in(value: Any, where: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{where}: fan_in must be None or a positive int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{where}: fan_in must be a positive int, got {value}")
 
 
 def check_scales(options: dict[str, Any], p: Tensor, where: str) -> None:
