@@ -44,7 +44,6 @@ LONG_FUNCTIONS_TO_SPLIT = {
     "wrapper.py:OptimizerWrapper.load_state_dict",
     # being split on this branch:
     "demo.py:_train",
-    "discovery/action.py:LearnedAction._from_checked_state",
 }
 
 
