@@ -43,7 +43,6 @@ LONG_FUNCTIONS_TO_SPLIT = {
     "teleport/state_policy.py:StatePolicy.move",
     "wrapper.py:OptimizerWrapper.load_state_dict",
     # being split on this branch:
-    "demo.py:_train",
 }
 
 
