@@ -42,7 +42,6 @@ LONG_FUNCTIONS_TO_SPLIT = {
     "syre.py:Syre._decay_group",
     "teleport/state_policy.py:StatePolicy.move",
     "wrapper.py:OptimizerWrapper.load_state_dict",
-    # being split on this branch:
 }
 
 

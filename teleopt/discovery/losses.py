@@ -183,7 +183,7 @@ def loss_gradient_norms(loss_fn: Callable[[Any, Any], Tensor], unflatten: Callab
     return vmap(single)
 
 
-def discovery_losses(
+def discovery_losses(  # noqa: PLR0913  eq. 11's inputs (a batch, the generators, beta) and discover's three loss options
     action_fn: ActionFn,
     loss_jvp: Callable[[Tensor, tuple[Tensor, ...], Tensor], Tensor],
     theta: Tensor,

@@ -61,7 +61,7 @@ def rollout(policy: TeleportPolicy, problem: MetaProblem, steps: int = 100) -> l
     return losses
 
 
-def meta_train(
+def meta_train(  # noqa: PLR0913  Algorithm 3's hyperparameters (Zhao 2026, Sec. 5.5), one keyword each
     policy: TeleportPolicy,
     sampler: Sampler,
     trajectories: int = 100,
