@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -253,37 +253,52 @@ def _digits_arms() -> list[_Arm]:
     ]
 
 
+class _Setup(NamedTuple):
+    """A task's model, full training set, minibatch and teleport-batch draws and loss."""
+
+    model: nn.Sequential
+    full: tuple[Tensor, Tensor]
+    batch: Callable[[], tuple[Tensor, Tensor]]
+    teleport_batch: Callable[[], tuple[Tensor, Tensor]]
+    loss_fn: Callable[[Tensor, Tensor], Tensor]
+
+
+def _regression_setup(seed: int) -> _Setup:
+    problem = mlp_regression(seed)
+    full = (problem.inputs, problem.targets)
+
+    def batch() -> tuple[Tensor, Tensor]:
+        return full
+
+    # full-batch training: the teleport is checked on the same batch
+    return _Setup(problem.model, full, batch, batch, MLPRegression.loss_fn)
+
+
+def _digits_setup(data: Digits, seed: int) -> _Setup:
+    model = digits_mlp((64, 64), seed, bias=True)
+    n = len(data.x_train)
+    generator, teleport_generator = torch.Generator().manual_seed(seed + 1), torch.Generator().manual_seed(seed + 2)
+
+    def batch() -> tuple[Tensor, Tensor]:
+        rows = torch.randint(n, (32,), generator=generator)
+        return data.x_train[rows], data.y_train[rows]
+
+    def teleport_batch() -> tuple[Tensor, Tensor]:
+        rows = torch.randint(n, (200,), generator=teleport_generator)
+        return data.x_train[rows], data.y_train[rows]
+
+    return _Setup(model, (data.x_train, data.y_train), batch, teleport_batch, nn.functional.cross_entropy)
+
+
 def _train(task: str, arm: _Arm, steps: int, seed: int, data: Digits | None, tick: Callable[[], None]) -> RunResult:
     result = RunResult(task, arm.name, arm.reference, arm.panel)
-    generator = torch.Generator().manual_seed(seed + 1)
     if task == "regression":
-        problem = mlp_regression(seed)
-        model: nn.Sequential = problem.model
-        full = (problem.inputs, problem.targets)
-
-        def batch() -> tuple[Tensor, Tensor]:
-            return full
-
-        teleport_batch = batch  # full-batch training: the teleport is checked on the same batch
-        loss_fn: Callable[[Tensor, Tensor], Tensor] = MLPRegression.loss_fn
+        setup = _regression_setup(seed)
     else:
         assert data is not None
-        model = digits_mlp((64, 64), seed, bias=True)
-        full = (data.x_train, data.y_train)
-        n = len(data.x_train)
-        teleport_generator = torch.Generator().manual_seed(seed + 2)
-
-        def batch() -> tuple[Tensor, Tensor]:
-            rows = torch.randint(n, (32,), generator=generator)
-            return data.x_train[rows], data.y_train[rows]
-
-        def teleport_batch() -> tuple[Tensor, Tensor]:
-            rows = torch.randint(n, (200,), generator=teleport_generator)
-            return data.x_train[rows], data.y_train[rows]
-
-        loss_fn = nn.functional.cross_entropy
-
-    optimizer, teleport = arm.build(model, teleport_batch)
+        setup = _digits_setup(data, seed)
+    model, full, loss_fn = setup.model, setup.full, setup.loss_fn
+    optimizer, teleport = arm.build(model, setup.teleport_batch)
     every = max(1, steps // _EVALUATIONS)
 
     def evaluate(step: int, elapsed: float) -> None:
@@ -296,7 +311,7 @@ def _train(task: str, arm: _Arm, steps: int, seed: int, data: Digits | None, tic
     evaluate(0, 0.0)
     for step in range(steps):
         start = time.perf_counter()
-        x, y = batch()
+        x, y = setup.batch()
         optimizer.zero_grad()
         loss_fn(model(x), y).backward()
         optimizer.step()
@@ -304,20 +319,29 @@ def _train(task: str, arm: _Arm, steps: int, seed: int, data: Digits | None, tic
         tick()
         if (step + 1) % every == 0 or step + 1 == steps:
             evaluate(step + 1, elapsed)
-    if teleport is not None:
-        accepted = [r for r in teleport.reports if r.accepted and r.path != "watch"]
-        result.metrics["teleports"] = len(accepted)
-        result.metrics["teleport_seconds"] = sum(r.time_s for r in teleport.reports)
-    else:
-        result.metrics["teleports"] = result.metrics["teleport_seconds"] = None
+    result.metrics.update(_teleport_metrics(teleport))
     result.metrics["train_loss"] = result.train_loss[-1]
     if data is not None and task == "digits":
-        with torch.no_grad():
-            logits = model(data.x_test)
-            result.metrics["test_loss"] = float(nn.functional.cross_entropy(logits, data.y_test))
-            result.metrics["test_accuracy"] = float((logits.argmax(1) == data.y_test).float().mean())
-            result.metrics["feature_rank"] = feature_rank(model[1](model[0](data.x_train)))
+        result.metrics.update(_test_metrics(model, data))
     return result
+
+
+def _teleport_metrics(teleport: Teleport | None) -> dict[str, Any]:
+    """Accepted teleports (not counting watch rollbacks) and the seconds all teleports took; None without Teleport."""
+    if teleport is None:
+        return {"teleports": None, "teleport_seconds": None}
+    accepted = [r for r in teleport.reports if r.accepted and r.path != "watch"]
+    return {"teleports": len(accepted), "teleport_seconds": sum(r.time_s for r in teleport.reports)}
+
+
+@torch.no_grad()
+def _test_metrics(model: nn.Sequential, data: Digits) -> dict[str, Any]:
+    logits = model(data.x_test)
+    return {
+        "test_loss": float(nn.functional.cross_entropy(logits, data.y_test)),
+        "test_accuracy": float((logits.argmax(1) == data.y_test).float().mean()),
+        "feature_rank": feature_rank(model[1](model[0](data.x_train))),
+    }
 
 
 def _compare(runs: Sequence[RunResult]) -> None:

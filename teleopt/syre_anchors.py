@@ -128,26 +128,33 @@ def check_options(options: dict[str, Any], where: str, prefix: str = "") -> None
         raise TypeError(f"{where}: unknown syre option(s) {sorted(unknown)}; known: {list(OPTION_NAMES)}")
     for name in ("gamma", "sigma0", "diagonal_eps"):
         if name in options:
-            value = options[name]
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise TypeError(f"{where}: {prefix}{name} must be a finite real number, got {value!r}")
-            if not math.isfinite(value):
-                raise ValueError(f"{where}: {prefix}{name} must be a finite real number, got {value!r}")
-            if name != "diagonal_eps" and value < 0:
-                raise ValueError(f"{where}: {prefix}{name} must be >= 0, got {value}")
-            if name == "diagonal_eps" and not 0 <= value < 1:
-                raise ValueError(f"{where}: {prefix}diagonal_eps must lie in [0, 1) so that D is positive, got {value}")
+            _check_scale(name, options[name], where, prefix)
     for name in ("decoupled", "enabled", "exclude_1d"):
         if name in options and not isinstance(options[name], bool):
             raise TypeError(f"{where}: {prefix}{name} must be a bool, got {options[name]!r}")
-    if "fan_in" in options and options["fan_in"] is not None:
-        value = options["fan_in"]
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{where}: {prefix}fan_in must be None or a positive int, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{where}: {prefix}fan_in must be a positive int, got {value}")
+    if options.get("fan_in") is not None:
+        _check_fan_in(options["fan_in"], where, prefix)
     if "seed" in options and (not isinstance(options["seed"], int) or isinstance(options["seed"], bool)):
         raise TypeError(f"{where}: {prefix}seed must be an int, got {options['seed']!r}")
+
+
+def _check_scale(name: str, value: Any, where: str, prefix: str = "") -> None:
+    """gamma and sigma0 are finite reals >= 0; diagonal_eps lies in [0, 1) so that D is positive."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{where}: {prefix}{name} must be a finite real number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{where}: {prefix}{name} must be a finite real number, got {value!r}")
+    if name == "diagonal_eps" and not 0 <= value < 1:
+        raise ValueError(f"{where}: {prefix}diagonal_eps must lie in [0, 1) so that D is positive, got {value}")
+    if value < 0:
+        raise ValueError(f"{where}: {prefix}{name} must be >= 0, got {value}")
+
+
+def _check_fan_in(value: Any, where: str, prefix: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{where}: {prefix}fan_in must be None or a positive int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{where}: {prefix}fan_in must be a positive int, got {value}")
 
 
 def check_scales(options: dict[str, Any], p: Tensor, where: str) -> None:

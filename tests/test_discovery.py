@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import teleopt
-from teleopt.discovery import ActionNetwork, LearnedAction, discover, problems
+from teleopt.discovery import ActionNetwork, DiscoveryConfig, LearnedAction, discover, problems
 from teleopt.discovery.binding import SubnetworkAction, bind, module_input
 from teleopt.discovery.diagnostics import abs_cosine, compare_curves, data_sensitivity, principal_angles, span_residual
 from teleopt.discovery.samples import SampleSpec
@@ -91,6 +91,23 @@ def test_discover_is_seeded_and_reproducible():
     assert torch.equal(a.generators, b.generators) and not torch.equal(a.generators, c.generators)
     assert all(torch.equal(x, y) for x, y in zip(a.network.state_dict().values(), b.network.state_dict().values()))
     assert torch.equal(a.history["values"], b.history["values"])
+
+
+def test_a_config_object_and_keywords_train_the_same_run():
+    problem = problems.two_layer()
+    config = DiscoveryConfig(steps=6, batch_size=4, hidden=(8,), seed=2)
+    a = discover(problem, config=config, progress=False)
+    b = discover(problem, steps=6, batch_size=4, hidden=(8,), seed=2, progress=False)
+    assert torch.equal(a.generators, b.generators) and torch.equal(a.history["values"], b.history["values"])
+    assert a.config == b.config
+    c = discover(problem, config=config, seed=3, progress=False)  # a keyword replaces the config's field
+    assert (c.config["seed"], c.config["steps"]) == (3, 6) and not torch.equal(a.generators, c.generators)
+    with pytest.raises(TypeError, match="stpes"):
+        discover(problem, stpes=5)
+    with pytest.raises(TypeError, match="config must be a DiscoveryConfig"):
+        discover(problem, config={"steps": 5})
+    with pytest.raises(ValueError, match="generator_lr"):
+        DiscoveryConfig(generator_lr=float("nan"))
 
 
 def test_progress_bar_shows_the_losses(capsys):

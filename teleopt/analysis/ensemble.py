@@ -36,7 +36,7 @@ import copy
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -261,6 +261,75 @@ def _pi(g: Tensor, Z: Tensor, activation: Any) -> Tensor:
     return torch.linalg.lstsq(activation(Z @ g.T), activation(Z)).solution.T
 
 
+def _check_gl_site(site: Site, params: tuple[Tensor | None, ...]) -> None:
+    group = site.action.group(params)
+    if not isinstance(group, (GeneralLinear, Orthogonal)) or group.blocks is not None:
+        raise ValueError(f"site {site.name!r}: the App. I baselines need a GL_h or O(h) site, got {group!r}")
+
+
+def _shuffle_inputs(model: nn.Module, site: Site, reference: Any, W1: Tensor, B1: Tensor | None) -> tuple[Tensor, Any]:
+    """(Z, sigma) of the ``shuffle`` baseline: the hidden pre-activations Z = H^T of ``reference`` and the activation."""
+    activation = getattr(site.action, "activation", None)
+    if activation is None:
+        raise ValueError(f"site {site.name!r} ({site.action.name}) has no activation: the shuffle baseline needs sigma")
+    args = _as_inputs(reference)
+    if args is None:
+        raise ValueError("the shuffle baseline needs reference=<the model inputs pi(g, H) is built on>")
+    if site.data_input is None:
+        raise ValueError(f"site {site.name!r} names no data_input module: the shuffle baseline needs H")
+    X = FunctionalModel(model, None).module_input({}, (args, None), site.data_input).detach().to(W1.dtype)
+    return (X @ W1.T if B1 is None else X @ W1.T + B1), activation
+
+
+class _Layers(NamedTuple):
+    """The layers a baseline transforms: writer weight W1 (h rows), reader weight W2, and for
+    ``shuffle`` the pre-activations Z and the activation sigma."""
+
+    W1: Tensor
+    W2: Tensor
+    Z: Tensor | None = None
+    activation: Any = None
+
+
+def _g_inverse(g: Tensor, layers: _Layers, eps: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """(W2 g^-1, g W1): the linear GL action."""
+    return g, torch.linalg.solve(g.mT, layers.W2.mT).mT
+
+
+def _random_diagonal(g: Tensor, layers: _Layers, eps: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """(W2 g', g W1) with g' = exp(eps D), D diagonal with N(0, 1) entries."""
+    d = torch.randn(layers.W1.shape[-2], generator=generator, dtype=torch.float64).to(layers.W1.dtype)
+    return g, layers.W2 * torch.exp(eps * d)
+
+
+def _shuffled_pi(g: Tensor, layers: _Layers, eps: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """(W2 pi'(g, H), g W1) with pi' the entries of pi(g, H) randomly permuted."""
+    assert layers.Z is not None  # _shuffle_inputs builds it for the shuffle baseline
+    h = layers.W1.shape[-2]
+    pi = _pi(g, layers.Z, layers.activation)
+    order = torch.randperm(h * h, generator=generator)
+    return g, layers.W2 @ pi.reshape(-1)[order.to(pi.device)].reshape(h, h)
+
+
+def _permutation_interpolation(g: Tensor, layers: _Layers, eps: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """(W2 A^-1, A W1) with A = (I + eps/2 (I + S)) / (1 + eps), S a random permutation other than I (g unused)."""
+    h, W1 = layers.W1.shape[-2], layers.W1
+    eye = torch.eye(h, dtype=W1.dtype, device=W1.device)
+    order = torch.randperm(h, generator=generator)
+    while h > 1 and bool((order == torch.arange(h)).all()):  # S = I would give A = I: no change at all
+        order = torch.randperm(h, generator=generator)
+    A = (eye + eps / 2 * (eye + eye[order.to(W1.device)])) / (1 + eps)
+    return A, torch.linalg.solve(A.mT, layers.W2.mT).mT
+
+
+_BASELINE_TRANSFORMS = {
+    "g_inverse": _g_inverse,
+    "random": _random_diagonal,
+    "shuffle": _shuffled_pi,
+    "perm_interp": _permutation_interpolation,
+}
+
+
 class BaselineEnsemble(ParameterEnsemble):
     """A random-transformation baseline of Zhao et al. 2023, App. I at the same eps as a :class:`GroupEnsemble`.
 
@@ -301,43 +370,12 @@ class BaselineEnsemble(ParameterEnsemble):
         (site,) = _as_sites(site)
         w1, b1, w2, W1, B1, W2 = _two_layer(site, model)
         params = tuple(None if n is None else lookup_tensor(model, n).detach() for n in site.members)
-        group = site.action.group(params)
-        if not isinstance(group, (GeneralLinear, Orthogonal)) or group.blocks is not None:
-            raise ValueError(f"site {site.name!r}: the App. I baselines need a GL_h or O(h) site, got {group!r}")
-        h = group.n
-        Z = None
-        if kind == "shuffle":
-            activation = getattr(site.action, "activation", None)
-            if activation is None:
-                raise ValueError(f"site {site.name!r} ({site.action.name}) has no activation: the shuffle baseline needs sigma")
-            args = _as_inputs(reference)
-            if args is None:
-                raise ValueError("the shuffle baseline needs reference=<the model inputs pi(g, H) is built on>")
-            if site.data_input is None:
-                raise ValueError(f"site {site.name!r} names no data_input module: the shuffle baseline needs H")
-            X = FunctionalModel(model, None).module_input({}, (args, None), site.data_input).detach().to(W1.dtype)
-            Z = X @ W1.T if B1 is None else X @ W1.T + B1
+        _check_gl_site(site, params)
+        layers = _Layers(W1, W2, *(_shuffle_inputs(model, site, reference, W1, B1) if kind == "shuffle" else ()))
         gs = [site.action.random_element(params, generator=generator, scale=eps) for _ in range(members)]
-        eye = torch.eye(h, dtype=W1.dtype, device=W1.device)
         points = []
         for g in gs:
-            if kind == "g_inverse":
-                A, W2_new = g, torch.linalg.solve(g.mT, W2.mT).mT
-            elif kind == "random":
-                d = torch.randn(h, generator=generator, dtype=torch.float64).to(W1.dtype)
-                A, W2_new = g, W2 * torch.exp(eps * d)
-            elif kind == "shuffle":
-                assert Z is not None  # built above when kind == "shuffle"
-                pi = _pi(g, Z, activation)
-                order = torch.randperm(h * h, generator=generator)
-                A, W2_new = g, W2 @ pi.reshape(-1)[order.to(pi.device)].reshape(h, h)
-            else:
-                order = torch.randperm(h, generator=generator)
-                while h > 1 and bool((order == torch.arange(h)).all()):  # S = I would give A = I: no change at all
-                    order = torch.randperm(h, generator=generator)
-                S = eye[order.to(W1.device)]
-                A = (eye + eps / 2 * (eye + S)) / (1 + eps)
-                W2_new = torch.linalg.solve(A.mT, W2.mT).mT
+            A, W2_new = _BASELINE_TRANSFORMS[kind](g, layers, eps, generator)
             point = {w1: A @ W1, w2: W2_new}
             if b1 is not None:
                 assert B1 is not None  # _two_layer looks B1 up exactly when b1 is named

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -43,6 +43,23 @@ def _axpy(a: float, x: Tensors, y: Tensors) -> Tensors:
     return {k: y[k] + a * x[k] for k in y}
 
 
+def _rk4_step(velocity: Callable[[Tensors], Tensors], theta: Tensors, dt: float) -> Tensors:
+    """One classical Runge-Kutta step of theta' = velocity(theta)."""
+    k1 = velocity(theta)
+    k2 = velocity(_axpy(dt / 2, k1, theta))
+    k3 = velocity(_axpy(dt / 2, k2, theta))
+    k4 = velocity(_axpy(dt, k3, theta))
+    return {k: theta[k] + dt / 6 * (k1[k] + 2 * k2[k] + 2 * k3[k] + k4[k]) for k in theta}
+
+
+def _check_params(params: Any) -> None:
+    if not isinstance(params, Mapping) or not params:
+        raise TypeError("params must be a non-empty mapping of names to tensors")
+    for k, v in params.items():
+        if not isinstance(v, Tensor) or not v.is_floating_point():
+            raise TypeError(f"params[{k!r}] must be a floating-point tensor")
+
+
 def integrate_gradient_flow(
     loss_fn: Callable[[Tensors], Tensor],
     params: Mapping[str, Tensor],
@@ -60,11 +77,7 @@ def integrate_gradient_flow(
     gradient descent with learning rate dt.  Every ``record_every``-th point
     (and always the first and last) is recorded.
     """
-    if not isinstance(params, Mapping) or not params:
-        raise TypeError("params must be a non-empty mapping of names to tensors")
-    for k, v in params.items():
-        if not isinstance(v, Tensor) or not v.is_floating_point():
-            raise TypeError(f"params[{k!r}] must be a floating-point tensor")
+    _check_params(params)
     if not callable(loss_fn):
         raise TypeError("loss_fn must be callable(params) -> scalar tensor")
     if not isinstance(duration, (int, float)) or not math.isfinite(duration) or duration <= 0:
@@ -86,14 +99,7 @@ def integrate_gradient_flow(
     out = GradientFlowTrajectory([0.0], [dict(theta)])
     with torch.enable_grad():
         for i in range(1, steps + 1):
-            k1 = velocity(theta)
-            if method == "euler":
-                theta = _axpy(dt, k1, theta)
-            else:
-                k2 = velocity(_axpy(dt / 2, k1, theta))
-                k3 = velocity(_axpy(dt / 2, k2, theta))
-                k4 = velocity(_axpy(dt, k3, theta))
-                theta = {k: theta[k] + dt / 6 * (k1[k] + 2 * k2[k] + 2 * k3[k] + k4[k]) for k in theta}
+            theta = _axpy(dt, velocity(theta), theta) if method == "euler" else _rk4_step(velocity, theta, dt)
             theta = {k: v.detach() for k, v in theta.items()}
             if i % record_every == 0 or i == steps:
                 out.times.append(i * dt)

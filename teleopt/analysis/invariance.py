@@ -289,6 +289,47 @@ def _subspace_rates(operator: Tensor, projector: Tensor) -> tuple[Tensor, Tensor
     return rates[0], rates[1]
 
 
+def _check_orthogonality(group: FiniteLinearGroup, rho: Tensor | None, y: Tensor) -> None:
+    """Gideoni 2023, Assumptions 3 and 5: the group and the output representation are orthogonal."""
+    if not group.is_orthogonal():
+        raise ValueError(
+            "the group is not orthogonal: Gideoni 2023, Assumption 3 (g^T in G; for a finite group the same as g^T g = I) "
+            "fails, and gradient flow then mixes the symmetric and asymmetric parts"
+        )
+    if rho is None:
+        return
+    if y.ndim != 2 or y.shape[1] != rho.shape[1]:
+        raise ValueError(f"equivariant targets must have shape ({y.shape[0]}, {rho.shape[1]}), got {tuple(y.shape)}")
+    eye = torch.eye(rho.shape[1], dtype=y.dtype, device=rho.device)
+    if float(torch.linalg.matrix_norm(rho.mT @ rho - eye).max()) > group.tol * math.sqrt(rho.shape[1]):
+        raise ValueError("output_representation is not orthogonal (Gideoni 2023, Assumption 5)")
+
+
+def _data_asymmetry(x: Tensor, y: Tensor, kernel: Tensor, moment: Tensor, group: FiniteLinearGroup, rho: Tensor | None) -> float:
+    """How far the data is from Gideoni 2023, Assumption 1 / 4: the larger relative residual of K = X^T X
+    (invariant under g K g^T) and of the moment C (equal to its projection)."""
+    g = group._like(kernel)
+    kernel_residual = float(torch.linalg.matrix_norm(g @ kernel @ g.mT - kernel).max() / torch.linalg.matrix_norm(kernel).clamp_min(1e-300))
+    moment_sym = _project(moment, group, rho)
+    # relative to |X| |Y| >= |C|: C itself may be 0 (no invariant weights), then only round-off remains
+    moment_residual = float((moment - moment_sym).norm() / (x.norm() * y.norm()).clamp_min(1e-300))
+    return max(kernel_residual, moment_residual)
+
+
+def _flow_rates(operator: Tensor, group: FiniteLinearGroup, rho: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Decay rates of the asymmetric and the symmetric part under the flow's ``operator`` (s K)."""
+    g = group._like(operator)
+    dtype, device = operator.dtype, operator.device
+    if rho is None:
+        return _subspace_rates(operator, torch.eye(group.dim, dtype=dtype, device=device) - g.mean(0).T)
+    out = rho.shape[1]
+    # Row-major vec: Pi(W)[a, d] = mean_g sum_bc rho(g)^-1[a, b] W[b, c] g[c, d], i.e. vec(A W B) = (A kron B^T) vec(W).
+    rho_inverse = rho[group._inverse.to(rho.device)]
+    projector = torch.einsum("gab,gcd->adbc", rho_inverse, g).reshape(out * group.dim, out * group.dim) / group.order
+    big = torch.kron(torch.eye(out, dtype=dtype, device=device), operator)
+    return _subspace_rates(big, torch.eye(out * group.dim, dtype=dtype, device=device) - projector)
+
+
 def linear_regression_flow(
     inputs: Tensor,
     targets: Tensor,
@@ -329,42 +370,16 @@ def linear_regression_flow(
     dtype = torch.promote_types(x.dtype, y.dtype)
     x, y = x.to(dtype), y.to(dtype)
     rho = _output_representation(group, output_representation, y)
-    if not group.is_orthogonal():
-        raise ValueError(
-            "the group is not orthogonal: Gideoni 2023, Assumption 3 (g^T in G; for a finite group the same as g^T g = I) "
-            "fails, and gradient flow then mixes the symmetric and asymmetric parts"
-        )
-    if rho is not None:
-        if y.ndim != 2 or y.shape[1] != rho.shape[1]:
-            raise ValueError(f"equivariant targets must have shape ({x.shape[0]}, {rho.shape[1]}), got {tuple(y.shape)}")
-        eye = torch.eye(rho.shape[1], dtype=dtype, device=rho.device)
-        if float(torch.linalg.matrix_norm(rho.mT @ rho - eye).max()) > group.tol * math.sqrt(rho.shape[1]):
-            raise ValueError("output_representation is not orthogonal (Gideoni 2023, Assumption 5)")
-
+    _check_orthogonality(group, rho, y)
     kernel = x.T @ x
     moment = y.T @ x if y.ndim == 2 else y @ x
-    g = group._like(kernel)
-    kernel_residual = float(torch.linalg.matrix_norm(g @ kernel @ g.mT - kernel).max() / torch.linalg.matrix_norm(kernel).clamp_min(1e-300))
-    moment_sym = _project(moment, group, rho)
-    # relative to |X| |Y| >= |C|: C itself may be 0 (no invariant weights), then only round-off remains
-    moment_residual = float((moment - moment_sym).norm() / (x.norm() * y.norm()).clamp_min(1e-300))
-    data_asymmetry = max(kernel_residual, moment_residual)
+    data_asymmetry = _data_asymmetry(x, y, kernel, moment, group, rho)
     if strict and data_asymmetry > group.tol:
         raise ValueError(
             f"the data is not symmetric (Gideoni 2023, Assumption {1 if rho is None else 4}): relative residual "
             f"{data_asymmetry:.2e} > tol {group.tol:.1e}; complete it with orbit_closure or pass strict=False"
         )
-
-    operator = loss_scale * kernel
-    if rho is None:
-        asym_rates, sym_rates = _subspace_rates(operator, torch.eye(group.dim, dtype=dtype, device=kernel.device) - g.mean(0).T)
-    else:
-        out = rho.shape[1]
-        # Row-major vec: Pi(W)[a, d] = mean_g sum_bc rho(g)^-1[a, b] W[b, c] g[c, d], i.e. vec(A W B) = (A kron B^T) vec(W).
-        rho_inverse = rho[group._inverse.to(rho.device)]
-        projector = torch.einsum("gab,gcd->adbc", rho_inverse, g).reshape(out * group.dim, out * group.dim) / group.order
-        big = torch.kron(torch.eye(out, dtype=dtype, device=kernel.device), operator)
-        asym_rates, sym_rates = _subspace_rates(big, torch.eye(out * group.dim, dtype=dtype, device=kernel.device) - projector)
+    asym_rates, sym_rates = _flow_rates(loss_scale * kernel, group, rho)
     return LinearRegressionFlow(
         group=group,
         output_representation=rho,

@@ -11,8 +11,8 @@ of Zhao 2026, Fig. 6.6 (:func:`compare_curves`) and Zhao et al. 2024b, Fig. 2-4
 (:func:`plot_generators`).
 
 Modules: ``network`` (the action network), ``losses`` (eq. 5-11), ``training``
-(``discover``), ``group`` (the learned Lie group, matrix logarithm), ``flow``
-(RK4), ``action`` (``LearnedAction``, files), ``binding`` (sites in larger
+(``discover``), ``config`` (its options), ``group`` (the learned Lie group, matrix
+logarithm), ``flow`` (RK4), ``action`` (``LearnedAction``, files), ``binding`` (sites in larger
 models), ``diagnostics`` and ``plots``, ``problems`` (the papers' problems),
 ``samples`` (shapes and sampling).
 """
@@ -20,6 +20,7 @@ models), ``diagnostics`` and ``plots``, ``problems`` (the papers' problems),
 from teleopt.discovery import problems
 from teleopt.discovery.action import FILE_FORMAT, FORMAT_VERSION, LearnedAction
 from teleopt.discovery.binding import SubnetworkAction, bind, module_input
+from teleopt.discovery.config import DiscoveryConfig
 from teleopt.discovery.diagnostics import (
     CurveComparison,
     abs_cosine,
@@ -36,6 +37,7 @@ from teleopt.discovery.training import discover
 
 __all__ = [
     "discover",
+    "DiscoveryConfig",
     "LearnedAction",
     "LearnedLieGroup",
     "ActionNetwork",

@@ -79,7 +79,7 @@ class LearnedAction(GroupAction):
     group_type = LearnedLieGroup
     reference = "Zhao et al. 2024b, Sec. 5 (learned by teleopt.discover)"
 
-    def __init__(
+    def __init__(  # noqa: PLR0913  one argument per field of a saved action file (load passes them all)
         self,
         network: ActionNetwork,
         generators: Tensor,
@@ -259,66 +259,27 @@ class LearnedAction(GroupAction):
 
     @classmethod
     def _from_checked_state(cls, state: dict[str, Any], loss_fn: Callable[[Params, Any], Tensor] | None, name: str | None) -> LearnedAction:
-        def entry(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
-            if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-                raise ValueError(f"the learned-action file's {what} is a {type(value).__name__} (a damaged or hand-made file)")
-            return value
-
-        steps = entry(state["integration_steps"], int, "integration_steps")
+        steps = _entry(state["integration_steps"], int, "integration_steps")
         if not 1 <= steps <= MAX_INTEGRATION_STEPS:
             raise ValueError(f"the learned-action file has integration_steps={steps}, outside [1, {MAX_INTEGRATION_STEPS}]")
-        spec = SampleSpec.from_config(entry(state["spec"], dict, "spec"))
-        net_cfg = entry(state["network"], dict, "network configuration")
-        weights = entry(state["weights"], dict, "weights")
-        if not all(isinstance(k, str) and isinstance(v, Tensor) and v.is_floating_point() for k, v in weights.items()):
-            raise ValueError("the learned-action file's weights must map names to floating-point tensors")
-        if not all(bool(torch.isfinite(v).all()) for v in weights.values()):
-            raise ValueError("the learned-action file's network weights have non-finite entries (a damaged file)")
-        generators = entry(state["generators"], Tensor, "generators")
-        p, d = spec.num_params, spec.data_features
-        num_params, data_features = entry(net_cfg["num_params"], int, "num_params"), entry(net_cfg["data_features"], int, "data_features")
-        hidden = tuple(entry(w, int, "hidden width") for w in entry(net_cfg["hidden"], (list, tuple), "hidden widths"))
-        if (num_params, data_features) != (p, d):
-            raise ValueError(
-                f"the network acts on {num_params} parameters and reads {data_features} data entries, but the shapes give {p} and {d}"
-            )
-        widths = (p * p + p + d, *hidden, p)
-        expected: dict[str, tuple[int, ...]] = {}
-        for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
-            expected[f"layers.{i}.weight"], expected[f"layers.{i}.bias"] = (b, a), (b,)
-        found = {k: tuple(v.shape) for k, v in weights.items()}
-        if expected != found:
-            diff = sorted(k for k in set(expected) | set(found) if expected.get(k) != found.get(k))
-            raise ValueError(
-                f"the network weights do not match the saved configuration: {diff[0]} has shape "
-                f"{found.get(diff[0])}, the configuration needs {expected.get(diff[0])}"
-            )
-        network = ActionNetwork(
-            num_params,
-            data_features,
-            hidden,
-            str(net_cfg["activation"]),
-            dtype=weights["layers.0.weight"].dtype,
-            linear_base=bool(net_cfg.get("linear_base", True)),
-        )
-        network.load_state_dict(weights)
+        spec = SampleSpec.from_config(_entry(state["spec"], dict, "spec"))
+        net_cfg = _entry(state["network"], dict, "network configuration")
+        weights = _checked_weights(_entry(state["weights"], dict, "weights"))
+        generators = _entry(state["generators"], Tensor, "generators")
+        network = _saved_network(net_cfg, weights, spec)
+        p = spec.num_params
         if generators.ndim != 3 or tuple(generators.shape[1:]) != (p, p) or not generators.is_floating_point():
             raise ValueError(f"the saved generators have shape {tuple(generators.shape)}, the parameters need (n, {p}, {p})")
-        examples = None
-        if "examples" in state:
-            saved = entry(state["examples"], dict, "examples")
-            theta = entry(saved["theta"], Tensor, "examples' theta")
-            leaves = tuple(entry(leaf, Tensor, "examples' data") for leaf in entry(saved["data"], (list, tuple), "examples' data"))
-            examples = (theta, leaves)
-        config = dict(entry(state.get("config", {}), dict, "config"))
+        examples = _saved_examples(state)
+        config = dict(_entry(state.get("config", {}), dict, "config"))
         history = state.get("history")
         if history is not None:
-            entry(history, dict, "history")
-            entry(history["terms"], (list, tuple), "history terms")
-            entry(history["values"], Tensor, "history values")
+            _entry(history, dict, "history")
+            _entry(history["terms"], (list, tuple), "history terms")
+            _entry(history["values"], Tensor, "history values")
         if loss_fn is None and config.get("problem") is not None:
             loss_fn = build_problem(config["problem"]).loss_fn
-        saved_name = name or entry(state["name"], str, "name")
+        saved_name = name or _entry(state["name"], str, "name")
         return cls(network, generators, spec, saved_name, steps, loss_fn, examples, config, history)
 
     @classmethod
@@ -355,3 +316,54 @@ def _load_failure(e: BaseException) -> str:
         text = text.split("WeightsUnpickler error:", 1)[1]
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[0].split(". ")[0] if lines else type(e).__name__
+
+
+def _entry(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
+    """``value`` if it is a ``kind`` (a bool is not an int here), else ``ValueError`` naming ``what``."""
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise ValueError(f"the learned-action file's {what} is a {type(value).__name__} (a damaged or hand-made file)")
+    return value
+
+
+def _checked_weights(weights: dict[Any, Any]) -> dict[str, Tensor]:
+    """The saved network weights: names to finite floating-point tensors."""
+    if not all(isinstance(k, str) and isinstance(v, Tensor) and v.is_floating_point() for k, v in weights.items()):
+        raise ValueError("the learned-action file's weights must map names to floating-point tensors")
+    if not all(bool(torch.isfinite(v).all()) for v in weights.values()):
+        raise ValueError("the learned-action file's network weights have non-finite entries (a damaged file)")
+    return weights
+
+
+def _saved_network(net_cfg: dict[str, Any], weights: dict[str, Tensor], spec: SampleSpec) -> ActionNetwork:
+    """The action network of a file, after checking that its configuration, the shapes and the weights agree."""
+    p, d = spec.num_params, spec.data_features
+    num_params, data_features = _entry(net_cfg["num_params"], int, "num_params"), _entry(net_cfg["data_features"], int, "data_features")
+    hidden = tuple(_entry(w, int, "hidden width") for w in _entry(net_cfg["hidden"], (list, tuple), "hidden widths"))
+    if (num_params, data_features) != (p, d):
+        raise ValueError(
+            f"the network acts on {num_params} parameters and reads {data_features} data entries, but the shapes give {p} and {d}"
+        )
+    widths = (p * p + p + d, *hidden, p)
+    expected: dict[str, tuple[int, ...]] = {}
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        expected[f"layers.{i}.weight"], expected[f"layers.{i}.bias"] = (b, a), (b,)
+    found = {k: tuple(v.shape) for k, v in weights.items()}
+    if expected != found:
+        diff = sorted(k for k in set(expected) | set(found) if expected.get(k) != found.get(k))
+        raise ValueError(
+            f"the network weights do not match the saved configuration: {diff[0]} has shape "
+            f"{found.get(diff[0])}, the configuration needs {expected.get(diff[0])}"
+        )
+    dtype, linear_base = weights["layers.0.weight"].dtype, bool(net_cfg.get("linear_base", True))
+    network = ActionNetwork(num_params, data_features, hidden, str(net_cfg["activation"]), dtype=dtype, linear_base=linear_base)
+    network.load_state_dict(weights)
+    return network
+
+
+def _saved_examples(state: dict[str, Any]) -> tuple[Tensor, tuple[Tensor, ...]] | None:
+    if "examples" not in state:
+        return None
+    saved = _entry(state["examples"], dict, "examples")
+    theta = _entry(saved["theta"], Tensor, "examples' theta")
+    leaves = tuple(_entry(leaf, Tensor, "examples' data") for leaf in _entry(saved["data"], (list, tuple), "examples' data"))
+    return theta, leaves

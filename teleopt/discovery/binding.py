@@ -130,6 +130,40 @@ class SubnetworkAction(GroupAction):
         return ExampleProblem(tuple(params), inner.data, lambda p, d: inner.fn(self._narrow(p), d), inner.functional)
 
 
+def _tensor_names(action: LearnedAction, members: Sequence[str] | Mapping[str, str]) -> tuple[str, ...]:
+    """The tensor name of each learned member, in ``action.member_names`` order."""
+    roles = action.member_names
+    if isinstance(members, Mapping):
+        unknown = sorted(set(members) - set(roles))
+        if unknown or len(members) != len(roles):
+            raise ValueError(f"members must map each of {list(roles)} to a tensor name, got keys {sorted(members)}")
+        return tuple(members[r] for r in roles)
+    if isinstance(members, (str, bytes)) or not isinstance(members, Sequence):
+        raise TypeError(f"members must be a sequence of tensor names or a mapping, got {type(members).__name__}")
+    if len(members) != len(roles):
+        raise ValueError(f"{action.name} acts on {len(roles)} tensors ({', '.join(roles)}), got {len(members)} names")
+    return tuple(members)
+
+
+def _member_shape(model: nn.Module, role: str, tensor_name: Any) -> tuple[int, ...]:
+    if not isinstance(tensor_name, str):
+        raise TypeError(f"tensor name for member {role!r} must be a string, got {tensor_name!r}")
+    try:
+        return tuple(lookup_tensor(model, tensor_name).shape)
+    except KeyError:
+        raise ValueError(f"member {role!r}: {type(model).__name__} has no parameter or buffer named {tensor_name!r}") from None
+
+
+def _check_learned_shapes(action: LearnedAction, names: Sequence[str], shapes: Sequence[tuple[int, ...]]) -> None:
+    """Without slices every tensor must have exactly the learned shape."""
+    for role, tensor_name, shape, learned in zip(action.member_names, names, shapes, action.spec.param_shapes):
+        if shape != learned:
+            raise ValueError(
+                f"member {role!r} -> {tensor_name!r} has shape {shape}, but {action.name} acts on shape {learned}; "
+                "for a wider layer pass slices={member: (axis, start, stop)} (Zhao et al. 2024b, Cor. 4.2)"
+            )
+
+
 def bind(
     action: LearnedAction,
     model: nn.Module,
@@ -161,25 +195,8 @@ def bind(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     roles = action.member_names
-    if isinstance(members, Mapping):
-        unknown = sorted(set(members) - set(roles))
-        if unknown or len(members) != len(roles):
-            raise ValueError(f"members must map each of {list(roles)} to a tensor name, got keys {sorted(members)}")
-        names = tuple(members[r] for r in roles)
-    elif isinstance(members, (str, bytes)) or not isinstance(members, Sequence):
-        raise TypeError(f"members must be a sequence of tensor names or a mapping, got {type(members).__name__}")
-    else:
-        names = tuple(members)
-        if len(names) != len(roles):
-            raise ValueError(f"{action.name} acts on {len(roles)} tensors ({', '.join(roles)}), got {len(names)} names")
-    shapes = []
-    for role, tensor_name in zip(roles, names):
-        if not isinstance(tensor_name, str):
-            raise TypeError(f"tensor name for member {role!r} must be a string, got {tensor_name!r}")
-        try:
-            shapes.append(tuple(lookup_tensor(model, tensor_name).shape))
-        except KeyError:
-            raise ValueError(f"member {role!r}: {type(model).__name__} has no parameter or buffer named {tensor_name!r}") from None
+    names = _tensor_names(action, members)
+    shapes = [_member_shape(model, role, tensor_name) for role, tensor_name in zip(roles, names)]
     modules = dict(model.named_modules())
     if not isinstance(data_input, str) or data_input not in modules:
         raise ValueError(f"data_input {data_input!r} is not a module of {type(model).__name__}")
@@ -190,12 +207,7 @@ def bind(
     if slices:
         bound: GroupAction = SubnetworkAction(action, shapes, [slices.get(r) for r in roles])
     else:
-        for role, tensor_name, shape, learned in zip(roles, names, shapes, action.spec.param_shapes):
-            if shape != learned:
-                raise ValueError(
-                    f"member {role!r} -> {tensor_name!r} has shape {shape}, but {action.name} acts on shape {learned}; "
-                    "for a wider layer pass slices={member: (axis, start, stop)} (Zhao et al. 2024b, Cor. 4.2)"
-                )
+        _check_learned_shapes(action, names, shapes)
         bound = action
     info = {
         "learned_action": action.name,

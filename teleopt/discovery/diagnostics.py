@@ -114,7 +114,7 @@ def _loss_along(loss_fn: Callable, action: LearnedAction, points: Tensor, leaves
 
 
 @torch.no_grad()
-def compare_curves(
+def compare_curves(  # noqa: PLR0913  keyword-only options of Zhao 2026, Fig. 6.6's comparison, each documented
     action: LearnedAction,
     sampler: Sampler | None = None,
     *,

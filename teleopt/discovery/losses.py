@@ -183,7 +183,27 @@ def loss_gradient_norms(loss_fn: Callable[[Any, Any], Tensor], unflatten: Callab
     return vmap(single)
 
 
-def discovery_losses(
+def _bracket_term(action_fn: ActionFn, theta: Tensor, x: Tensor, xi: Tensor, generators: Tensor) -> Tensor:
+    """The second-order associativity residual (Zhao et al. 2024b, eq. 7, as derived in the module docs):
+    ||D xi_{h_j} . xi_{h_i} - D xi_{h_i} . xi_{h_j} + xi_{[h_i,h_j]}|| over pairs i < j, on at most
+    ``BRACKET_ROWS`` (pair, sample) rows."""
+    n, batch, p = generators.shape[0], theta.shape[0], theta.shape[-1]
+    i, j = torch.triu_indices(n, n, offset=1, device=theta.device)
+    pairs = i.numel()
+    sub = max(1, min(batch, BRACKET_ROWS // (2 * pairs)))
+    # ordered pairs (a, b) = (i, j) then (j, i): D xi_{h_b} . xi_{h_a}
+    a_idx, b_idx = torch.cat([i, j]), torch.cat([j, i])
+    th2 = theta[:sub].expand(2 * pairs, sub, p).contiguous()
+    x2 = x[:sub].expand(2 * pairs, sub, x.shape[-1])
+    h_b = generators[b_idx][:, None]
+    _, along = _jvp(lambda t: infinitesimal_action(action_fn, t, x2, h_b)[1], th2, xi[a_idx, :sub])
+    commutators = generators[i] @ generators[j] - generators[j] @ generators[i]
+    _, xi_bracket = infinitesimal_action(action_fn, th2[:pairs], x2[:pairs], commutators[:, None])
+    residual = along[:pairs] - along[pairs:] + xi_bracket
+    return residual.norm(dim=-1).mean(dim=-1).sum()
+
+
+def discovery_losses(  # noqa: PLR0913  eq. 11's inputs (a batch, the generators, beta) and discover's three loss options
     action_fn: ActionFn,
     loss_jvp: Callable[[Tensor, tuple[Tensor, ...], Tensor], Tensor],
     theta: Tensor,
@@ -218,21 +238,7 @@ def discovery_losses(
     zeros = theta.new_zeros(n, batch, p * p)
     _, d_theta_a = _jvp(lambda t: action_fn(zeros, t, xs), thetas, xi)
     first_order = (d_theta_a - xi).norm(dim=-1).mean(dim=-1).sum()
-    bracket = theta.new_zeros(())
-    if second_order and n > 1:
-        i, j = torch.triu_indices(n, n, offset=1, device=theta.device)
-        pairs = i.numel()
-        sub = max(1, min(batch, BRACKET_ROWS // (2 * pairs)))
-        # ordered pairs (a, b) = (i, j) then (j, i): D xi_{h_b} . xi_{h_a}
-        a_idx, b_idx = torch.cat([i, j]), torch.cat([j, i])
-        th2 = theta[:sub].expand(2 * pairs, sub, p).contiguous()
-        x2 = x[:sub].expand(2 * pairs, sub, x.shape[-1])
-        h_b = generators[b_idx][:, None]
-        _, along = _jvp(lambda t: infinitesimal_action(action_fn, t, x2, h_b)[1], th2, xi[a_idx, :sub])
-        commutators = generators[i] @ generators[j] - generators[j] @ generators[i]
-        _, xi_bracket = infinitesimal_action(action_fn, th2[:pairs], x2[:pairs], commutators[:, None])
-        residual = along[:pairs] - along[pairs:] + xi_bracket
-        bracket = residual.norm(dim=-1).mean(dim=-1).sum()
+    bracket = _bracket_term(action_fn, theta, x, xi, generators) if second_order and n > 1 else theta.new_zeros(())
 
     norm = (beta - xi.norm(dim=-1)).abs().mean(dim=-1).sum()
     flat = generators.reshape(n, -1)

@@ -5,47 +5,30 @@ of Zhao et al. 2024b, eq. 11 (:mod:`teleopt.discovery.losses`) with ``torch.func
 takes one Adam step on the action network and the generators.  Training is
 seeded: the network's initial weights, the generators and every sample come from
 one ``torch.Generator``, so the same seed gives bitwise the same result on CPU.
+The options are a :class:`~teleopt.discovery.config.DiscoveryConfig`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from teleopt.actions.base import Params
-from teleopt.discovery.action import MAX_INTEGRATION_STEPS, LearnedAction
-from teleopt.discovery.losses import TERMS, LossWeights, discovery_losses, loss_derivative, loss_gradient_norms, total_loss
+from teleopt.discovery.action import LearnedAction
+from teleopt.discovery.config import DiscoveryConfig, resolve
+from teleopt.discovery.losses import TERMS, discovery_losses, loss_derivative, loss_gradient_norms, total_loss
 from teleopt.discovery.network import ActionNetwork
 from teleopt.discovery.problems import DiscoveryProblem
 from teleopt.discovery.samples import Sampler, SampleSpec, draw
 
 __all__ = ["discover"]
 
-INVARIANCE_MODES = ("raw", "gradient", "cosine")
 _LOGGED = (*TERMS, "associativity_first_order", "associativity_bracket", "total")
-
-
-def _positive_int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what} must be a positive int, got {value!r}")
-    return value
-
-
-def _positive_float(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{what} must be a finite number > 0, got {value!r}")
-    return float(value)
-
-
-def _objective(run: LearnedAction) -> float:
-    """A run's training objective: the mean total loss over its last 50 steps."""
-    assert run.history is not None  # discover always records the history
-    return float(run.history["values"][-50:, -1].mean())
 
 
 def discover(
@@ -53,28 +36,11 @@ def discover(
     param_shapes: Sequence[Sequence[int]] | None = None,
     sampler: Sampler | None = None,
     *,
-    num_generators: int = 1,
-    steps: int = 2000,
-    batch_size: int = 64,
-    hidden: Sequence[int] = (64, 64, 64),
-    activation: str = "silu",
-    linear_base: bool = True,
-    weights: LossWeights | None = None,
-    beta: float = 1.0,
-    lr: float = 1e-3,
-    generator_lr: float = 1e-2,
-    lr_decay: float = 0.6,
-    lr_decay_every: int = 1000,
-    second_order: bool = True,
-    invariance: str = "raw",
-    integration_steps: int = 8,
+    config: DiscoveryConfig | None = None,
     member_names: Sequence[str] | None = None,
     name: str = "learned",
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    num_examples: int = 32,
     progress: bool = True,
-    restarts: int = 1,
+    **options: Any,
 ) -> LearnedAction:
     """Learn a loss-invariant group action and ``num_generators`` generators (Zhao et al. 2024b, Sec. 5).
 
@@ -94,122 +60,130 @@ def discover(
     sampler:
         ``sampler(generator) -> (params, data)`` draws one sample (data: a tensor or a
         tuple of tensors of fixed shapes); called ``batch_size`` times per step.
-    num_generators:
-        n, the number of Lie algebra elements to learn.
-    steps, batch_size:
-        Adam steps, and samples per step (Zhao et al. 2024b, Sec. 5.3: 10000 samples).
-    hidden, activation, linear_base:
-        The action MLP (Zhao et al. 2024b, Sec. 5.3: 64, 64, 64; Zhao 2026: 128, 128, 128)
-        and whether it is added to the linear action g theta
-        (:class:`~teleopt.discovery.network.ActionNetwork`).
-    weights, beta:
-        gamma_1..gamma_6 (:class:`~teleopt.discovery.losses.LossWeights`, default
-        Zhao et al. 2024b, Sec. 5.3) and the target norm of the infinitesimal action (eq. 8;
-        the papers do not state its value, 1 here).  Coordinates of the learned group
-        are in units of the generators, so exp(c h) moves theta about |c| beta.
-    lr, lr_decay, lr_decay_every:
-        Adam learning rate of the network and its step decay (Zhao et al. 2024b, Sec. 5.3:
-        1e-3, x0.6 every 1000 steps).
-    generator_lr:
-        Adam learning rate of the generators (they must travel O(1) in a few hundred
-        steps while the network stays near its start; 1e-2).
-    second_order:
-        Include the Lie bracket associativity term (see :mod:`teleopt.discovery.losses`).
-    invariance:
-        How eq. 5 weighs samples: ``"raw"`` is |D_theta L . xi_h| as printed (its
-        scale is the loss gradient's, so gamma_1 means different things for
-        different losses and samples with large gradients dominate);
-        ``"gradient"`` divides each sample (and output entry) by |D_theta L_j|, the
-        component of xi_h along the level set's normal; ``"cosine"`` also divides by
-        |xi_h|: the |cosine| between the orbit and the loss gradient, scale-free, so it
-        cannot be lowered by shrinking xi_h against the norm term (eq. 8).  The
-        normalisers depend on the samples only (computed by vjp, not trained through).
-    integration_steps:
-        RK4 steps per unit time of the learned action's finite elements.
+    config, **options:
+        The training options: a :class:`~teleopt.discovery.config.DiscoveryConfig`
+        (default: its defaults) and keywords that replace its fields, e.g.
+        ``discover(problem, steps=500, seed=1)``.  An unknown keyword raises ``TypeError``.
     member_names, name:
         Names of the parameter tensors and of the action (registry name).
-    seed:
-        Seeds the one ``torch.Generator`` behind initial weights, generators and samples.
-    dtype:
-        Training dtype (the action computes in the dtype of the parameters it is given).
-    num_examples:
-        Held-out samples stored with the action (for ``example()`` and diagnostics).
     progress:
         Show a tqdm progress bar with the loss terms.
-    restarts:
-        Train this many times, with seeds ``seed, seed + 1, ...``, and keep the run
-        with the lowest training objective (mean total loss over its last 50 steps).
-        The objective is non-convex in the generators: a seed can leave a generator
-        outside the symmetry's span (measured: ``docs/performance.md``).
     """
+    config = resolve(config, options)
+    task = _task(loss_fn, param_shapes, sampler, member_names)
+    if config.restarts == 1:
+        return _discover_once(task, config, name, progress)
+    return _best_of_restarts(task, config, name, progress)
+
+
+class _Task(NamedTuple):
+    """What to find symmetries of: the loss, its parameter shapes and names, and the sampler."""
+
+    loss_fn: Callable[[Params, Any], Tensor]
+    param_shapes: Sequence[Sequence[int]]
+    sampler: Sampler
+    member_names: Sequence[str] | None
+
+
+def _task(
+    loss_fn: Callable[[Params, Any], Tensor] | DiscoveryProblem,
+    param_shapes: Sequence[Sequence[int]] | None,
+    sampler: Sampler | None,
+    member_names: Sequence[str] | None,
+) -> _Task:
+    """The task of a problem, or of a loss function with its shapes and sampler (both required)."""
     if isinstance(loss_fn, DiscoveryProblem):
         if param_shapes is not None or sampler is not None:
             raise TypeError("discover(problem, ...) takes its param_shapes and sampler from the problem; do not pass them")
-        if member_names is None:
-            member_names = loss_fn.member_names
-        # no new local names here: restarts re-call discover(**locals())
-        param_shapes, sampler = loss_fn.param_shapes, loss_fn.sampler
-        loss_fn = loss_fn.loss_fn
+        names = loss_fn.member_names if member_names is None else member_names
+        return _task(loss_fn.loss_fn, loss_fn.param_shapes, loss_fn.sampler, names)
     if param_shapes is None or sampler is None:
         raise TypeError("discover(loss_fn, param_shapes, sampler): param_shapes and sampler are required with a loss function")
-    restarts = _positive_int(restarts, "restarts")
-    if restarts > 1:
-        arguments = dict(locals())
-        arguments.pop("restarts")
-        runs = [discover(**(arguments | {"seed": seed + i})) for i in range(restarts)]
-        objectives = [_objective(run) for run in runs]
-        best = runs[min(range(restarts), key=objectives.__getitem__)]
-        best.config["restarts"] = {"seeds": [seed + i for i in range(restarts)], "objectives": objectives}
-        return best
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not callable(sampler):
         raise TypeError(f"sampler must be callable as sampler(generator), got {type(sampler).__name__}")
-    num_generators = _positive_int(num_generators, "num_generators")
-    steps = _positive_int(steps, "steps")
-    batch_size = _positive_int(batch_size, "batch_size")
-    lr_decay_every = _positive_int(lr_decay_every, "lr_decay_every")
-    integration_steps = _positive_int(integration_steps, "integration_steps")
-    if integration_steps > MAX_INTEGRATION_STEPS:
-        raise ValueError(f"integration_steps must be at most {MAX_INTEGRATION_STEPS}, got {integration_steps}")
-    num_examples = _positive_int(num_examples, "num_examples")
-    beta, lr, generator_lr = _positive_float(beta, "beta"), _positive_float(lr, "lr"), _positive_float(generator_lr, "generator_lr")
-    lr_decay = _positive_float(lr_decay, "lr_decay")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {seed!r}")
-    if dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
-    weights = LossWeights() if weights is None else weights
-    if not isinstance(weights, LossWeights):
-        raise TypeError(f"weights must be a LossWeights, got {type(weights).__name__}")
-    if invariance not in INVARIANCE_MODES:
-        raise ValueError(f"invariance must be one of {INVARIANCE_MODES}, got {invariance!r}")
+    return _Task(loss_fn, param_shapes, sampler, member_names)
 
-    gen = torch.Generator().manual_seed(seed)
-    _, first_data = sampler(torch.Generator().manual_seed(seed))
-    spec = SampleSpec.from_sample(param_shapes, member_names, first_data)
-    p = spec.num_params
-    network = ActionNetwork(p, spec.data_features, hidden, activation, generator=gen, dtype=dtype, linear_base=linear_base)
-    generators = torch.nn.Parameter(torch.randn(num_generators, p, p, generator=gen, dtype=torch.float64).to(dtype) * (beta / p))
-    groups: list[dict[str, Any]] = [{"params": list(network.parameters())}, {"params": [generators], "lr": generator_lr}]
-    optimizer = torch.optim.Adam(groups, lr=lr)
-    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=lr_decay_every, gamma=lr_decay)
 
-    loss_jvp = loss_derivative(loss_fn, spec.unflatten, spec.rebuild_data)
-    grad_norms = loss_gradient_norms(loss_fn, spec.unflatten, spec.rebuild_data)
-    history = torch.empty(steps, len(_LOGGED), dtype=torch.float64)
-    bar = tqdm(range(steps), desc=f"discover {name}", disable=not progress, leave=False)
+def _objective(run: LearnedAction) -> float:
+    """A run's training objective: the mean total loss over its last 50 steps."""
+    assert run.history is not None  # discover always records the history
+    return float(run.history["values"][-50:, -1].mean())
+
+
+def _best_of_restarts(task: _Task, config: DiscoveryConfig, name: str, progress: bool) -> LearnedAction:
+    """Train with seeds ``seed, seed + 1, ...`` and keep the run with the lowest :func:`_objective`."""
+    seeds = [config.seed + i for i in range(config.restarts)]
+    runs = [_discover_once(task, config.replace(seed=seed, restarts=1), name, progress) for seed in seeds]
+    objectives = [_objective(run) for run in runs]
+    best = runs[min(range(len(runs)), key=objectives.__getitem__)]
+    best.config["restarts"] = {"seeds": seeds, "objectives": objectives}
+    return best
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One training run: the task, its sample layout, the options, the generator every draw
+    comes from, and the loss's derivatives (:func:`~teleopt.discovery.losses.loss_derivative`)."""
+
+    task: _Task
+    spec: SampleSpec
+    config: DiscoveryConfig
+    gen: torch.Generator
+    loss_jvp: Callable[[Tensor, tuple[Tensor, ...], Tensor], Tensor]
+    grad_norms: Callable[[Tensor, tuple[Tensor, ...]], Tensor]
+
+    @classmethod
+    def start(cls, task: _Task, config: DiscoveryConfig) -> _Run:
+        _, first_data = task.sampler(torch.Generator().manual_seed(config.seed))
+        spec = SampleSpec.from_sample(task.param_shapes, task.member_names, first_data)
+        loss_jvp = loss_derivative(task.loss_fn, spec.unflatten, spec.rebuild_data)
+        grad_norms = loss_gradient_norms(task.loss_fn, spec.unflatten, spec.rebuild_data)
+        return cls(task, spec, config, torch.Generator().manual_seed(config.seed), loss_jvp, grad_norms)
+
+
+def _discover_once(task: _Task, config: DiscoveryConfig, name: str, progress: bool) -> LearnedAction:
+    """One seeded training run, returned as a :class:`LearnedAction` with its held-out examples."""
+    run = _Run.start(task, config)
+    network, generators = _initial_action(run)
+    history = _train(run, network, generators, name, progress)
+    theta, leaves = draw(task.sampler, torch.Generator().manual_seed(config.seed + 1), config.num_examples, run.spec, config.dtype)
+    problem_spec = getattr(task.loss_fn, "spec", None)
+    return LearnedAction(
+        network,
+        generators.detach().to(torch.float64),
+        run.spec,
+        name=name,
+        integration_steps=config.integration_steps,
+        loss_fn=task.loss_fn,
+        examples=(theta, leaves),
+        config=config.record() | {"problem": problem_spec if isinstance(problem_spec, dict) else None},
+        history={"terms": list(_LOGGED), "values": history},
+    )
+
+
+def _initial_action(run: _Run) -> tuple[ActionNetwork, torch.nn.Parameter]:
+    """The action network and the generators (scaled to norm about beta) drawn from the run's generator."""
+    config, p = run.config, run.spec.num_params
+    network = ActionNetwork(
+        p, run.spec.data_features, config.hidden, config.activation, generator=run.gen, dtype=config.dtype, linear_base=config.linear_base
+    )
+    draws = torch.randn(config.num_generators, p, p, generator=run.gen, dtype=torch.float64)
+    return network, torch.nn.Parameter(draws.to(config.dtype) * (config.beta / p))
+
+
+def _train(run: _Run, network: ActionNetwork, generators: torch.nn.Parameter, name: str, progress: bool) -> Tensor:
+    """Adam on the network and the generators for ``config.steps`` steps; returns the logged terms (steps, len(_LOGGED))."""
+    config = run.config
+    groups: list[dict[str, Any]] = [{"params": list(network.parameters())}, {"params": [generators], "lr": config.generator_lr}]
+    optimizer = torch.optim.Adam(groups, lr=config.lr)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=config.lr_decay_every, gamma=config.lr_decay)
+    history = torch.empty(config.steps, len(_LOGGED), dtype=torch.float64)
+    bar = tqdm(range(config.steps), desc=f"discover {name}", disable=not progress, leave=False)
     for step in bar:
-        theta, leaves = draw(sampler, gen, batch_size, spec, dtype)
-        x = spec.features(leaves, batch_dims=1)
-        try:
-            norms = grad_norms(theta, leaves).detach() if invariance != "raw" else None
-            terms = discovery_losses(network, loss_jvp, theta, leaves, x, generators, beta, second_order, norms, invariance == "cosine")
-        except RuntimeError as e:
-            if step == 0 and ("vmap" in str(e) or "jvp" in str(e) or "forward AD" in str(e)):
-                raise TypeError(f"loss_fn must work under torch.func.vmap and jvp (pure tensor code): {e}") from e
-            raise
-        total = total_loss(terms, weights)
+        terms = _terms(run, network, generators, step)
+        total = total_loss(terms, config.weights)
         if not bool(torch.isfinite(total)):
             raise FloatingPointError(
                 f"the discovery loss became non-finite at step {step} "
@@ -221,36 +195,23 @@ def discover(
         schedule.step()
         row = [float(terms[k].detach()) for k in _LOGGED[:-1]] + [float(total.detach())]
         history[step] = torch.tensor(row, dtype=torch.float64)
-        if progress and (step % 10 == 0 or step == steps - 1):
+        if progress and (step % 10 == 0 or step == config.steps - 1):
             bar.set_postfix(total=f"{row[-1]:.3g}", inv=f"{row[0]:.3g}", id=f"{row[1]:.2g}", assoc=f"{row[2]:.2g}", norm=f"{row[3]:.2g}")
     bar.close()
+    return history
 
-    theta, leaves = draw(sampler, torch.Generator().manual_seed(seed + 1), num_examples, spec, dtype)
-    problem_spec = getattr(loss_fn, "spec", None)
-    config = {
-        "steps": steps,
-        "batch_size": batch_size,
-        "num_generators": num_generators,
-        "weights": weights.as_dict(),
-        "beta": beta,
-        "lr": lr,
-        "generator_lr": generator_lr,
-        "lr_decay": lr_decay,
-        "lr_decay_every": lr_decay_every,
-        "second_order": second_order,
-        "invariance": invariance,
-        "seed": seed,
-        "dtype": str(dtype).removeprefix("torch."),
-        "problem": problem_spec if isinstance(problem_spec, dict) else None,
-    }
-    return LearnedAction(
-        network,
-        generators.detach().to(torch.float64),
-        spec,
-        name=name,
-        integration_steps=integration_steps,
-        loss_fn=loss_fn,
-        examples=(theta, leaves),
-        config=config,
-        history={"terms": list(_LOGGED), "values": history},
-    )
+
+def _terms(run: _Run, network: ActionNetwork, generators: Tensor, step: int) -> dict[str, Tensor]:
+    """The terms of Zhao et al. 2024b, eq. 11 on a fresh batch; a ``loss_fn`` that ``vmap``/``jvp``
+    cannot trace raises ``TypeError`` at step 0."""
+    config = run.config
+    theta, leaves = draw(run.task.sampler, run.gen, config.batch_size, run.spec, config.dtype)
+    x = run.spec.features(leaves, batch_dims=1)
+    try:
+        norms = run.grad_norms(theta, leaves).detach() if config.invariance != "raw" else None
+        scale_free = config.invariance == "cosine"
+        return discovery_losses(network, run.loss_jvp, theta, leaves, x, generators, config.beta, config.second_order, norms, scale_free)
+    except RuntimeError as e:
+        if step == 0 and ("vmap" in str(e) or "jvp" in str(e) or "forward AD" in str(e)):
+            raise TypeError(f"loss_fn must work under torch.func.vmap and jvp (pure tensor code): {e}") from e
+        raise

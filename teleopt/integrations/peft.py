@@ -130,6 +130,29 @@ def _why_not(layer: nn.Module, adapter: str) -> str | None:
     return None
 
 
+def _adapters(layer: nn.Module) -> list[str]:
+    """The adapter names of a LoRA layer: ``lora_A``'s, then embedding adapters not among them."""
+    plain = getattr(layer, "lora_A", {})
+    return list(plain.keys()) + [a for a in getattr(layer, "lora_embedding_A", {}).keys() if a not in plain]
+
+
+def _unusable_factors(params: dict[str, nn.Parameter], shared: set[str], names: tuple[str, str], include_frozen: bool) -> str | None:
+    """Why the factors (B, A) named ``names`` cannot carry a site, or None."""
+    if any(n not in params for n in names):
+        return "its factors are not parameters of the model"
+    if set(names) & shared:
+        return "its factors are shared with another part of the model (tied adapters)"
+    if not include_frozen and not all(params[n].requires_grad for n in names):
+        return "frozen (requires_grad=False)"
+    return None
+
+
+def _lora_gl(b_name: str, a_name: str, rank: int) -> AxisAction:
+    """GL_rank acting as B -> B g^-1 (rank axis 1), A -> g A (rank axis 0)."""
+    members = (Member(b_name, 1, -1), Member(a_name, 0, 1))
+    return AxisAction("lora_gl", "general", members, reference=_REFERENCE, group_name=f"GL_{rank}(R)")
+
+
 def lora_sites(model: nn.Module, *, include_frozen: bool = False) -> LoRASites:
     """One ``lora_gl`` site per LoRA pair of ``model`` (Zhao 2026, Ex. 1.2.13; see module docs).
 
@@ -150,44 +173,20 @@ def lora_sites(model: nn.Module, *, include_frozen: bool = False) -> LoRASites:
     for path, layer in model.named_modules():
         if not is_lora_layer(layer):
             continue
-        adapters = list(getattr(layer, "lora_A", {}).keys()) + [
-            a for a in getattr(layer, "lora_embedding_A", {}).keys() if a not in getattr(layer, "lora_A", {})
-        ]
-        for adapter in adapters:
+        for adapter in _adapters(layer):
             where = f"{path}[{adapter}]"
             pair = _pair(layer, adapter)
             if isinstance(pair, str):
                 found.skipped.append((where, pair))
                 continue
-            why = _why_not(layer, adapter)
-            if why is not None:
-                found.skipped.append((where, why))
-                continue
             b_local, a_local, kind, rank = pair
             prefix = f"{path}." if path else ""
             b_name, a_name = prefix + b_local, prefix + a_local
-            if b_name not in params or a_name not in params:
-                found.skipped.append((where, "its factors are not parameters of the model"))
+            why = _why_not(layer, adapter) or _unusable_factors(params, shared, (b_name, a_name), include_frozen)
+            if why is not None:
+                found.skipped.append((where, why))
                 continue
-            if {b_name, a_name} & shared:
-                found.skipped.append((where, "its factors are shared with another part of the model (tied adapters)"))
-                continue
-            if not include_frozen and not (params[b_name].requires_grad and params[a_name].requires_grad):
-                found.skipped.append((where, "frozen (requires_grad=False)"))
-                continue
-            action = AxisAction(
-                "lora_gl",
-                "general",
-                (Member(b_name, 1, -1), Member(a_name, 0, 1)),
-                reference=_REFERENCE,
-                group_name=f"GL_{rank}(R)",
-            )
-            info: dict[str, Any] = {
-                "module": path,
-                "adapter": adapter,
-                "kind": kind,
-                "rank": int(rank),
-                "scaling": float(layer.scaling.get(adapter, 1.0)),
-            }
-            found.sites.append(Site(action, (b_name, a_name), f"lora_gl@{where}", None, info))
+            scaling = float(layer.scaling.get(adapter, 1.0))
+            info: dict[str, Any] = {"module": path, "adapter": adapter, "kind": kind, "rank": int(rank), "scaling": scaling}
+            found.sites.append(Site(_lora_gl(b_name, a_name, rank), (b_name, a_name), f"lora_gl@{where}", None, info))
     return found

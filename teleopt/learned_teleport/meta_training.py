@@ -61,7 +61,60 @@ def rollout(policy: TeleportPolicy, problem: MetaProblem, steps: int = 100) -> l
     return losses
 
 
-def meta_train(
+@dataclass
+class _MetaOptimizer:
+    """Adam on the policy's networks (m1 at ``lr_update``, m2 at ``lr_group``), meta-gradients clipped."""
+
+    opt: torch.optim.Optimizer
+    params: list[Tensor]
+    max_grad_norm: float
+
+    @classmethod
+    def of(cls, policy: TeleportPolicy, lr_update: float, lr_group: float, max_grad_norm: float) -> _MetaOptimizer:
+        groups: list[dict[str, Any]] = []
+        params: list[Tensor] = []
+        for net, lr in ((policy.update_net, lr_update), (policy.group_net, lr_group)):
+            if net is not None:
+                net_params = list(net.parameters())
+                groups.append({"params": net_params, "lr": lr})
+                params.extend(net_params)
+        if not groups:
+            raise ValueError("this policy has nothing to learn (update='gd', teleport=False)")
+        return cls(torch.optim.Adam(groups), params, max_grad_norm)
+
+    def update(self, acc: Tensor | float) -> float:
+        """One meta-step on the accumulated loss ``acc`` (skipped unless it is finite and has a graph); returns it."""
+        self.opt.zero_grad()
+        if isinstance(acc, Tensor) and acc.requires_grad and torch.isfinite(acc):
+            acc.backward()
+            torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+            self.opt.step()
+        return float(acc.detach()) if isinstance(acc, Tensor) else float(acc)
+
+
+def _trajectory(policy: TeleportPolicy, problem: MetaProblem, steps: int, unroll: int, meta: _MetaOptimizer) -> float:
+    """Roll ``policy`` out on ``problem`` for ``steps`` steps, a meta-step every ``unroll``; the mean scaled loss."""
+    w = {n: p.detach().clone() for n, p in problem.params.items()}
+    state = policy.new_state()
+    with torch.no_grad():
+        scale = float(problem.loss(w)) or 1.0
+    acc: Tensor | float = 0.0
+    total = 0.0
+    for t in range(1, steps + 1):
+        w_in = {n: p if p.requires_grad else p.detach().requires_grad_(True) for n, p in w.items()}
+        loss = problem.loss(w_in)
+        grads = dict(zip(w_in, torch.autograd.grad(loss, list(w_in.values()), retain_graph=True)))
+        w = policy.step(problem.sites, w_in, grads, state)
+        acc = acc + problem.loss(w) / scale
+        if t % unroll == 0 or t == steps:
+            total += meta.update(acc)
+            acc = 0.0
+            w = {n: p.detach() for n, p in w.items()}
+            policy.detach_state(state)
+    return total / steps
+
+
+def meta_train(  # noqa: PLR0913  Algorithm 3's hyperparameters (Zhao 2026, Sec. 5.5), one keyword each
     policy: TeleportPolicy,
     sampler: Sampler,
     trajectories: int = 100,
@@ -85,16 +138,7 @@ def meta_train(
         raise ValueError(f"trajectories, steps and unroll must be >= 1, got {trajectories}, {steps}, {unroll}")
     if not callable(sampler):
         raise TypeError("sampler must be callable: sampler(generator) -> MetaProblem")
-    groups: list[dict[str, Any]] = []
-    params: list[Tensor] = []
-    for net, lr in ((policy.update_net, lr_update), (policy.group_net, lr_group)):
-        if net is not None:
-            net_params = list(net.parameters())
-            groups.append({"params": net_params, "lr": lr})
-            params.extend(net_params)
-    if not groups:
-        raise ValueError("this policy has nothing to learn (update='gd', teleport=False)")
-    opt = torch.optim.Adam(groups)
+    meta = _MetaOptimizer.of(policy, lr_update, lr_group, max_grad_norm)
     gen = torch.Generator().manual_seed(seed)
     result = MetaTrainResult()
     start = time.perf_counter()
@@ -105,32 +149,10 @@ def meta_train(
 
         iterations = bar = tqdm(iterations, desc="meta-training", unit="traj")
     for _ in iterations:
-        problem = _check_problem(sampler(gen))
-        w = {n: p.detach().clone() for n, p in problem.params.items()}
-        state = policy.new_state()
-        with torch.no_grad():
-            scale = float(problem.loss(w)) or 1.0
-        acc: Tensor | float = 0.0
-        total = 0.0
-        for t in range(1, steps + 1):
-            w_in = {n: p if p.requires_grad else p.detach().requires_grad_(True) for n, p in w.items()}
-            loss = problem.loss(w_in)
-            grads = dict(zip(w_in, torch.autograd.grad(loss, list(w_in.values()), retain_graph=True)))
-            w = policy.step(problem.sites, w_in, grads, state)
-            acc = acc + problem.loss(w) / scale
-            if t % unroll == 0 or t == steps:
-                opt.zero_grad()
-                if isinstance(acc, Tensor) and acc.requires_grad and torch.isfinite(acc):
-                    acc.backward()
-                    torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-                    opt.step()
-                total += float(acc.detach()) if isinstance(acc, Tensor) else float(acc)
-                acc = 0.0
-                w = {n: p.detach() for n, p in w.items()}
-                policy.detach_state(state)
-        result.trajectory_losses.append(total / steps)
+        mean_loss = _trajectory(policy, _check_problem(sampler(gen)), steps, unroll, meta)
+        result.trajectory_losses.append(mean_loss)
         if bar is not None:
-            bar.set_postfix(loss=f"{total / steps:.3g}")
+            bar.set_postfix(loss=f"{mean_loss:.3g}")
     result.seconds = time.perf_counter() - start
     return result
 
