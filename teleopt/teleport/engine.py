@@ -51,7 +51,7 @@ from teleopt.teleport.safety import Caps, InverseSnapshot, SafetyConfig, Snapsho
 from teleopt.teleport.search import SearchConfig, SearchProblem, SearchResult
 from teleopt.teleport.state_policy import StatePolicy
 from teleopt.teleport.verdict import Failure, loss_failures, non_finite_gradient, output_failures, restore_difference
-from teleopt.teleport.watch import InverseMove, TeleportRecord, Watch
+from teleopt.teleport.watch import InverseMove, TeleportRecord, Watch, watch_elements
 from teleopt.wrapper import OptimizerWrapper
 
 __all__ = ["EngineConfig", "TeleportRequest", "Plan", "TeleportEngine"]
@@ -411,9 +411,9 @@ class TeleportEngine:
         (their gradients and state by the inverse elements where the evaluator can undo, no closure reruns)."""
         ctx, evaluator = plan.ctx, plan.need_evaluator()
         params = [p for g in self.config.optimizer.param_groups for p in g["params"]]
-        safety, names = self.config.safety, {n for s in plan.sites for n in s.tensor_names}
+        names = {n for s in plan.sites for n in s.tensor_names}
         undo = plan.request.closure is None and evaluator.can_undo()
-        if safety.watch_steps > 0 and not (undo and safety.watch_restore == "inverse"):
+        if self.watch_keeps_snapshot(plan):
             return Snapshot(dict(ctx.tensors), self.config.optimizer, params, grads=True)
         if undo:
             members = {n: ctx.tensors[n] for n in names}
@@ -427,6 +427,12 @@ class TeleportEngine:
             [p for p in params if id(p) in member_ids],
             grads=True,
         )
+
+    def watch_keeps_snapshot(self, plan: Plan) -> bool:
+        """Whether an accepted teleport's watch keeps a snapshot (``watch_restore="snapshot"``, or a site
+        without an inverse move: not a fast-path site) rather than its elements (:class:`InverseMove`)."""
+        safety = self.config.safety
+        return safety.watch_steps > 0 and (safety.watch_restore == "snapshot" or not all(fast_path_eligible(s) for s in plan.sites))
 
     def apply(self, plan: Plan, elements: list[Tensor]) -> Snapshot | InverseSnapshot:
         """The apply phase: snapshot, then move parameters, gradients and optimizer state to g . w."""
@@ -581,12 +587,13 @@ class TeleportEngine:
         report.reason = "accepted"
         record.accepted += 1
         if safety.watch_steps > 0:  # the teleport's elements (inverse move) or a full snapshot without gradients
-            if isinstance(snapshot, Snapshot):
+            undo: Snapshot | InverseMove
+            if self.watch_keeps_snapshot(plan):
+                assert isinstance(snapshot, Snapshot)
                 snapshot.grads.clear()  # the rollback clears .grad and skips that update
-            cfg, elements = self.config, [report.elements[s.name] for s in plan.sites]
-            move = InverseMove(plan.sites, elements, cfg.module, cfg.optimizer, cfg.policy)
-            # a snapshot's checkpoint holds the elements instead where they restore the parameters bit for bit
-            exact = not safety.checkpoint_snapshot and plan.request.closure is None and plan.need_evaluator().exactly_invertible(elements)
+                undo = snapshot
+            else:
+                cfg, elements = self.config, watch_elements(plan.sites, report.elements, plan.ctx.tensors)
+                undo = InverseMove(plan.sites, elements, cfg.module, cfg.optimizer, cfg.policy)
             grad_ref = max(report.grad_norm_before or 0.0, report.grad_norm_after or 0.0) ** 2
-            until, undo = record.step + safety.watch_steps, snapshot if isinstance(snapshot, Snapshot) else move
-            record.watch = Watch(undo, until, record.step, grad_ref, report.loss_before, checkpoint=move if exact else None)
+            record.watch = Watch(undo, record.step + safety.watch_steps, record.step, grad_ref, report.loss_before)
