@@ -327,7 +327,10 @@ class OptimizerWrapper(Optimizer):
 
     @property
     def _group_key(self) -> str:
-        """The first param group's key holding the top-level record serialised (:func:`encode_record`)."""
+        """The first param group's key holding the top-level record serialised (:func:`encode_record`).
+
+        A wrapper with a top-level record also keeps the key, empty, in its live groups (a default ``state=""``):
+        torch's ``flatten_optimizer_state_dict`` option restores only the group keys the live groups have."""
         return self.prefix + "state"
 
     def state_dict(self) -> dict[str, Any]:
@@ -404,7 +407,7 @@ class OptimizerWrapper(Optimizer):
         if self._top_key in state_dict:
             top = state_dict[self._top_key]
         else:  # through torch's distributed-checkpoint functions: the record in the first param group
-            top = decode_record(encoded[0], f"{where}: param_groups[0][{self._group_key!r}]") if encoded else {}
+            top = decode_record(encoded[0], f"{where}: param_groups[0][{self._group_key!r}]") if encoded and encoded[0] else {}
         if not isinstance(top, dict):
             raise ValueError(f"{where}: {self._top_key!r} must be a dict, got {type(top).__name__}")
         params = {idx: p for idx, _, p in self.iter_params()}

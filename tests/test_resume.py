@@ -9,8 +9,9 @@ state and records must equal the live run's, bitwise.
 
 Paths: ``state_dict`` through ``torch.save``/``torch.load(weights_only=True)``; teleopt's
 ``optimizer_state_dict``/``load_optimizer_state_dict`` with ``dcp.save``/``dcp.load``; torch's own
-``get_state_dict``/``set_state_dict`` with ``dcp.save``/``dcp.load`` (the wrapper's counters and watch
-travel in what torch keeps, and torch's learning-rate-0 initialising step is not a training step).  The
+``get_state_dict``/``set_state_dict`` with ``dcp.save``/``dcp.load``, plain and with torchtitan's
+``flatten_optimizer_state_dict=True`` (the wrapper's counters and watch travel in what torch keeps, and
+torch's learning-rate-0 initialising step is not a training step).  The
 multi-rank cells (FSDP2, gloo) are in ``tests/test_resume_fsdp2.py``.
 """
 
@@ -146,28 +147,35 @@ def load_helpers(model: nn.Module, opt: torch.optim.Optimizer, path: str) -> Non
     load_optimizer_state_dict(model, opt, state["optim"])
 
 
-def save_dcp(model: nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
-    """torch's own functions, as torchtitan and accelerate's FSDP2 path call them."""
+def save_dcp(model: nn.Module, opt: torch.optim.Optimizer, path: str, flatten: bool = False) -> None:
+    """torch's own functions, as accelerate's FSDP2 path (``flatten=False``) and torchtitan (``flatten=True``,
+    ``StateDictOptions(flatten_optimizer_state_dict=True)``) call them."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, opt)
+    model_sd, optim_sd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=flatten))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
 
-def load_dcp(model: nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
+def load_dcp(model: nn.Module, opt: torch.optim.Optimizer, path: str, flatten: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
     before = record(opt)
-    model_sd, optim_sd = get_state_dict(model, opt)  # a fresh optimizer: torch steps it once at lr 0
+    model_sd, optim_sd = get_state_dict(model, opt, options=options)  # a fresh optimizer: torch steps it once at lr 0
     assert record(opt) == before, "torch's initialising step counted as a training step"
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
 
 
-PATHS = {"torch_save": (save_torch, load_torch), "helpers": (save_helpers, load_helpers), "dcp": (save_dcp, load_dcp)}
+PATHS = {
+    "torch_save": (save_torch, load_torch),
+    "helpers": (save_helpers, load_helpers),
+    "dcp": (save_dcp, load_dcp),
+    "dcp_flat": (functools.partial(save_dcp, flatten=True), functools.partial(load_dcp, flatten=True)),
+}
 
 
 def resume_differences(base: str, save_at: int, path: str, tmp: str, syre: bool = False, **safety: Any) -> list[str]:
@@ -204,3 +212,25 @@ def test_syre_around_teleport_resumes_bitwise(tmp_path, path):
     """``Syre(Teleport(AdamW))``: the anchors as per-parameter state, Teleport's record in the first param group."""
     for save_at in SAVE_POINTS:
         assert resume_differences("adamw", save_at, path, str(tmp_path / f"{save_at}"), syre=True) == [], (path, save_at)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_torchs_initialising_step_runs_no_teleport_and_counts_nothing_but_a_users_lr_0_step_counts():
+    """torch's ``get_state_dict`` steps a fresh optimizer once at learning rate 0 with zero gradients to create
+    its state: with a teleport due at every step and a ``batch_fn``, that step draws no batch, teleports not and
+    counts not (the base's state exists afterwards).  The same step taken by the user is a training step."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    drawn = []
+    for caller in ("torch", "user"):
+        model = mlp()
+        base = torch.optim.Adam(model.parameters(), lr=0.0)
+        opt = Teleport(base, model, list(auto_sites()), every=1, batch_fn=lambda: drawn.append(1) or batch(0))
+        if caller == "torch":
+            get_state_dict(model, opt)
+            assert (opt.record.step, opt.reports, drawn) == (0, [], []) and len(base.state) == 6
+        else:
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            opt.step()
+            assert opt.record.step == 1 and len(opt.reports) == 1 and drawn == [1]

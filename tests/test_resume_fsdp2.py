@@ -3,13 +3,13 @@
 The cells of ``tests/test_resume.py`` (teleports at 2 and 9, a 4-step watch, blow-ups inside both
 windows, saved one step after a teleport and between windows) on a sharded model: each rank trains on
 its own batches, saves through teleopt's ``optimizer_state_dict`` and through torch's own
-``get_state_dict`` (both with ``dcp.save``), goes on, and resumes a fresh sharded model and optimizer
+``get_state_dict`` (plain, and flattened as torchtitan does; all with ``dcp.save``), goes on, and resumes a fresh sharded model and optimizer
 (other initial weights) from each checkpoint with ``dcp.load`` and ``load_optimizer_state_dict`` /
 ``set_state_dict``.  The resumed parameters, optimizer state and ``Teleport`` records must equal the
-live run's on every rank, bitwise.  One process group per world size runs its cells (Adam, SGD with
-momentum, and ``Syre(Teleport(AdamW))``; both save points; both loaders): all of them on 1 rank, the
-mid-watch Adam and Syre cells on 2 ranks in the default suite; the other 2-rank cells and the 4-rank
-cells are marked slow (4 processes on the 2 CI cores take about 2 minutes).
+live run's on every rank, bitwise.  One process group per test runs its cells (Adam, SGD with momentum,
+and ``Syre(Teleport(AdamW))``; both save points; the three loaders): the default suite runs the cells
+saved inside a watch window (every base on 1 rank, Adam and Syre on 2); the others and all 4-rank
+cells are marked slow (4 processes on the 2 CI cores take minutes).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torch import nn
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without distributed")
 
+KINDS = ("helpers", "dcp", "dcp_flat")  # teleopt's functions; torch's, plain and flattened (torchtitan)
 CELLS = (("adam", False), ("sgd_momentum", False), ("adamw", True))  # AdamW under Syre(Teleport(...))
 
 
@@ -65,21 +66,27 @@ def _everything(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
 
 def _save(kind: str, model: nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
     from teleopt.checkpoint import optimizer_state_dict
 
     if kind == "helpers":
         dcp.save({"model": get_model_state_dict(model), "optim": optimizer_state_dict(model, opt)}, checkpoint_id=path)
-    else:
-        model_sd, optim_sd = get_state_dict(model, opt)
+    else:  # torchtitan flattens the optimizer state dict
+        model_sd, optim_sd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=kind == "dcp_flat"))
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
 
 def _load(kind: str, model: nn.Module, opt: torch.optim.Optimizer, path: str) -> tuple[Any, ...]:
     """Load; returns the record right after torch's initialising step (it must not count)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     from teleopt.checkpoint import load_optimizer_state_dict, optimizer_state_dict
 
@@ -90,11 +97,12 @@ def _load(kind: str, model: nn.Module, opt: torch.optim.Optimizer, path: str) ->
         set_model_state_dict(model, state["model"])
         load_optimizer_state_dict(model, opt, state["optim"])
     else:
-        model_sd, optim_sd = get_state_dict(model, opt)
+        options = StateDictOptions(flatten_optimizer_state_dict=kind == "dcp_flat")
+        model_sd, optim_sd = get_state_dict(model, opt, options=options)
         fresh = record(opt)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     return fresh
 
 
@@ -107,11 +115,11 @@ def _resume_worker(rank: int, out_dir: str, cells: list[tuple[str, bool, int]]) 
             opt = optimizer(model, base, syre, auto_sites())
             _train(model, opt, range(save_at + 1), rank)
             mid_watch = teleport_of(opt).record.watch is not None
-            for kind in ("helpers", "dcp"):
+            for kind in KINDS:
                 _save(kind, model, opt, os.path.join(out_dir, f"{base}-{save_at}-{kind}"))
             _train(model, opt, range(save_at + 1, STEPS), rank)
             live = _everything(model, opt)
-            for kind in ("helpers", "dcp"):
+            for kind in KINDS:
                 fresh_model = _shard(mlp(seed=1))
                 resumed = optimizer(fresh_model, base, syre, auto_sites())
                 fresh = _load(kind, fresh_model, resumed, os.path.join(out_dir, f"{base}-{save_at}-{kind}"))
@@ -152,16 +160,18 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 ALL = [(base, syre, save_at) for base, syre in CELLS for save_at in SAVE_POINTS]
-MID_WATCH = [(base, syre, SAVE_POINTS[0]) for base, syre in CELLS if base != "sgd_momentum"]
+MID_WATCH = [(base, syre, SAVE_POINTS[0]) for base, syre in CELLS]
+MID_WATCH_2 = [cell for cell in MID_WATCH if cell[0] != "sgd_momentum"]
 
 
 @pytest.mark.parametrize(
     ("world", "cells"),
-    [
-        pytest.param(1, ALL, id="1-all"),
-        pytest.param(2, MID_WATCH, id="2-mid_watch"),  # the default suite: about 15 s each on 2 cores
-        pytest.param(2, [c for c in ALL if c not in MID_WATCH], id="2-rest", marks=pytest.mark.slow),
-        pytest.param(4, ALL, id="4-all", marks=pytest.mark.slow),  # about 2 minutes on 2 shared cores
+    [  # the default suite: every base saved mid-watch on 1 rank, Adam and Syre on 2 (the heavier cells: slow)
+        pytest.param(1, MID_WATCH, id="1-mid_watch"),
+        pytest.param(2, MID_WATCH_2, id="2-mid_watch"),
+        pytest.param(1, [c for c in ALL if c not in MID_WATCH], id="1-rest", marks=pytest.mark.slow),
+        pytest.param(2, [c for c in ALL if c not in MID_WATCH_2], id="2-rest", marks=pytest.mark.slow),
+        pytest.param(4, ALL, id="4-all", marks=pytest.mark.slow),  # 4 processes: minutes on 2 shared cores
     ],
 )
 def test_fsdp2_runs_resume_bitwise_through_teleopt_and_torch_checkpoint_functions(tmp_path, world, cells):
@@ -169,7 +179,7 @@ def test_fsdp2_runs_resume_bitwise_through_teleopt_and_torch_checkpoint_function
     teleopt's and torch's functions, on ``world`` gloo ranks: every rank's resumed run is the live run."""
     mp.spawn(_worker, args=(world, os.path.join(tmp_path, "init"), str(tmp_path), cells), nprocs=world, join=True)
     out = [torch.load(os.path.join(tmp_path, f"rank{rank}.pt"), weights_only=False) for rank in range(world)]
-    assert len(out[0]) == 2 * len(cells) and {base for base, _ in CELLS} <= set(BASES)
+    assert len(out[0]) == len(KINDS) * len(cells) and {base for base, _ in CELLS} <= set(BASES)
     for rank_out in out:
         for cell, r in rank_out.items():
             mid_watch, resumed_watch = r["mid_watch"]

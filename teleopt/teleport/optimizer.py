@@ -187,7 +187,7 @@ class Teleport(OptimizerWrapper):
         _check_model(model)
         check_shortcuts(shortcuts)
         search = resolve_search(search, shortcuts)
-        super().__init__(optimizer, {"enabled": True, "trust_region": search.trust_region})
+        super().__init__(optimizer, {"enabled": True, "trust_region": search.trust_region, "state": ""})  # state: see wrapper
         self._module = unwrap(model)
         self._hook_target = hook_target(model)
         check_model_matches_optimizer(self._module, self.param_groups)
