@@ -70,8 +70,8 @@ class InverseMove:
         return output_error([output_leaves(forward(self.module, probe, False, seed))], [before])
 
     def _move(self) -> None:
-        """Move by the inverse elements: in place, or (FSDP2) on gathered copies whose shards are written back,
-        the same arithmetic on every rank (the elements are identical there)."""
+        """Move by the inverse elements in place; on FSDP2 shards the same in-place arithmetic runs on gathered
+        copies whose shards are written back (identical on every rank: so are the elements)."""
         ctx = TeleportContext.build(self.module, self.optimizer, self.policy)
         names = sorted({n for s in self.sites for n in s.tensor_names})
         live = {n: ctx.tensors[n] for n in names}
@@ -83,9 +83,10 @@ class InverseMove:
         ]
         states = ctx.states(names)
         whole = {n: {k: full(v) if isinstance(v, Tensor) else v for k, v in st.items()} for n, st in states.items()} if sharded else states
-        StatePolicy.write(states, self.policy.move(self.optimizer, sites, inverses, whole, like, ctx.groups, in_place=not sharded))
-        if sharded or not transport_(sites, inverses, like, like, "params"):
-            for n, t in transport(sites, inverses, like, like, "params")[0].items():
+        StatePolicy.write(states, self.policy.move(self.optimizer, sites, inverses, whole, like, ctx.groups, in_place=True))
+        moved = like if transport_(sites, inverses, like, like, "params") else transport(sites, inverses, like, like, "params")[0]
+        for n, t in moved.items():
+            if t is not live[n]:
                 write_(live[n], t)
 
     def to_state(self) -> dict[str, Any]:
