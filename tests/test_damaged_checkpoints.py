@@ -145,3 +145,24 @@ def test_torch_and_teleopt_distributed_loaders_refuse_a_damaged_record_before_lo
             with pytest.raises(ValueError, match=message):
                 load(osd)
             assert fingerprint(model, target) == before
+
+
+def test_a_singular_gl_element_in_the_watch_is_refused():
+    """A GL site's watch element must be invertible: a rank-deficient matrix (its inverse would send the weights
+    to infinity at the rollback) is refused by name, a regular one passes."""
+    from teleopt import Site, get_action
+    from teleopt.teleport.record_check import check_record
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3, bias=False), torch.nn.Linear(3, 2, bias=False))
+    site = Site(get_action("gl_linear"), ("0.weight", None, "1.weight"))
+    params = list(model.parameters())
+    regular = torch.eye(3, dtype=torch.float32) * 2
+    singular = torch.tensor([[1.0, 2, 3], [2, 4, 6], [0, 0, 1]])
+    for element, ok in ((regular, True), (singular, False)):
+        watch = {"until": 5, "teleport_step": 1, "grad_ref": 1.0, "loss_ref": None}
+        watch["inverse"] = {"sites": [site.to_dict()], "elements": [element]}
+        if ok:
+            check_record({"step": 2, "watch": watch}, model, params, [site], "load")
+        else:
+            with pytest.raises(ValueError, match=r"\['elements'\]\[0\] is not an element .*not invertible"):
+                check_record({"step": 2, "watch": watch}, model, params, [site], "load")
