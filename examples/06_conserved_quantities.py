@@ -33,6 +33,7 @@ from torch import nn
 import teleopt
 from teleopt.analysis import orbit_outputs
 from teleopt.datasets import load_digits
+from teleopt.teleport import SafetyConfig
 
 
 def make_model() -> nn.Module:
@@ -74,7 +75,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         if label == "Teleport(SGD)":
-            optimizer = teleopt.Teleport(optimizer, model=model, sites=sites, every=max(steps // 4, 1))
+            # a watch rollback restores the pre-teleport point (the default inverse move would keep the steps taken
+            # at the teleported point, and their larger drift), so what the monitor reads besides jumps is SGD's drift
+            safety = SafetyConfig(watch_restore="snapshot")
+            optimizer = teleopt.Teleport(optimizer, model=model, sites=sites, every=max(steps // 4, 1), safety=safety)
         monitor = teleopt.ConservationMonitor(model, sites)
         monitor.attach(optimizer)
         for _ in range(steps):

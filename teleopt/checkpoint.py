@@ -3,24 +3,20 @@
 torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` turn an
 optimizer's state dict into one keyed by parameter names, with sharded
 (``DTensor``) values that ``dcp.save`` / ``dcp.load`` write and read shard by
-shard.  They accept the wrappers (real ``Optimizer``s sharing ``param_groups``
-and ``state`` with their base), and :class:`~teleopt.Syre` needs nothing more:
-its anchors are per-parameter state.  Two things do not survive them, and the
-two functions here add them:
+shard.  They accept the wrappers as they are, and so does torch's
+``get_state_dict`` / ``set_state_dict`` (the path torchtitan and accelerate's
+FSDP2 take): the wrappers are real ``Optimizer``s sharing ``param_groups`` and
+``state`` with their base; :class:`~teleopt.Syre`'s anchors are per-parameter
+state; ``Teleport``'s record (step and teleport counters, the caps' backoff, its
+generator state and the watch in progress) travels serialised in the first param
+group (``"teleopt_teleport_state"``, one string that ``dcp.load`` reads whole),
+since torch drops top-level entries; and torch's initialising step (an optimizer
+without state is stepped once with zero gradients at learning rate 0) is not a
+training step: ``Teleport`` neither teleports nor counts in it
+(:func:`teleopt.wrapper.torch_initialising_step`).
 
-* torch keeps only ``"state"`` and ``"param_groups"``, so a wrapper's top-level
-  entry (``Teleport``'s step and teleport counters, the caps' backoff and its
-  generator state under ``"teleopt_teleport"``) is dropped: it is carried next to
-  them and handed back to the wrapper's own ``load_state_dict``;
-* on an optimizer without state (freshly made, about to be loaded into) torch
-  takes one step with zero gradients and learning rate 0 to create the state
-  tensors.  Through a ``Teleport`` that step counts as a training step and may
-  run a scheduled teleport (drawing from ``batch_fn``); here the innermost
-  optimizer takes it instead, and the wrappers are not stepped.
-
-A watch in progress (``SafetyConfig.watch_steps`` after a teleport) is not
-carried: a freshly made ``Teleport`` has no watch for ``dcp.load`` to read into,
-so the resumed run is not watched for the rest of that window.
+The two functions here are torch's, with that initialising step taken by the
+innermost optimizer alone (the wrappers are not stepped at all).
 
 Usage (every rank)::
 
@@ -46,8 +42,6 @@ from torch.optim import Optimizer
 from teleopt.wrapper import OptimizerWrapper
 
 __all__ = ["optimizer_state_dict", "load_optimizer_state_dict"]
-
-_TORCH_KEYS = ("state", "param_groups")
 
 
 @contextmanager
@@ -87,45 +81,23 @@ def _initialised(optimizer: Optimizer) -> Iterator[None]:
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: Optimizer, *, options: Any = None) -> dict[str, Any]:
-    """``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` that keeps the wrappers' own state.
+    """``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` on a fresh wrapper without its step.
 
-    The result is torch's (parameter names as keys, sharded values for FSDP2
-    models) plus every top-level entry of ``optimizer.state_dict()`` besides
-    ``"state"`` and ``"param_groups"`` (``Teleport``'s ``"teleopt_teleport"``).  On a
-    fresh wrapper the innermost optimizer creates the state, the wrappers do not
-    step.  Every rank calls it, as torch's.
+    torch's result (parameter names as keys, sharded values for FSDP2 models); the
+    wrappers' own records travel in its first param group.  On a fresh wrapper the
+    innermost optimizer creates the state, the wrappers do not step.  Every rank
+    calls it, as torch's.
     """
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    extras: dict[str, Any] = {}
-
-    def capture(_: Optimizer, state_dict: dict[str, Any]) -> None:
-        extras.clear()
-        extras.update({k: v for k, v in state_dict.items() if k not in _TORCH_KEYS})
-
-    handle = optimizer.register_state_dict_post_hook(capture)
-    try:
-        with _initialised(optimizer):
-            osd = dict(get_optimizer_state_dict(model, optimizer, options=options))
-    finally:
-        handle.remove()
-    osd.update(extras)
-    return osd
+    with _initialised(optimizer):
+        return dict(get_optimizer_state_dict(model, optimizer, options=options))
 
 
 def load_optimizer_state_dict(model: nn.Module, optimizer: Optimizer, state_dict: dict[str, Any], *, options: Any = None) -> None:
-    """``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` that restores the wrappers' own state.
-
-    Loads what :func:`optimizer_state_dict` returned (after ``dcp.load`` filled it):
-    torch's part through torch, with the top-level wrapper entries handed to the
-    wrapper's ``load_state_dict`` alongside it.  Every rank calls it, as torch's.
-    """
+    """``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` for what :func:`optimizer_state_dict`
+    returned (after ``dcp.load`` filled it).  Every rank calls it, as torch's."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    extras = {k: v for k, v in state_dict.items() if k not in _TORCH_KEYS}
-    handle = optimizer.register_load_state_dict_pre_hook(lambda _, sd: {**sd, **extras})
-    try:
-        with _initialised(optimizer):
-            set_optimizer_state_dict(model, optimizer, {k: v for k, v in state_dict.items() if k in _TORCH_KEYS}, options=options)
-    finally:
-        handle.remove()
+    with _initialised(optimizer):
+        set_optimizer_state_dict(model, optimizer, state_dict, options=options)

@@ -33,8 +33,11 @@ Subclasses implement ``step`` and the two state hooks.  A subclass's ``step`` is
 
 from __future__ import annotations
 
+import base64
 import functools
 import inspect
+import io
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -43,7 +46,15 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["OptimizerWrapper", "is_scalar", "no_grad_step", "step_needs_closure"]
+__all__ = [
+    "OptimizerWrapper",
+    "decode_record",
+    "encode_record",
+    "is_scalar",
+    "no_grad_step",
+    "step_needs_closure",
+    "torch_initialising_step",
+]
 
 
 def is_scalar(value: Any) -> bool:
@@ -130,6 +141,51 @@ def _between_instance_hooks(optimizer: Optimizer, raw: Callable[..., Any], args:
     for post_hook in optimizer._optimizer_step_post_hooks.values():
         post_hook(optimizer, call_args, kwargs)
     return out
+
+
+def encode_record(top: dict[str, Any]) -> str:
+    """A wrapper's top-level state as one string (``torch.save``, base64) for a param group.
+
+    torch's ``get_optimizer_state_dict`` keeps only ``"state"`` and ``"param_groups"``, and
+    ``dcp.load`` reads only the leaves the loading side already has: one string leaf travels whole.
+    """
+    buf = io.BytesIO()
+    torch.save(top, buf)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def decode_record(text: Any, field: str) -> Any:
+    """What :func:`encode_record` wrote (``torch.load(weights_only=True)``); ``ValueError`` naming ``field``."""
+    if not isinstance(text, str):
+        raise ValueError(f"{field} must be the string state_dict() wrote, got {type(text).__name__}")
+    try:
+        return torch.load(io.BytesIO(base64.b64decode(text.encode("ascii"), validate=True)), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any decoding failure is a damaged field
+        raise ValueError(f"{field} cannot be read ({type(e).__name__}: {e})") from None
+
+
+def torch_initialising_step(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer.step`` is being called by torch's ``_init_optim_state``: the learning-rate-0 step
+    with zero gradients that ``torch.distributed.checkpoint.state_dict`` takes on an optimizer without state to
+    create its state tensors.  It is not a training step (a wrapper runs none of its own work and counts
+    nothing).  Cheap unless every group's ``lr`` is 0 and the innermost optimizer has no state."""
+    inner = optimizer
+    while isinstance(inner, OptimizerWrapper):
+        inner = inner.base
+    if inner.state:
+        return False
+    for group in optimizer.param_groups:
+        if "lr" not in group or float(group["lr"]) != 0.0:
+            return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_init_optim_state" and frame.f_globals.get("__name__") == _TORCH_STATE_DICT:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+_TORCH_STATE_DICT = "torch.distributed.checkpoint.state_dict"
 
 
 class OptimizerWrapper(Optimizer):
@@ -260,9 +316,21 @@ class OptimizerWrapper(Optimizer):
     def _load_wrapper_state(self, per_param: dict[int, dict[str, Any]], top: dict[str, Any]) -> None:
         """Restore what :meth:`_wrapper_state` returned (tensors already on the right device)."""
 
+    def _portable_state(self, top: dict[str, Any]) -> dict[str, Any]:
+        """What of the top-level state travels in the first param group (all of it unless overridden)."""
+        return top
+
     @property
     def _top_key(self) -> str:
         return self.prefix.rstrip("_")
+
+    @property
+    def _group_key(self) -> str:
+        """The first param group's key holding the top-level record serialised (:func:`encode_record`).
+
+        A wrapper with a top-level record also keeps the key, empty, in its live groups (a default ``state=""``):
+        torch's ``flatten_optimizer_state_dict`` option restores only the group keys the live groups have."""
+        return self.prefix + "state"
 
     def state_dict(self) -> dict[str, Any]:
         """The base's state dict with the wrapper's state merged under namespaced keys."""
@@ -279,6 +347,10 @@ class OptimizerWrapper(Optimizer):
         sd = {**sd, "state": state}
         if top:
             sd[self._top_key] = top
+            # torch's get_optimizer_state_dict keeps "state" and "param_groups" only: the same record, serialised
+            groups = [dict(group) for group in sd["param_groups"]]
+            groups[0][self._group_key] = encode_record(self._portable_state(top))
+            sd["param_groups"] = groups
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, sd)
             if result is not None:
@@ -329,7 +401,12 @@ class OptimizerWrapper(Optimizer):
                 per_param[index] = mine
             if rest:
                 base_state[idx] = rest
-        top = state_dict.get(self._top_key, {})
+        encoded = [g[self._group_key] for g in saved_groups if self._group_key in g]
+        saved_groups = [{k: v for k, v in g.items() if k != self._group_key} for g in saved_groups]
+        if self._top_key in state_dict:
+            top = state_dict[self._top_key]
+        else:  # through torch's distributed-checkpoint functions: the record in the first param group
+            top = decode_record(encoded[0], f"{where}: param_groups[0][{self._group_key!r}]") if encoded and encoded[0] else {}
         if not isinstance(top, dict):
             raise ValueError(f"{where}: {self._top_key!r} must be a dict, got {type(top).__name__}")
         params = {idx: p for idx, _, p in self.iter_params()}
@@ -339,7 +416,7 @@ class OptimizerWrapper(Optimizer):
         mine_before = [{k: v for k, v in group.items() if k.startswith(self.prefix)} for group in self.param_groups]
         self._check_loaded(saved_groups, mine_before, per_param, top)
         base_sd = {k: v for k, v in state_dict.items() if k not in ("state", self._top_key)}
-        base_sd["state"] = base_state
+        base_sd["state"], base_sd["param_groups"] = base_state, saved_groups
         self._base.load_state_dict(base_sd)
         self.param_groups = self._base.param_groups
         for group, previous in zip(self.param_groups, mine_before):

@@ -114,29 +114,29 @@ def test_a_fast_teleport_without_watch_holds_a_few_copies_of_the_parameters_at_m
     """Peak extra memory of one teleport with the watch off, on a wide MLP under Adam, in multiples of
     the parameters' bytes: the evaluator's statistics (the float32 squared gradients of the layers between
     two sites, 0.67x on mlp-10M), the rollback's copy of the site members (1x: gradients and moments are
-    undone by the inverse element, not copied); diagonal sites are applied in place.  Measured 1.83x here
-    (2.56x with float64 statistics, 10x when the rollback copied gradients and moments and the apply
-    moved every kind at once)."""
+    undone by the inverse element, not copied); diagonal sites are applied in place; and the all-or-nothing
+    transaction's copies of the members' gradients and Adam moments (``teleopt.teleport.transaction``: what an
+    interrupted apply must restore bit for bit), freed when the teleport completes.  Measured 4.06x here
+    (1.83x before the transaction, 10x when the rollback copied gradients and moments and the apply moved
+    every kind at once)."""
     bench = load_benchmark("teleport_cost")
     model, sites, batch = bench.mlp_10m(4, widths=[64, 128, 128, 96, 10])
     memory = bench.peak_extra_memory(model, sites, batch, bench.regression, watch=0)
-    assert memory["peak"] <= 2.2, memory
+    assert memory["peak"] <= 4.5, memory
     assert memory["kept"] <= 0.05, memory  # nothing but the report stays allocated
 
 
-def test_the_watch_keeps_parameters_and_moments_or_with_inverse_the_elements():
-    """With the default watch an accepted teleport keeps a snapshot for its rollback: the parameters and
-    Adam's two moments (3x the parameters), not the gradients, which a watch rollback clears (its step
-    does not update).  Measured 3.02x (4.0x when the gradients were kept).  The checkpoint holds only the
-    elements (O(units), measured 0.019x): the default boundary step scales by powers of two, which the inverse
-    elements undo bit for bit.  With ``watch_restore="inverse"`` a fast-path scaling teleport keeps only its
-    elements in memory too, and its peak is under the parameters' size (0.62x)."""
+def test_the_watch_keeps_the_elements_or_with_a_snapshot_parameters_and_moments():
+    """The default watch keeps only an accepted teleport's elements, in memory and in the checkpoint
+    (O(units)); the teleport's peak is the transaction's copies (see above).  With ``watch_restore="snapshot"`` it
+    keeps the parameters and Adam's two moments (3x the parameters), not the gradients, which a watch rollback
+    clears (its step does not update), and the checkpoint holds that copy too."""
     bench = load_benchmark("teleport_cost")
     model, sites, batch = bench.mlp_10m(4, widths=[64, 128, 128, 96, 10])
     memory = bench.peak_extra_memory(copy.deepcopy(model), sites, batch, bench.regression, watch=10)
-    assert 2.9 <= memory["kept"] <= 3.1 and memory["ckpt"] <= 0.05, memory
-    memory = bench.peak_extra_memory(model, sites, batch, bench.regression, watch=10, restore="inverse")
-    assert memory["kept"] <= 0.05 and memory["peak"] <= 1.0, memory
+    assert memory["kept"] <= 0.05 and memory["peak"] <= 4.5 and memory["ckpt"] <= 0.05, memory
+    memory = bench.peak_extra_memory(model, sites, batch, bench.regression, watch=10, restore="snapshot")
+    assert 2.9 <= memory["kept"] <= 3.1 and 2.9 <= memory["ckpt"] <= 3.1, memory
 
 
 def test_a_fast_gl_teleport_of_a_vit_holds_less_than_the_parameters():
@@ -144,11 +144,12 @@ def test_a_fast_gl_teleport_of_a_vit_holds_less_than_the_parameters():
     under the parameters' size: the float64 Gram matrices (0.32x, freed before the apply), a few coordinate
     sets of 72 GL(64) blocks (0.11x each: the boundary point, its eigenvectors, its exp and contragredient),
     the rollback's copy of the site members (0.32x) and the moved slices of the fused qkv weights, written
-    where they lie.  Measured 0.94x here (1.62x with whole-tensor
+    where they lie, and the transaction's copies of the members' gradients and moments (0.6x).  Measured
+    1.55x here (0.94x before the transaction; 1.62x with whole-tensor
     moves, copies of the identity and the coordinates, and the Gram matrices alive at the apply; 2.59x while
     every blocked term built an unused dim x dim identity)."""
     pytest.importorskip("timm")
     bench = load_benchmark("teleport_cost")
     model, sites, batch = bench.vit_tiny(2, 32)
     memory = bench.peak_extra_memory(model, sites, batch, torch.nn.functional.cross_entropy, watch=0)
-    assert memory["peak"] <= 1.0, memory
+    assert memory["peak"] <= 1.7, memory

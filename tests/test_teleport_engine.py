@@ -232,7 +232,7 @@ def test_the_watch_round_trips_through_a_weights_only_state_dict():
         loaded.loss_ref,
     ) == (watch.until, watch.teleport_step, watch.grad_ref, watch.loss_ref)
     assert fresh.record.step == opt.record.step == 1 and fresh.record.accepted == 1
-    assert isinstance(loaded.snapshot, Snapshot)
+    assert isinstance(loaded.snapshot, InverseMove)  # the default watch keeps the elements
 
 
 def test_an_inverse_watch_round_trips_with_its_elements_alone():
@@ -359,26 +359,24 @@ def test_square_factor_is_the_squared_entrywise_scale_of_diagonal_groups():
     assert GeneralLinear(3).square_factor(torch.eye(3, dtype=torch.float64), 1) is None
 
 
-def test_a_snapshot_watch_checkpoints_only_the_elements_of_an_exactly_invertible_teleport():
-    """The default watch keeps its snapshot in memory, but after a teleport whose elements multiply the
-    parameters by powers of two (the default boundary step's 4, 1/4 and 1), ``state_dict`` saves the elements
-    instead: the checkpoint keeps its normal size, and a watch resumed from it is the inverse move.  With
-    ``checkpoint_snapshot=True`` the checkpoint holds the snapshot, as it does for elements that are not
-    powers of two (a trust region of 1: scales e and 1/e)."""
+def test_the_watch_checkpoints_exactly_what_its_rollback_uses():
+    """The default watch keeps the teleport's elements in memory and in ``state_dict`` alike, whatever the
+    elements (powers of two under the default trust region, e and 1/e under a trust region of 1); with
+    ``watch_restore="snapshot"`` both hold the snapshot.  A watch resumed from the checkpoint is the same kind
+    of rollback as the live one, so the resumed run rolls back as the uninterrupted run would."""
     params = dict(mlp().named_parameters())
     units = sum(s.action.group(tuple(None if n is None else params[n] for n in s.members)).dim for s in sites())
-    for safety, saved in (
-        (SafetyConfig(), "inverse"),
-        (SafetyConfig(checkpoint_snapshot=True), "snapshot"),
-        (SafetyConfig(), "snapshot"),  # with trust_region=1.0 below
+    for safety, trust, saved in (
+        (SafetyConfig(), math.log(4), "inverse"),
+        (SafetyConfig(), 1.0, "inverse"),
+        (SafetyConfig(watch_restore="snapshot"), math.log(4), "snapshot"),
     ):
         model, (x, y) = mlp(), data()
-        trust = 1.0 if saved == "snapshot" and not safety.checkpoint_snapshot else math.log(4)
         opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, sites(), every=1, trust_region=trust, safety=safety)
         backward(model, x, y)
         opt.step()
         watch = opt.record.watch
-        assert watch is not None and isinstance(watch.snapshot, Snapshot)  # the rollback restores everything
+        assert watch is not None and isinstance(watch.snapshot, InverseMove if saved == "inverse" else Snapshot)
         elements = torch.cat([e.flatten() for e in opt.reports[-1].elements.values()])
         assert bool((torch.frexp(elements).mantissa.abs() == 0.5).all()) == (trust == math.log(4))
         kept = opt.state_dict()["teleopt_teleport"]["watch"]

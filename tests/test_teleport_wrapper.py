@@ -502,8 +502,6 @@ def test_rejects_unknown_members_discrete_sites_and_bad_types():
         SafetyConfig(max_gain=0.5)
     with pytest.raises(ValueError, match="watch_restore must be 'snapshot' or 'inverse', got 'auto'"):
         SafetyConfig(watch_restore="auto")
-    with pytest.raises(ValueError, match="checkpoint_snapshot must be a bool, got 'yes'"):
-        SafetyConfig(checkpoint_snapshot="yes")
 
 
 def test_rejects_dtype_and_device_mixes():

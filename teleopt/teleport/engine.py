@@ -15,10 +15,8 @@ teleport to a :class:`TeleportEngine`:
   them the plan phase declines), and an unchanged loss (and held-out loss), or a
   rollback; an accepted teleport is then watched (:class:`~teleopt.teleport.watch.Watch`).
 
-All four run inside a :class:`~teleopt.teleport.transaction.Transaction`: an exception anywhere leaves everything as it was.
-
-The papers' first-order teleport is another engine
-(:class:`~teleopt.teleport.paper_compat.PaperCompatEngine`), not a branch here.
+All four run inside a :class:`~teleopt.teleport.transaction.Transaction` (an exception anywhere leaves
+everything as it was). The papers' first-order teleport is another engine (``PaperCompatEngine``).
 """
 
 from __future__ import annotations
@@ -54,7 +52,7 @@ from teleopt.teleport.search import SearchConfig, SearchProblem, SearchResult
 from teleopt.teleport.state_policy import StatePolicy
 from teleopt.teleport.transaction import Transaction
 from teleopt.teleport.verdict import Failure, loss_failures, non_finite_gradient, output_failures, restore_difference
-from teleopt.teleport.watch import InverseMove, TeleportRecord, Watch
+from teleopt.teleport.watch import InverseMove, TeleportRecord, Watch, watch_elements
 from teleopt.wrapper import OptimizerWrapper
 
 __all__ = ["EngineConfig", "TeleportRequest", "Plan", "TeleportEngine"]
@@ -64,10 +62,9 @@ __all__ = ["EngineConfig", "TeleportRequest", "Plan", "TeleportEngine"]
 class EngineConfig:
     """What every teleport of one ``Teleport`` shares: the model, the base optimizer and the settings.
 
-    ``trust_key`` is the param-group key of the trust-region radius; ``generator``
-    draws the objectives' random directions, ``seed`` seeds the stability cap's.
-    ``sharded``: the module's parameters are FSDP2 ``DTensor``s (fast path only; see
-    :mod:`~teleopt.teleport.distributed`).
+    ``trust_key`` is the param-group key of the trust-region radius; ``generator`` draws the objectives'
+    random directions, ``seed`` seeds the stability cap's. ``sharded``: the module's parameters are FSDP2
+    ``DTensor``s (fast path only; see :mod:`~teleopt.teleport.distributed`).
     """
 
     module: nn.Module
@@ -138,8 +135,7 @@ class TeleportEngine:
     """Runs teleports for a ``Teleport`` (see module docs); ``record`` is the wrapper's counters."""
 
     def __init__(self, config: EngineConfig, record: TeleportRecord) -> None:
-        self.config = config
-        self.record = record
+        self.config, self.record = config, record
 
     def run(self, sites: list[Site], request: TeleportRequest, transaction: Transaction | None = None) -> tuple[TeleportReport, Any]:
         """Plan, then search, apply and verify inside ``transaction``; returns the report and the loss to hand back."""
@@ -415,9 +411,9 @@ class TeleportEngine:
         (their gradients and state by the inverse elements where the evaluator can undo, no closure reruns)."""
         ctx, evaluator = plan.ctx, plan.need_evaluator()
         params = [p for g in self.config.optimizer.param_groups for p in g["params"]]
-        safety, names = self.config.safety, {n for s in plan.sites for n in s.tensor_names}
+        names = {n for s in plan.sites for n in s.tensor_names}
         undo = plan.request.closure is None and evaluator.can_undo()
-        if safety.watch_steps > 0 and not (undo and safety.watch_restore == "inverse"):
+        if self.watch_keeps_snapshot(plan):
             return Snapshot(dict(ctx.tensors), self.config.optimizer, params, grads=True)
         if undo:
             members = {n: ctx.tensors[n] for n in names}
@@ -431,6 +427,20 @@ class TeleportEngine:
             [p for p in params if id(p) in member_ids],
             grads=True,
         )
+
+    def _undo(self, plan: Plan, snapshot: Snapshot | InverseSnapshot) -> Snapshot | InverseMove:  # what the watch keeps
+        if not self.watch_keeps_snapshot(plan):
+            elements, cfg = watch_elements(plan.sites, plan.report.elements, plan.ctx.tensors), self.config
+            return InverseMove(plan.sites, elements, cfg.module, cfg.optimizer, cfg.policy)
+        assert isinstance(snapshot, Snapshot)
+        snapshot.grads.clear()  # the rollback clears .grad and skips that update
+        return snapshot
+
+    def watch_keeps_snapshot(self, plan: Plan) -> bool:
+        """Whether an accepted teleport's watch keeps a snapshot (``watch_restore="snapshot"``, or a site
+        without an inverse move: not a fast-path site) rather than its elements (:class:`InverseMove`)."""
+        safety = self.config.safety
+        return safety.watch_steps > 0 and (safety.watch_restore == "snapshot" or not all(fast_path_eligible(s) for s in plan.sites))
 
     def apply(self, plan: Plan, elements: list[Tensor]) -> Snapshot | InverseSnapshot:
         """The apply phase: snapshot, then move parameters, gradients and optimizer state to g . w."""
@@ -576,8 +586,7 @@ class TeleportEngine:
         return failures + [Failure(f"float64 re-run: outputs changed by {err64:.2e} > {tol64:.0e}", err64, tol64, torch.float64)]
 
     def _grad_norm_after(self, plan: Plan) -> None:
-        grads = [] if plan.report.grad_norm_after is not None else [p.grad for p in plan.ctx.trainable.values() if p.grad is not None]
-        if grads:
+        if plan.report.grad_norm_after is None and (grads := [p.grad for p in plan.ctx.trainable.values() if p.grad is not None]):
             plan.report.grad_norm_after = math.sqrt(square_sum(grads))
 
     def accept(self, plan: Plan, snapshot: Snapshot | InverseSnapshot) -> None:
@@ -587,12 +596,5 @@ class TeleportEngine:
         report.reason = "accepted"
         record.accepted += 1
         if safety.watch_steps > 0:  # the teleport's elements (inverse move) or a full snapshot without gradients
-            if isinstance(snapshot, Snapshot):
-                snapshot.grads.clear()  # the rollback clears .grad and skips that update
-            cfg, elements = self.config, [report.elements[s.name] for s in plan.sites]
-            move = InverseMove(plan.sites, elements, cfg.module, cfg.optimizer, cfg.policy)
-            # a snapshot's checkpoint holds the elements instead where they restore the parameters bit for bit
-            exact = not safety.checkpoint_snapshot and plan.request.closure is None and plan.need_evaluator().exactly_invertible(elements)
             grad_ref = max(report.grad_norm_before or 0.0, report.grad_norm_after or 0.0) ** 2
-            until, undo = record.step + safety.watch_steps, snapshot if isinstance(snapshot, Snapshot) else move
-            record.watch = Watch(undo, until, record.step, grad_ref, report.loss_before, checkpoint=move if exact else None)
+            record.watch = Watch(self._undo(plan, snapshot), record.step + safety.watch_steps, record.step, grad_ref, report.loss_before)

@@ -54,6 +54,7 @@ from teleopt.teleport.fast_path import fast_path_eligible
 from teleopt.teleport.lookahead import LookaheadView
 from teleopt.teleport.objectives import Objective, get_objective
 from teleopt.teleport.paper_compat import PaperCompatEngine, check_paper_compat_sites
+from teleopt.teleport.record_check import check_groups, check_record
 from teleopt.teleport.report import TeleportReport
 from teleopt.teleport.safety import SafetyConfig, default_loss_tol
 from teleopt.teleport.schedule import Schedule
@@ -71,9 +72,9 @@ from teleopt.teleport.sites import (
 )
 from teleopt.teleport.state_policy import StatePolicy, restart_curvature_history
 from teleopt.teleport.transaction import Transaction
-from teleopt.teleport.watch import InverseMove, TeleportRecord
+from teleopt.teleport.watch import TeleportRecord
 from teleopt.unwrap import hook_target, unwrap
-from teleopt.wrapper import OptimizerWrapper, no_grad_step
+from teleopt.wrapper import OptimizerWrapper, no_grad_step, torch_initialising_step
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -189,7 +190,7 @@ class Teleport(OptimizerWrapper):
         _check_model(model)
         check_shortcuts(shortcuts)
         search = resolve_search(search, shortcuts)
-        super().__init__(optimizer, {"enabled": True, "trust_region": search.trust_region})
+        super().__init__(optimizer, {"enabled": True, "trust_region": search.trust_region, "state": ""})  # state: see wrapper
         self._module = unwrap(model)
         self._hook_target = hook_target(model)
         check_model_matches_optimizer(self._module, self.param_groups)
@@ -421,9 +422,10 @@ class Teleport(OptimizerWrapper):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Teleport if scheduled (or roll back a teleport that went wrong), then step the base optimizer.
 
-        A base that evaluates the closure itself (``LBFGS``) gets it; when a teleport is
-        due, the closure runs once more beforehand so the teleport sees fresh gradients.
-        """
+        A base that evaluates the closure itself (``LBFGS``) gets it; when a teleport is due, the closure
+        runs once more beforehand so the teleport sees fresh gradients."""
+        if torch_initialising_step(self):  # torch's lr-0 step creating the state: not a training step
+            return self._step_base(closure, self._closure_before_step(closure))
         loss = self._closure_before_step(closure)  # None when the base evaluates the closure
         record = self._record
         due = self._enabled() and self._schedule.due(record.step, record.accepted)
@@ -536,11 +538,8 @@ class Teleport(OptimizerWrapper):
         record = self._record
         watch = record.watch
         assert watch is not None
-        drift = None
-        if isinstance(watch.snapshot, InverseMove):
-            drift = watch.snapshot.restore(self._probe_inputs()[0], self._check_seed())
-        else:
-            watch.snapshot.restore()
+        tol = self._safety.loss_tol if self._safety.loss_tol is not None else default_loss_tol(next(iter(self._param_list())).dtype)
+        how = watch.undo(self._probe_inputs()[0], self._check_seed(), tol)
         self._lookahead.undo(self._module)
         for p in self._param_list():
             p.grad = None
@@ -548,14 +547,6 @@ class Teleport(OptimizerWrapper):
         record.rollbacks += 1
         record.backoff *= self._safety.backoff
         report = TeleportReport(step=step, path="watch", objective=self._objective.name, sites=list(self._sites or []))
-        if isinstance(watch.snapshot, InverseMove):
-            how = f"moved back by the inverse elements of the teleport at step {watch.teleport_step} (the steps since kept"
-            how += ")" if drift is None else f"; outputs on the probe inputs changed by {drift:.1e})"
-            tol = self._safety.loss_tol if self._safety.loss_tol is not None else default_loss_tol(next(iter(self._param_list())).dtype)
-            if drift is not None and not drift <= tol:
-                warnings.warn(f"Teleport: the watch's inverse move changed the outputs by {drift:.2e} > {tol:.0e}", stacklevel=3)
-        else:
-            how = f"restored to before the teleport at step {watch.teleport_step}"
         report.reason = (
             f"rolled back after {step - watch.teleport_step} step(s): {watch.why}; parameters and optimizer state "
             f"{how}, caps scaled by {record.backoff:g}"
@@ -568,6 +559,21 @@ class Teleport(OptimizerWrapper):
 
     def _wrapper_state(self) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
         return {}, self._record.to_state(self._generator.get_state())
+
+    def _check_loaded(
+        self,
+        saved_groups: Sequence[dict[str, Any]],
+        current: list[dict[str, Any]],
+        per_param: dict[int, dict[str, Any]],
+        top: dict[str, Any],
+    ) -> None:
+        super()._check_loaded(saved_groups, current, per_param, top)
+        check_groups(saved_groups, per_param, self.prefix, "Teleport.load_state_dict")
+        check_record(top, self._module, self._param_list(), self._sites or (), "Teleport.load_state_dict")
+
+    def _portable_state(self, top: dict[str, Any]) -> dict[str, Any]:
+        # a snapshot watch (3x the parameters) stays out of the param group; the elements travel
+        return {k: v for k, v in top.items() if not (k == "watch" and "snapshot" in v)}
 
     def _load_wrapper_state(self, per_param: dict[int, dict[str, Any]], top: dict[str, Any]) -> None:
         if "rng" in top:

@@ -59,32 +59,32 @@ pre-teleport value, that step's update is skipped, the teleport is undone, the
 trust region and caps are multiplied by ``backoff`` for later teleports, and a
 rollback report is issued.  How it is undone (``watch_restore``):
 
-* ``"snapshot"`` (default): a snapshot of all parameters, buffers and optimizer
-  state is kept (3x the parameters under Adam), and everything is restored to
-  the pre-teleport point: the steps since are discarded, and so is whatever
-  damage they did.  ``state_dict`` saves the snapshot too, unless the teleport's
-  elements restore the parameters bit for bit (the powers of two above) and
-  ``checkpoint_snapshot`` is off (the default): then it saves the elements, the
-  checkpoint keeps its normal size, and a watch resumed from it undoes the
-  teleport as ``"inverse"`` does.
-* ``"inverse"``: a fast-path teleport whose elements can be inverted (the rollback
-  condition above: no closure, no state reset, unsharded) keeps no snapshot, only
-  its elements (O(units); other teleports keep a snapshot): the rollback moves the
+* ``"inverse"`` (default): the watch keeps the teleport's sites and elements
+  (O(units)), in memory and in ``state_dict`` alike.  The rollback moves the
   *current* parameters and optimizer state of its sites back by the inverse
-  elements (:class:`~teleopt.teleport.watch.InverseMove`), a symmetry like the
+  elements (:class:`~teleopt.teleport.watch.InverseMove`, the sites in reverse
+  order; the state by the state policy's rules for g^-1), a symmetry like the
   teleport itself, so the model computes what it did (the probe outputs before and
   after the move are compared, a change beyond ``loss_tol`` is reported), the
   steps since are kept, and training goes on at the conditioning of the orbit
-  point it came from.  Nothing is added to memory or to ``state_dict``.  It cannot
-  undo what the steps since did to the loss: when the alarm fires after the
-  weights already diverged (the papers' MLP teleported to a 1000x gradient
-  without caps), training diverges on from there, where the snapshot recovers.
-  Use it with the caps on, where memory matters more.
+  point it came from.  A run resumed from a checkpoint made inside the window
+  rolls back by the same elements at the same step, bit for bit.  It cannot undo
+  what the steps since did to the loss: when the alarm fires after the weights
+  already diverged (the papers' MLP teleported to a 1000x gradient without caps),
+  training diverges on from there, where the snapshot recovers; the caps before
+  the teleport are what prevents that.  A teleport with a site that has no
+  inverse move (not a fast-path site: data-dependent, learned or approximate
+  actions) keeps a snapshot as below.
+* ``"snapshot"``: a snapshot of all parameters, buffers and optimizer state is
+  kept (3x the parameters under Adam), in memory and in ``state_dict`` alike, and
+  everything is restored to the pre-teleport point: the steps since are
+  discarded, and so is whatever damage they did.  torch's distributed-checkpoint
+  functions carry only the elements' record (:mod:`teleopt.checkpoint`), so a
+  snapshot watch resumes exactly through ``state_dict`` alone.
 
 Each later teleport that comes through its watch window divides the factor by
 ``backoff`` again (up to 1), so a rollback shrinks the next teleports, not all
-teleports for the rest of training.  ``watch_steps=0`` turns the watch (and, with a
-snapshot, its memory cost: one copy of the parameters and optimizer state) off.
+teleports for the rest of training.  ``watch_steps=0`` turns the watch off.
 """
 
 from __future__ import annotations
@@ -129,8 +129,7 @@ class SafetyConfig:
     heldout_tol: float | None = None
     watch_steps: int = 10
     watch_factor: float = 10.0
-    watch_restore: str = "snapshot"
-    checkpoint_snapshot: bool = False
+    watch_restore: str = "inverse"
     backoff: float = 0.5
 
     def __post_init__(self) -> None:
@@ -152,8 +151,6 @@ class SafetyConfig:
         self.watch_factor = watch_factor
         if self.watch_restore not in ("snapshot", "inverse"):
             raise ValueError(f"watch_restore must be 'snapshot' or 'inverse', got {self.watch_restore!r}")
-        if not isinstance(self.checkpoint_snapshot, bool):
-            raise ValueError(f"checkpoint_snapshot must be a bool, got {self.checkpoint_snapshot!r}")
         if not 0 < self.backoff <= 1:
             raise ValueError(f"backoff must be in (0, 1], got {self.backoff!r}")
 

@@ -12,7 +12,8 @@ to plain data (tensors, ints, floats) for ``state_dict`` and back.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from torch.optim import Optimizer
 
 from teleopt.detection.certify import output_error, output_leaves
 from teleopt.functional import Batch
-from teleopt.sharding import is_sharded, local, square_sum, write_
+from teleopt.sharding import full, is_sharded, local, square_sum, write_
 from teleopt.site import Site, lookup_tensor
 from teleopt.teleport.check import forward
 from teleopt.teleport.context import TeleportContext
@@ -31,7 +32,14 @@ from teleopt.teleport.safety import Snapshot
 from teleopt.teleport.state_policy import StatePolicy
 from teleopt.teleport.transport import transport, transport_
 
-__all__ = ["InverseMove", "Watch", "TeleportRecord"]
+__all__ = ["InverseMove", "Watch", "TeleportRecord", "watch_elements"]
+
+
+def watch_elements(sites: Sequence[Site], elements: Mapping[str, Tensor], tensors: Mapping[str, Tensor]) -> list[Tensor]:
+    """The elements an :class:`InverseMove` keeps for ``sites``: each site's element (by site name) in its
+    members' dtype, widened to float32 at least (a teleport of float32 weights is undone in float32,
+    half the bytes of the float64 report copies; half precisions still get float32 arithmetic)."""
+    return [elements[s.name].to(torch.promote_types(tensors[s.tensor_names[0]].dtype, torch.float32)) for s in sites]
 
 
 class InverseMove:
@@ -62,18 +70,24 @@ class InverseMove:
         return output_error([output_leaves(forward(self.module, probe, False, seed))], [before])
 
     def _move(self) -> None:
+        """Move by the inverse elements in place; on FSDP2 shards the same in-place arithmetic runs on gathered
+        copies whose shards are written back (identical on every rank: so are the elements)."""
         ctx = TeleportContext.build(self.module, self.optimizer, self.policy)
         names = sorted({n for s in self.sites for n in s.tensor_names})
-        like = {n: ctx.tensors[n] for n in names}
+        live = {n: ctx.tensors[n] for n in names}
+        sharded = any(is_sharded(t) for t in live.values())
+        like = {n: full(t) for n, t in live.items()} if sharded else live
         sites = self.sites[::-1]
         inverses = [
             site.action.inverse(g.to(next(like[n] for n in site.tensor_names).device)) for site, g in zip(sites, self.elements[::-1])
         ]
         states = ctx.states(names)
-        StatePolicy.write(states, self.policy.move(self.optimizer, sites, inverses, states, like, ctx.groups, in_place=True))
-        if not transport_(sites, inverses, like, like, "params"):
-            for n, t in transport(sites, inverses, like, like, "params")[0].items():
-                write_(like[n], t)
+        whole = {n: {k: full(v) if isinstance(v, Tensor) else v for k, v in st.items()} for n, st in states.items()} if sharded else states
+        StatePolicy.write(states, self.policy.move(self.optimizer, sites, inverses, whole, like, ctx.groups, in_place=True))
+        moved = like if transport_(sites, inverses, like, like, "params") else transport(sites, inverses, like, like, "params")[0]
+        for n, t in moved.items():
+            if t is not live[n]:
+                write_(live[n], t)
 
     def to_state(self) -> dict[str, Any]:
         """Plain data for ``state_dict``: the sites and their elements."""
@@ -96,11 +110,10 @@ class Watch:
 
     ``grad_ref`` is the squared gradient norm to compare with (the larger of before
     and after the teleport), ``loss_ref`` the pre-teleport loss; ``why`` says what
-    triggered a rollback.  ``checkpoint`` is what ``state_dict`` saves instead of a
-    snapshot (``SafetyConfig.checkpoint_snapshot`` off): the teleport's
-    :class:`InverseMove` where it restores the parameters bit for bit, so the
-    checkpoint keeps its normal size and a watch resumed from it moves back by the
-    inverse elements.
+    triggered a rollback.  ``snapshot`` is what a rollback undoes the teleport with:
+    its :class:`InverseMove` (the default) or a :class:`Snapshot`; ``state_dict``
+    saves exactly that, so a watch resumed from a checkpoint rolls back as the
+    uninterrupted run would, bit for bit.
     """
 
     snapshot: Snapshot | InverseMove
@@ -109,7 +122,6 @@ class Watch:
     grad_ref: float
     loss_ref: float | None
     why: str = ""
-    checkpoint: InverseMove | None = None
 
     def alarm(self, grads: list[Tensor], loss: Any, factor: float) -> str | None:
         """Why this rank's gradients ``grads`` or ``loss`` call for a rollback (``None``: all well)."""
@@ -143,9 +155,21 @@ class Watch:
             self.why = why or "another rank's watch triggered"
         return fired
 
+    def undo(self, probe: Batch | None, seed: int, tol: float) -> str:
+        """Undo the teleport (:class:`InverseMove` on ``probe``, checked against ``tol``, or the snapshot);
+        returns how, for the rollback report."""
+        if not isinstance(self.snapshot, InverseMove):
+            self.snapshot.restore()
+            return f"restored to before the teleport at step {self.teleport_step}"
+        drift = self.snapshot.restore(probe, seed)
+        how = f"moved back by the inverse elements of the teleport at step {self.teleport_step} (the steps since kept"
+        if drift is not None and not drift <= tol:
+            warnings.warn(f"Teleport: the watch's inverse move changed the outputs by {drift:.2e} > {tol:.0e}", stacklevel=4)
+        return how + (")" if drift is None else f"; outputs on the probe inputs changed by {drift:.1e})")
+
     def to_state(self) -> dict[str, Any]:
-        """Plain data for ``state_dict`` (the ``checkpoint`` in place of the snapshot where there is one)."""
-        saved = self.checkpoint if self.checkpoint is not None else self.snapshot
+        """Plain data for ``state_dict``: the rollback's elements or snapshot, the window and the references."""
+        saved = self.snapshot
         return {
             ("inverse" if isinstance(saved, InverseMove) else "snapshot"): saved.to_state(),
             "until": self.until,

@@ -1,0 +1,165 @@
+"""Validating a saved ``Teleport`` record before anything is loaded.
+
+``Teleport.load_state_dict`` calls :func:`check_record` on the record (the
+``"teleopt_teleport"`` entry of ``state_dict``, or its serialised copy in the
+first param group) before the base optimizer or the wrapper changes: counters,
+the caps' backoff, the generator state and the watch (its sites and elements, or
+its snapshot) must be what :meth:`~teleopt.teleport.watch.TeleportRecord.to_state`
+writes.  A watch element must be a valid element of its site's group (shape,
+finite, positive scalings, nonsingular matrices: ``Group.validate``) with a finite
+inverse, since the rollback moves the weights by that inverse (Zhao 2026,
+Prop. 4.5.1).  Every failure is a ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from teleopt.sharding import local
+from teleopt.site import Site, lookup_tensor
+
+__all__ = ["check_groups", "check_record"]
+
+_TOP_KEYS = ("step", "accepted", "rollbacks", "backoff", "rng", "watch")
+_WATCH_KEYS = ("until", "teleport_step", "grad_ref", "loss_ref")
+
+
+class _Fields:
+    """Raise ``ValueError`` naming a field of the record under ``where``."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, field: str, why: str) -> None:
+        raise ValueError(f"{self.where}: teleopt_teleport{field} {why}")
+
+    def count(self, value: Any, field: str) -> int:
+        if isinstance(value, Tensor) and value.numel() == 1 and not value.is_floating_point():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            self.fail(field, f"must be an int >= 0, got {value!r}")
+        return int(value)
+
+    def number(self, value: Any, field: str, optional: bool = False) -> None:
+        if value is None and optional:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            self.fail(field, f"must be a finite number >= 0{' or None' if optional else ''}, got {value!r}")
+
+    def finite(self, value: Any, field: str) -> None:
+        if not isinstance(value, Tensor):
+            self.fail(field, f"must be a tensor, got {type(value).__name__}")
+        if value.is_floating_point() and not bool(torch.isfinite(local(value)).all()):
+            self.fail(field, "has non-finite entries")
+
+
+def check_groups(groups: Sequence[Mapping[str, Any]], per_param: Mapping[int, Any], prefix: str, where: str) -> None:
+    """Raise ``ValueError`` unless the saved param groups' ``Teleport`` keys (``prefix`` + ``enabled``, a bool;
+    ``trust_region``, positive finite or None) are valid and there are no per-parameter ``Teleport`` entries."""
+    if per_param:
+        raise ValueError(f"{where}: unexpected per-parameter entries {sorted(next(iter(per_param.values())))} ({prefix}*)")
+    for number, group in enumerate(groups):
+        enabled, radius = group.get(prefix + "enabled", True), group.get(prefix + "trust_region")
+        if not isinstance(enabled, bool):
+            raise ValueError(f"{where}: param group {number} has {prefix}enabled={enabled!r}; a bool")
+        if radius is not None and (isinstance(radius, bool) or not isinstance(radius, (int, float)) or not 0 < radius < math.inf):
+            raise ValueError(f"{where}: param group {number} has {prefix}trust_region={radius!r}; a positive finite number or None")
+
+
+def check_record(top: Any, module: nn.Module, params: Sequence[Tensor], known: Sequence[Site], where: str) -> None:
+    """Raise ``ValueError`` (naming the field) unless ``top`` is a record ``module``'s ``Teleport`` can load.
+
+    ``params`` are the optimizer's parameters in ``state_dict`` order, ``known`` the wrapper's own sites
+    (a saved site of the same name is taken from them, as the loader does).
+    """
+    f = _Fields(where)
+    if not isinstance(top, Mapping):
+        f.fail("", f"must be a dict, got {type(top).__name__}")
+    unknown = sorted(str(k) for k in top if k not in _TOP_KEYS)
+    if unknown:
+        f.fail("", f"has unknown keys {unknown}")
+    for key in ("step", "accepted", "rollbacks"):
+        if key in top:
+            f.count(top[key], f"[{key!r}]")
+    backoff = top.get("backoff", 1.0)
+    if isinstance(backoff, bool) or not isinstance(backoff, (int, float)) or not 0 < backoff <= 1:
+        f.fail("['backoff']", f"must be a number in (0, 1], got {backoff!r}")
+    if "rng" in top:
+        rng = top["rng"]
+        try:
+            torch.Generator().set_state(rng.to(torch.uint8).cpu())
+        except Exception as e:  # noqa: BLE001 - whatever torch refuses
+            f.fail("['rng']", f"is not a CPU generator state ({type(e).__name__}: {e})")
+    if top.get("watch") is not None:
+        _check_watch(top["watch"], f, module, params, known)
+
+
+def _check_watch(watch: Any, f: _Fields, module: nn.Module, params: Sequence[Tensor], known: Sequence[Site]) -> None:
+    if not isinstance(watch, Mapping):
+        f.fail("['watch']", f"must be a dict, got {type(watch).__name__}")
+    missing = [k for k in _WATCH_KEYS if k not in watch]
+    kinds = [k for k in ("inverse", "snapshot") if k in watch]
+    if missing or len(kinds) != 1:
+        f.fail("['watch']", f"must have the keys {list(_WATCH_KEYS)} and one of 'inverse', 'snapshot'; got {sorted(map(str, watch))}")
+    until, start = f.count(watch["until"], "['watch']['until']"), f.count(watch["teleport_step"], "['watch']['teleport_step']")
+    if until < start:
+        f.fail("['watch']['until']", f"({until}) is before the teleport step ({start})")
+    f.number(watch["grad_ref"], "['watch']['grad_ref']")
+    f.number(watch["loss_ref"], "['watch']['loss_ref']", optional=True)
+    if kinds[0] == "inverse":
+        _check_inverse(watch["inverse"], f, module, known)
+    else:
+        _check_snapshot(watch["snapshot"], f, module, params)
+
+
+def _check_inverse(data: Any, f: _Fields, module: nn.Module, known: Sequence[Site]) -> None:
+    field = "['watch']['inverse']"
+    if not isinstance(data, Mapping) or not isinstance(data.get("sites"), list) or not isinstance(data.get("elements"), list):
+        f.fail(field, "must be a dict with the lists 'sites' and 'elements'")
+    sites, elements = data["sites"], data["elements"]
+    if len(sites) != len(elements):
+        f.fail(field, f"has {len(sites)} site(s) but {len(elements)} element(s)")
+    by_name = {s.name: s for s in known}
+    for i, (spec, g) in enumerate(zip(sites, elements)):
+        here = f"{field}['elements'][{i}]"
+        try:
+            site = by_name.get(spec["name"]) or Site.from_dict(spec)
+            group = site.action.group(tuple(None if n is None else lookup_tensor(module, n) for n in site.members))
+        except Exception as e:  # noqa: BLE001 - a site this model cannot hold
+            f.fail(f"{field}['sites'][{i}]", f"does not name a site of this model ({type(e).__name__}: {e})")
+        if not isinstance(g, Tensor) or not g.is_floating_point():
+            f.fail(here, f"must be a floating-point tensor, got {type(g).__name__ if not isinstance(g, Tensor) else g.dtype}")
+        if tuple(g.shape) != tuple(group.element_shape):
+            f.fail(here, f"has shape {tuple(g.shape)}; site {site.name!r} takes {tuple(group.element_shape)}")
+        try:
+            group.validate(g)
+            inverse = group.inverse(g)
+        except Exception as e:  # noqa: BLE001 - not a group element: the rollback would destroy the weights
+            f.fail(here, f"is not an element of site {site.name!r}'s group ({type(e).__name__}: {e})")
+        if not bool(torch.isfinite(inverse).all()):
+            f.fail(here, f"has no finite inverse in site {site.name!r}'s group (singular)")
+
+
+def _check_snapshot(data: Any, f: _Fields, module: nn.Module, params: Sequence[Tensor]) -> None:
+    field = "['watch']['snapshot']"
+    if not isinstance(data, Mapping) or not isinstance(data.get("tensors"), Mapping) or not isinstance(data.get("state"), Mapping):
+        f.fail(field, "must be a dict with the dicts 'tensors' and 'state'")
+    for name, value in data["tensors"].items():
+        try:
+            live = lookup_tensor(module, str(name))
+        except KeyError:
+            f.fail(f"{field}['tensors']", f"names {name!r}, not a parameter or buffer of the model")
+        f.finite(value, f"{field}['tensors'][{name!r}]")
+        if tuple(value.shape) != tuple(live.shape):
+            f.fail(f"{field}['tensors'][{name!r}]", f"has shape {tuple(value.shape)}, the model's {tuple(live.shape)}")
+    for index, state in data["state"].items():
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(state, Mapping):
+            f.fail(f"{field}['state']", f"has an entry {index!r}; the optimizer has {len(params)} parameter(s)")
+        for key, value in state.items():
+            if isinstance(value, Tensor):
+                f.finite(value, f"{field}['state'][{index}][{key!r}]")
