@@ -25,6 +25,8 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
+from teleopt.detection.fx_args import positional
+
 __all__ = ["TensorMeta", "TracedGraph", "DetectionError", "trace_model", "module_path", "graph_arguments"]
 
 _MAX_OPAQUE = 64
@@ -175,6 +177,7 @@ def _trace_once(
         tracer = _Tracer(opaque, leaf_types)
         try:
             graph = tracer.trace(model, concrete_args=concrete or None)
+            _positional_calls(graph, model)
             return graph, opaque, failures
         except Exception as e:  # fx raises many types (TraceError, TypeError, RuntimeError, ...)
             where = tracer.failed_in
@@ -183,6 +186,17 @@ def _trace_once(
             opaque.add(where)
             failures.append(f"{where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     raise DetectionError(f"could not trace {type(model).__name__}: more than {_MAX_OPAQUE} untraceable submodules")
+
+
+def _positional_calls(graph: fx.Graph, model: nn.Module) -> None:
+    """Inputs of torch's modules and functions passed by keyword (``linear(input=x)``) become positional, as rules read them."""
+    for node in graph.nodes:
+        if node.op == "call_module":
+            module = model.get_submodule(str(node.target))
+            if type(module).__module__.startswith("torch."):
+                positional(node, module.forward)
+        elif node.op == "call_function" and str(getattr(node.target, "__module__", None)).startswith("torch"):
+            positional(node, node.target)
 
 
 def _meta(value: Any) -> Any:
