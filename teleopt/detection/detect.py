@@ -383,7 +383,7 @@ def _find_children(model, inputs, kwargs, loss, include_discrete, include_approx
                 elif param.kind == param.VAR_POSITIONAL:
                     ok = ok and not value
                 else:
-                    call[pname] = value
+                    call[pname] = None if _is_cache(value) else value
             if not ok:
                 skipped.append(SkippedEntry("module", full, "called with *args: not analysed on its own"))
                 continue
@@ -412,6 +412,11 @@ def _find_children(model, inputs, kwargs, loss, include_discrete, include_approx
     if loss == "cross_entropy":
         skipped.append(SkippedEntry("site", "softmax_translation", "the root forward could not be traced"))
     return SymmetryReport(sites=_name(_dedupe(kept), module_order(model)), skipped=skipped, frozen=frozen, model=type(model).__name__)
+
+
+def _is_cache(value: Any) -> bool:
+    """A transformers key/value cache: stateful (each call appends to it), so a submodule is analysed without it."""
+    return any(c.__name__.endswith("Cache") and c.__module__.startswith("transformers") for c in type(value).__mro__)
 
 
 def _shared_tensor_names(model: nn.Module) -> set[str]:
