@@ -157,7 +157,7 @@ def _find(
         if not str(e).startswith("could not trace") or not any(True for _ in model.children()) or isinstance(model, _Call):
             raise
         report = _find_children(model, inputs, kwargs, loss, include_discrete, include_approximate, include_frozen, str(e))
-        report.sites = _name(_dedupe(report.sites + lora.sites), module_order(model))
+        report.sites = _name(_dedupe(lora.sites + report.sites), module_order(model))  # a LoRA pair keeps its name
         report.skipped += [SkippedEntry("site", where, f"LoRA adapter {reason}") for where, reason in lora.skipped]
         return _certified(model, report, inputs, kwargs, certify, certify_seed, ("eval", "train"), start)
     rel = Relations(ModelTensors.of(model, include_frozen))
@@ -172,7 +172,7 @@ def _find(
     kinds = KINDS if include_discrete else ("general", "diagonal")
     generic, notes = class_sites(rel, order, kinds)
     attention, notes2 = direct_sites(rel, len(graphs))
-    sites = attention + generic + lora.sites
+    sites = lora.sites + attention + generic  # first of equal sites is kept: a LoRA pair keeps its name
     if loss == "cross_entropy":
         translation, notes3 = softmax_translation_sites(graphs, rel)
         sites += translation
