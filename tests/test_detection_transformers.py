@@ -146,3 +146,22 @@ def test_rotary_q_k_keeps_only_the_pair_scalings_and_says_so():
     assert "model.layers.0.self_attn.k_proj.bias" in keys  # a rotated key bias is not a per-query constant: it moves
     assert not any(s.action.name == "attention_qk_gl" for s in report.sites)
     assert any("rotation of each pair" in e.reason for e in report.skipped)
+
+
+def test_auto_teleport_on_a_causal_lm_moves_along_the_attention_sites():
+    """``Teleport(opt, model, "auto", ...)`` on a Llama given labels: the new sites are used, checked and accepted."""
+    import warnings
+
+    from teleopt import Teleport
+
+    model = build("llama").float()
+    batch = {"input_ids": ids(), "labels": ids()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the norm-gain sites are left out under AdamW, with a warning
+        tele = Teleport(opt, model, "auto", example_kwargs=batch, loss_fn=None, batch_fn=lambda: batch)
+    names = {s.action.name for s in tele.sites}
+    assert {"attention_qk_rotary_scaling", "attention_vo_gl"} <= names
+    model(**batch).loss.backward()
+    result = tele.teleport()
+    assert result.accepted and result.check is not None, result.reason
