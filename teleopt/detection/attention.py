@@ -184,7 +184,7 @@ class _Finder:
             if proj is not None:
                 return proj, list(reversed(chain))
             op, describe = self.op(cur)
-            rotary = rotary_input(self, cur) if op == "add" and what not in self.rotary else None
+            rotary = rotary_input(self, cur) if op in ("add", "cat") and what not in self.rotary else None
             if rotary is not None:
                 self.rotary[what] = rotary
                 self.rotary_at[rotary.x] = cur
@@ -529,16 +529,16 @@ class _Finder:
             )
         ]
 
-    def _rotary_half(self, d: int) -> int | None:
-        """d/2 when q and k both pass the same rotate-half embedding, ``None`` when neither does."""
+    def _rotary_half(self, d: int) -> tuple[int, int] | None:
+        """(half, rotated dims) when q and k pass the same rotate-half embedding, ``None`` when neither does."""
         rq, rk = self.rotary.get("q"), self.rotary.get("k")
         if rq is None and rk is None:
             return None
         if rq is None or rk is None:
             raise NoMatch("only one of q and k passes a rotary embedding")
-        if rq.half != rk.half or 2 * rq.half != d:
-            raise NoMatch(f"the rotary embedding of q or k does not rotate pairs (i, i + {d // 2}) of the head dimension")
-        return rq.half
+        if (rq.half, rq.dims) != (rk.half, rk.dims) or rq.dims > d:
+            raise NoMatch("q and k are rotated differently")
+        return rq.half, rq.dims
 
     def vo_site(self, v_arg: Argument, out: fx.Node, where: str) -> list[DirectSite] | str:
         try:

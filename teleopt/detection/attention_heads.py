@@ -17,7 +17,8 @@ Shared vocabulary of :mod:`teleopt.detection.attention`, which finds the heads.
   exact for any cos/sin tables (it scales both outputs of the pair); it is the site
   given here, with the k bias moved like the k rows (a rotated bias is not a
   per-query constant, so softmax does not ignore it).  The rotation part of each
-  pair is left out (reported).
+  pair is left out (reported).  With partial rotary (Phi: only the first r
+  dimensions of each head rotated) the other d - r dimensions keep GL(d - r).
 """
 
 from __future__ import annotations
@@ -44,15 +45,19 @@ class _Graph(Protocol):
 
 
 class Rotary(tuple):
-    """(input x, half width h, the nodes of the embedding) of ``x * cos + rotate_half(x) * sin``."""
+    """(input x, half width h, the nodes, rotated dimensions) of ``x * cos + rotate_half(x) * sin``.
+
+    ``dims`` < the last axis: partial rotary, ``cat((rotary(x[..., :dims]), x[..., dims:]), -1)``.
+    """
 
     x: fx.Node
     half: int
     nodes: list[fx.Node]
+    dims: int
 
-    def __new__(cls, x: fx.Node, half: int, nodes: list[fx.Node]) -> Rotary:
-        self = super().__new__(cls, (x, half, tuple(nodes)))
-        self.x, self.half, self.nodes = x, half, nodes
+    def __new__(cls, x: fx.Node, half: int, nodes: list[fx.Node], dims: int = 0) -> Rotary:
+        self = super().__new__(cls, (x, half, tuple(nodes), dims or 2 * half))
+        self.x, self.half, self.nodes, self.dims = x, half, nodes, dims or 2 * half
         return self
 
 
@@ -93,11 +98,35 @@ def _rotate_half(g: _Graph, node: Any) -> tuple[fx.Node, int, list[fx.Node]] | N
     return x, d // 2, [node, neg, second, first]
 
 
+def _partial(g: _Graph, node: fx.Node) -> Rotary | None:
+    """``cat((rotary(x[..., :r]), x[..., r:]), dim=-1)`` (Phi, StableLM, GPT-NeoX ``rotary_pct``), else ``None``."""
+    parts = node.args[0] if node.args else None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if not isinstance(parts, (list, tuple)) or len(parts) != 2:
+        return None
+    rot_out, rest = parts
+    if not isinstance(rot_out, fx.Node) or not isinstance(rest, fx.Node):
+        return None
+    inner = rotary_input(g, rot_out) if g.op(rot_out)[0] == "add" else None
+    x = rest.args[0] if rest.args else None
+    if inner is None or not isinstance(x, fx.Node) or not isinstance(dim, int) or dim % len(g.shape(x)) != len(g.shape(x)) - 1:
+        return None
+    r, d = 2 * inner.half, g.shape(x)[-1]
+    if _half_of(g, inner.x, x) != (0, r) or _half_of(g, rest, x) != (r, d) or set(x.users) != {inner.x, rest}:
+        return None
+    if len(inner.x.users) and len(rot_out.users) == 1 and len(rest.users) == 1:
+        return Rotary(x, inner.half, [*inner.nodes, inner.x, rest, node], r)
+    return None
+
+
 def rotary_input(g: _Graph, node: fx.Node) -> Rotary | None:
     """The rotate-half rotary embedding ``x * cos + rotate_half(x) * sin`` ending at ``node`` (an add), else ``None``.
 
     The cos and sin tables must not depend on x, and x must be read by the embedding only.
+    A ``cat`` of a rotary embedding of x's first dimensions and x's other dimensions is a partial one.
     """
+    if g.op(node)[0] == "cat":
+        return _partial(g, node)
     if g.op(node)[0] != "add" or len(node.args) != 2 or node.kwargs:
         return None
     a, b = node.args
@@ -152,7 +181,7 @@ def head_layout(layout: Layout, feature_axis: int, what: str) -> tuple[int, int,
 
 
 def qk_group_sites(
-    q: tuple[Projection, int], k: tuple[Projection, int], shape: tuple[int, int, int], half: int | None, where: str, gi: int
+    q: tuple[Projection, int], k: tuple[Projection, int], shape: tuple[int, int, int], rotary: tuple[int, int] | None, where: str, gi: int
 ) -> list[DirectSite]:
     """(Q, K) sites of one attention, one per key head: ``shape`` is (key heads, query heads per key head, d).
 
@@ -162,6 +191,9 @@ def qk_group_sites(
     """
     (pq, q0), (pk, k0) = q, k
     heads, rep, d = shape
+    if rotary is not None and rotary[1] < d:
+        return [s for g in range(heads) for s in _partial_sites(pq, q0 + g * rep * d, pk, k0 + g * d, (rep, d, rotary[1]), where, gi)]
+    half = None if rotary is None else rotary[0]
     sites = []
     for g in range(heads):
         qs, ks = q0 + g * rep * d, k0 + g * d
@@ -186,6 +218,27 @@ def qk_group_sites(
         ref = "Zhao 2026, Ex. 1.2.11; Su et al. 2021 (RoFormer), eq. 34"
         sites.append(DirectSite("attention_qk_rotary_scaling", "diagonal", members, None, 1, ref, where, info, "exact", gi))
     return sites
+
+
+def _partial_sites(pq: Projection, qs: int, pk: Projection, ks: int, shape: tuple[int, int, int], where: str, gi: int) -> list[DirectSite]:
+    """Partial rotary, one key head: the pair scalings of the r rotated dimensions and GL(d - r) on the others."""
+    rep, d, r = shape
+    scale: Members = []
+    gl: Members = []
+    for j in range(rep):  # each query head's rotated and unrotated rows
+        h0 = qs + j * d
+        scale += [(pq.weight, pq.rows(h0, r, 1, 2)), *pq.bias_rows(h0, r, 1, 2)]
+        gl += [(pq.weight, pq.rows(h0 + r, d - r, 1)), *pq.bias_rows(h0 + r, d - r, 1)]
+    scale += [(pk.weight, pk.rows(ks, r, -1, 2)), *pk.bias_rows(ks, r, -1, 2)]
+    gl.append((pk.weight, pk.rows(ks + r, d - r, -1)))
+    info = {"heads": rep, "head_dim": d, "module": where, "rotary_dims": r}
+    ref = "Zhao 2026, Ex. 1.2.11; Su et al. 2021 (RoFormer), eq. 34"
+    return [
+        DirectSite("attention_qk_rotary_scaling", "diagonal", scale, None, 1, ref, where, {**info, "rotary": "pair scalings"}, "exact", gi),
+        DirectSite(
+            "attention_qk_gl", "general", gl, None, 1, ref, where, {**info, "key_bias": "left out: softmax ignores it"}, "exact", gi
+        ),
+    ]
 
 
 def vo_group_sites(v: tuple[Projection, int], out: Projection, shape: tuple[int, int, int], where: str, gi: int) -> list[DirectSite]:
