@@ -3,7 +3,9 @@
 For every model (``pretrained=False``, float32, CPU, one example image at the
 model's default resolution; the ``hf:`` rows are Hugging Face transformers roots, BERT,
 GPT-2 and Llama with 2 layers of width 128, built from configs and called on 16 tokens
-through ``example_kwargs``), one table row: parameters, sites found (continuous /
+through ``example_kwargs``; the ``lm:`` rows are the language models users train,
+Llama, Qwen2, Mistral (grouped-query attention), GPT-2 and BERT with hidden 64, 2
+layers, 4 heads, called as ``model(input_ids=ids)``), one table row: parameters, sites found (continuous /
 discrete / approximate), the fraction of parameter entries acted on by at least one
 continuous site (all sites, and exact sites only, i.e. without the eps-approximate
 BatchNorm input scaling), and the median detection time over repeated runs, with
@@ -13,7 +15,7 @@ certification dropped, and the time of one run with ``certify=False``.
 
 Goal (issue 3): detection on vit_base_patch16_224 takes < 5 s on CPU.
 
-Run: ``python benchmarks/coverage.py [--quick] [--json out.json] [--plot-dir DIR]``.
+Run: ``python benchmarks/coverage.py [--quick | --lm] [--json out.json] [--plot-dir DIR]``.
 ``--quick`` runs three small models at 32x32 once (the smoke test uses it).
 
 ``--residual`` prints the residual stream's rows instead (:func:`residual_rows`): tiny causal
@@ -54,6 +56,17 @@ HF_ZOO = {
         {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 344},
     ),
 }
+# the language models users train, tiny (hidden 64, 2 layers, 4 heads, 2 key/value heads where the architecture
+# has grouped-query attention, vocabulary 100), called as users call them: model(input_ids=ids), sdpa attention
+_TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+_GQA = {**_TINY, "num_key_value_heads": 2, "intermediate_size": 128}
+LM_ZOO = {
+    "lm:llama": ("LlamaConfig", "LlamaForCausalLM", _GQA),
+    "lm:qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _GQA),
+    "lm:mistral": ("MistralConfig", "MistralForCausalLM", _GQA),
+    "lm:gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 64, "n_layer": 2, "n_head": 4}),
+    "lm:bert": ("BertConfig", "BertModel", {**_TINY, "intermediate_size": 128}),
+}
 
 
 ZOO = [
@@ -68,6 +81,7 @@ ZOO = [
     ("mobilenetv3_small_050", {}),
     ("regnetx_002", {}),
     *((name, {}) for name in HF_ZOO),
+    *((name, {}) for name in LM_ZOO),
 ]
 QUICK = [("resnet18", {}), ("vit_tiny_patch16_224", {"img_size": 32}), ("convnext_atto", {})]
 TIME_GOAL = ("vit_base_patch16_224", 5.0)
@@ -75,6 +89,15 @@ TIME_GOAL = ("vit_base_patch16_224", 5.0)
 
 def build(name: str, kwargs: dict[str, Any], size: int) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any] | None]:
     """The model and its example inputs: a timm model on one image, or an ``hf:`` root on 16 tokens."""
+    if name in LM_ZOO:
+        import transformers
+
+        config_cls, model_cls, config = LM_ZOO[name]
+        extra = {"n_positions": 64} if config_cls == "GPT2Config" else {"max_position_embeddings": 64}
+        cfg = getattr(transformers, config_cls)(vocab_size=100, **extra, **config)
+        cfg._attn_implementation = "sdpa"
+        ids = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(0))
+        return getattr(transformers, model_cls)(cfg), (), {"input_ids": ids}
     if name in HF_ZOO:
         import transformers
 
@@ -259,6 +282,7 @@ def main() -> None:
     parser.add_argument("--models", type=str, default=None, help="comma-separated subset of the zoo (e.g. vit_base_patch16_224,resnet50)")
     parser.add_argument("--residual", action="store_true", help="only the residual stream's rows (tiny causal LMs)")
     parser.add_argument("--residual-big", action="store_true", help="with --residual: add a 12-layer, 768-wide Llama")
+    parser.add_argument("--lm", action="store_true", help="only the tiny language models (lm: rows)")
     args = parser.parse_args()
     if args.residual:
         rows = residual_rows(big=args.residual_big)
@@ -270,6 +294,8 @@ def main() -> None:
         return
 
     zoo = QUICK if args.quick else ZOO
+    if args.lm:
+        zoo = [(n, {}) for n in LM_ZOO]
     if args.models:
         wanted = args.models.split(",")
         zoo = [(n, k) for n, k in zoo if n in wanted]
@@ -277,7 +303,7 @@ def main() -> None:
     repeats = 1 if args.quick else args.repeats
     rows = []
     for name, kwargs in zoo:
-        if name in HF_ZOO and importlib.util.find_spec("transformers") is None:
+        if (name in HF_ZOO or name in LM_ZOO) and importlib.util.find_spec("transformers") is None:
             print(f"{name}: skipped (transformers is not installed: pip install -e '.[hf]')", flush=True)
             continue
         rows.append(measure(name, kwargs, size, repeats))

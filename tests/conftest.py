@@ -5,11 +5,15 @@ environment variable is set (``.ci/run`` sets it): derandomised, no example
 database, and a failure prints a ``@reproduce_failure`` blob, so a red CI run
 replays bit for bit with ``CI=true python -m pytest <test id>``.  Training tests
 seed their own ``torch.Generator``s.
+
+Detection runs in strict mode (``TELEOPT_DETECTION_STRICT=1``): a built-in rule
+that raises fails the test instead of being reported and frozen.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +21,8 @@ from types import ModuleType
 
 import pytest
 import torch
+
+os.environ.setdefault("TELEOPT_DETECTION_STRICT", "1")  # a built-in detection rule that raises fails the test
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 

@@ -490,3 +490,74 @@ def test_timm_models_exact_sites_are_invariant(name):
     assert expected <= {s.action.name for s in report.sites}
     exact, bad = false_sites(model, x, report)
     assert exact and not bad, f"{name}: exact sites that change the output: {bad}"
+
+
+# -- language-model features that break the naive attention and norm sites (transformers, tiny configs) ----
+_LM = {"vocab_size": 100, "max_position_embeddings": 64, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+
+#: name -> (config class, model class, config, what must not be a site, a reason detection must give)
+LM_CASES = {
+    # qk-norm: an RMSNorm over each head of q and k; a GL on (Q, K) would not commute with it
+    "qwen3_qk_norm": ("Qwen3Config", "Qwen3ForCausalLM", {"num_key_value_heads": 2, "head_dim": 16}, "attention_qk", "q_norm"),
+    # qk-norm over the whole projection, and norms after attention and MLP (OLMo 2)
+    "olmo2_qk_norm_post_norm": ("Olmo2Config", "Olmo2ForCausalLM", {"num_key_value_heads": 2}, "attention_qk", "q_norm"),
+    # (1 + w) gains: scaling w does not scale the gain, so no gain site
+    "gemma_one_plus_w_gains": ("GemmaConfig", "GemmaForCausalLM", {"num_key_value_heads": 2, "head_dim": 16}, "layernorm.weight", None),
+    # parallel attention and MLP, partial rotary (rotary_pct), q/k/v interleaved per head in one projection
+    "gpt_neox_parallel_partial_rotary": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        {"rotary_pct": 0.5, "use_parallel_residual": True},
+        "attention_qk",
+        "not contiguous blocks",
+    ),
+    # one norm feeding attention and MLP in parallel, partial rotary: (Q, K) is restricted to the pair scalings of
+    # the rotated dimensions and GL on the others (sdpa: the eager path's float32 softmax makes certification drop
+    # the GL, measured 2e-10 to 3e-10 relative)
+    "phi_parallel_partial_rotary": (
+        "PhiConfig",
+        "PhiForCausalLM",
+        {"partial_rotary_factor": 0.5, "attn": "sdpa"},
+        "gl_linear@model.layers.0.self_attn.q",
+        None,
+    ),
+    # tied input and output embeddings
+    "llama_tied_embeddings": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {"num_key_value_heads": 2, "tie_word_embeddings": True},
+        "embed_tokens",
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LM_CASES))
+def test_language_model_features_restrict_or_remove_sites(name):
+    """Each feature is recognised: the affected site is absent with a reason, and every exact site is exact."""
+    transformers = pytest.importorskip("transformers")
+    from test_detection_transformers import ids, non_invariant_sites
+
+    config_cls, model_cls, extra, absent, reason = LM_CASES[name]
+    extra = dict(extra)
+    attn = extra.pop("attn", "eager")
+    config = getattr(transformers, config_cls)(**_LM, intermediate_size=128, **extra)
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).double()
+    kwargs = {"input_ids": ids()}
+    report = find_symmetries(model, example_kwargs=kwargs)
+    # the rules proposed no false site; transformers' RMSNorm computes in float32 even in a float64 model, so
+    # permuting the heads that OLMo 2's qk-norm sums over changes float32 rounding (measured 3e-8, 5e-8) and
+    # certification drops those permutations: nothing else may be dropped
+    dropped = [e for e in report.dropped if not (e.site.startswith("hidden_permutation") and e.error < 1e-6)]
+    assert not dropped, dropped
+    assert not any(absent in s.name or any(absent in n for n in s.tensor_names) for s in report.sites if s.action.continuous)
+    if reason is not None:
+        assert any(e.kind == "attention" and reason in e.reason for e in report.skipped)
+    assert any(s.action.name == "attention_vo_gl" for s in report.sites) or "neox" in name
+    if "partial_rotary" in name and "neox" not in name:
+        rotated = [s for s in report.sites if s.action.name == "attention_qk_rotary_scaling"]
+        assert rotated and all(s.info["rotary_dims"] == 8 for s in rotated)  # head 16, half of it rotated
+        assert any(s.action.name == "attention_qk_gl" and s.info["rotary_dims"] == 8 for s in report.sites)
+    assert not non_invariant_sites(model, report, kwargs)

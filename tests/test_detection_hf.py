@@ -6,7 +6,7 @@ Their root ``forward`` is not torch.fx-traceable in transformers 5 (and
 ``transformers.utils.fx`` is gone), so detection falls back to tracing each called
 submodule with the arguments it was called with; certification then checks every
 site on the whole model as it is called.  Which sites are found is recorded below
-(RMSNorm/SwiGLU/RoPE and HF attention rules come later).
+(the language models users train are covered in ``test_detection_transformers.py``).
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ def build(name):
 
 # sites found today (a floor: new rules may add sites, never remove these)
 FOUND = {
-    "bert": {"hidden_permutation"},
-    "gpt2": set(),
-    "llama": {"hidden_permutation", "positive_rescaling"},
+    "bert": {"hidden_permutation", "attention_qk_gl", "attention_vo_gl"},
+    "gpt2": {"attention_qk_gl", "attention_vo_gl", "positive_rescaling"},
+    "llama": {"hidden_permutation", "positive_rescaling", "attention_qk_rotary_scaling", "attention_vo_gl"},
     "vit": {"hidden_permutation", "positive_rescaling"},
 }
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from teleopt.detection.attention_heads import Rotary, head_layout, qk_group_sites, rotary_input, view_item, vo_group_sites
 from teleopt.detection.attention_layout import (
     BiasPiece,
     Digits,
@@ -41,7 +42,6 @@ from teleopt.detection.attention_layout import (
     as_node,
     merge,
     reads_dtype_only,
-    row_range,
     split_digits,
 )
 from teleopt.detection.fx_args import Argument, arg, float_arg, int_arg, tensor_arg
@@ -49,14 +49,14 @@ from teleopt.detection.ops import identify_node
 from teleopt.detection.relations import DirectSite, Relations
 from teleopt.detection.rules.masks import is_zeros
 from teleopt.detection.tracing import TensorMeta, TracedGraph, module_path
-from teleopt.detection.views import index_items, perm_of, reshape_groups
+from teleopt.detection.views import perm_of, reshape_groups
 
 __all__ = ["find_attention_sites"]
 
 #: (q, k, v, output, inner nodes, key feature axis) of one attention core
 Core = tuple[Argument, Argument, Argument, fx.Node, list[fx.Node], int]
 
-_PLUMBING = {"reshape", "permute", "identity_like", "identity", "getitem_tuple", "getitem_view", "split", "dropout", "mul", "div"}
+_PLUMBING = {"reshape", "permute", "expand", "identity_like", "identity", "getitem_tuple", "getitem_view", "split", "dropout", "mul", "div"}
 
 
 class _Finder:
@@ -64,6 +64,9 @@ class _Finder:
         self.traced = traced
         self.rel = rel
         self.values = traced.values
+        self.rotary: dict[str, Rotary] = {}  # what ("q", "k") -> its rotary embedding, for the core at hand
+        self.rotary_at: dict[fx.Node, fx.Node] = {}  # the input of a rotary embedding -> its output
+        self.gqa: set[fx.Node] = set()  # sdpa calls with enable_gqa=True
 
     def shape(self, node: fx.Node) -> tuple[int, ...]:
         v = self.values.get(node.name)
@@ -83,6 +86,8 @@ class _Finder:
         op, _ = self.op(node)
         if op == "add":
             return self.projection_plus_bias(node)
+        if op == "addmm":
+            return self.addmm_projection(node)
         if op != "linear":
             return None
         names = self.rel.tensors.names
@@ -111,6 +116,19 @@ class _Finder:
                 pieces = found
                 b_name = next((p.name for p in pieces if p.kind == "parameter"), None)
         return Projection(node, w_view.name, b_name, w_view.shape[1], w_view.shape[0], pieces)
+
+    def addmm_projection(self, node: fx.Node) -> Projection | None:
+        """``addmm(b, x, W)`` with W of shape (in, out) (transformers' ``Conv1D``), else ``None``."""
+        if node.kwargs or len(node.args) != 3:
+            return None
+        views = [self.rel.views.get(("t", self._gi, a.name, ())) if isinstance(a, fx.Node) else None for a in (node.args[0], node.args[2])]
+        b_view, w_view = views
+        if w_view is None or w_view.kind != "parameter" or w_view.axis_map != (0, 1):
+            return None
+        if b_view is None or b_view.kind != "parameter" or b_view.axis_map != (0,):
+            return None
+        out = w_view.shape[1]
+        return Projection(node, w_view.name, b_view.name, w_view.shape[0], out, (BiasPiece(0, out, "parameter", b_view.name),), 1, 1)
 
     def projection_plus_bias(self, node: fx.Node) -> Projection | None:
         """``qkv = self.qkv(x); qkv += torch.cat((q_bias, k_bias, v_bias))`` (timm ``qkv_bias_separate``), else ``None``."""
@@ -166,6 +184,12 @@ class _Finder:
             if proj is not None:
                 return proj, list(reversed(chain))
             op, describe = self.op(cur)
+            rotary = rotary_input(self, cur) if op in ("add", "cat") and what not in self.rotary else None
+            if rotary is not None:
+                self.rotary[what] = rotary
+                self.rotary_at[rotary.x] = cur
+                cur = rotary.x
+                continue
             if op not in _PLUMBING and op is not None:
                 raise NoMatch(f"{what} passes through {describe} ({module_path(cur) or cur.name}) between its projection and the attention")
             if op is None or (op in ("mul", "div") and not self.is_scalar_op(cur)) or (op == "dropout" and self.dropout_p(cur)):
@@ -206,52 +230,37 @@ class _Finder:
             return Layout([layout.axes[i] for i in perm], layout.offset)
         if op == "reshape":
             return Layout(self.reshape(layout, in_shape, self.shape(node), what), layout.offset)  # type: ignore[arg-type]
+        if op == "expand":  # repeat_kv: a new axis of size 1 repeated n times reads the same rows (stride 0)
+            out_shape = self.shape(node)
+            if in_shape is None or len(in_shape) != len(out_shape):
+                raise NoMatch(f"cannot follow {describe} on {what}")
+            if any(a != b and ax not in ([], None) for ax, a, b in zip(layout.axes, in_shape, out_shape)):
+                raise NoMatch(f"{describe} repeats a feature, batch or token axis of {what}")
+            return Layout([ax if a == b or ax is None else [(b, 0)] for ax, a, b in zip(layout.axes, in_shape, out_shape)], layout.offset)
         if op == "getitem_tuple":
-            parent, index = as_node(node.args[0], what), node.args[1]
-            if not isinstance(index, int):
-                raise NoMatch(f"cannot follow {describe} on {what}")
-            src_shape = self.shape(tensor_arg(parent, 0, "input"))
-            pieces = self.values[parent.name]
-            if not isinstance(pieces, (tuple, list)) or not -len(pieces) <= index < len(pieces):
-                raise NoMatch(f"cannot follow {describe} on {what}")
-            index %= len(pieces)  # parts[-1]
-            name = str(parent.target) if parent.op == "call_method" else getattr(parent.target, "__name__", "")
-            if name == "unbind":
-                dim = int_arg(parent, 1, "dim", 0) % len(src_shape)
-                return self.pick(layout, dim, index, what)
-            dim_index = 2 if name in ("split", "chunk", "tensor_split") else 1
-            dim = int_arg(parent, dim_index, "dim", 0) % len(src_shape)
-            start = sum(p.shape[dim] for p in pieces[:index])
-            return self.narrow(layout, dim, start, pieces[index].shape[dim], what)
+            return self._tuple_item(node, layout, describe, what)
         if op == "getitem_view":
-            items = index_items(node.args[1], len(layout.axes))
-            if items is None:
-                raise NoMatch(f"advanced indexing on {what}")
-            axes: list[Digits | None] = []
-            offset = layout.offset
-            k = 0
-            for item in items:
-                if item is None:
-                    axes.append([])
-                    continue
-                ax = layout.axes[k]
-                size = in_shape[k]  # type: ignore[index]
-                if isinstance(item, int):
-                    out = self.pick(Layout([ax], offset), 0, item % size, what)
-                    offset = out.offset
-                else:
-                    start, stop, step = item.indices(size)
-                    if step != 1:
-                        raise NoMatch(f"strided slicing on {what}")
-                    if (start, stop) == (0, size):
-                        axes.append(ax)
-                    else:
-                        out = self.narrow(Layout([ax], offset), 0, start, stop - start, what)
-                        axes.append(out.axes[0])
-                        offset = out.offset
-                k += 1
-            return Layout(axes, offset)
+            return view_item(self, node, layout, in_shape, what)
         raise NoMatch(f"cannot follow {describe} on {what}")
+
+    def _tuple_item(self, node: fx.Node, layout: Layout, describe: str, what: str) -> Layout:
+        """One part of a split, chunk or unbind of ``what``."""
+        parent, index = as_node(node.args[0], what), node.args[1]
+        if not isinstance(index, int):
+            raise NoMatch(f"cannot follow {describe} on {what}")
+        src_shape = self.shape(tensor_arg(parent, 0, "input"))
+        pieces = self.values[parent.name]
+        if not isinstance(pieces, (tuple, list)) or not -len(pieces) <= index < len(pieces):
+            raise NoMatch(f"cannot follow {describe} on {what}")
+        index %= len(pieces)  # parts[-1]
+        name = str(parent.target) if parent.op == "call_method" else getattr(parent.target, "__name__", "")
+        if name == "unbind":
+            dim = int_arg(parent, 1, "dim", 0) % len(src_shape)
+            return self.pick(layout, dim, index, what)
+        dim_index = 2 if name in ("split", "chunk", "tensor_split") else 1
+        dim = int_arg(parent, dim_index, "dim", 0) % len(src_shape)
+        start = sum(p.shape[dim] for p in pieces[:index])
+        return self.narrow(layout, dim, start, pieces[index].shape[dim], what)
 
     def reshape(self, layout: Layout, src: tuple[int, ...], dst: tuple[int, ...], what: str) -> list[Digits | None]:
         groups = reshape_groups(src, dst)
@@ -298,25 +307,8 @@ class _Finder:
         return Layout(axes, layout.offset + start * stride)
 
     # -- the head structure at the attention core ------------------------------------------
-    def heads(self, layout: Layout, feature_axis: int, what: str) -> tuple[int, int, int, int | None]:
-        """(start row, heads H, head dim d, head axis) from the layout of q, k or v at the core."""
-        n = len(layout.axes)
-        feature_axis %= n
-        feat = [d for d in (layout.axes[feature_axis] or []) if d[0] > 1]
-        if len(feat) != 1 or feat[0][1] != 1:
-            raise NoMatch(f"the head dimension of {what} is not a contiguous block of projection rows")
-        d = feat[0][0]
-        head_axis, H = None, 1
-        for i, ax in enumerate(layout.axes):
-            if i == feature_axis or ax is None:
-                continue
-            digits = [x for x in ax if x[0] > 1]
-            if not digits:
-                continue
-            if head_axis is not None or len(digits) != 1 or digits[0][1] != d:
-                raise NoMatch(f"the heads of {what} are not contiguous blocks of projection rows")
-            head_axis, H = i - n, digits[0][0]
-        return layout.offset, H, d, head_axis
+    def heads(self, layout: Layout, feature_axis: int, what: str) -> tuple[int, int, int, int | None, int]:
+        return head_layout(layout, feature_axis, what)
 
     # -- cores --------------------------------------------------------------------------------
     def cores(self) -> Iterable[Core]:
@@ -327,7 +319,7 @@ class _Finder:
                 args = list(node.args) + [node.kwargs.get(k) for k in ("query", "key", "value")[len(node.args) :]]
                 q, k, v = args[:3]
                 if node.kwargs.get("enable_gqa"):
-                    continue
+                    self.gqa.add(node)
                 yield q, k, v, node, [node], -1
             elif op in ("softmax",):
                 core = self.explicit_core(node)
@@ -346,7 +338,7 @@ class _Finder:
         cur = softmax.args[0]
         while isinstance(cur, fx.Node):  # backwards over scale, additive bias and mask
             op, _ = self.op(cur)
-            if not (op in ("mul", "div") and self.is_scalar_op(cur)) and op not in ("add", "maybe_add_mask"):
+            if not (op in ("mul", "div") and self.is_scalar_op(cur)) and op not in ("add", "maybe_add_mask", "masked_fill"):
                 break
             inner.append(cur)
             cur = cur.args[0]
@@ -362,7 +354,7 @@ class _Finder:
                 return None
             nxt = users[0]
             op, _ = self.op(nxt)
-            if op in ("dropout", "identity"):
+            if op in ("dropout", "identity", "identity_like"):
                 inner.append(nxt)
                 out = nxt
                 continue
@@ -378,16 +370,19 @@ class _Finder:
         skipped: list[tuple[str, str, str]] = []
         for q, k, v, out, inner, k_feature in self.cores():
             where = module_path(out) or out.name
+            self.rotary, self.rotary_at = {}, {}
             try:
                 qk, vo = self.qk_site(q, k, inner, k_feature, where), self.vo_site(v, out, where)
             except Exception as e:  # an unexpected layout: no attention site (fail closed)
                 skipped.append(("attention", where, f"could not follow the heads ({type(e).__name__}: {e})"))
                 continue
             for result in (qk, vo):
-                if isinstance(result, DirectSite):
-                    sites.append(result)
-                else:
+                if isinstance(result, str):
                     skipped.append(("attention", where, result))
+                else:
+                    sites.extend(result)
+            if "q" in self.rotary and isinstance(qk, list):
+                skipped.append(("attention", where, "rotary embeddings: the rotation of each pair (i, i + d/2) is left out of (Q, K)"))
         return sites, skipped
 
     def _chain(self, node: fx.Node, what: str) -> tuple[Projection, list[fx.Node], Layout]:
@@ -416,6 +411,9 @@ class _Finder:
             node, layout = stack.pop()
             if node in terminals:
                 self._check_private([node], inner, what)
+                continue
+            if node in self.rotary_at:  # a rotary embedding keeps the layout (pairs are checked by the site)
+                stack.append((self.rotary_at[node], layout))
                 continue
             for u in self.users(node):
                 op, describe = self.op(u)
@@ -450,22 +448,25 @@ class _Finder:
             stack.extend(n.all_input_nodes)
         return False
 
-    def qk_site(self, q_arg: Argument, k_arg: Argument, inner: list[fx.Node], k_feature: int, where: str) -> DirectSite | str:
+    def qk_site(self, q_arg: Argument, k_arg: Argument, inner: list[fx.Node], k_feature: int, where: str) -> list[DirectSite] | str:
         try:
             q, k = as_node(q_arg, "q"), as_node(k_arg, "k")
             pq, cq, lq = self._chain(q, "q")
             pk, ck, lk = self._chain(k, "k")
-            q0, H, d, hq = self.heads(lq, -1, "q")
-            k0, Hk, dk, hk = self.heads(lk, k_feature, "k")
-            if (H, d) != (Hk, dk):
-                raise NoMatch(f"q has {H} heads of size {d} but k has {Hk} of size {dk}")
-            if H > 1 and (hq != hk if k_feature == -1 else hq != hk):
+            q0, H, d, hq, rq = self.heads(lq, -1, "q")
+            k0, Hk, dk, hk, rk = self.heads(lk, k_feature, "k")
+            if rk == 1 and inner[0] in self.gqa and Hk and H % Hk == 0:
+                rk = H // Hk
+            if rq != 1 or (H, d) != (Hk * rk, dk):
+                raise NoMatch(f"q has {H} heads of size {d} but k has {Hk} of size {dk} read {rk} times")
+            if H > 1 and hq != hk:
                 raise NoMatch("q and k heads are not aligned")
+            half = self._rotary_half(d)
             plumbing = set(cq) | set(ck) | {pq.node, pk.node}
             targets: dict[fx.Node, set[int]] = {pq.node: set(), pk.node: set()}
             targets[pq.node] |= set(range(q0, q0 + H * d))
-            targets[pk.node] |= set(range(k0, k0 + H * d))
-            if pq.node is pk.node and q0 < k0 + H * d and k0 < q0 + H * d:
+            targets[pk.node] |= set(range(k0, k0 + Hk * d))
+            if pq.node is pk.node and q0 < k0 + Hk * d and k0 < q0 + H * d:
                 raise NoMatch("q and k use overlapping rows of one projection")
             for proj in {pq, pk}:
                 self._flow_check(proj, targets[proj.node], {q, k}, set(inner), "q/k")
@@ -473,7 +474,7 @@ class _Finder:
                 op = self.op(n)[0]
                 if op == "sdpa":
                     extra = list(n.args[3:]) + [n.kwargs.get("attn_mask")]
-                elif op in ("add", "maybe_add_mask"):
+                elif op in ("add", "maybe_add_mask", "masked_fill"):  # a bias or mask on the scores (nanoGPT's sliced buffer)
                     extra = list(n.args[1:]) + list(n.kwargs.values())
                 else:
                     continue
@@ -482,22 +483,49 @@ class _Finder:
                         raise NoMatch("a tensor added to the attention scores depends on q or k")
             self._check_private(inner[:-1], set(inner), "scores")
             q_bias = pq.bias_members(q0, H * d, 1, "q")
-            pk.bias_members(k0, H * d, -1, "k", fixed_ok=True)  # left out (see below), but it must be a known bias
+            pk.bias_members(k0, Hk * d, -1, "k", fixed_ok=half is None)  # left out (see below), but it must be a known bias
+            if rk > 1 or half is not None:
+                return qk_group_sites((pq, q0), (pk, k0), (Hk, rk, d), half, where, self._gi)
         except NoMatch as e:
             return f"no (GL)^h site on (Q, K): {e}"
-        members: list[tuple[str | None, dict[str, Any]]] = [(pq.weight, row_range(q0, H * d, pq.out_features, 1))]
+        members: list[tuple[str | None, dict[str, Any]]] = [(pq.weight, pq.rows(q0, H * d, 1))]
         members += q_bias
-        members.append((pk.weight, row_range(k0, H * d, pk.out_features, -1)))
+        members.append((pk.weight, pk.rows(k0, H * d, -1)))
         info = {"heads": H, "head_dim": d, "module": where, "key_bias": "left out: softmax ignores it"}
-        return DirectSite(
-            "attention_qk_gl", "general", members, H if H > 1 else None, 1, "Zhao 2026, Ex. 1.2.11-1.2.12", where, info, "exact", self._gi
-        )
+        return [
+            DirectSite(
+                "attention_qk_gl",
+                "general",
+                members,
+                H if H > 1 else None,
+                1,
+                "Zhao 2026, Ex. 1.2.11-1.2.12",
+                where,
+                info,
+                "exact",
+                self._gi,
+            )
+        ]
 
-    def vo_site(self, v_arg: Argument, out: fx.Node, where: str) -> DirectSite | str:
+    def _rotary_half(self, d: int) -> tuple[int, int] | None:
+        """(half, rotated dims) when q and k pass the same rotate-half embedding, ``None`` when neither does."""
+        rq, rk = self.rotary.get("q"), self.rotary.get("k")
+        if rq is None and rk is None:
+            return None
+        if rq is None or rk is None:
+            raise NoMatch("only one of q and k passes a rotary embedding")
+        if (rq.half, rq.dims) != (rk.half, rk.dims) or rq.dims > d:
+            raise NoMatch("q and k are rotated differently")
+        return rq.half, rq.dims
+
+    def vo_site(self, v_arg: Argument, out: fx.Node, where: str) -> list[DirectSite] | str:
         try:
             v = as_node(v_arg, "v")
             pv, cv, lv = self._chain(v, "v")
-            v0, H, dv, hv = self.heads(lv, -1, "v")
+            v0, Hv, dv, hv, rv = self.heads(lv, -1, "v")
+            H = self.shape(out)[hv] if hv is not None else Hv * rv  # heads reading the values
+            if H % Hv or rv not in (1, H // Hv) or (rv == 1 and H != Hv and out not in self.gqa):
+                raise NoMatch(f"{H} heads read {Hv} value heads")
             # forward from the core output to the output projection
             layout = Layout([None] * len(self.shape(out)))
             layout.axes[-1] = [(dv, 1)]
@@ -511,7 +539,7 @@ class _Finder:
                     raise NoMatch("the attention output is used more than once")
                 nxt = users[0]
                 proj = self.projection(nxt)
-                if proj is not None and nxt.args[0] is cur:
+                if proj is not None and proj.input() is cur:
                     break
                 op, describe = self.op(nxt)
                 if (
@@ -527,17 +555,21 @@ class _Finder:
             feat = merge([x for x in (layout.axes[-1] or []) if x[0] > 1])
             if any(ax for ax in layout.axes[:-1]) or feat != [(H * dv, 1)] or layout.offset or proj.in_features != H * dv:
                 raise NoMatch("the output projection does not read the heads as contiguous column blocks")
-            self._flow_check(pv, set(range(v0, v0 + H * dv)), {v}, {out}, "v")
-            v_bias = pv.bias_members(v0, H * dv, 1, "v")
+            self._flow_check(pv, set(range(v0, v0 + Hv * dv)), {v}, {out}, "v")
+            v_bias = pv.bias_members(v0, Hv * dv, 1, "v")
+            if H != Hv:
+                return vo_group_sites((pv, v0), proj, (Hv, H // Hv, dv), where, self._gi)
         except NoMatch as e:
             return f"no (GL)^h site on (V, O): {e}"
-        members: list[tuple[str | None, dict[str, Any]]] = [(pv.weight, row_range(v0, H * dv, pv.out_features, 1))]
+        members: list[tuple[str | None, dict[str, Any]]] = [(pv.weight, pv.rows(v0, H * dv, 1))]
         members += v_bias
-        members.append((proj.weight, {"axis": 1, "power": -1}))
+        members.append((proj.weight, proj.columns(-1)))
         info = {"heads": H, "head_dim": dv, "module": where}
-        return DirectSite(
-            "attention_vo_gl", "general", members, H if H > 1 else None, 1, "Zhao 2026, Ex. 1.2.12", where, info, "exact", self._gi
-        )
+        return [
+            DirectSite(
+                "attention_vo_gl", "general", members, H if H > 1 else None, 1, "Zhao 2026, Ex. 1.2.12", where, info, "exact", self._gi
+            )
+        ]
 
 
 def find_attention_sites(traced: TracedGraph, gi: int, rel: Relations) -> tuple[list[DirectSite], list[tuple[str, str, str]]]:

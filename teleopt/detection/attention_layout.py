@@ -50,6 +50,32 @@ class Projection:
     #: the bias as pieces of rows: one parameter piece for a plain bias; timm BEiT/EVA/SwinV2 pass
     #: ``torch.cat((q_bias, k_bias, v_bias))`` (k_bias a zero buffer or ``zeros_like``)
     bias_pieces: tuple[BiasPiece, ...] = ()
+    #: the weight axis of the output features (0: ``F.linear``'s (out, in); 1: ``addmm``'s (in, out), GPT-2's Conv1D)
+    weight_axis: int = 0
+    #: which argument of the call is the projection's input (0: ``linear(x, W)``; 1: ``addmm(b, x, W)``)
+    input_index: int = 0
+
+    def input(self) -> Argument:
+        """The input the projection reads."""
+        args = self.node.args
+        return args[self.input_index] if len(args) > self.input_index else None
+
+    def rows(self, start: int, length: int, power: int, outer: int = 1) -> dict:
+        """Member fields of the weight's output features [start, start + length), viewed as (outer, n)."""
+        fields = row_range(start, length, self.out_features, power)
+        fields["axis"] = self.weight_axis
+        if outer > 1:
+            fields.update(start=start, stop=start + length, outer=outer)
+        return fields
+
+    def columns(self, power: int, start: int | None = None, length: int = 0, outer: int = 1) -> dict:
+        """Member fields of the weight's input features (all, or [start, start + length) viewed as (outer, n))."""
+        fields: dict = {"axis": 1 - self.weight_axis, "power": power}
+        if start is not None:
+            fields.update(start=start, stop=start + length)
+        if outer > 1:
+            fields["outer"] = outer
+        return fields
 
     def bias_members(self, start: int, length: int, power: int, what: str, fixed_ok: bool = False) -> list[tuple[str, dict]]:
         """Members moving the bias of rows [start, start+length) like those rows (fail closed on a fixed piece).
@@ -72,6 +98,16 @@ class Projection:
                 raise NoMatch(f"the bias of rows {start}..{stop} of {self.weight} is split across several parameters")
             assert p.name is not None
             members.append((p.name, row_range(start - p.start, length, p.stop - p.start, power)))
+        return members
+
+    def bias_rows(self, start: int, length: int, power: int, outer: int = 1) -> list[tuple[str, dict]]:
+        """:meth:`bias_members`, the bias viewed as (outer, n) like the rows."""
+        members = self.bias_members(start, length, power, "rows")
+        if outer > 1:
+            for _, fields in members:
+                fields.setdefault("start", start)
+                fields.setdefault("stop", start + length)
+                fields["outer"] = outer
         return members
 
 

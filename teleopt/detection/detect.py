@@ -167,7 +167,7 @@ def _find(
         if not str(e).startswith("could not trace") or not any(True for _ in model.children()) or isinstance(model, _Call):
             raise
         report = _find_children(model, inputs, kwargs, loss, include_discrete, include_approximate, include_frozen, str(e))
-        report.sites = _name(_dedupe(report.sites + lora.sites + stream.sites), module_order(model))
+        report.sites = _name(_dedupe(lora.sites + report.sites + stream.sites), module_order(model))  # a LoRA pair keeps its name
         report.skipped += [SkippedEntry("site", where, f"LoRA adapter {reason}") for where, reason in lora.skipped]
         report.skipped += [SkippedEntry(*entry) for entry in stream.skipped]
         return _certified(model, report, inputs, kwargs, certify, certify_seed, ("eval", "train"), start)
@@ -183,7 +183,7 @@ def _find(
     kinds = KINDS if include_discrete else ("general", "diagonal")
     generic, notes = class_sites(rel, order, kinds)
     attention, notes2 = direct_sites(rel, len(graphs))
-    sites = attention + generic + lora.sites + stream.sites
+    sites = lora.sites + attention + generic + stream.sites  # first of equal sites is kept: a LoRA pair keeps its name
     if loss == "cross_entropy":
         translation, notes3 = softmax_translation_sites(graphs, rel)
         sites += translation
@@ -394,7 +394,7 @@ def _find_children(model, inputs, kwargs, loss, include_discrete, include_approx
                 elif param.kind == param.VAR_POSITIONAL:
                     ok = ok and not value
                 else:
-                    call[pname] = value
+                    call[pname] = None if _is_cache(value) else value
             if not ok:
                 skipped.append(SkippedEntry("module", full, "called with *args: not analysed on its own"))
                 continue
@@ -423,6 +423,11 @@ def _find_children(model, inputs, kwargs, loss, include_discrete, include_approx
     if loss == "cross_entropy":
         skipped.append(SkippedEntry("site", "softmax_translation", "the root forward could not be traced"))
     return SymmetryReport(sites=_name(_dedupe(kept), module_order(model)), skipped=skipped, frozen=frozen, model=type(model).__name__)
+
+
+def _is_cache(value: Any) -> bool:
+    """A transformers key/value cache: stateful (each call appends to it), so a submodule is analysed without it."""
+    return any(c.__name__.endswith("Cache") and c.__module__.startswith("transformers") for c in type(value).__mro__)
 
 
 def _shared_tensor_names(model: nn.Module) -> set[str]:

@@ -9,12 +9,14 @@ which the rule driver reports and turns into frozen axes (detection fails closed
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch.fx as fx
 from torch.fx.node import Argument
 
-__all__ = ["Argument", "arg", "tensor_arg", "optional_tensor_arg", "int_arg", "float_arg", "dims_arg", "ints", "nodes_in"]
+__all__ = ["Argument", "positional", "arg", "tensor_arg", "optional_tensor_arg", "int_arg", "float_arg", "dims_arg", "ints", "nodes_in"]
 
 
 def arg(node: fx.Node, i: int, name: str, default: Argument = None) -> Argument:
@@ -22,6 +24,33 @@ def arg(node: fx.Node, i: int, name: str, default: Argument = None) -> Argument:
     if len(node.args) > i:
         return node.args[i]
     return node.kwargs.get(name, default)
+
+
+def positional(node: fx.Node, fn: Callable[..., Any]) -> None:
+    """Rewrite ``node`` so that keyword arguments naming leading positional parameters of ``fn`` are positional.
+
+    ``module(input=x)`` and ``F.dropout(input=x, p=0.1)`` become ``module(x)`` and
+    ``F.dropout(x, 0.1)``: rules may then read the input as ``node.args[0]``.  A gap
+    before a keyword argument is filled with the parameter's default; without one
+    (or without a signature) the call is left as it is.
+    """
+    if not node.kwargs:
+        return
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):  # a builtin without a signature: its first parameter is its input
+        params = [inspect.Parameter("input", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    kwargs = dict(node.kwargs)
+    last = max((i for i, p in enumerate(params) if p.name in kwargs), default=-1)
+    args = list(node.args)
+    for p in params[len(args) : last + 1]:
+        if p.name in kwargs:
+            args.append(kwargs.pop(p.name))
+        elif p.default is not inspect.Parameter.empty:
+            args.append(p.default)
+        else:
+            return
+    node.args, node.kwargs = tuple(args), kwargs
 
 
 def _wrong(node: fx.Node, name: str, value: object, expected: str) -> TypeError:

@@ -117,6 +117,7 @@ _FUNCTIONS: dict[str, tuple] = {
     "clamp": (torch.clamp, torch.clip),
     "matmul": (operator.matmul, torch.matmul, torch.bmm, torch.mm),
     "linear": (F.linear,),
+    "addmm": (torch.addmm,),
     "conv": (F.conv1d, F.conv2d, F.conv3d),
     "conv_transpose": (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d),
     "embedding": (F.embedding,),
@@ -245,7 +246,7 @@ _METHODS: dict[str, tuple[str, ...]] = {
     "split": ("split", "chunk", "tensor_split", "unbind"),
     "narrow": ("narrow",),
     "select": ("select",),
-    "identity_like": ("contiguous", "clone", "detach", "to", "float", "double", "half", "bfloat16", "type_as", "requires_grad_"),
+    "identity_like": ("contiguous", "clone", "detach", "to", "type", "float", "double", "half", "bfloat16", "type_as", "requires_grad_"),
     "compare": (
         "gt",
         "lt",

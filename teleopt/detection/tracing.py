@@ -6,8 +6,12 @@ with ``torch.fx`` (modules of ``torch.nn`` stay leaves, everything else is trace
 through, so a timm ``BatchNormAct2d`` shows its ``F.batch_norm`` and activation),
 then run the graph once on the example inputs to record shapes.
 
-A submodule whose ``forward`` cannot be traced (data-dependent control flow) is
-retried as an opaque leaf: detection then freezes every axis it touches and
+Code that reads shapes as python values (``B, T, C = x.size()``, ``(*x.shape[:-1],
+-1, d)``, transformers' attention) defeats plain symbolic tracing; such a model is
+traced again with the example values computed alongside, so that shapes, dtypes and
+devices are the example's python values (the graph is specialised to the example
+shapes, which is all detection reads).  A submodule whose ``forward`` still cannot be
+traced (data-dependent control flow) is retried as an opaque leaf: detection then freezes every axis it touches and
 reports it, instead of failing on the whole model.  The model is traced in train
 and in eval mode, because ``forward`` may branch on ``self.training``; the graphs
 are analysed together so that every site holds in both modes.
@@ -15,15 +19,18 @@ are analysed together so that every site holds in both modes.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
+
+from teleopt.detection.fx_args import positional
 
 __all__ = ["TensorMeta", "TracedGraph", "DetectionError", "trace_model", "module_path", "graph_arguments"]
 
@@ -104,6 +111,107 @@ class _Tracer(fx.Tracer):
             raise
 
 
+_SHAPE_ATTRIBUTES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "layout"})
+_SHAPE_METHODS = frozenset({"size", "dim", "numel", "is_floating_point", "get_device", "is_contiguous"})
+
+
+class _ShapeProxy(fx.Proxy):
+    """A proxy whose example value is known: its shape, dtype, device and length are python values."""
+
+    tracer: _ConcreteTracer
+
+    def __getattr__(self, k: str) -> Any:
+        value = self.tracer.example(self.node)
+        if isinstance(value, Tensor) and (k in _SHAPE_ATTRIBUTES or k in _SHAPE_METHODS):
+            return getattr(value, k)
+        return super().__getattr__(k)
+
+    def __len__(self) -> int:
+        value = self.tracer.example(self.node)
+        if isinstance(value, (Tensor, tuple, list)):
+            return len(value)
+        return super().__len__()
+
+    def __iter__(self) -> Any:
+        value = self.tracer.example(self.node)
+        if isinstance(value, (Tensor, tuple, list)):
+            return iter([self[i] for i in range(len(value))])  # type: ignore[index]
+        return super().__iter__()
+
+
+class _ConcreteTracer(_Tracer):
+    """``_Tracer`` that runs every traced op on the example values (real tensors, no gradient) as it records it.
+
+    Leaf modules run their real ``forward``; while they do, calls and attribute reads
+    are not recorded.  An op that cannot run leaves its value unknown (its proxy is
+    then a plain one).
+    """
+
+    def __init__(self, opaque: set[str], leaf_types: frozenset[type], inputs: dict[str, Any]) -> None:
+        super().__init__(opaque, leaf_types)
+        self.inputs = inputs
+        self.values: dict[fx.Node, Any] = {}
+        self.running = 0
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _ShapeProxy(node, self)
+
+    def example(self, node: fx.Node) -> Any:
+        return self.values.get(node, None)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        if self.running:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, fx.Proxy]) -> Any:
+        if self.running:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        if not self.running:
+            self._run(node)
+        return node
+
+    def _run(self, node: fx.Node) -> None:
+        missing = object()
+        unknown = [n for n in node.all_input_nodes if n not in self.values]
+        if unknown:
+            return
+        args = fx.node.map_arg(node.args, lambda n: self.values[n])
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: self.values[n])
+        self.running += 1
+        try:
+            with torch.no_grad():
+                if node.op == "placeholder":
+                    value = self.inputs.get(str(node.target).lstrip("*"), missing)
+                elif node.op == "get_attr":
+                    value = _fetch(self.root, str(node.target))
+                elif node.op == "call_function":
+                    value = node.target(*args, **kwargs)  # type: ignore[operator]
+                elif node.op == "call_method":
+                    value = getattr(args[0], str(node.target))(*args[1:], **kwargs)
+                elif node.op == "call_module":
+                    value = self.root.get_submodule(str(node.target)).forward(*args, **kwargs)
+                else:
+                    value = missing
+        except Exception:  # noqa: BLE001 - the value stays unknown; tracing goes on as plain fx would
+            value = missing
+        finally:
+            self.running -= 1
+        if value is not missing:
+            self.values[node] = value
+
+
+def _fetch(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def _forward_parameters(model: nn.Module) -> list[inspect.Parameter]:
     return list(inspect.signature(model.forward).parameters.values())
 
@@ -166,15 +274,25 @@ def graph_arguments(model: nn.Module, inputs: Sequence[Any], kwargs: dict[str, A
 
 
 def _trace_once(
-    model: nn.Module, n_inputs: int, kwargs: dict[str, Any] | None = None, leaf_types: frozenset[type] = frozenset()
+    model: nn.Module, inputs: Sequence[Any], kwargs: dict[str, Any] | None = None, leaf_types: frozenset[type] = frozenset()
 ) -> tuple[fx.Graph, set[str], list[str]]:
     opaque: set[str] = set()
     failures: list[str] = []
-    concrete = _concrete_args(model, n_inputs, kwargs)
+    concrete = _concrete_args(model, len(inputs), kwargs)
+    try:
+        graph = _Tracer(opaque, leaf_types).trace(model, concrete_args=concrete or None)
+        _positional_calls(graph, model)
+        return graph, opaque, failures
+    except Exception:  # noqa: BLE001 - retried with example values (python shapes), then with opaque submodules
+        pass
+    params = [p.name for p in _forward_parameters(model) if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    values = dict(zip(params, graph_arguments(model, inputs, kwargs)))
     for _ in range(_MAX_OPAQUE):
-        tracer = _Tracer(opaque, leaf_types)
+        tracer = _ConcreteTracer(opaque, leaf_types, values)
         try:
-            graph = tracer.trace(model, concrete_args=concrete or None)
+            with _restored(model):
+                graph = tracer.trace(model, concrete_args=concrete or None)
+            _positional_calls(graph, model)
             return graph, opaque, failures
         except Exception as e:  # fx raises many types (TraceError, TypeError, RuntimeError, ...)
             where = tracer.failed_in
@@ -183,6 +301,30 @@ def _trace_once(
             opaque.add(where)
             failures.append(f"{where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     raise DetectionError(f"could not trace {type(model).__name__}: more than {_MAX_OPAQUE} untraceable submodules")
+
+
+@contextlib.contextmanager
+def _restored(model: nn.Module) -> Iterator[None]:
+    """Buffers and the RNG state as they were (ops run on example values may update or draw them)."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+
+def _positional_calls(graph: fx.Graph, model: nn.Module) -> None:
+    """Inputs of torch's modules and functions passed by keyword (``linear(input=x)``) become positional, as rules read them."""
+    for node in graph.nodes:
+        if node.op == "call_module":
+            module = model.get_submodule(str(node.target))
+            if type(module).__module__.startswith("torch."):
+                positional(node, module.forward)
+        elif node.op == "call_function" and str(getattr(node.target, "__module__", None)).startswith("torch"):
+            positional(node, node.target)
 
 
 def _meta(value: Any) -> Any:
@@ -283,7 +425,7 @@ def trace_model(
     try:
         for mode in ("eval", "train"):
             model.train(mode == "train")
-            graph, opaque, failures = _trace_once(model, len(inputs), kwargs, leaf_types)
+            graph, opaque, failures = _trace_once(model, inputs, kwargs, leaf_types)
             opaque_all.extend(f for f in failures if f not in opaque_all)
             traced = TracedGraph(mode, graph, {}, dict(model.named_modules()), frozenset(opaque))
             if graphs and graphs[0].signature() == traced.signature():

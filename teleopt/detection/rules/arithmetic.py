@@ -46,11 +46,12 @@ def binary(ctx: RuleContext, op: str) -> None:
     b_arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
     ka, a = _operand(ctx, a_arg)
     kb, b = _operand(ctx, b_arg)
+    if ka == "scalar" and kb == "scalar":  # constants (or python values: shape tuples joined with +)
+        for ref in ctx.outputs():
+            ctx.block_tensor(ALL, ref, "arithmetic on constants")
+        return
     out = ctx.output()
     oshape = ctx.meta(out)
-    if ka == "scalar" and kb == "scalar":
-        ctx.block_tensor(ALL, out, "arithmetic on constants")
-        return
     if ka == "scalar" or kb == "scalar":
         scalar, tensor_kind, t_arg = (a, kb, b) if ka == "scalar" else (b, ka, a)
         t = ctx.tensor(t_arg) if tensor_kind == "view" else t_arg

@@ -83,6 +83,16 @@ class RuleContext(NodeContext):
 
     def fail_closed(self, describe: str) -> None:
         """No rule applies: every axis the node touches is frozen, and the op is reported."""
+        self._freeze_all()
+        self.rel.skipped.append(("op", self.where, f"{describe} has no detection rule: the axes it touches are frozen"))
+
+    def internal_error(self, describe: str, error: Exception) -> None:
+        """A built-in rule raised (a bug in teleopt): every axis the node touches is frozen, and the error is reported."""
+        self._freeze_all()
+        reason = f"internal error: the detection rule of {describe} raised {type(error).__name__}: {error}; the axes it touches are frozen"
+        self.rel.skipped.append(("internal_error", self.where, reason))
+
+    def _freeze_all(self) -> None:
         node = self.node
         for a in nodes_in((node.args, node.kwargs)):
             if self.is_operand(a):
@@ -93,7 +103,6 @@ class RuleContext(NodeContext):
                 for pname, _ in module.named_parameters(recurse=True):
                     self.param(_owner(module, pname), pname.rsplit(".", 1)[-1], role="opaque")
         self.outputs()
-        self.rel.skipped.append(("op", self.where, f"{describe} has no detection rule: the axes it touches are frozen"))
 
     def seal(self) -> None:
         """Involve what a user rule left out, so that its unmentioned axes are blocked (fail closed).

@@ -5,10 +5,16 @@ that view ops relabel without stating relations; every other node gets the rule 
 its canonical op from :data:`~teleopt.detection.rules.table.RULES`.  A node without
 a rule, or whose rule raises, freezes every axis it touches and is reported (fail
 closed); a rule registered by the user is sealed: what it leaves out is frozen.
+
+A built-in rule that raises is a bug in teleopt, not a missing rule: the node is
+still frozen, but the report names it an internal error (kind ``"internal_error"``),
+and with the environment variable ``TELEOPT_DETECTION_STRICT=1`` (the test suite
+sets it) the error is raised instead.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch.fx as fx
@@ -22,7 +28,15 @@ from teleopt.detection.rules.table import RULES
 from teleopt.detection.tracing import TensorMeta, TracedGraph
 from teleopt.detection.views import view_through
 
-__all__ = ["run_rules"]
+__all__ = ["run_rules", "RuleError", "STRICT_ENV"]
+
+#: environment variable that makes a failing built-in rule raise :class:`RuleError`
+STRICT_ENV = "TELEOPT_DETECTION_STRICT"
+
+
+class RuleError(RuntimeError):
+    """A built-in detection rule raised (strict mode, ``TELEOPT_DETECTION_STRICT=1``): a bug in teleopt."""
+
 
 _VIEW_OPS = {"reshape", "permute", "expand", "identity_like", "identity", "getitem_view"}
 
@@ -64,15 +78,21 @@ def _node(model: nn.Module, rel: Relations, traced: TracedGraph, gi: int, node: 
         else:
             ctx.constant()
     else:
+        user = is_user_op(node, traced)
         try:
             rule(ctx)
-            if is_user_op(node, traced):
+            if user:
                 ctx.seal()
-        except Exception as e:  # a call the rule does not understand: fail closed (relations
-            # it stated before failing are true of the op; blocking everything it touches dominates them)
+        except Exception as e:  # fail closed (relations it stated before failing are true of the op;
+            # blocking everything it touches dominates them)
+            if not user and os.environ.get(STRICT_ENV, "") not in ("", "0"):
+                raise RuleError(f"the detection rule of {describe} ({node.name}) raised {type(e).__name__}: {e}") from e
             ctx.finish()
             ctx = RuleContext(rel, traced, gi, node, describe)
-            ctx.fail_closed(f"{describe} (its rule failed: {type(e).__name__}: {e})")
+            if user:
+                ctx.fail_closed(f"{describe} (its rule failed: {type(e).__name__}: {e})")
+            else:
+                ctx.internal_error(describe, e)
     _dead(ctx)
     ctx.finish()
 

@@ -52,6 +52,25 @@ def _linear(ctx: RuleContext) -> None:
     linear(ctx, x, w, b)
 
 
+def _addmm(ctx: RuleContext) -> None:
+    """out = b + x @ W with W of shape (in, out) (transformers' ``Conv1D``, GPT-2): a linear layer with W transposed."""
+    node = ctx.node
+    if any(float_value not in (None, 1, 1.0) for float_value in (node.kwargs.get("beta"), node.kwargs.get("alpha"))):
+        raise TypeError(f"{ctx.describe} with beta or alpha other than 1")
+    b = ctx.tensor(tensor_arg(node, 0, "input"), role="bias")
+    x = ctx.tensor(tensor_arg(node, 1, "mat1"))
+    w = ctx.tensor(tensor_arg(node, 2, "mat2"), role="weight")
+    out = ctx.output()
+    if len(ctx.meta(b)) != 1 or len(ctx.meta(x)) != 2:
+        raise TypeError(f"{ctx.describe} with a bias that is not a vector or an input that is not a matrix")
+    ctx.unify(ALL, (out, 1), (w, 1))
+    ctx.unify(ALL, (out, 1), (b, 0))
+    ctx.unify(ALL, (x, 1), (w, 0), -1.0)
+    ctx.unify(P, (x, 0), (out, 0))
+    ctx.block(GD, (x, 0), "a layer with a bias is affine along this axis")
+    ctx.block(GD, (out, 0), "a layer with a bias is affine along this axis")
+
+
 def _matmul(ctx: RuleContext) -> None:
     node = ctx.node
     a, b = ctx.tensor(node.args[0], role="left"), ctx.tensor(node.args[1], role="right")
@@ -221,6 +240,7 @@ def _embedding(ctx: RuleContext) -> None:
 RULES: dict[str, OpRule] = {
     "linear": _linear,
     "matmul": _matmul,
+    "addmm": _addmm,
     "conv": _conv_forward,
     "conv_transpose": _conv_transpose,
     "embedding": _embedding,

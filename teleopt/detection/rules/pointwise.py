@@ -15,6 +15,7 @@ from teleopt.detection.fx_args import arg, nodes_in
 from teleopt.detection.ops import POINTWISE, Pointwise
 from teleopt.detection.relations import DP, D, G, P
 from teleopt.detection.rules.context import OpRule, RuleContext
+from teleopt.detection.tracing import TensorMeta
 
 __all__ = ["RULES", "pointwise", "pointwise_rule"]
 
@@ -81,6 +82,9 @@ def _activation(name: str) -> OpRule:
 
 
 def _identity(ctx: RuleContext) -> None:
+    if not isinstance(ctx.value(ctx.node), TensorMeta):  # x.type() without a dtype: the type's name
+        ctx.constant()
+        return
     ctx.same(ctx.node.args[0])
 
 
