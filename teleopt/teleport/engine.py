@@ -46,6 +46,7 @@ from teleopt.teleport.evaluator import Evaluator
 from teleopt.teleport.fast_path import FastEvaluator, fast_path_eligible, member_tensors
 from teleopt.teleport.general_path import GeneralEvaluator, double_backward_hint
 from teleopt.teleport.objectives import Objective
+from teleopt.teleport.precision import Precision
 from teleopt.teleport.report import TeleportReport
 from teleopt.teleport.safety import Caps, InverseSnapshot, SafetyConfig, Snapshot, StabilityCap, stability_cap
 from teleopt.teleport.search import SearchConfig, SearchProblem, SearchResult
@@ -86,7 +87,7 @@ class TeleportRequest:
     """One call for a teleport: the loss at w (from the closure, if any), the closure to re-run
     after it, the teleport batch and the held-out batch; for the check (:mod:`~teleopt.teleport.check`)
     the probe inputs and where they came from, the RNG seed of its forwards and the closure's
-    output leaves at w; the sites left out and why."""
+    output leaves at w; the sites left out and why; the precision the model trains in."""
 
     loss: Any
     closure: Callable[[], Any] | None
@@ -97,6 +98,7 @@ class TeleportRequest:
     seed: int = 0
     closure_outputs: list[Tensor] | None = None
     skipped: dict[str, str] = field(default_factory=dict)
+    precision: Precision = field(default_factory=Precision)
 
 
 @dataclass
@@ -248,12 +250,15 @@ class TeleportEngine:
     def plan_check(self, sites: Sequence[Site], request: TeleportRequest) -> OutputCheck | None:
         """What the outputs are compared on: the batch, the closure's forwards or probe inputs (in that order)."""
         if request.batch is not None:
-            return OutputCheck.of_sites("batch", request.batch, None, request.seed, sites, "teleport batch")
-        if request.closure is not None:
+            check = OutputCheck.of_sites("batch", request.batch, None, request.seed, sites, "teleport batch")
+        elif request.closure is not None:
             return OutputCheck.of_sites("closure", None, None, request.seed, sites, "closure")
-        if request.probe is not None:
-            return OutputCheck.of_sites("probe", request.probe, False, request.seed, sites, request.probe_source)
-        return None
+        elif request.probe is not None:
+            check = OutputCheck.of_sites("probe", request.probe, False, request.seed, sites, request.probe_source)
+        else:
+            return None
+        check.precision = request.precision  # compared in the training precision too
+        return check
 
     def _reference(self, check: OutputCheck, request: TeleportRequest) -> Any:
         """The check's outputs before the teleport (the model output; a reason string to decline with)."""
@@ -477,22 +482,23 @@ class TeleportEngine:
             plan.after = output_leaves(self.check_forward(check))
         moves = plan.need_evaluator().moves_gradients
         if not moves and request.closure is not None:
-            loss = self.rerun_closure(request.closure)
+            loss = self.rerun_closure(request.closure, precision=request.precision)
             if fmodel is None and loss is not None:
                 loss_after = float(loss)
         elif not moves and fmodel is not None and request.batch is not None:
             plan.ctx.fresh_gradients(fmodel, request.batch)
         elif request.closure is not None and fmodel is None:
-            loss = self.rerun_closure(request.closure, plan if check.kind == "closure" else None)
+            loss = self.rerun_closure(request.closure, plan if check.kind == "closure" else None, request.precision)
             loss_after = None if loss is None else float(loss)
         report.loss_after = loss_after
         return loss
 
-    def rerun_closure(self, closure: Callable[[], Any], plan: Plan | None = None) -> Any:
-        """Run the closure again at g . w with the module's buffers restored afterwards; with the
-        ``plan`` of a closure check, under its RNG seed, recording the model's outputs as ``plan.after``."""
+    def rerun_closure(self, closure: Callable[[], Any], plan: Plan | None = None, precision: Precision | None = None) -> Any:
+        """Run the closure again at g . w with the module's buffers restored afterwards, in ``precision`` (the
+        training precision it ran in before); with the ``plan`` of a closure check, under its RNG seed,
+        recording the model's outputs as ``plan.after``."""
         module = self.config.module
-        with buffers_restored(module):
+        with buffers_restored(module), (precision or Precision()).forward():
             if plan is None or plan.check is None:
                 loss = OptimizerWrapper._run_closure(closure)
             else:

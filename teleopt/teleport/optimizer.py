@@ -52,6 +52,7 @@ from teleopt.teleport.fast_path import fast_path_eligible
 from teleopt.teleport.lookahead import LookaheadView
 from teleopt.teleport.objectives import Objective, get_objective
 from teleopt.teleport.paper_compat import PaperCompatEngine, check_paper_compat_sites
+from teleopt.teleport.precision import PrecisionRecorder, full_precision
 from teleopt.teleport.report import TeleportReport
 from teleopt.teleport.safety import SafetyConfig, default_loss_tol
 from teleopt.teleport.schedule import Schedule
@@ -224,7 +225,8 @@ class Teleport(OptimizerWrapper):
         self._hooks: OrderedDict[int, TeleportHook] = OrderedDict()
         self.reports: list[TeleportReport] = []
         self._sparse_warned: set[str] = set()
-        self._probe = ProbeRecorder()
+        self._probe, self._precision = ProbeRecorder(), PrecisionRecorder()  # the latter: the training forward's autocast
+        weakref.finalize(self, self._hook_target.register_forward_pre_hook(self._precision).remove)
         if self._example is None:
             handle = self._hook_target.register_forward_pre_hook(self._probe, with_kwargs=True)
             weakref.finalize(self, handle.remove)  # the hook goes when the wrapper does
@@ -429,7 +431,8 @@ class Teleport(OptimizerWrapper):
         if self.base_needs_closure and (due or record.watch is not None):
             loss = self._run_closure(closure)
         if record.watch is not None and record.watch.triggered(self._grads(), loss, self._safety.watch_factor):
-            self._rollback_watch(record.step)
+            with full_precision():
+                self._rollback_watch(record.step)
             record.step += 1
             return loss
         if due:
@@ -507,8 +510,8 @@ class Teleport(OptimizerWrapper):
         movable = self._movable(sites)
         skipped.update({s.name: "a member has a sparse gradient" for s in sites if s not in movable})
         probe, source = self._probe_inputs()
-        request = replace(request, probe=probe, probe_source=source, skipped=skipped)
-        with self._probe.pause():
+        request = replace(request, probe=probe, probe_source=source, skipped=skipped, precision=self._precision.training())
+        with self._probe.pause(), self._precision.pause(), full_precision():  # autocast never computes a teleport
             report, loss = self._engine.run(movable, request)
         if report.accepted:
             restart_curvature_history(self.innermost)
