@@ -324,7 +324,7 @@ class TeleportEngine:
             result = self.config.search.strategy_for(self.config.objective, start.problem).search(start.problem)
         report.objective_before = self._objective_before(start, result)
         caps = self._caps(plan, start)
-        coords, shrink = shrink_to_feasible(result.coords, caps.feasible)
+        coords, shrink = shrink_to_feasible(start.problem.within_roundoff(result.coords, plan.request.precision), caps.feasible)
         coords = exact_in_dtype(plan.sites, start.problem.groups, coords, plan.ctx.tensors)
         broadcast_(coords)
         report.shrink = shrink
@@ -334,7 +334,7 @@ class TeleportEngine:
             report.reason = "declined: the search returned non-finite coordinates"
             return None
         if all(v == 0.0 for v in norms):
-            report.reason = "declined: the caps allow no move" if shrink == 0.0 else "declined: no improvement found"
+            report.reason = "declined: " + ("the caps allow no move" if shrink == 0.0 else "no improvement found" + start.problem.limits())
             return None
         return self._chosen(plan, start, coords)
 
