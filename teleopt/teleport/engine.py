@@ -343,7 +343,7 @@ class TeleportEngine:
         radii = [r for r in radii if r is not None]
         if not radii:
             return None
-        return float(min(radii)) * self.record.backoff
+        return float(min(radii)) * self.record.backoff * float(site.info.get("trust_fraction", 1.0))  # teleopt.detection.overlap
 
     def _start(self, plan: Plan) -> _Start:
         evaluator, sites, ctx = plan.need_evaluator(), plan.sites, plan.ctx
