@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -78,24 +79,43 @@ def test_merging_keeps_sites_on_different_axes_and_is_idempotent():
     assert "gl_linear@o" in {s.name for s in report.sites}  # o rows vs the V/O group's o columns: another axis
 
 
-def test_the_combined_move_of_each_axis_stays_within_one_trust_region():
-    model, x, report = _detected()
-    y = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(5))
-    opt = teleopt.Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, report.continuous_sites, loss_fn=F.cross_entropy)
-    F.cross_entropy(model(x), y).backward()
-    tele = opt.teleport(batch=(x, y))
-    assert tele.accepted, tele.reason
+def _largest_row_moves(model: nn.Module, sites: list, elements: dict, names: tuple[str, ...]) -> list[float]:
+    """The largest singular value of the combined map on the rows of each named projection (every element
+    acting on identity matrices), checked to lie in [e^-r, e^r] for the default radius r = log 4."""
     radius = math.log(4)
-    # the combined map on the rows of q, k, v and o: act on identity matrices with every element of the teleport
     probe = copy.deepcopy(model).double()
     with torch.no_grad():
-        for name in ("q", "k", "v", "o"):
+        for name in names:
             getattr(probe, name).weight.copy_(torch.eye(DIM, dtype=torch.float64))
-        for site in opt.sites or []:
-            site.apply_(probe, tele.elements[site.name])
+        for site in sites:
+            site.apply_(probe, elements[site.name])
     moved = []
-    for name in ("q", "k", "v"):
+    for name in names:
         sv = torch.linalg.svdvals(getattr(probe, name).weight.detach())
         assert float(sv.max()) <= math.exp(radius) * (1 + 1e-9) and float(sv.min()) >= math.exp(-radius) * (1 - 1e-9), (name, sv)
         moved.append(float(sv.max()))
-    assert max(moved) > 1.5  # a real move, not the identity
+    return moved
+
+
+def _teleported(model: nn.Module, x: torch.Tensor, sites: list) -> tuple[teleopt.Teleport, teleopt.teleport.TeleportReport]:
+    y = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(5))
+    opt = teleopt.Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, sites, loss_fn=F.cross_entropy)
+    F.cross_entropy(model(x), y).backward()
+    tele = opt.teleport(batch=(x, y))
+    assert tele.accepted, tele.reason
+    return opt, tele
+
+
+def test_the_combined_move_of_each_axis_stays_within_one_trust_region():
+    model, x, report = _detected()
+    opt, tele = _teleported(model, x, report.continuous_sites)
+    assert max(_largest_row_moves(model, opt.sites or [], tele.elements, ("q", "k", "v"))) > 1.5  # a real move
+
+
+def test_given_sites_that_share_an_axis_are_composed_not_dropped():
+    model, x, report = _detected()
+    vo = next(s for s in report.sites if s.action.name == "attention_vo_gl")
+    sites = [vo, replace(vo, name="vo_twin", info={})]
+    opt, tele = _teleported(model, x, sites)
+    assert [s.info.get("trust_fraction") for s in opt.sites or []] == [0.5, 0.5]
+    assert max(_largest_row_moves(model, opt.sites or [], tele.elements, ("v",))) > 1.2

@@ -35,7 +35,7 @@ from torch import nn
 
 from teleopt.site import Site, lookup_tensor
 
-__all__ = ["footprint", "merge_overlapping"]
+__all__ = ["compose_overlapping", "footprint", "merge_overlapping"]
 
 #: (tensor name, axis, start, stop): a part of one axis of one tensor a site acts on
 Part = tuple[str, int, int, int]
@@ -111,7 +111,16 @@ def merge_overlapping(model: nn.Module, sites: Sequence[Site]) -> tuple[list[Sit
                     f"merged into {sites[i].name}: both act on axis {axis} of {name} [{lo}:{hi}] and its group contains this "
                     "one's, so one element bounded by one trust region moves those axes"
                 )
-    live = [i for i in range(len(sites)) if i not in dropped and parts[i] is not None]
+    kept = compose_overlapping(model, [s for i, s in enumerate(sites) if i not in dropped])
+    return kept, [("site", sites[j].name, why) for j, why in sorted(dropped.items())]
+
+
+def compose_overlapping(model: nn.Module, sites: Sequence[Site]) -> list[Site]:
+    """``sites`` with every continuous site that shares a part of an axis with another given
+    ``info["trust_fraction"] = 1 / k``, k the sites of its connected component of the overlap graph
+    (see module docs); the others as they are."""
+    parts = [footprint(model, s) if s.action.continuous else None for s in sites]
+    live = [i for i in range(len(sites)) if parts[i] is not None]
     root = {i: i for i in live}
 
     def find(i: int) -> int:
@@ -126,8 +135,6 @@ def merge_overlapping(model: nn.Module, sites: Sequence[Site]) -> tuple[list[Sit
     size = {r: sum(find(i) == r for i in live) for r in set(map(find, live))}
     out = []
     for i, site in enumerate(sites):
-        if i in dropped:
-            continue
         k = size[find(i)] if i in root else 1
         out.append(site if k == 1 else replace(site, info={**site.info, "trust_fraction": 1.0 / k}))
-    return out, [("site", sites[j].name, why) for j, why in sorted(dropped.items())]
+    return out
