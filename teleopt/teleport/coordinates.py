@@ -87,7 +87,8 @@ def within_roundoff(
     for site, group, xi, members, dtype in zip(sites, groups, coords, params, dtypes):
         statistics = getattr(site.action, "norm_statistics", None)
         stats = statistics(group, members) if statistics is not None and xi.numel() else None
-        iota = None if not stats else group.roundoff_amplification(stats, xi)
+        # on the search's device (the host for GL sites of a GPU model): the bisection then reads nothing back
+        iota = None if not stats else group.roundoff_amplification({p: v.to(xi.device) for p, v in stats.items()}, xi)
         if iota is None:
             out.append(xi)
             continue
