@@ -8,11 +8,13 @@ Two models (CPU, Adam lr 1e-3, the default ``Teleport`` with ``loss_fn`` and ``b
   sequence 16), with what ``find_symmetries`` finds plus a V/O GL(16) site per layer built by hand with
   the registry's ``attention_vo_gl`` (v_proj rows, o_proj columns: exact whatever the rotary embedding).
 
-Three runs per model:
+Four runs per model:
 
-1. ``float32 training``: forward, backward, ``step()`` with a teleport every ``--every`` steps,
+1. ``float32 training`` and ``bf16 training`` (the forward under ``torch.autocast("cpu",
+   torch.bfloat16)``, backward and ``step()`` outside it): a teleport every ``--every`` steps,
    ``--teleports`` teleports; counts teleports rolled back because the loss or the outputs changed
-   (round-off: the sites are exact) and float32 checks settled by the float64 re-run (inconclusive).
+   (round-off: the sites are exact; under autocast the check compares the bf16 forward too) and
+   float32 checks settled by the float64 re-run (inconclusive).
 2. ``float32 back to back``: ``--teleports`` teleports from one point with no step between them (each
    compounds on the last: the worst case for conditioning), the same counts.
 3. ``bf16 back to back``: the same after a forward under ``torch.autocast("cpu", torch.bfloat16)``
@@ -133,16 +135,19 @@ def _wrapper(model: nn.Module, sites: Any, batch: Callable[[int], Batch], loss_f
         )
 
 
-def training(name: str, args: argparse.Namespace) -> dict[str, Any]:
+def training(name: str, args: argparse.Namespace, bf16: bool) -> dict[str, Any]:
     model, sites, batch, loss_fn = MODELS[name](args.seed)
     opt = _wrapper(model, sites, batch, loss_fn, every=args.every, example_inputs=batch(0)[0][:2])
     start = time.perf_counter()
     for step in range(args.every * args.teleports):  # teleports at steps 0, every, 2 every, ...
         x, y = batch(step)
         opt.zero_grad()
-        loss_fn(model(x), y).backward()
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            out = model(x)
+        loss_fn(out, y).backward()
         opt.step()
-    return {"run": "float32 training", "model": name, "seconds": time.perf_counter() - start, **_counts(opt.reports)}
+    run = "bf16 training" if bf16 else "float32 training"
+    return {"run": run, "model": name, "seconds": time.perf_counter() - start, **_counts(opt.reports)}
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -207,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
     rows = []
     for name in models:
-        rows.append(training(name, args))
+        rows.append(training(name, args, bf16=False))
+        rows.append(training(name, args, bf16=True))
         rows.append(back_to_back(name, args, bf16=False))
         rows.append(back_to_back(name, args, bf16=True))
     print(table(rows))

@@ -15,7 +15,7 @@ def test_quick_run_has_no_round_off_rollback_and_bf16_stays_within_twice_its_rou
     out = tmp_path / "precision.json"
     bench.main(["--quick", "--json", str(out)])
     rows = {r["run"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"float32 training", "float32 back to back", "bf16 back to back"}
+    assert set(rows) == {"float32 training", "bf16 training", "float32 back to back", "bf16 back to back"}
     for row in rows.values():
         assert row["model"] == "llama" and row["teleports"] == 3
         assert row["rolled_back_roundoff"] == 0 and row["inconclusive_f32"] == 0  # main: from the third teleport on
