@@ -389,6 +389,8 @@ class GeneralLinear(_MatrixGroup):
             xi = xi.clamp(-radius, radius)
         return torch.where(mask, (W * xi.unsqueeze(-2)) @ W.mT, torch.zeros_like(A))
 
+    roundoff_growth: ClassVar[bool] = True
+
     def roundoff_amplification(self, stats: Mapping[float, Tensor], coords: Tensor) -> Callable[[Tensor], Tensor] | None:
         """iota(s) = ||g X||_F ||g^-T Y||_F / ||Y^T X||_* per block at g = exp(s xi), with X X^T = A and Y Y^T = B
         the Gram matrices of the writers (power +1) and readers (power -1) in ``stats``.

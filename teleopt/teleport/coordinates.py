@@ -86,7 +86,7 @@ def within_roundoff(
     out = []
     for site, group, xi, members, dtype in zip(sites, groups, coords, params, dtypes):
         statistics = getattr(site.action, "norm_statistics", None)
-        stats = statistics(group, members) if statistics is not None and xi.numel() else None
+        stats = statistics(group, members) if statistics is not None and group.roundoff_growth and xi.numel() else None
         # on the search's device (the host for GL sites of a GPU model): the bisection then reads nothing back
         iota = None if not stats else group.roundoff_amplification({p: v.to(xi.device) for p, v in stats.items()}, xi)
         if iota is None:
