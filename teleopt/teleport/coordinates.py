@@ -28,6 +28,7 @@ from torch import Tensor
 
 from teleopt.groups import Group
 from teleopt.numerics import read_together
+from teleopt.sharding import is_sharded
 from teleopt.site import Site
 
 __all__ = ["ROUNDOFF_CAPS", "zero_coordinates", "project_to_trust_region", "exact_in_dtype", "within_roundoff", "max_abs"]
@@ -81,12 +82,15 @@ def within_roundoff(
     ``dtypes`` being the precision each site's products are computed in (autocast's, or the members').
 
     Bounds the conditioning of the moved members, not only of the element, so repeated teleports cannot compound:
-    the bound holds at every point a teleport leads to.  Groups without round-off growth (scalings, O(n)) and
-    actions without norm statistics keep their coordinates."""
+    the bound holds at every point a teleport leads to.  Groups without round-off growth (scalings, O(n)),
+    actions without norm statistics and sites with sharded (FSDP2) members keep their coordinates."""
     out = []
     for site, group, xi, members, dtype in zip(sites, groups, coords, params, dtypes):
         statistics = getattr(site.action, "norm_statistics", None)
-        stats = statistics(group, members) if statistics is not None and group.roundoff_growth and xi.numel() else None
+        # sharded (FSDP2) members: no bound yet (their Gram matrices would need the whole members on every rank)
+        sharded = any(is_sharded(m) for m in members if m is not None)
+        usable = statistics is not None and group.roundoff_growth and xi.numel() and not sharded
+        stats = statistics(group, members) if statistics is not None and usable else None
         # on the search's device (the host for GL sites of a GPU model): the bisection then reads nothing back
         iota = None if not stats else group.roundoff_amplification({p: v.to(xi.device) for p, v in stats.items()}, xi)
         if iota is None:
