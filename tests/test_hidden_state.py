@@ -126,14 +126,15 @@ def _gl_teleport_counts() -> Counter[str]:
 
 def test_a_teleport_owns_a_group_cache_for_its_duration(monkeypatch):
     """Teleport activates a GroupCache per teleport: the GL boundary point's exp comes from its remembered
-    eigendecomposition (no matrix_exp) and each contragredient is solved once; with the cache never
-    activated the same teleport needs matrix_exp and more solves (same result, more work)."""
+    eigendecomposition and each contragredient is solved once (the one matrix_exp left is the round-off
+    bound's, ``GeneralLinear.roundoff_amplification``, at a shrunk point); with the cache never activated
+    the same teleport needs more matrix_exp and more solves (same result, more work)."""
     cached = _gl_teleport_counts()
-    assert cached["matrix_exp"] == 0 and cached["solve"] > 0
+    assert cached["matrix_exp"] <= 1 and cached["solve"] > 0
     assert active_cache() is None  # nothing outlives the teleport
     monkeypatch.setattr(GroupCache, "active", lambda self: nullcontext(self))
     uncached = _gl_teleport_counts()
-    assert uncached["matrix_exp"] > 0 and uncached["solve"] > cached["solve"]
+    assert uncached["matrix_exp"] > cached["matrix_exp"] and uncached["solve"] > cached["solve"]
 
 
 def test_a_group_cache_needs_a_positive_size_and_drops_its_oldest_entries():

@@ -406,21 +406,23 @@ def test_the_probe_keeps_a_bounded_copy_of_the_last_forward():
     assert opt._probe.batch is probe
 
 
-def test_with_example_inputs_no_forward_hook_slows_the_model():
-    # any forward hook takes the module off torch's fast call path (34 us a forward on a small MLP)
+def test_with_example_inputs_only_the_precision_hook_runs_on_every_forward():
+    # the probe recorder copies inputs (34 us a forward on a small MLP); with example_inputs only the precision
+    # recorder stays, which reads autocast's flags (the training precision) and copies nothing
     model = mlp()
     x, y = data(64)
     plain = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites())
-    assert len(model._forward_pre_hooks) == 1
+    assert {type(h).__name__ for h in model._forward_pre_hooks.values()} == {"ProbeRecorder", "PrecisionRecorder"}
     del plain
     gc.collect()
     assert not model._forward_pre_hooks
     opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), example_inputs=x[:8], ascent_steps=3)
-    # one pre-hook for one forward: the keyword names of the training forward (compared with example_kwargs)
-    assert len(model._forward_pre_hooks) == 1 and not model._forward_hooks
+    # the autocast recorder, and one pre-hook for one forward: the keyword names of the training forward
+    assert len(model._forward_pre_hooks) == 2 and not model._forward_hooks
     model.zero_grad()
     mse(model(x), y).backward()
-    assert not model._forward_pre_hooks  # the forwards until the next teleport run on the fast path
+    # the forwards until the next teleport keep only the autocast recorder
+    assert [type(h).__name__ for h in model._forward_pre_hooks.values()] == ["PrecisionRecorder"]
     report = opt.teleport()
     assert report.accepted and report.check == "probe", report.reason
     assert_checked(report)

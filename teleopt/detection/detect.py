@@ -22,6 +22,7 @@ from teleopt.detection.attention import find_attention_sites
 from teleopt.detection.axes import KINDS
 from teleopt.detection.certify import CertificationEntry, certify_sites
 from teleopt.detection.ops import custom_module_types
+from teleopt.detection.overlap import merge_overlapping
 from teleopt.detection.relations import ModelTensors, Relations
 from teleopt.detection.report import SkippedEntry, SymmetryReport
 from teleopt.detection.residual import ResidualStream, find_residual_sites
@@ -167,9 +168,11 @@ def _find(
         if not str(e).startswith("could not trace") or not any(True for _ in model.children()) or isinstance(model, _Call):
             raise
         report = _find_children(model, inputs, kwargs, loss, include_discrete, include_approximate, include_frozen, str(e))
-        report.sites = _name(_dedupe(lora.sites + report.sites + stream.sites), module_order(model))  # a LoRA pair keeps its name
+        sites = _name(_dedupe(lora.sites + report.sites + stream.sites), module_order(model))  # a LoRA pair keeps its name
+        report.sites, merged = merge_overlapping(model, sites)
         report.skipped += [SkippedEntry("site", where, f"LoRA adapter {reason}") for where, reason in lora.skipped]
         report.skipped += [SkippedEntry(*entry) for entry in stream.skipped]
+        report.skipped += [SkippedEntry(*note) for note in merged]
         return _certified(model, report, inputs, kwargs, certify, certify_seed, ("eval", "train"), start)
     rel = Relations(ModelTensors.of(model, include_frozen))
     run_rules(model, rel, graphs)
@@ -192,7 +195,8 @@ def _find(
         sites = [s for s in sites if s.action.continuous]
     if not include_approximate:
         sites = [s for s in sites if s.action.exactness != "approximate"]
-    sites = _name(_dedupe(sites), order)
+    sites, merged = merge_overlapping(model, _name(_dedupe(sites), order))  # one site per symmetry
+    notes2 += merged
     certification: list[CertificationEntry] = []
     certify_seconds = 0.0
     if certify and sites:

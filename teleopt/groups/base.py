@@ -261,6 +261,18 @@ class Group(ABC):
         """Entrywise factor of x**2 under ``act_on_axis(g, x, axis, power)`` if the representation is diagonal."""
         return None
 
+    #: whether :meth:`roundoff_amplification` can be other than ``None`` (its statistics are then worth computing)
+    roundoff_growth: ClassVar[bool] = False
+
+    def roundoff_amplification(self, stats: Mapping[float, Tensor], coords: Tensor) -> Callable[[Tensor], Tensor] | None:
+        """How much the members' round-off grows at exp(s coords), per block, as a function of the per-block
+        scales s (a float64 tensor of one value per block, giving one value per block): ``None`` where the
+        group's elements add none (scalings by any factor keep each product's relative rounding error;
+        orthogonal maps keep every norm).  See :meth:`GeneralLinear.roundoff_amplification
+        <teleopt.groups.GeneralLinear.roundoff_amplification>`; ``stats`` are the members'
+        :meth:`norm_statistic` summed per power."""
+        return None
+
     # -- weight norms on the orbit (the ``balance`` teleport objective) -------
     has_balance: ClassVar[bool] = False  #: whether :meth:`norm_statistic` and :meth:`balance` have closed forms
 

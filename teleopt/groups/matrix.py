@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -354,6 +354,50 @@ class GeneralLinear(_MatrixGroup):
             return super().balance_many(stats, radius, rcond)
         A, B = (torch.stack([s[p] for s in stats]) for p in (1.0, -1.0))
         return list(self.balance({1.0: A, -1.0: B}, radius, rcond).unbind(0))
+
+    roundoff_growth: ClassVar[bool] = True
+
+    def roundoff_amplification(self, stats: Mapping[float, Tensor], coords: Tensor) -> Callable[[Tensor], Tensor] | None:
+        """iota(s) = ||g X||_F ||g^-T Y||_F / ||Y^T X||_* per block at g = exp(s xi), with X X^T = A and Y Y^T = B
+        the Gram matrices of the writers (power +1) and readers (power -1) in ``stats``.
+
+        A product Y^T X computed from rounded factors errs by about u ||g X|| ||g^-T Y|| (u the unit round-off),
+        so iota is the factor by which the site's members amplify round-off relative to the product they compute.
+        Its denominator is the same on the whole orbit, and iota >= 1 with equality at the balanced point
+        (:meth:`balance`: min_g ||g X|| ||g^-T Y|| = tr (A^1/2 B A^1/2)^1/2 = ||Y^T X||_*), so a bound on iota
+        bounds the round-off however many teleports came before.  For a symmetric xi = U diag(lambda) U^T (the
+        boundary step's) ||g X||^2 = sum_i e^(2 s lambda_i) (U^T A U)_ii, no matrix exponential.  ``None``
+        without both sides; blocks whose product is 0 (relative to ``BALANCE_RCOND``) get 1."""
+        A, B = stats.get(1.0), stats.get(-1.0)
+        if A is None or B is None:
+            return None
+        A, B = _sym(A).reshape(-1, self.n, self.n), _sym(B).reshape(-1, self.n, self.n)
+        xi = coords.detach().to(device=A.device, dtype=torch.float64).reshape(A.shape)
+        a, U = torch.linalg.eigh(A)
+        root = (U * a.clamp_min(0).sqrt().unsqueeze(-2)) @ U.mT
+        nuclear = torch.linalg.eigvalsh(_sym(root @ B @ root)).clamp_min(0).sqrt().sum(-1)
+        scale = (A.diagonal(dim1=-2, dim2=-1).sum(-1) * B.diagonal(dim1=-2, dim2=-1).sum(-1)).sqrt()
+        zero = ~(nuclear > BALANCE_RCOND * scale)
+        nuclear = nuclear.clamp_min(torch.finfo(torch.float64).tiny)
+        if bool(((xi - xi.mT).abs() <= SYMMETRIC_RTOL * xi.abs().amax().clamp_min(1e-300)).all()):
+            lam, V = torch.linalg.eigh(_sym(xi))
+            a_diag, b_diag = ((V.mT @ A) * V.mT).sum(-1), ((V.mT @ B) * V.mT).sum(-1)
+
+            def sizes(s: Tensor) -> tuple[Tensor, Tensor]:
+                e = torch.exp(2 * s.to(lam).unsqueeze(-1) * lam)
+                return (e * a_diag).sum(-1), (b_diag / e).sum(-1)
+        else:
+
+            def sizes(s: Tensor) -> tuple[Tensor, Tensor]:
+                step = s.to(xi).reshape(-1, 1, 1) * xi
+                g, g_inv = torch.linalg.matrix_exp(step), torch.linalg.matrix_exp(-step)
+                return ((g @ A) * g).sum((-2, -1)), ((B @ g_inv) * g_inv).sum((-2, -1))  # tr(g A g^T), tr(g^-T B g^-1)
+
+        def iota(s: Tensor) -> Tensor:
+            writers, readers = sizes(s)
+            return torch.where(zero, torch.ones_like(nuclear), (writers * readers).sqrt() / nuclear)
+
+        return iota
 
     def validate(self, g: Tensor) -> None:
         self._check_shape(g)

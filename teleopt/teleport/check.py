@@ -49,11 +49,13 @@ from teleopt.detection.certify import log_softmax_leaves, output_error, output_l
 from teleopt.functional import Batch, batch_parts, has_rows
 from teleopt.numerics import default_rtol
 from teleopt.site import Site
+from teleopt.teleport.precision import Precision
 from teleopt.teleport.transport import transport
 
 __all__ = [
     "PROBE_ROWS",
     "INCONCLUSIVE_FACTOR",
+    "ROUNDOFF_FACTOR",
     "ProbeRecorder",
     "KeywordCheck",
     "OutputCapture",
@@ -71,6 +73,8 @@ INCONCLUSIVE_FACTOR = 100.0
 #: Keywords that choose what a model returns, not what it computes (transformers' ``labels`` adds the loss):
 #: a training forward may pass them without ``example_kwargs``.
 OUTPUT_KEYWORDS = frozenset({"labels", "return_dict", "output_attentions", "output_hidden_states", "use_cache"})
+#: A training-precision (autocast) forward may move by this multiple of its round-off of the untouched model.
+ROUNDOFF_FACTOR = 2.0
 #: Elements of one output leaf a closure check keeps (of its first PROBE_ROWS rows).
 _CLOSURE_LEAF_ELEMENTS = 1 << 20
 
@@ -303,6 +307,12 @@ class OutputCheck:
     forwards run on (``None`` for a closure); ``train`` the mode they run in (``None``:
     as the model is); ``seed`` the RNG seed of both forwards; ``translation`` whether to
     compare log-softmaxes; ``source`` says where the inputs came from.
+
+    When the model trains under autocast (``precision``), each forward runs twice: in full
+    precision (autocast off), compared as above, and in the training precision (autocast's weight
+    cache off), whose outputs after the teleport may differ from those before by at most
+    :data:`ROUNDOFF_FACTOR` times ``roundoff``, that precision's own error on the untouched model (its
+    outputs against the full-precision ones before the teleport).
     """
 
     kind: str
@@ -313,6 +323,9 @@ class OutputCheck:
     source: str = ""
     before: list[Tensor] = field(default_factory=list)
     output_before: Any = None
+    precision: Precision = field(default_factory=Precision)
+    trained_before: list[Tensor] = field(default_factory=list)
+    trained_after: list[Tensor] = field(default_factory=list)
 
     @classmethod
     def of_sites(cls, kind: str, batch: Batch | None, train: bool | None, seed: int, sites: Sequence[Site], source: str) -> OutputCheck:
@@ -322,14 +335,29 @@ class OutputCheck:
     def run(self, module: nn.Module) -> Any:
         """Forward on the check's inputs (``batch`` or ``probe`` kinds)."""
         assert self.batch is not None, "a closure check has no inputs of its own"
-        return forward(module, self.batch, self.train, self.seed)
+        if self.precision.autocast:  # the training forward (recorded), then the full-precision one (returned)
+            with self.precision.forward():
+                self.trained_after = output_leaves(forward(module, self.batch, self.train, self.seed))
+        with Precision().forward():
+            return forward(module, self.batch, self.train, self.seed)
 
     def reference(self, module: nn.Module) -> Any:
         """Record the outputs before the teleport; returns the model output."""
         out = self.run(module)
         self.output_before = out
         self.before = output_leaves(out)
+        self.trained_before, self.trained_after = self.trained_after, []
         return out
+
+    def trained_error(self) -> tuple[float, float] | None:
+        """In the training precision (autocast): the relative output change and its tolerance,
+        :data:`ROUNDOFF_FACTOR` times that precision's round-off of the untouched model, at least the
+        full-precision tolerance (``None``: no autocast, or no outputs to compare)."""
+        if not self.trained_before or not self.trained_after:
+            return None
+        roundoff = output_error([self.trained_before], [self.before])
+        tol = max(ROUNDOFF_FACTOR * roundoff, default_rtol(self.output_dtype()))
+        return output_error([self.trained_after], [self.trained_before]), tol
 
     def error(self, after: list[Tensor]) -> float:
         """The relative output change (see module docs)."""

@@ -28,12 +28,20 @@ from torch import Tensor
 
 from teleopt.groups import Group
 from teleopt.numerics import read_together
+from teleopt.sharding import is_sharded
 from teleopt.site import Site
 
-__all__ = ["zero_coordinates", "project_to_trust_region", "exact_in_dtype", "max_abs"]
+__all__ = ["ROUNDOFF_CAPS", "zero_coordinates", "project_to_trust_region", "exact_in_dtype", "within_roundoff", "max_abs"]
 
 #: 16-bit float dtypes, whose round-off a teleport avoids where the group allows (:meth:`Group.exact_coordinates`).
 _HALF = (torch.bfloat16, torch.float16)
+
+#: Per dtype the forward computes a site's products in, the round-off amplification
+#: (:meth:`Group.roundoff_amplification <teleopt.groups.Group.roundoff_amplification>`, 1 at the balanced point) a
+#: teleport may lead a block to, unless it is already above it (then: not above its value now).  In 16-bit
+#: precisions the round-off of the untouched model is the whole budget of the check, so a block may not
+#: amplify it by more than 1.25; float32's check allows about 100 unit round-offs.
+ROUNDOFF_CAPS = {torch.float64: 1e4, torch.float32: 16.0, torch.bfloat16: 1.25, torch.float16: 1.25}
 
 
 def zero_coordinates(site: Site, group: Group, device: torch.device) -> Tensor:
@@ -59,6 +67,48 @@ def exact_in_dtype(sites: Sequence[Site], groups: Sequence[Group], coords: Seque
     for site, group, xi in zip(sites, groups, coords):
         half = [tensors[n].dtype for n in site.tensor_names if tensors[n].dtype in _HALF]
         out.append(group.exact_coordinates(xi, half[0]) if half and xi.numel() else xi)
+    return out
+
+
+def within_roundoff(
+    sites: Sequence[Site],
+    groups: Sequence[Group],
+    coords: Sequence[Tensor],
+    params: Sequence[Sequence[Tensor | None]],
+    dtypes: Sequence[torch.dtype],
+) -> list[Tensor]:
+    """Each site's coordinates, each block scaled towards the identity (bisection on s in [0, 1] for s xi, per block)
+    until its round-off amplification at exp(s xi) . w is at most max(its value at w, ``ROUNDOFF_CAPS[dtype]``),
+    ``dtypes`` being the precision each site's products are computed in (autocast's, or the members').
+
+    Bounds the conditioning of the moved members, not only of the element, so repeated teleports cannot compound:
+    the bound holds at every point a teleport leads to.  Groups without round-off growth (scalings, O(n)),
+    actions without norm statistics and sites with sharded (FSDP2) members keep their coordinates."""
+    out = []
+    for site, group, xi, members, dtype in zip(sites, groups, coords, params, dtypes):
+        statistics = getattr(site.action, "norm_statistics", None)
+        # sharded (FSDP2) members: no bound yet (their Gram matrices would need the whole members on every rank)
+        sharded = any(is_sharded(m) for m in members if m is not None)
+        usable = statistics is not None and group.roundoff_growth and xi.numel() and not sharded
+        stats = statistics(group, members) if statistics is not None and usable else None
+        # on the search's device (the host for GL sites of a GPU model): the bisection then reads nothing back
+        iota = None if not stats else group.roundoff_amplification({p: v.to(xi.device) for p, v in stats.items()}, xi)
+        if iota is None:
+            out.append(xi)
+            continue
+        now = iota(torch.zeros(1, dtype=torch.float64)).cpu()
+        bound = now.clamp_min(ROUNDOFF_CAPS.get(dtype, ROUNDOFF_CAPS[torch.float32]))
+        ok = iota(torch.ones_like(now)).cpu() <= bound
+        if bool(ok.all()):
+            out.append(xi)
+            continue
+        lo, hi = ok.to(torch.float64), torch.ones_like(now)
+        for _ in range(12):
+            mid = torch.where(ok, hi, 0.5 * (lo + hi))
+            fits = iota(mid).cpu() <= bound
+            lo, hi = torch.where(fits, mid, lo), torch.where(fits | ok, hi, mid)
+        flat = xi.reshape(now.numel(), -1)
+        out.append((flat * lo.to(flat).unsqueeze(1)).reshape(xi.shape))
     return out
 
 

@@ -1,19 +1,15 @@
 """One teleport in four phases: plan, search, apply, verify (Zhao 2026, Algorithm 1, lines 2-6).
 
-:class:`~teleopt.teleport.Teleport` is the optimizer users hold; it hands every
-teleport to a :class:`TeleportEngine`:
+:class:`~teleopt.teleport.Teleport` is the optimizer users hold; it hands every teleport to a :class:`TeleportEngine`:
 
-* **plan**: the path (``"fast"``, closed-form gradient transport, or
-  ``"general"``, through the model on a batch), the sites, the loss at w and the
-  :class:`~teleopt.teleport.evaluator.Evaluator`;
+* **plan**: the path (``"fast"``, closed-form gradient transport, or ``"general"``, through the model on a
+  batch), the sites, the loss at w and the :class:`~teleopt.teleport.evaluator.Evaluator`;
 * **search**: group coordinates from the :class:`~teleopt.teleport.search.SearchStrategy`, scaled towards
   the identity until the caps hold (:class:`~teleopt.teleport.safety.Caps`), identical on every rank;
-* **apply**: parameters, ``.grad`` and optimizer state moved to g . w, after a
-  snapshot of what a rollback restores;
-* **verify**: finite tensors, unchanged model outputs on the teleport batch, the
-  closure's forwards or probe inputs (:mod:`~teleopt.teleport.check`; with none of
-  them the plan phase declines), and an unchanged loss (and held-out loss), or a
-  rollback; an accepted teleport is then watched (:class:`~teleopt.teleport.watch.Watch`).
+* **apply**: parameters, ``.grad`` and optimizer state moved to g . w, after a snapshot of what a rollback restores;
+* **verify**: finite tensors, unchanged model outputs on the teleport batch, the closure's forwards or probe
+  inputs (:mod:`~teleopt.teleport.check`; with none of them the plan phase declines), and an unchanged loss
+  (and held-out loss), or a rollback; an accepted teleport is then watched (:class:`~teleopt.teleport.watch.Watch`).
 
 All four run inside a :class:`~teleopt.teleport.transaction.Transaction` (an exception anywhere leaves
 everything as it was). The papers' first-order teleport is another engine (``PaperCompatEngine``).
@@ -46,13 +42,14 @@ from teleopt.teleport.evaluator import Evaluator
 from teleopt.teleport.fast_path import FastEvaluator, fast_path_eligible, member_tensors
 from teleopt.teleport.general_path import GeneralEvaluator, double_backward_hint
 from teleopt.teleport.objectives import Objective
+from teleopt.teleport.precision import Precision
 from teleopt.teleport.report import TeleportReport
 from teleopt.teleport.safety import Caps, InverseSnapshot, SafetyConfig, Snapshot, StabilityCap, stability_cap
 from teleopt.teleport.search import SearchConfig, SearchProblem, SearchResult
 from teleopt.teleport.state_policy import StatePolicy
 from teleopt.teleport.transaction import Transaction
 from teleopt.teleport.verdict import Failure, loss_failures, non_finite_gradient, output_failures, restore_difference
-from teleopt.teleport.watch import InverseMove, TeleportRecord, Watch, watch_elements
+from teleopt.teleport.watch import InverseMove, TeleportRecord, Watch, keeps_snapshot, watch_elements
 from teleopt.wrapper import OptimizerWrapper
 
 __all__ = ["EngineConfig", "TeleportRequest", "Plan", "TeleportEngine"]
@@ -86,7 +83,7 @@ class TeleportRequest:
     """One call for a teleport: the loss at w (from the closure, if any), the closure to re-run
     after it, the teleport batch and the held-out batch; for the check (:mod:`~teleopt.teleport.check`)
     the probe inputs and where they came from, the RNG seed of its forwards and the closure's
-    output leaves at w; the sites left out and why."""
+    output leaves at w; the sites left out and why; the precision the model trains in."""
 
     loss: Any
     closure: Callable[[], Any] | None
@@ -97,6 +94,7 @@ class TeleportRequest:
     seed: int = 0
     closure_outputs: list[Tensor] | None = None
     skipped: dict[str, str] = field(default_factory=dict)
+    precision: Precision = field(default_factory=Precision)
 
 
 @dataclass
@@ -249,12 +247,15 @@ class TeleportEngine:
     def plan_check(self, sites: Sequence[Site], request: TeleportRequest) -> OutputCheck | None:
         """What the outputs are compared on: the batch, the closure's forwards or probe inputs (in that order)."""
         if request.batch is not None:
-            return OutputCheck.of_sites("batch", request.batch, None, request.seed, sites, "teleport batch")
-        if request.closure is not None:
+            check = OutputCheck.of_sites("batch", request.batch, None, request.seed, sites, "teleport batch")
+        elif request.closure is not None:
             return OutputCheck.of_sites("closure", None, None, request.seed, sites, "closure")
-        if request.probe is not None:
-            return OutputCheck.of_sites("probe", request.probe, False, request.seed, sites, request.probe_source)
-        return None
+        elif request.probe is not None:
+            check = OutputCheck.of_sites("probe", request.probe, False, request.seed, sites, request.probe_source)
+        else:
+            return None
+        check.precision = request.precision  # compared in the training precision too
+        return check
 
     def _reference(self, check: OutputCheck, request: TeleportRequest) -> Any:
         """The check's outputs before the teleport (the model output; a reason string to decline with)."""
@@ -320,7 +321,7 @@ class TeleportEngine:
             result = self.config.search.strategy_for(self.config.objective, start.problem).search(start.problem)
         report.objective_before = self._objective_before(start, result)
         caps = self._caps(plan, start)
-        coords, shrink = shrink_to_feasible(result.coords, caps.feasible)
+        coords, shrink = shrink_to_feasible(start.problem.within_roundoff(result.coords, plan.request.precision), caps.feasible)
         coords = exact_in_dtype(plan.sites, start.problem.groups, coords, plan.ctx.tensors)
         broadcast_(coords)
         report.shrink = shrink
@@ -330,7 +331,7 @@ class TeleportEngine:
             report.reason = "declined: the search returned non-finite coordinates"
             return None
         if all(v == 0.0 for v in norms):
-            report.reason = "declined: the caps allow no move" if shrink == 0.0 else "declined: no improvement found"
+            report.reason = "declined: " + ("the caps allow no move" if shrink == 0.0 else "no improvement found" + start.problem.limits())
             return None
         return self._chosen(plan, start, coords)
 
@@ -339,7 +340,7 @@ class TeleportEngine:
         radii = [r for r in radii if r is not None]
         if not radii:
             return None
-        return float(min(radii)) * self.record.backoff
+        return float(min(radii)) * self.record.backoff * float(site.info.get("trust_fraction", 1.0))  # teleopt.detection.overlap
 
     def _start(self, plan: Plan) -> _Start:
         evaluator, sites, ctx = plan.need_evaluator(), plan.sites, plan.ctx
@@ -436,11 +437,8 @@ class TeleportEngine:
         snapshot.grads.clear()  # the rollback clears .grad and skips that update
         return snapshot
 
-    def watch_keeps_snapshot(self, plan: Plan) -> bool:
-        """Whether an accepted teleport's watch keeps a snapshot (``watch_restore="snapshot"``, or a site
-        without an inverse move: not a fast-path site) rather than its elements (:class:`InverseMove`)."""
-        safety = self.config.safety
-        return safety.watch_steps > 0 and (safety.watch_restore == "snapshot" or not all(fast_path_eligible(s) for s in plan.sites))
+    def watch_keeps_snapshot(self, plan: Plan) -> bool:  # watch_restore="snapshot", or a site with no inverse move
+        return keeps_snapshot(self.config.safety, plan.sites)
 
     def apply(self, plan: Plan, elements: list[Tensor]) -> Snapshot | InverseSnapshot:
         """The apply phase: snapshot, then move parameters, gradients and optimizer state to g . w."""
@@ -493,22 +491,23 @@ class TeleportEngine:
             plan.after = output_leaves(self.check_forward(check))
         moves = plan.need_evaluator().moves_gradients
         if not moves and request.closure is not None:
-            loss = self.rerun_closure(request.closure)
+            loss = self.rerun_closure(request.closure, precision=request.precision)
             if fmodel is None and loss is not None:
                 loss_after = float(loss)
         elif not moves and fmodel is not None and request.batch is not None:
             plan.ctx.fresh_gradients(fmodel, request.batch)
         elif request.closure is not None and fmodel is None:
-            loss = self.rerun_closure(request.closure, plan if check.kind == "closure" else None)
+            loss = self.rerun_closure(request.closure, plan if check.kind == "closure" else None, request.precision)
             loss_after = None if loss is None else float(loss)
         report.loss_after = loss_after
         return loss
 
-    def rerun_closure(self, closure: Callable[[], Any], plan: Plan | None = None) -> Any:
-        """Run the closure again at g . w with the module's buffers restored afterwards; with the
-        ``plan`` of a closure check, under its RNG seed, recording the model's outputs as ``plan.after``."""
+    def rerun_closure(self, closure: Callable[[], Any], plan: Plan | None = None, precision: Precision | None = None) -> Any:
+        """Run the closure again at g . w with the module's buffers restored afterwards, in ``precision`` (the
+        training precision it ran in before); with the ``plan`` of a closure check, under its RNG seed,
+        recording the model's outputs as ``plan.after``."""
         module = self.config.module
-        with buffers_restored(module):
+        with buffers_restored(module), (precision or Precision()).forward():
             if plan is None or plan.check is None:
                 loss = OptimizerWrapper._run_closure(closure)
             else:

@@ -54,6 +54,7 @@ from teleopt.teleport.fast_path import fast_path_eligible
 from teleopt.teleport.lookahead import LookaheadView
 from teleopt.teleport.objectives import Objective, get_objective
 from teleopt.teleport.paper_compat import PaperCompatEngine, check_paper_compat_sites
+from teleopt.teleport.precision import PrecisionRecorder, full_precision
 from teleopt.teleport.record_check import check_groups, check_record
 from teleopt.teleport.report import TeleportReport
 from teleopt.teleport.safety import SafetyConfig, default_loss_tol
@@ -229,7 +230,8 @@ class Teleport(OptimizerWrapper):
         self._hooks: OrderedDict[int, TeleportHook] = OrderedDict()
         self.reports: list[TeleportReport] = []
         self._sparse_warned: set[str] = set()
-        self._probe = ProbeRecorder()
+        self._probe, self._precision = ProbeRecorder(), PrecisionRecorder()  # the latter: the training forward's autocast
+        weakref.finalize(self, self._hook_target.register_forward_pre_hook(self._precision).remove)
         self._keywords = None if self._example is None else KeywordCheck(self._hook_target, self._example, self._probe)
         if self._keywords is not None:
             self._keywords.arm()  # one forward at a time: the keywords the training loop passes
@@ -432,7 +434,8 @@ class Teleport(OptimizerWrapper):
         if self.base_needs_closure and (due or record.watch is not None):
             loss = self._run_closure(closure)
         if record.watch is not None and record.watch.triggered(self._grads(), loss, self._safety.watch_factor):
-            self._rollback_watch(record.step)
+            with full_precision():
+                self._rollback_watch(record.step)
             record.step += 1
             return loss
         if due:
@@ -512,11 +515,12 @@ class Teleport(OptimizerWrapper):
         if self._keywords is not None:
             self._keywords.warn_if_different(stacklevel=4)
         probe, source = self._probe_inputs()
-        request = replace(request, probe=probe, probe_source=source, skipped=skipped)
-        # all or nothing up to the report (teleport.transaction), hooks after; group caches live for this teleport
+        request = replace(request, probe=probe, probe_source=source, skipped=skipped, precision=self._precision.training())
+        # all or nothing up to the report (teleport.transaction), hooks after; group caches live for this teleport;
+        # autocast never computes a teleport
         optimizers = (self._engine.config.optimizer, self.innermost, self._lookahead.slow_owner)
         atomic = Transaction.of(self._module, optimizers, self._record, self._generator)
-        with self._probe.pause(), GroupCache().active(), atomic as transaction:
+        with self._probe.pause(), self._precision.pause(), full_precision(), GroupCache().active(), atomic as transaction:
             transaction.keep(self._lookahead, "_before")
             report, loss = self._engine.run(movable, request, transaction)
             if report.accepted:

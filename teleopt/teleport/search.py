@@ -25,8 +25,10 @@ from teleopt.actions.base import GroupAction
 from teleopt.groups import Group
 from teleopt.site import Site
 from teleopt.teleport.ascent import ascend
+from teleopt.teleport.coordinates import within_roundoff
 from teleopt.teleport.evaluator import Evaluator
 from teleopt.teleport.objectives import Objective
+from teleopt.teleport.precision import Precision
 
 __all__ = [
     "Path",
@@ -60,6 +62,7 @@ class SearchProblem:
     prepared: Any
     start: list[Tensor]
     trust_regions: list[float | None]
+    roundoff_limited: list[tuple[str, torch.dtype]] = field(default_factory=list)
 
     def idle(self) -> list[bool]:
         """Per site: whether the score is the same all along its orbit, so the search leaves it at the identity.
@@ -90,6 +93,24 @@ class SearchProblem:
     def score(self, coords: Sequence[Tensor]) -> Tensor:
         """What the search maximises at ``coords``: the objective's score at exp(coords) . w."""
         return self.objective.score(self.evaluator, self.evaluator.elements(coords), self.prepared)
+
+    def within_roundoff(self, coords: Sequence[Tensor], precision: Precision) -> list[Tensor]:
+        """``coords`` with each GL block's round-off amplification bounded for the dtype its site's products are
+        computed in under ``precision`` (:func:`~teleopt.teleport.coordinates.within_roundoff`): an element that
+        would amplify the training precision's round-off is shrunk here, before anything moves."""
+        members = [tuple(None if n is None else self.evaluator.like[n] for n in s.members) for s in self.sites]
+        dtypes = [precision.compute_dtype(m) for m in members]
+        out = within_roundoff(self.sites, self.groups, coords, members, dtypes)
+        self.roundoff_limited = [(s.name, d) for s, d, a, b in zip(self.sites, dtypes, coords, out) if a is not b]
+        return out
+
+    def limits(self) -> str:
+        """Why a teleport that found no move moved no site: the round-off bound, naming the sites it shrank."""
+        if not self.roundoff_limited:
+            return ""
+        names = ", ".join(f"{n} ({str(d).replace('torch.', '')})" for n, d in self.roundoff_limited[:3])
+        more = f" and {len(self.roundoff_limited) - 3} more" if len(self.roundoff_limited) > 3 else ""
+        return f" within the round-off bound of the training precision (shrunk: {names}{more})"
 
     def score_and_gradient(self) -> tuple[float, list[Tensor | None]]:
         """The score at ``start`` (the identity) and its gradient in the Lie algebra coordinates: the

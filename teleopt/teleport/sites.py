@@ -150,6 +150,10 @@ def validate_sites(
                     skipped[site.name] = why
                 continue
         out.append(_bind(site, module, params, optimized))
+    if given:  # sites sharing an axis search one trust region between them (teleopt.detection.overlap)
+        from teleopt.detection.overlap import compose_overlapping
+
+        out = compose_overlapping(module, out)
     return out
 
 

@@ -51,10 +51,16 @@ class Failure:
     value: float
     tol: float
     dtype: torch.dtype
+    settled: bool = False  # not a question of rounding (the training precision's own check)
 
     def inconclusive(self) -> bool:
         """Below float64 and within ``INCONCLUSIVE_FACTOR`` of the tolerance: maybe rounding."""
-        return self.dtype != torch.float64 and math.isfinite(self.value) and self.tol < self.value <= INCONCLUSIVE_FACTOR * self.tol
+        return (
+            not self.settled
+            and self.dtype != torch.float64
+            and math.isfinite(self.value)
+            and self.tol < self.value <= INCONCLUSIVE_FACTOR * self.tol
+        )
 
 
 def _relative(after: float, before: float) -> float:
@@ -101,10 +107,22 @@ def output_failures(
     err = check.error(after)
     report.check_error = err
     exact = all(s.action.exactness in ("exact", "data-dependent") for s in sites)
-    if (not exact and report.loss_drift is not None) or err <= tol:
-        return []
-    where = _WHERE[check.kind]
-    return [Failure(f"outputs changed by {err:.2e} (relative) > tolerance {tol:.1e} on {where}", err, tol, check.output_dtype())]
+    failures = (
+        []
+        if (not exact and report.loss_drift is not None) or err <= tol
+        else [
+            Failure(
+                f"outputs changed by {err:.2e} (relative) > tolerance {tol:.1e} on {_WHERE[check.kind]}", err, tol, check.output_dtype()
+            )
+        ]
+    )
+    trained = check.trained_error()
+    if trained is not None:
+        what = f"in the training precision ({check.precision.describe()}) outputs changed by {trained[0]:.2e}"
+        report.check_detail += f"; {what} (tolerance {trained[1]:.1e}: 2x its round-off of the untouched model)"
+        if not trained[0] <= trained[1]:
+            failures.append(Failure(f"{what} > {trained[1]:.1e} (2x its round-off)", trained[0], trained[1], torch.float32, True))
+    return failures
 
 
 def non_finite_gradient(ctx: TeleportContext) -> str | None:

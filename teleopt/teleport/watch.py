@@ -32,7 +32,7 @@ from teleopt.teleport.safety import Snapshot
 from teleopt.teleport.state_policy import StatePolicy
 from teleopt.teleport.transport import transport, transport_
 
-__all__ = ["InverseMove", "Watch", "TeleportRecord", "watch_elements"]
+__all__ = ["InverseMove", "Watch", "TeleportRecord", "watch_elements", "keeps_snapshot"]
 
 
 def watch_elements(sites: Sequence[Site], elements: Mapping[str, Tensor], tensors: Mapping[str, Tensor]) -> list[Tensor]:
@@ -245,3 +245,11 @@ class TeleportRecord:
         self.backoff = float(top.get("backoff", 1.0))
         watch = top.get("watch")
         self.watch = None if watch is None else Watch.from_state(watch, module, optimizer, params, policy, sites)
+
+
+def keeps_snapshot(safety: Any, sites: Sequence[Site]) -> bool:
+    """Whether an accepted teleport's watch keeps a snapshot (``watch_restore="snapshot"``, or a site without an
+    inverse move: not a fast-path site) rather than its elements (:class:`InverseMove`)."""
+    from teleopt.teleport.fast_path import fast_path_eligible
+
+    return safety.watch_steps > 0 and (safety.watch_restore == "snapshot" or not all(fast_path_eligible(s) for s in sites))
