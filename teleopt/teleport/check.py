@@ -49,6 +49,7 @@ from teleopt.detection.certify import log_softmax_leaves, output_error, output_l
 from teleopt.functional import Batch, batch_parts, has_rows
 from teleopt.numerics import default_rtol
 from teleopt.site import Site
+from teleopt.teleport.pausable import Pausable
 from teleopt.teleport.precision import Precision
 from teleopt.teleport.transport import transport
 
@@ -132,7 +133,7 @@ def probe_slice(args: tuple[Any, ...], kwargs: Mapping[str, Any], rows: int = PR
     return Batch(tuple(_map(tuple(args), cut)), None, _map(dict(kwargs), cut) or None)
 
 
-class ProbeRecorder:
+class ProbeRecorder(Pausable):
     """Forward pre-hook (``with_kwargs=True``) keeping the inputs of the model's last forward.
 
     ``Teleport`` registers one on its model; ``batch`` is then a :class:`Batch` of at most
@@ -147,15 +148,6 @@ class ProbeRecorder:
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self.paused and has_rows(args, kwargs):  # a zero-row forward would make the probe check vacuous
             self.batch = probe_slice(args, kwargs)
-
-    @contextmanager
-    def pause(self) -> Iterator[None]:
-        """Record nothing inside (the teleport's own forwards)."""
-        self.paused += 1
-        try:
-            yield
-        finally:
-            self.paused -= 1
 
 
 class KeywordCheck:

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from teleopt.teleport.pausable import Pausable
+
 __all__ = ["DEVICE_TYPES", "Precision", "PrecisionRecorder", "full_precision"]
 
 #: The device types whose autocast state is read and switched.
@@ -89,7 +91,7 @@ def full_precision() -> Iterator[None]:
                 torch.clear_autocast_cache()
 
 
-class PrecisionRecorder:
+class PrecisionRecorder(Pausable):
     """Forward pre-hook recording the :class:`Precision` of the model's last training forward (one with
     autograd on; an evaluation under ``no_grad`` may run in another precision), else of its last forward.
     Forwards made while ``paused`` (a teleport's own) are not recorded."""
@@ -106,15 +108,6 @@ class PrecisionRecorder:
         self.last = Precision.current() if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda") else _NONE
         if torch.is_grad_enabled():
             self.trained = self.last
-
-    @contextmanager
-    def pause(self) -> Iterator[None]:
-        """Record nothing inside (a teleport's own forwards)."""
-        self.paused += 1
-        try:
-            yield
-        finally:
-            self.paused -= 1
 
     def training(self) -> Precision:
         """The precision the model trains in: its last training forward's, else its last forward's, else
