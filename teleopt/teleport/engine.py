@@ -54,7 +54,7 @@ from teleopt.teleport.search import SearchConfig, SearchProblem, SearchResult
 from teleopt.teleport.state_policy import StatePolicy
 from teleopt.teleport.transaction import Transaction
 from teleopt.teleport.verdict import Failure, loss_failures, non_finite_gradient, output_failures, restore_difference
-from teleopt.teleport.watch import InverseMove, TeleportRecord, Watch
+from teleopt.teleport.watch import InverseMove, TeleportRecord, Watch, reference
 from teleopt.wrapper import OptimizerWrapper
 
 __all__ = ["EngineConfig", "TeleportRequest", "Plan", "TeleportEngine"]
@@ -594,6 +594,6 @@ class TeleportEngine:
             move = InverseMove(plan.sites, elements, cfg.module, cfg.optimizer, cfg.policy)
             # a snapshot's checkpoint holds the elements instead where they restore the parameters bit for bit
             exact = not safety.checkpoint_snapshot and plan.request.closure is None and plan.need_evaluator().exactly_invertible(elements)
-            grad_ref = max(report.grad_norm_before or 0.0, report.grad_norm_after or 0.0) ** 2
+            grad_ref = reference(report.grad_norm_before, report.grad_norm_after, record.take_recent())
             until, undo = record.step + safety.watch_steps, snapshot if isinstance(snapshot, Snapshot) else move
             record.watch = Watch(undo, until, record.step, grad_ref, report.loss_before, checkpoint=move if exact else None)
