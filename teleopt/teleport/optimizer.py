@@ -52,7 +52,7 @@ from teleopt.teleport.fast_path import fast_path_eligible
 from teleopt.teleport.lookahead import LookaheadView
 from teleopt.teleport.objectives import Objective, get_objective
 from teleopt.teleport.paper_compat import PaperCompatEngine, check_paper_compat_sites
-from teleopt.teleport.report import TeleportReport
+from teleopt.teleport.report import Tally, TeleportReport
 from teleopt.teleport.safety import SafetyConfig, default_loss_tol
 from teleopt.teleport.schedule import Schedule
 from teleopt.teleport.search import SearchConfig
@@ -212,10 +212,11 @@ class Teleport(OptimizerWrapper):
         self._start_recording()
 
     def _start_recording(self) -> None:
-        """Teleport hooks, reports, and the forward pre-hook that keeps probe inputs for the check
+        """Teleport hooks, reports, their tally, and the forward pre-hook that keeps probe inputs for the check
         (not registered with ``example_inputs``: a forward hook takes a module off torch's fast call path)."""
         self._hooks: OrderedDict[int, TeleportHook] = OrderedDict()
         self.reports: list[TeleportReport] = []
+        self._tally = Tally()
         self._sparse_warned: set[str] = set()
         self._probe = ProbeRecorder()
         if self._example is None:
@@ -359,6 +360,11 @@ class Teleport(OptimizerWrapper):
     @property
     def _watch_limits(self) -> tuple[float, int]:
         return self._safety.watch_factor, self._safety.watch_patience
+
+    def summary(self) -> str:
+        """One line on what the teleports came to (:class:`~teleopt.teleport.report.Tally`), e.g. ``"12 teleports:
+        8 accepted, 7 kept, 1 rolled back, 0 failed the check, 4 declined"``; saved in ``state_dict``."""
+        return self._tally.summary()
 
     def register_teleport_hook(self, hook: TeleportHook) -> RemovableHandle:
         """Call ``hook(wrapper, report)`` after every teleport, declined one and rollback.
@@ -535,6 +541,7 @@ class Teleport(OptimizerWrapper):
 
     def _call_hooks(self, report: TeleportReport) -> None:
         self.reports.append(report)
+        self._tally.count(report)
         for hook in list(self._hooks.values()):
             hook(self, report)
 
@@ -577,11 +584,12 @@ class Teleport(OptimizerWrapper):
         return [p for g in self.param_groups for p in g["params"]]
 
     def _wrapper_state(self) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
-        return {}, self._record.to_state(self._generator.get_state())
+        return {}, {**self._record.to_state(self._generator.get_state()), "tally": self._tally.to_state()}
 
     def _load_wrapper_state(self, per_param: dict[int, dict[str, Any]], top: dict[str, Any]) -> None:
         if "rng" in top:
             self._generator.set_state(top["rng"].to(torch.uint8).cpu())
+        self._tally = Tally.from_state(top.get("tally"))
         self._record.load_state(top, self._module, self._base, self._param_list(), self._policy, self._sites or ())
 
     def __repr__(self) -> str:
