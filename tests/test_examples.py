@@ -95,6 +95,10 @@ def test_03_torch_optimizer():
         assert r["decisions"].get("transport", 0) > 0
         assert r["accuracy"] > 0.8
         assert r["penalty"] > 0  # Syre's decay term towards the anchor is live
+        # no worse than the bare base optimizer on the same weights and batches
+        assert r["accuracy"] >= r["baseline_accuracy"] - 0.005
+        assert r["train_loss"] <= 1.05 * r["baseline_train_loss"]
+        assert not any(x.path == "watch" for x in r["reports"])  # no rollbacks
 
 
 def _pytest_example_4(tmp_path: Path, *select: str) -> int:

@@ -64,6 +64,7 @@ from teleopt.teleport.sites import (
     unsharded_twin,
     unusable,
     validate_sites,
+    warn_scale_free_objective,
 )
 from teleopt.teleport.state_policy import StatePolicy, restart_curvature_history
 from teleopt.teleport.transaction import Transaction
@@ -189,6 +190,7 @@ class Teleport(OptimizerWrapper):
         check_model_matches_optimizer(self._module, self.param_groups)
         self._objective = get_objective(objective)
         self._schedule = resolve_schedule(schedule, shortcuts, self._objective.default_schedule())
+        warn_scale_free_objective(self._objective.name, self._schedule, self.innermost)
         self._search = search
         self._policy = resolve_state_policy(state_policy, shortcuts)
         data = resolve_data(loss_fn, batch_fn, heldout_batch, example_inputs, example_kwargs, batches=self._schedule.batches)
