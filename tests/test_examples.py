@@ -60,6 +60,10 @@ def test_01_wrap_training_loop(capsys):
     # the baseline ran beside it from the same weights and batches: equal until the first teleport (step 50)
     assert result["baseline_history"][0] == result["history"][0]
     assert result["accuracy"] > 0.85 and result["baseline_accuracy"] > 0.85
+    # no worse than the same loop without teleopt
+    assert result["accuracy"] >= result["baseline_accuracy"] - 0.005
+    assert result["history"][-1][0] <= 1.05 * result["baseline_history"][-1][0]
+    assert not any(r.path == "watch" for r in result["reports"])  # no rollbacks
     printed = capsys.readouterr().out
     assert "baseline test loss / acc" in printed and "accepted" in printed
 

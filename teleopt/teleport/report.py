@@ -216,7 +216,7 @@ class Tally:
         """One line, e.g. ``"12 teleports: 8 accepted, 7 kept, 1 rolled back, 0 failed the check, 4 declined"``."""
         kept = self.accepted - self.rolled_back
         return (
-            f"{self.teleports} teleports: {self.accepted} accepted, {kept} kept, {self.rolled_back} rolled back, "
+            f"{self.teleports} teleport{'' if self.teleports == 1 else 's'}: {self.accepted} accepted, {kept} kept, {self.rolled_back} rolled back, "
             f"{self.failed} failed the check, {self.declined} declined"
         )
 
