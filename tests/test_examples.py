@@ -85,6 +85,8 @@ def test_02_timm_auto_sites(capsys):
     printed = capsys.readouterr().out
     assert "coverage" in printed and "positive_rescaling" in printed and "baseline test acc" in printed
     assert all(r.objective == "balance" for r in accepted) and 0 <= result["baseline_accuracy"] <= 1
+    assert result["accuracy"] >= result["baseline_accuracy"] - 0.005  # no worse than the loop without teleopt
+    assert not any(r.path == "watch" for r in optimizer.reports)
 
 
 def test_03_torch_optimizer():
@@ -159,6 +161,7 @@ def test_05_discover_and_use(capsys):
     accepted = [r for r in result["reports"] if r.accepted]
     assert accepted, "the learned site was never teleported along"
     assert all(r.path == "general" and r.loss_drift <= module.LOSS_TOL for r in accepted)
+    assert result["loss"] <= 1.05 * result["baseline_loss"]  # no worse than the same SGD loop without teleopt
     import teleopt
 
     assert "learned_block" not in {row["name"] for row in teleopt.list_actions()}  # the example unregisters it again
