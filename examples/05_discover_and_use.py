@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             loss_fn=loss_fn,
             batch_fn=teleport_batch,
             ascent_steps=5,
+            trust_region=0.5,  # |log c| <= 0.5 a teleport: at log 4 (the default) 5 of 15 blew up and were rolled back
             safety=SafetyConfig(loss_tol=LOSS_TOL),
         )
         baseline_sgd = torch.optim.SGD(baseline_model.parameters(), lr=0.05)
