@@ -40,7 +40,7 @@ def test_summary_counts_a_teleport_rolled_back_by_the_watch_once():
         opt.step()
     paths = [(r.path, r.accepted) for r in opt.reports]
     assert paths == [("fast", True), ("watch", False), ("fast", True)]  # 3 reports, 2 teleports
-    assert opt.summary() == "2 teleports: 2 accepted, 1 kept, 1 rolled back, 0 failed the check, 0 declined"
+    assert opt.summary() == "2 teleports: 2 accepted, 1 kept, 1 rolled back, 0 undone by the check, 0 declined"
 
 
 def test_a_run_that_keeps_declining_warns_once_when_the_streak_reaches_three():
@@ -53,7 +53,7 @@ def test_a_run_that_keeps_declining_warns_once_when_the_streak_reaches_three():
             opt.teleport()  # already balanced: "declined: no improvement found"
     messages = [str(w.message) for w in caught if "were not kept" in str(w.message)]
     assert len(messages) == 1 and "the last 3 teleports were not kept" in messages[0]
-    assert "6 teleports: 1 accepted, 1 kept, 0 rolled back, 0 failed the check, 5 declined" in opt.summary()
+    assert "6 teleports: 1 accepted, 1 kept, 0 rolled back, 0 undone by the check, 5 declined" in opt.summary()
 
 
 def test_an_accepted_teleport_rolled_back_by_the_watch_counts_as_not_kept():
@@ -65,7 +65,7 @@ def test_an_accepted_teleport_rolled_back_by_the_watch_counts_as_not_kept():
                 tally.count(TeleportReport(step=1, path="watch", objective="x", reason="rolled back after 1 step(s)"))
         else:
             tally.count(TeleportReport(step=1, path="watch", objective="x", reason="rolled back after 1 step(s)"))
-    assert tally.summary() == "3 teleports: 3 accepted, 0 kept, 3 rolled back, 0 failed the check, 0 declined"
+    assert tally.summary() == "3 teleports: 3 accepted, 0 kept, 3 rolled back, 0 undone by the check, 0 declined"
     tally.count(TeleportReport(step=2, path="fast", objective="x", accepted=True, reason="accepted"))
     tally.count(TeleportReport(step=3, path="fast", objective="x", reason="declined: no improvement found"))
     assert tally.streak == 1  # the accepted teleport before it was kept
@@ -79,4 +79,4 @@ def test_the_tally_survives_a_state_dict_round_trip():
     state = opt.state_dict()
     _, _, _, fresh = _setup(objective="balance", safety=SafetyConfig(watch_steps=0))
     fresh.load_state_dict(state)
-    assert fresh.summary() == opt.summary() == "2 teleports: 1 accepted, 1 kept, 0 rolled back, 0 failed the check, 1 declined"
+    assert fresh.summary() == opt.summary() == "2 teleports: 1 accepted, 1 kept, 0 rolled back, 0 undone by the check, 1 declined"

@@ -365,7 +365,7 @@ class Teleport(OptimizerWrapper):
 
     def summary(self) -> str:
         """One line on what the teleports came to (:class:`~teleopt.teleport.report.Tally`), e.g. ``"12 teleports:
-        8 accepted, 7 kept, 1 rolled back, 0 failed the check, 4 declined"``; saved in ``state_dict``."""
+        8 accepted, 7 kept, 1 rolled back, 0 undone by the check, 4 declined"``; saved in ``state_dict``."""
         return self._tally.summary()
 
     def register_teleport_hook(self, hook: TeleportHook) -> RemovableHandle:

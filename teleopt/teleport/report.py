@@ -209,15 +209,15 @@ class Tally:
                 f"Teleport: the last {self.streak} teleports were not kept (last: {report.reason[:160]}); {self.summary()}. "
                 "See the safety section of docs/teleport.md for what to change.",
                 UserWarning,
-                stacklevel=5,
+                stacklevel=6,
             )
 
     def summary(self) -> str:
-        """One line, e.g. ``"12 teleports: 8 accepted, 7 kept, 1 rolled back, 0 failed the check, 4 declined"``."""
+        """One line, e.g. ``"12 teleports: 8 accepted, 7 kept, 1 rolled back, 0 undone by the check, 4 declined"``."""
         kept = self.accepted - self.rolled_back
         return (
             f"{self.teleports} teleport{'' if self.teleports == 1 else 's'}: {self.accepted} accepted, {kept} kept, {self.rolled_back} rolled back, "
-            f"{self.failed} failed the check, {self.declined} declined"
+            f"{self.failed} undone by the check, {self.declined} declined"
         )
 
     def to_state(self) -> dict[str, int]:
