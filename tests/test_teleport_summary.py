@@ -51,8 +51,9 @@ def test_a_run_that_keeps_declining_warns_once_when_the_streak_reaches_three():
         warnings.simplefilter("always")
         for _ in range(5):
             opt.teleport()  # already balanced: "declined: no improvement found"
-    messages = [str(w.message) for w in caught if "were not kept" in str(w.message)]
-    assert len(messages) == 1 and "the last 3 teleports were not kept" in messages[0]
+    mine = [w for w in caught if "were not kept" in str(w.message)]
+    assert len(mine) == 1 and "the last 3 teleports were not kept" in str(mine[0].message)
+    assert mine[0].filename == __file__  # it points at the user's line, not into teleopt or torch
     assert "6 teleports: 1 accepted, 1 kept, 0 rolled back, 0 undone by the check, 5 declined" in opt.summary()
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -166,6 +168,17 @@ class TeleportReport:
         }
 
 
+_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(torch.__file__)))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside teleopt and torch, counted from the caller of this function."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 @dataclass
 class Tally:
     """Counts of what a ``Teleport``'s teleports came to, each counted once.
@@ -209,7 +222,7 @@ class Tally:
                 f"Teleport: the last {self.streak} teleports were not kept (last: {report.reason[:160]}); {self.summary()}. "
                 "See the safety section of docs/teleport.md for what to change.",
                 UserWarning,
-                stacklevel=6,
+                stacklevel=_user_stacklevel(),
             )
 
     def summary(self) -> str:
