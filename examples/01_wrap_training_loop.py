@@ -99,12 +99,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{'epoch':>5}  {'baseline test loss / acc':>24}  {'teleopt test loss / acc':>23}")
     for epoch, ((bl, ba), (tl, ta)) in enumerate(zip(baseline["history"], teleported["history"]), 1):
         print(f"{epoch:>5}  {bl:>15.4f} / {ba:.3f}  {tl:>14.4f} / {ta:.3f}")
-    accepted = [r for r in optimizer.reports if r.accepted]
     spent = sum(r.time_s for r in optimizer.reports)
-    print(
-        f"training time: baseline {baseline['seconds']:.2f} s, teleopt {teleported['seconds']:.2f} s "
-        f"({len(accepted)} of {len(optimizer.reports)} teleports accepted, {1e3 * spent:.0f} ms in teleports)"
-    )
+    print(f"training time: baseline {baseline['seconds']:.2f} s, teleopt {teleported['seconds']:.2f} s ({1e3 * spent:.0f} ms in teleports)")
+    print(optimizer.summary())  # each teleport counted once: accepted, kept after the watch, rolled back, declined
     # what the teleports did (every report also goes to hooks: optimizer.register_teleport_hook)
     for report in optimizer.reports:
         drift = "-" if report.loss_drift is None else f"{report.loss_drift:.1e}"

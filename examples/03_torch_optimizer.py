@@ -4,8 +4,12 @@ teleopt's wrappers take any ``torch.optim.Optimizer``, including the ones from t
 ``torch-optimizer`` package (``pip install torch-optimizer``).  This example
 
 * wraps ``torch_optimizer.Lamb`` and ``torch_optimizer.Yogi`` in
-  ``Syre(Teleport(base))``: symmetry teleportation every 50 steps (Zhao 2026
-  Algorithm 1) and weight decay towards a random static anchor (Ziyin et al. 2025, eq. 6);
+  ``Syre(Teleport(base, objective="balance"))``: a balance teleport every 50 steps
+  (the least weight norm on the orbit, in closed form) and weight decay towards a
+  random static anchor (Ziyin et al. 2025, eq. 6);
+* runs the same loop with the bare base optimizer beside it (the baseline) and
+  prints both full-batch training losses and test accuracies, and
+  ``Teleport.summary()`` (accepted, kept, rolled back, declined);
 * prints what each teleport did to the optimizer state: first and second moments
   (``exp_avg``, ``exp_avg_sq``) have exact transport rules under the positive
   rescalings used here (a first moment moves like a gradient, a second moment like
@@ -13,10 +17,13 @@ teleopt's wrappers take any ``torch.optim.Optimizer``, including the ones from t
 * saves a checkpoint mid-run, loads it with ``torch.load(weights_only=True)`` into
   a fresh model and fresh wrappers, and checks that both runs continue identically.
 
-Objectives that need a model of the base optimizer's update
-(``objective="preconditioned_norm"`` or ``"lookahead"``) exist for torch.optim's SGD,
-Adagrad, RMSprop, Adam and AdamW only; with other optimizers use the default
-``"grad_norm"``.
+Why balance and not the default ``"grad_norm"`` objective: Yogi and Lamb take
+steps that do not scale with the gradient, and grad-norm teleports grow the
+gradient by shrinking layers, so the next steps are large relative to the shrunk
+weights and training diverges (``Teleport`` warns about that configuration; see
+"Scale-free optimizers" in docs/teleport.md).  Objectives that model the base
+optimizer's update (``"preconditioned_norm"``, ``"lookahead"``) exist for
+torch.optim's SGD, Adagrad, RMSprop, Adam and AdamW only.
 
 Needs: the ``demo`` extra and torch-optimizer: ``pip install -e ".[demo]" torch-optimizer``.
 
@@ -60,7 +67,7 @@ def build(name: str, data: Digits, batch_fn: Callable[[], Any]) -> tuple[nn.Modu
     model = digits_mlp((64, 64), seed=0, bias=True)
     base = BASES[name](model.parameters())
     teleport = teleopt.Teleport(
-        base, model, hidden_rescaling_sites(model), every=50, loss_fn=F.cross_entropy, batch_fn=batch_fn, ascent_steps=20
+        base, model, hidden_rescaling_sites(model), objective="balance", every=50, loss_fn=F.cross_entropy, batch_fn=batch_fn
     )
     # the anchor scale is relative to 1/sqrt(fan_in); biases have none, so leave them out (timm-style)
     optimizer = teleopt.Syre(teleport, gamma=1e-3, sigma0=1.0, exclude_1d=True, seed=0)
@@ -76,6 +83,21 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: Digits, step
         loss.backward()
         optimizer.step()
     return float(loss.detach())
+
+
+def evaluate(model: nn.Module, data: Digits) -> tuple[float, float]:
+    """Full-batch training loss and test accuracy."""
+    with torch.no_grad():
+        loss = float(F.cross_entropy(model(data.x_train), data.y_train))
+        accuracy = float((model(data.x_test).argmax(1) == data.y_test).float().mean())
+    return loss, accuracy
+
+
+def baseline(name: str, data: Digits, steps: int) -> tuple[float, float]:
+    """The same loop with the bare base optimizer (same weights, same batches): training loss, test accuracy."""
+    model = digits_mlp((64, 64), seed=0, bias=True)
+    train(model, BASES[name](model.parameters()), data, range(steps), torch.Generator().manual_seed(2))
+    return evaluate(model, data)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -126,19 +148,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         train(resumed_model, resumed_optimizer, data, range(half, steps), resumed_order)
         identical = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), resumed_model.state_dict().values()))
 
-        with torch.no_grad():
-            accuracy = float((model(data.x_test).argmax(1) == data.y_test).float().mean())
+        train_loss, accuracy = evaluate(model, data)
+        base_loss, base_accuracy = baseline(name, data, steps)
         decisions: Counter[str] = Counter()
         for report in teleport.reports:
             decisions.update(report.state_decisions)
-        accepted = sum(r.accepted for r in teleport.reports)
-        print(
-            f"{name}: {accepted}/{len(teleport.reports)} teleports accepted, last loss {final_loss:.4f}, "
-            f"test accuracy {accuracy:.3f}, resumed run identical: {identical}"
-        )
+        print(f"{name}: {teleport.summary()}; resumed run identical: {identical}")
+        print(f"  baseline ({name} alone): train loss {base_loss:.4f}, test accuracy {base_accuracy:.3f}")
+        print(f"  Syre(Teleport({name})):  train loss {train_loss:.4f}, test accuracy {accuracy:.3f} (last batch {final_loss:.4f})")
         print(f"  optimizer-state decisions over all teleports: {dict(decisions)}")
         results[name] = {
             "accuracy": accuracy,
+            "train_loss": train_loss,
+            "baseline_accuracy": base_accuracy,
+            "baseline_train_loss": base_loss,
             "identical": identical,
             "reports": list(teleport.reports),
             "decisions": dict(decisions),

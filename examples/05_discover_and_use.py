@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # 4. bind it to the block of a larger model and teleport along it while training
         torch.manual_seed(0)
         model = Model().double()
+        baseline_model = Model().double()
+        baseline_model.load_state_dict(model.state_dict())  # the baseline: the same loop without teleopt
         site = bind(registered, model, ["block1.weight", "block2.weight"], data_input="block1")
         gen = torch.Generator().manual_seed(1)
         x = torch.randn(64, 3, generator=gen, dtype=torch.float64)
@@ -100,20 +102,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             loss_fn=loss_fn,
             batch_fn=teleport_batch,
             ascent_steps=5,
+            trust_region=0.5,  # |log c| <= 0.5 a teleport: at log 4 (the default) 5 of 15 blew up and were rolled back
             safety=SafetyConfig(loss_tol=LOSS_TOL),
         )
+        baseline_sgd = torch.optim.SGD(baseline_model.parameters(), lr=0.05)
         for _ in range(train_steps):
-            optimizer.zero_grad()
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            optimizer.step()
-        print(f"final training loss {loss.item():.4f}")
+            for net, opt in ((model, optimizer), (baseline_model, baseline_sgd)):
+                opt.zero_grad()
+                loss_fn(net(x), y).backward()
+                opt.step()
+        with torch.no_grad():
+            final, baseline = loss_fn(model(x), y).item(), loss_fn(baseline_model(x), y).item()
+        print(f"final training loss {final:.4f} (baseline: the same SGD loop without teleopt, {baseline:.4f})")
+        print(optimizer.summary())
         for r in optimizer.reports:
             drift = "-" if r.loss_drift is None else f"{r.loss_drift:.1e}"
             print(f"  step {r.step}: {r.reason.split(';')[0]}; loss drift on the teleport batch {drift}")
     finally:
         teleopt.unregister_action("learned_block")
-    return {"action": action, "ratio": ratio, "reports": list(optimizer.reports), "site": site}
+    return {"action": action, "ratio": ratio, "reports": list(optimizer.reports), "site": site, "loss": final, "baseline_loss": baseline}
 
 
 if __name__ == "__main__":

@@ -2,15 +2,19 @@
 
 Every rank runs this script.  Every layer and the root are wrapped with ``fully_shard``,
 ``Teleport(..., "auto", example_inputs=...)`` finds the model's exact symmetries on an
-unsharded copy (gathered once, when it is built), and ``Syre(Teleport(AdamW))`` trains
-as usual: each rank computes on its own slice of every
+unsharded copy (gathered once, when it is built), and ``Syre(Teleport(AdamW,
+objective="balance"))`` trains as usual (grad-norm teleports under AdamW's scale-free steps
+shrink layers; see "Scale-free optimizers" in docs/teleport.md): each rank computes on its own slice of every
 batch, FSDP2 averages the gradients, a scheduled teleport moves each rank's shards
 (the CNN's sites are channel rescalings, so only per-channel statistics are
 communicated; ``teleopt.sharding.CommunicatedBytes`` counts them) and Syre decays each
 shard towards its slice of the same whole-tensor anchor.  At the end the example checks
 that every rank holds identical full parameters, saves a distributed checkpoint
 (``torch.distributed.checkpoint``), loads it into a fresh model and optimizer and checks
-that the resumed run continues exactly.
+that the resumed run continues exactly, and trains the same loop with the bare AdamW as
+the baseline.  At 400 steps on the CPU (gloo) it ends at test accuracy 0.953 against
+the baseline's 0.966 (3 teleports kept of 3; one extra teleport declined); the
+grad-norm teleports it used before ended at 0.882.
 
 Data: scikit-learn's bundled digits (8x8 images, no download); a small CNN
 (conv-ReLU-max pool-conv-ReLU-average pool-linear).
@@ -72,7 +76,7 @@ def shard(model: nn.Module, device: torch.device) -> nn.Module:
 def make_optimizer(model: nn.Module, example: torch.Tensor, every: int) -> teleopt.Syre:
     """``sites="auto"`` on the sharded model: detection runs once on an unsharded copy (gathered on every rank)."""
     base = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    teleport = teleopt.Teleport(base, model, "auto", example_inputs=(example,), every=every, warmup=every)
+    teleport = teleopt.Teleport(base, model, "auto", example_inputs=(example,), objective="balance", every=every, warmup=every)
     return teleopt.Syre(teleport, gamma=1e-3, decoupled=True, seed=0)
 
 
@@ -150,8 +154,17 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     with torch.no_grad():
         accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
     teleopt.sharding.reshard(model)
+    # the baseline: the same loop with the bare AdamW from the same weights
+    plain = shard(make_model().to(device), device)
+    baseline_loss = train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.0), x, y, range(args.steps), args.batch)
+    with torch.no_grad():
+        baseline_accuracy = float((plain(x_test).argmax(1) == y_test).float().mean())
+    teleopt.sharding.reshard(plain)
     reports = teleport.reports
     return {
+        "baseline_loss": baseline_loss,
+        "baseline_accuracy": baseline_accuracy,
+        "summary": teleport.summary(),
         "sites": [s.name for s in teleport.sites],
         "teleports": [(r.step, r.accepted, r.reason) for r in reports],
         "extra_accepted": extra.accepted,
@@ -174,7 +187,9 @@ def _report(result: dict[str, Any]) -> None:
         f"the parameters are {result['param_bytes']} bytes"
     )
     print(f"ranks identical: {result['rank_spread'] == 0.0}; DCP resume continued exactly: {result['resumed_exactly']}")
+    print(result["summary"])
     print(f"final train loss {result['final_loss']:.4f}, test accuracy {result['accuracy']:.3f}")
+    print(f"baseline (AdamW alone): final train loss {result['baseline_loss']:.4f}, test accuracy {result['baseline_accuracy']:.3f}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -60,6 +60,10 @@ def test_01_wrap_training_loop(capsys):
     # the baseline ran beside it from the same weights and batches: equal until the first teleport (step 50)
     assert result["baseline_history"][0] == result["history"][0]
     assert result["accuracy"] > 0.85 and result["baseline_accuracy"] > 0.85
+    # no worse than the same loop without teleopt
+    assert result["accuracy"] >= result["baseline_accuracy"] - 0.005
+    assert result["history"][-1][0] <= 1.05 * result["baseline_history"][-1][0]
+    assert not any(r.path == "watch" for r in result["reports"])  # no rollbacks
     printed = capsys.readouterr().out
     assert "baseline test loss / acc" in printed and "accepted" in printed
 
@@ -81,6 +85,8 @@ def test_02_timm_auto_sites(capsys):
     printed = capsys.readouterr().out
     assert "coverage" in printed and "positive_rescaling" in printed and "baseline test acc" in printed
     assert all(r.objective == "balance" for r in accepted) and 0 <= result["baseline_accuracy"] <= 1
+    assert result["accuracy"] >= result["baseline_accuracy"] - 0.005  # no worse than the loop without teleopt
+    assert not any(r.path == "watch" for r in optimizer.reports)
 
 
 def test_03_torch_optimizer():
@@ -95,6 +101,10 @@ def test_03_torch_optimizer():
         assert r["decisions"].get("transport", 0) > 0
         assert r["accuracy"] > 0.8
         assert r["penalty"] > 0  # Syre's decay term towards the anchor is live
+        # no worse than the bare base optimizer on the same weights and batches
+        assert r["accuracy"] >= r["baseline_accuracy"] - 0.005
+        assert r["train_loss"] <= 1.05 * r["baseline_train_loss"]
+        assert not any(x.path == "watch" for x in r["reports"])  # no rollbacks
 
 
 def _pytest_example_4(tmp_path: Path, *select: str) -> int:
@@ -151,6 +161,7 @@ def test_05_discover_and_use(capsys):
     accepted = [r for r in result["reports"] if r.accepted]
     assert accepted, "the learned site was never teleported along"
     assert all(r.path == "general" and r.loss_drift <= module.LOSS_TOL for r in accepted)
+    assert result["loss"] <= 1.05 * result["baseline_loss"]  # no worse than the same SGD loop without teleopt
     import teleopt
 
     assert "learned_block" not in {row["name"] for row in teleopt.list_actions()}  # the example unregisters it again

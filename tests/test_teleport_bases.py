@@ -147,3 +147,15 @@ def test_a_watch_rollback_puts_the_lookahead_slow_weights_back():
     assert opt.reports[-1].reason.startswith("rolled back")
     for n, p in model.named_parameters():
         torch.testing.assert_close(base.state[p]["slow_param"], slow[n], rtol=0, atol=0)
+
+
+def test_scheduled_grad_norm_teleports_under_a_scale_free_base_warn_and_balance_does_not():
+    model, x = mlp(), torch.randn(8, 4)
+    sites = find_symmetries(model, x).continuous_sites
+    with pytest.warns(UserWarning, match="Prefer objective='balance'"):
+        Teleport(torch.optim.Adam(model.parameters()), model, sites, every=50)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Teleport(torch.optim.Adam(model.parameters()), model, sites, objective="balance", every=50)
+        Teleport(torch.optim.Adam(model.parameters()), model, sites)  # manual: teleports only when asked
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites, every=50)

@@ -40,7 +40,11 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         torch.set_num_threads(1)
         model = nn.parallel.DistributedDataParallel(_mlp())
         sites = [Site(LEAKY, ("0.weight", None, "2.weight")), Site(LEAKY, ("2.weight", None, "4.weight"))]
-        opt = Teleport(torch.optim.Adam(model.parameters(), lr=1e-2), model, sites, every=2, ascent_steps=30)
+        # watch_patience=1: the teleport at step 2 grows the squared gradient norm 222x under Adam and the next step
+        # shows 37x its reference; the default patience (3) lets the teleport at step 4 stack on it, the weights grow
+        # to norm^2 ~2e7 and the general teleport below finds no feasible move. This test is about ranks agreeing.
+        safety = SafetyConfig(watch_patience=1)
+        opt = Teleport(torch.optim.Adam(model.parameters(), lr=1e-2), model, sites, every=2, ascent_steps=30, safety=safety)
         gen = torch.Generator().manual_seed(100 + rank)  # different data on every rank
         for _ in range(5):
             x, y = torch.randn(8, 5, generator=gen), torch.randn(8, 3, generator=gen)

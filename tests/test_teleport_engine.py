@@ -380,7 +380,7 @@ def test_the_watch_checkpoints_exactly_what_its_rollback_uses():
         elements = torch.cat([e.flatten() for e in opt.reports[-1].elements.values()])
         assert bool((torch.frexp(elements).mantissa.abs() == 0.5).all()) == (trust == math.log(4))
         kept = opt.state_dict()["teleopt_teleport"]["watch"]
-        assert sorted(kept) == sorted(["grad_ref", saved, "loss_ref", "teleport_step", "until"])
+        assert sorted(kept) == sorted(["grad_ref", saved, "loss_ref", "strikes", "teleport_step", "until"])
         if saved == "inverse":
             assert sum(e.numel() for e in kept["inverse"]["elements"]) == units
         buf = io.BytesIO()

@@ -391,7 +391,7 @@ def test_watch_rolls_back_a_teleport_that_diverges_later():
         assert torch.equal(v, before_teleport[n]), n
     assert all(p.grad is None for p in model.parameters())
     assert rolled_back_at < 5 + 10
-    assert opt._backoff == 0.5
+    assert opt.record.backoff == 0.5
 
 
 def test_an_inverse_watch_moves_a_diverging_teleport_back_but_keeps_the_damage():
@@ -422,7 +422,7 @@ def test_an_inverse_watch_moves_a_diverging_teleport_back_but_keeps_the_damage()
     assert all(bool(((e == 16) | (e == 1 / 16) | (e == 1)).all()) for e in (e.float() for e in teleport.elements.values()))
     assert watch.path == "watch" and "moved back by the inverse elements of the teleport at step 5 (the steps since kept" in watch.reason
     assert "outputs on the probe inputs changed by 0.0e+00" in watch.reason
-    assert rolled_back is not None and 5 < rolled_back < 5 + 10 and opt._backoff == 0.5
+    assert rolled_back is not None and 5 < rolled_back < 5 + 10 and opt.record.backoff == 0.5
     opt.zero_grad()
     _sse(model(X), Y).backward()
     after = math.sqrt(sum(float(p.grad.square().sum()) for p in model.parameters()))
@@ -457,7 +457,7 @@ def test_state_dict_keeps_counters_and_loads_weights_only():
     assert top["step"] == 3 and top["accepted"] == 2 and "watch" in top
     other = Teleport(torch.optim.Adam(model.parameters(), lr=1e-3), model, sites(), every=2, objective="curvature", ascent_steps=3)
     other.load_state_dict(loaded)
-    assert other._step_count == 3 and torch.equal(other._generator.get_state(), opt._generator.get_state())
+    assert other.record.step == 3 and torch.equal(other._generator.get_state(), opt._generator.get_state())
 
 
 # ---------------------------------------------------------------- bad input

@@ -56,7 +56,7 @@ from teleopt.teleport.objectives import Objective, get_objective
 from teleopt.teleport.paper_compat import PaperCompatEngine, check_paper_compat_sites
 from teleopt.teleport.precision import PrecisionRecorder, full_precision
 from teleopt.teleport.record_check import check_groups, check_record
-from teleopt.teleport.report import TeleportReport
+from teleopt.teleport.report import Tally, TeleportReport
 from teleopt.teleport.safety import SafetyConfig, default_loss_tol
 from teleopt.teleport.schedule import Schedule
 from teleopt.teleport.search import SearchConfig
@@ -70,10 +70,11 @@ from teleopt.teleport.sites import (
     unusable,
     validate_sites,
     warn_left_out,
+    warn_scale_free_objective,
 )
 from teleopt.teleport.state_policy import StatePolicy, restart_curvature_history
 from teleopt.teleport.transaction import Transaction
-from teleopt.teleport.watch import TeleportRecord
+from teleopt.teleport.watch import REFERENCE_STEPS, TeleportRecord
 from teleopt.unwrap import hook_target, unwrap
 from teleopt.wrapper import OptimizerWrapper, no_grad_step, torch_initialising_step
 
@@ -197,6 +198,7 @@ class Teleport(OptimizerWrapper):
         check_model_matches_optimizer(self._module, self.param_groups)
         self._objective = get_objective(objective)
         self._schedule = resolve_schedule(schedule, shortcuts, self._objective.default_schedule())
+        warn_scale_free_objective(self._objective.name, self._schedule, self.innermost)
         self._search = search
         self._policy = resolve_state_policy(state_policy, shortcuts)
         data = resolve_data(loss_fn, batch_fn, heldout_batch, example_inputs, example_kwargs, batches=self._schedule.batches)
@@ -220,15 +222,16 @@ class Teleport(OptimizerWrapper):
         self._start_recording()
 
     def _start_recording(self) -> None:
-        """Teleport hooks, reports, and the forward pre-hook that keeps probe inputs for the check.
+        """Teleport hooks, reports, their tally, and the forward pre-hooks.
 
-        With ``example_inputs`` the check probes those and the pre-hook is not registered: any
+        With ``example_inputs`` the check probes those and the probe pre-hook is not registered: any
         forward hook takes a module off torch's fast call path (cost: ``docs/performance.md``).  A
         one-shot pre-hook (:class:`KeywordCheck`) reads the arguments of one training forward after
         construction and after each teleport instead.
         """
         self._hooks: OrderedDict[int, TeleportHook] = OrderedDict()
         self.reports: list[TeleportReport] = []
+        self._tally = Tally()
         self._sparse_warned: set[str] = set()
         self._probe, self._precision = ProbeRecorder(), PrecisionRecorder()  # the latter: the training forward's autocast
         weakref.finalize(self, self._hook_target.register_forward_pre_hook(self._precision).remove)
@@ -368,12 +371,13 @@ class Teleport(OptimizerWrapper):
         return self._record
 
     @property
-    def _step_count(self) -> int:
-        return self._record.step
+    def _watch_limits(self) -> tuple[float, int]:
+        return self._safety.watch_factor, self._safety.watch_patience
 
-    @property
-    def _backoff(self) -> float:
-        return self._record.backoff
+    def summary(self) -> str:
+        """One line on what the teleports came to (:class:`~teleopt.teleport.report.Tally`), e.g. ``"12 teleports:
+        8 accepted, 7 kept, 1 rolled back, 0 undone by the check, 4 declined"``; saved in ``state_dict``."""
+        return self._tally.summary()
 
     def register_teleport_hook(self, hook: TeleportHook) -> RemovableHandle:
         """Call ``hook(wrapper, report)`` after every teleport, declined one and rollback.
@@ -433,7 +437,9 @@ class Teleport(OptimizerWrapper):
         due = self._enabled() and self._schedule.due(record.step, record.accepted)
         if self.base_needs_closure and (due or record.watch is not None):
             loss = self._run_closure(closure)
-        if record.watch is not None and record.watch.triggered(self._grads(), loss, self._safety.watch_factor):
+        if record.watch is None and self._schedule.soon(record.step, record.accepted, REFERENCE_STEPS):
+            record.sample(self._grads())  # the watch's reference for the next teleport
+        elif record.watch is not None and record.watch.triggered(self._grads(), loss, *self._watch_limits):
             with full_precision():
                 self._rollback_watch(record.step)
             record.step += 1
@@ -531,6 +537,7 @@ class Teleport(OptimizerWrapper):
 
     def _call_hooks(self, report: TeleportReport) -> None:
         self.reports.append(report)
+        self._tally.count(report)
         for hook in list(self._hooks.values()):
             hook(self, report)
 
@@ -562,7 +569,7 @@ class Teleport(OptimizerWrapper):
         return [p for g in self.param_groups for p in g["params"]]
 
     def _wrapper_state(self) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
-        return {}, self._record.to_state(self._generator.get_state())
+        return {}, {**self._record.to_state(self._generator.get_state()), "tally": self._tally.to_state()}
 
     def _check_loaded(
         self,
@@ -582,6 +589,7 @@ class Teleport(OptimizerWrapper):
     def _load_wrapper_state(self, per_param: dict[int, dict[str, Any]], top: dict[str, Any]) -> None:
         if "rng" in top:
             self._generator.set_state(top["rng"].to(torch.uint8).cpu())
+        self._tally = Tally.from_state(top.get("tally"))
         self._record.load_state(top, self._module, self._base, self._param_list(), self._policy, self._sites or ())
 
     def __repr__(self) -> str:

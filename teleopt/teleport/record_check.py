@@ -25,7 +25,7 @@ from teleopt.site import Site, lookup_tensor
 
 __all__ = ["check_groups", "check_record"]
 
-_TOP_KEYS = ("step", "accepted", "rollbacks", "backoff", "rng", "watch")
+_TOP_KEYS = ("step", "accepted", "rollbacks", "backoff", "rng", "watch", "recent", "tally")
 _WATCH_KEYS = ("until", "teleport_step", "grad_ref", "loss_ref")
 
 
@@ -95,8 +95,24 @@ def check_record(top: Any, module: nn.Module, params: Sequence[Tensor], known: S
             torch.Generator().set_state(rng.to(torch.uint8).cpu())
         except Exception as e:  # noqa: BLE001 - whatever torch refuses
             f.fail("['rng']", f"is not a CPU generator state ({type(e).__name__}: {e})")
+    _check_samples(top, f)
     if top.get("watch") is not None:
         _check_watch(top["watch"], f, module, params, known)
+
+
+def _check_samples(top: Mapping[str, Any], f: _Fields) -> None:
+    """The watch's recent squared gradient norms ([step, value] pairs) and the teleports' tally (counts)."""
+    recent = top.get("recent", [])
+    if not isinstance(recent, (list, tuple)) or any(not isinstance(r, (list, tuple)) or len(r) != 2 for r in recent):
+        f.fail("['recent']", f"must be a list of [step, squared gradient norm] pairs, got {recent!r}")
+    for i, (t, v) in enumerate(recent):
+        f.count(t, f"['recent'][{i}][0]")
+        f.number(v, f"['recent'][{i}][1]")
+    tally = top.get("tally") or {}
+    if not isinstance(tally, Mapping):
+        f.fail("['tally']", f"must be a dict of counts, got {type(tally).__name__}")
+    for key, value in tally.items():
+        f.count(value, f"['tally'][{key!r}]")
 
 
 def _check_watch(watch: Any, f: _Fields, module: nn.Module, params: Sequence[Tensor], known: Sequence[Site]) -> None:
@@ -111,6 +127,7 @@ def _check_watch(watch: Any, f: _Fields, module: nn.Module, params: Sequence[Ten
         f.fail("['watch']['until']", f"({until}) is before the teleport step ({start})")
     f.number(watch["grad_ref"], "['watch']['grad_ref']")
     f.number(watch["loss_ref"], "['watch']['loss_ref']", optional=True)
+    f.count(watch.get("strikes", 0), "['watch']['strikes']")
     if kinds[0] == "inverse":
         _check_inverse(watch["inverse"], f, module, known)
     else:

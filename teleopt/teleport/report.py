@@ -1,7 +1,11 @@
-"""What a teleport did: the record ``Teleport.teleport()`` returns and post-teleport hooks receive."""
+"""What teleports did: the record ``Teleport.teleport()`` returns and post-teleport hooks receive, and the
+:class:`Tally` of all of them behind ``Teleport.summary()``."""
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +16,7 @@ from torch import Tensor, nn
 from teleopt.site import Site, lookup_tensor
 from teleopt.teleport.transport import transport
 
-__all__ = ["TeleportReport"]
+__all__ = ["TeleportReport", "Tally"]
 
 
 @dataclass
@@ -179,3 +183,78 @@ class TeleportReport:
             "shrink": self.shrink,
             "time_s": self.time_s,
         }
+
+
+_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(torch.__file__)))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside teleopt and torch, counted from the caller of this function."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+@dataclass
+class Tally:
+    """Counts of what a ``Teleport``'s teleports came to, each counted once.
+
+    ``accepted`` passed the check; ``rolled_back`` of them were undone later by the watch
+    (``kept`` = accepted - rolled_back); ``failed`` were undone at the check (a post-condition);
+    ``declined`` never moved.  ``streak`` counts consecutive teleports not kept (a teleport accepted
+    and then rolled back counts as not kept); when it reaches ``warn_after`` a ``UserWarning`` says so.
+    """
+
+    accepted: int = 0
+    rolled_back: int = 0
+    failed: int = 0
+    declined: int = 0
+    streak: int = 0
+    before_accept: int = 0
+    warn_after: int = 3
+
+    @property
+    def teleports(self) -> int:
+        """Teleports attempted (a watch rollback is not a new one)."""
+        return self.accepted + self.failed + self.declined
+
+    def count(self, report: TeleportReport) -> None:
+        """Count ``report`` (a teleport or a watch rollback); warn when ``warn_after`` in a row were not kept."""
+        if report.path == "watch":
+            self.rolled_back += 1
+            self.streak = self.before_accept + 1
+        elif report.accepted:
+            self.accepted += 1
+            self.before_accept, self.streak = self.streak, 0
+            return
+        elif report.reason.startswith("rolled back"):
+            self.failed += 1
+            self.streak += 1
+        else:
+            self.declined += 1
+            self.streak += 1
+        if self.streak == self.warn_after:
+            warnings.warn(
+                f"Teleport: the last {self.streak} teleports were not kept (last: {report.reason[:160]}); {self.summary()}. "
+                "See the safety section of docs/teleport.md for what to change.",
+                UserWarning,
+                stacklevel=_user_stacklevel(),
+            )
+
+    def summary(self) -> str:
+        """One line, e.g. ``"12 teleports: 8 accepted, 7 kept, 1 rolled back, 0 undone by the check, 4 declined"``."""
+        kept = self.accepted - self.rolled_back
+        return (
+            f"{self.teleports} teleport{'' if self.teleports == 1 else 's'}: {self.accepted} accepted, {kept} kept, {self.rolled_back} rolled back, "
+            f"{self.failed} undone by the check, {self.declined} declined"
+        )
+
+    def to_state(self) -> dict[str, int]:
+        """Plain ints for ``state_dict``."""
+        return {k: getattr(self, k) for k in ("accepted", "rolled_back", "failed", "declined", "streak", "before_accept")}
+
+    @classmethod
+    def from_state(cls, data: dict[str, int] | None) -> Tally:
+        """Rebuild a tally saved by :meth:`to_state` (``None``: a fresh one)."""
+        return cls(**{k: int(v) for k, v in (data or {}).items()})

@@ -52,10 +52,15 @@ inverse elements too, bit for bit, nothing is copied, and the outputs are compar
 once more.  A non-finite gradient declines the teleport before anything moves.
 
 **Watch (after).**  For ``watch_steps`` steps after an accepted teleport the
-watch looks at every step's gradient and loss.  If within that window a gradient
-is non-finite, the squared gradient norm exceeds ``watch_factor`` times
-max(before, after the teleport), or the loss exceeds ``watch_factor`` times its
-pre-teleport value, that step's update is skipped, the teleport is undone, the
+watch looks at every step's gradient and loss.  The gradient's reference is the
+larger of ||grad||^2 at the teleport (before and after the move) and the median
+||grad||^2 of the 5 steps before a scheduled teleport times the teleport's gain
+(:func:`~teleopt.teleport.watch.reference`): one minibatch's gradient norm varies
+by large factors from step to step late in training, so a single value is a
+noisy yardstick.  If within that window a gradient or the loss is non-finite, or
+the squared gradient norm (or the loss, against its pre-teleport value) exceeds
+``watch_factor**2`` times its reference once or ``watch_factor`` times it on
+``watch_patience`` consecutive steps, that step's update is skipped, the teleport is undone, the
 trust region and caps are multiplied by ``backoff`` for later teleports, and a
 rollback report is issued.  How it is undone (``watch_restore``):
 
@@ -129,6 +134,7 @@ class SafetyConfig:
     heldout_tol: float | None = None
     watch_steps: int = 10
     watch_factor: float = 10.0
+    watch_patience: int = 3
     watch_restore: str = "inverse"
     backoff: float = 0.5
 
@@ -149,6 +155,8 @@ class SafetyConfig:
         watch_factor = _positive(self.watch_factor, "watch_factor", allow_none=False)
         assert watch_factor is not None  # allow_none=False
         self.watch_factor = watch_factor
+        if not isinstance(self.watch_patience, int) or isinstance(self.watch_patience, bool) or self.watch_patience < 1:
+            raise ValueError(f"watch_patience must be an int >= 1, got {self.watch_patience!r}")
         if self.watch_restore not in ("snapshot", "inverse"):
             raise ValueError(f"watch_restore must be 'snapshot' or 'inverse', got {self.watch_restore!r}")
         if not 0 < self.backoff <= 1:

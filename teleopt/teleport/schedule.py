@@ -88,6 +88,18 @@ class Schedule:
             return step in self.at
         return self.when is not None and bool(self.when(step))
 
+    def soon(self, step: int, accepted: int, within: int) -> bool:
+        """Whether ``every`` or ``at`` schedules a teleport in steps ``step + 1 .. step + within`` (``when``
+        callables and manual schedules are not asked ahead: ``False``).  O(1) for ``every``."""
+        if self.manual or self.when is not None or step + within < self.warmup:
+            return False
+        if self.max_teleports is not None and accepted >= self.max_teleports:
+            return False
+        if self.every is not None:
+            first = max(step + 1, self.warmup)
+            return first + (-(first - self.warmup)) % self.every <= step + within
+        return self.at is not None and any(step + j in self.at for j in range(1, within + 1))
+
     def __repr__(self) -> str:
         if self.every is not None:
             what = f"every={self.every}"

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 
 from teleopt.site import Site, lookup_tensor
 from teleopt.teleport.optimizer_model import OptimizerModel
+from teleopt.teleport.schedule import Schedule
 
 __all__ = [
     "check_model_matches_optimizer",
@@ -30,6 +31,7 @@ __all__ = [
     "unusable",
     "normalization_affine",
     "scale_free_updates",
+    "warn_scale_free_objective",
     "unsharded_twin",
     "warn_left_out",
 ]
@@ -280,3 +282,22 @@ def movable_sites(sites: Sequence[Site], module: nn.Module, warned: set[str]) ->
                 stacklevel=4,
             )
     return kept
+
+
+def warn_scale_free_objective(objective: str, schedule: Schedule, optimizer: Optimizer) -> None:
+    """Warn when scheduled ``"grad_norm"`` teleports run under scale-free steps (:func:`scale_free_updates`).
+
+    The gradient-norm objective (Zhao 2026, Sec. 5.1) grows ||grad L||^2 by shrinking layers; a step that does
+    not scale with the gradient (Adam family, Yogi, Lamb) is then large relative to the shrunk weights, and the
+    harm compounds over teleports where each one's watch sees nothing wrong (docs/teleport.md, "Scale-free
+    optimizers").  ``"balance"`` has no such effect on the step sizes.
+    """
+    if objective != "grad_norm" or schedule.manual or not scale_free_updates(optimizer):
+        return
+    warnings.warn(
+        f"Teleport(objective='grad_norm') on a schedule under {type(optimizer).__name__}, whose steps do not scale "
+        "with the gradient: grad-norm teleports shrink layers, and scale-free steps are then large relative to them "
+        "(training diverged under Yogi and Lamb in examples/03_torch_optimizer.py). Prefer objective='balance'.",
+        UserWarning,
+        stacklevel=3,
+    )

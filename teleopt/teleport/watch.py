@@ -4,7 +4,11 @@ For ``SafetyConfig.watch_steps`` steps after an accepted teleport a :class:`Watc
 keeps what undoes the teleport (its elements, :class:`InverseMove`, or a snapshot of
 everything it touched) and the gradient and loss scales at the teleport; if a
 gradient or the loss blows up in that window, the teleport is undone (see
-:mod:`teleopt.teleport.safety`).  :class:`TeleportRecord`
+:mod:`teleopt.teleport.safety`).  The gradient scale is robust to minibatch noise
+(:func:`reference`): the squared norms of the ``REFERENCE_STEPS`` steps before a
+scheduled teleport are sampled (only those steps pay for a norm), and a rollback
+needs a blow-up that persists for ``SafetyConfig.watch_patience`` steps (or one
+beyond ``watch_factor**2``, or a non-finite value).  :class:`TeleportRecord`
 holds the step and teleport counters and the backoff of the caps.  Both serialise
 to plain data (tensors, ints, floats) for ``state_dict`` and back.
 """
@@ -12,9 +16,10 @@ to plain data (tensors, ints, floats) for ``state_dict`` and back.
 from __future__ import annotations
 
 import math
+import statistics
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,7 +37,7 @@ from teleopt.teleport.safety import Snapshot
 from teleopt.teleport.state_policy import StatePolicy
 from teleopt.teleport.transport import transport, transport_
 
-__all__ = ["InverseMove", "Watch", "TeleportRecord", "watch_elements", "keeps_snapshot"]
+__all__ = ["InverseMove", "Watch", "TeleportRecord", "watch_elements", "keeps_snapshot", "REFERENCE_STEPS", "reference", "squared_norm"]
 
 
 def watch_elements(sites: Sequence[Site], elements: Mapping[str, Tensor], tensors: Mapping[str, Tensor]) -> list[Tensor]:
@@ -40,6 +45,30 @@ def watch_elements(sites: Sequence[Site], elements: Mapping[str, Tensor], tensor
     members' dtype, widened to float32 at least (a teleport of float32 weights is undone in float32,
     half the bytes of the float64 report copies; half precisions still get float32 arithmetic)."""
     return [elements[s.name].to(torch.promote_types(tensors[s.tensor_names[0]].dtype, torch.float32)) for s in sites]
+
+
+#: Steps before a scheduled teleport whose squared gradient norms :func:`reference` takes the median of.
+REFERENCE_STEPS = 5
+
+
+def squared_norm(grads: list[Tensor]) -> float:
+    """||grads||^2 in float64 (over all ranks for FSDP2 shards); ``inf``/``nan`` where a gradient is."""
+    if any(is_sharded(g) for g in grads):  # FSDP2: the norm of the whole gradients, summed over ranks
+        return square_sum(grads)
+    return float(torch.stack([n.to(torch.float64).cpu() for n in torch._foreach_norm(grads)]).square().sum())
+
+
+def reference(before: float | None, after: float | None, recent: Sequence[float] = ()) -> float:
+    """The squared gradient norm the watch compares with: the larger of ||g||^2 at the teleport step before and
+    after the move, and the median of the ``recent`` steps' ||g||^2 times the teleport's gain (where > 1).
+
+    One minibatch's gradient norm varies by large factors from step to step late in training; the median of a
+    few steps is what the steps after a healthy teleport fluctuate around.
+    """
+    ref = max(before or 0.0, after or 0.0) ** 2
+    if recent and before:
+        ref = max(ref, statistics.median(recent) * max(1.0, (after or 0.0) ** 2 / before**2))
+    return ref
 
 
 class InverseMove:
@@ -108,11 +137,12 @@ class InverseMove:
 class Watch:
     """An accepted teleport under watch until step ``until`` (see module docs).
 
-    ``grad_ref`` is the squared gradient norm to compare with (the larger of before
-    and after the teleport), ``loss_ref`` the pre-teleport loss; ``why`` says what
-    triggered a rollback.  ``snapshot`` is what a rollback undoes the teleport with:
-    its :class:`InverseMove` (the default) or a :class:`Snapshot`; ``state_dict``
-    saves exactly that, so a watch resumed from a checkpoint rolls back as the
+    ``grad_ref`` is the squared gradient norm to compare with (:func:`reference`),
+    ``loss_ref`` the pre-teleport loss, ``strikes`` the number of consecutive watched
+    steps so far above ``watch_factor`` times them; ``why`` says what triggered a
+    rollback.  ``snapshot`` is what a rollback undoes the teleport with: its
+    :class:`InverseMove` (the default) or a :class:`Snapshot`; ``state_dict`` saves
+    exactly that, so a watch resumed from a checkpoint rolls back as the
     uninterrupted run would, bit for bit.
     """
 
@@ -122,30 +152,38 @@ class Watch:
     grad_ref: float
     loss_ref: float | None
     why: str = ""
+    strikes: int = 0
 
-    def alarm(self, grads: list[Tensor], loss: Any, factor: float) -> str | None:
-        """Why this rank's gradients ``grads`` or ``loss`` call for a rollback (``None``: all well)."""
+    def alarm(self, grads: list[Tensor], loss: Any, factor: float, patience: int = 1) -> str | None:
+        """Why this rank's gradients ``grads`` or ``loss`` call for a rollback (``None``: all well).
+
+        A non-finite value, a ratio to the reference above ``max(factor, factor**2)``, or ratios above
+        ``factor`` on ``patience`` consecutive calls (``strikes`` counts them) do.
+        """
+        ratios: list[tuple[float, str]] = []
         if grads:
-            if any(is_sharded(g) for g in grads):  # FSDP2: the norm of the whole gradients, summed over ranks
-                sq = square_sum(grads)
-            else:
-                norms = torch.stack([n.to(torch.float64).cpu() for n in torch._foreach_norm(grads)])
-                sq = float(norms.square().sum())
+            sq = squared_norm(grads)
             if not math.isfinite(sq):
                 return "non-finite gradient"
-            if self.grad_ref > 0 and sq > factor * self.grad_ref:
-                return f"squared gradient norm grew to {sq / self.grad_ref:.1f}x its value at the teleport"
+            if self.grad_ref > 0:
+                ratios.append((sq / self.grad_ref, "squared gradient norm"))
         if loss is not None and self.loss_ref is not None:
             value = float(loss)
             if not math.isfinite(value):
                 return "non-finite loss"
-            if self.loss_ref > 0 and value > factor * self.loss_ref:
-                return f"loss grew to {value / self.loss_ref:.1f}x its pre-teleport value"
+            if self.loss_ref > 0:
+                ratios.append((value / self.loss_ref, "loss"))
+        ratio, what = max(ratios, default=(0.0, ""))
+        self.strikes = self.strikes + 1 if ratio > factor else 0
+        if ratio > max(factor, factor * factor):
+            return f"{what} grew to {ratio:.1f}x its reference at the teleport"
+        if self.strikes >= patience:
+            return f"{what} above {factor:g}x its reference at the teleport for {self.strikes} step(s) (last {ratio:.1f}x)"
         return None
 
-    def triggered(self, grads: list[Tensor], loss: Any, factor: float) -> bool:
+    def triggered(self, grads: list[Tensor], loss: Any, factor: float, patience: int = 1) -> bool:
         """Whether any rank's :meth:`alarm` went off (then ``why`` says why)."""
-        why = self.alarm(grads, loss, factor)
+        why = self.alarm(grads, loss, factor, patience)
         device = local(grads[0]).device if grads else None
         fired = any_rank(
             why is not None,
@@ -176,6 +214,7 @@ class Watch:
             "teleport_step": self.teleport_step,
             "grad_ref": self.grad_ref,
             "loss_ref": self.loss_ref,
+            "strikes": self.strikes,
         }
 
     @classmethod
@@ -202,6 +241,7 @@ class Watch:
             teleport_step=int(data["teleport_step"]),
             grad_ref=float(data["grad_ref"]),
             loss_ref=None if data["loss_ref"] is None else float(data["loss_ref"]),
+            strikes=int(data.get("strikes", 0)),
         )
 
 
@@ -215,6 +255,19 @@ class TeleportRecord:
     rollbacks: int = 0
     backoff: float = 1.0
     watch: Watch | None = None
+    recent: list[tuple[int, float]] = field(default_factory=list)
+
+    def sample(self, grads: list[Tensor]) -> None:
+        """Keep this step's ||grad||^2 for the next teleport's :func:`reference` (the last ``REFERENCE_STEPS``)."""
+        value = squared_norm(grads) if grads else math.nan
+        if math.isfinite(value):  # a non-finite step is no reference
+            self.recent = [*self.recent[-(REFERENCE_STEPS - 1) :], (self.step, value)]
+
+    def take_recent(self) -> list[float]:
+        """The samples of the ``REFERENCE_STEPS`` steps before this one, and forget all of them."""
+        recent = [v for t, v in self.recent if self.step - REFERENCE_STEPS <= t < self.step]
+        self.recent = []
+        return recent
 
     def to_state(self, rng: Tensor) -> dict[str, Any]:
         """Plain data for ``state_dict`` with the generator state ``rng`` (the watch only when one is in progress)."""
@@ -225,6 +278,8 @@ class TeleportRecord:
             "backoff": self.backoff,
             "rng": rng,
         }
+        if self.recent:
+            top["recent"] = [[t, v] for t, v in self.recent]
         if self.watch is not None:
             top["watch"] = self.watch.to_state()
         return top
@@ -243,6 +298,7 @@ class TeleportRecord:
         self.accepted = int(top.get("accepted", 0))
         self.rollbacks = int(top.get("rollbacks", 0))
         self.backoff = float(top.get("backoff", 1.0))
+        self.recent = [(int(t), float(v)) for t, v in top.get("recent", [])]
         watch = top.get("watch")
         self.watch = None if watch is None else Watch.from_state(watch, module, optimizer, params, policy, sites)
 
