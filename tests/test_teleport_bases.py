@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from teleopt import find_symmetries
-from teleopt.teleport import SafetyConfig, Teleport
+from teleopt.teleport import SafetyConfig, Schedule, Teleport
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -157,5 +157,5 @@ def test_scheduled_grad_norm_teleports_under_a_scale_free_base_warn_and_balance_
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Teleport(torch.optim.Adam(model.parameters()), model, sites, objective="balance", every=50)
-        Teleport(torch.optim.Adam(model.parameters()), model, sites)  # manual: teleports only when asked
+        Teleport(torch.optim.Adam(model.parameters()), model, sites, schedule=Schedule())  # manual: only when asked
         Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites, every=50)
