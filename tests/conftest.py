@@ -13,6 +13,7 @@ that raises fails the test instead of being reported and frozen.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -21,8 +22,33 @@ from types import ModuleType
 
 import pytest
 import torch
+from torch import nn
 
 os.environ.setdefault("TELEOPT_DETECTION_STRICT", "1")  # a built-in detection rule that raises fails the test
+
+
+HEADS, DIM = 4, 32
+
+
+class SeparateQKVAttention(nn.Module):
+    """Multi-head self-attention with separate q, k, v, o projections (as in a hand-written GPT) and a
+    linear head on the mean over tokens: ``HEADS`` heads of width ``DIM // HEADS``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(4))
+        self.head = nn.Linear(DIM, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+
+        def heads(z: torch.Tensor) -> torch.Tensor:
+            return z.reshape(b, t, HEADS, DIM // HEADS).transpose(1, 2)
+
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(DIM // HEADS), dim=-1)
+        return self.head(self.o((att @ v).transpose(1, 2).reshape(b, t, DIM))).mean(1)
+
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 

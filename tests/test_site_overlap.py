@@ -16,32 +16,14 @@ from collections import defaultdict
 from dataclasses import replace
 
 import torch
+from conftest import DIM, SeparateQKVAttention
 from torch import nn
 from torch.nn import functional as F
 
 import teleopt
 from teleopt.detection.overlap import footprint, merge_overlapping
 
-HEADS, DIM = 4, 32
-
-
-class Attention(nn.Module):
-    """Multi-head self-attention with separate q, k, v, o projections (as in a hand-written GPT) and a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(4))
-        self.head = nn.Linear(DIM, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-
-        def heads(z: torch.Tensor) -> torch.Tensor:
-            return z.reshape(b, t, HEADS, DIM // HEADS).transpose(1, 2)
-
-        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
-        att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(DIM // HEADS), dim=-1)
-        return self.head(self.o((att @ v).transpose(1, 2).reshape(b, t, DIM))).mean(1)
+Attention = SeparateQKVAttention
 
 
 def _detected(seed: int = 0) -> tuple[nn.Module, torch.Tensor, teleopt.SymmetryReport]:

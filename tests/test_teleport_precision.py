@@ -12,10 +12,9 @@ autocast's weight cache.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from conftest import DIM, HEADS, SeparateQKVAttention
 from torch import nn
 from torch.nn import functional as F
 
@@ -26,27 +25,7 @@ from teleopt.site import Site
 from teleopt.teleport import coordinates
 from teleopt.teleport.precision import Precision, PrecisionRecorder
 
-HEADS, DIM = 4, 32
-
-
-class Attention(nn.Module):
-    """Multi-head self-attention with separate q, k, v, o projections and a linear head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(4))
-        self.head = nn.Linear(DIM, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-
-        def heads(z: torch.Tensor) -> torch.Tensor:
-            return z.reshape(b, t, HEADS, DIM // HEADS).transpose(1, 2)
-
-        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
-        att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(DIM // HEADS), dim=-1)
-        out = self.o((att @ v).transpose(1, 2).reshape(b, t, DIM))
-        return self.head(out).mean(1)
+Attention = SeparateQKVAttention
 
 
 def _sites() -> list[Site]:
