@@ -55,7 +55,8 @@ def squared_norm(grads: list[Tensor]) -> float:
     """||grads||^2 in float64 (over all ranks for FSDP2 shards); ``inf``/``nan`` where a gradient is."""
     if any(is_sharded(g) for g in grads):  # FSDP2: the norm of the whole gradients, summed over ranks
         return square_sum(grads)
-    return float(torch.stack([n.to(torch.float64).cpu() for n in torch._foreach_norm(grads)]).square().sum())
+    dense = [g.coalesce().values() if g.is_sparse else g for g in grads]  # a sparse gradient's norm is its values'
+    return float(torch.stack([n.to(torch.float64).cpu() for n in torch._foreach_norm(dense)]).square().sum())
 
 
 def reference(before: float | None, after: float | None, recent: Sequence[float] = ()) -> float:
