@@ -97,38 +97,36 @@ class PhasedTeleport(Teleport):
         super()._call_hooks(report)
 
 
-class Faults(TorchFunctionMode):
-    """Counts the torch functions called in the ``injectable`` phases (their phase, in order) and raises
-    ``fault`` at the one numbered ``at``."""
+class _Injector:
+    """Counts the operations run in the ``injectable`` phases (their phase, in order) and raises ``fault`` at
+    the one numbered ``at``."""
 
     def __init__(self, phases: Phases, injectable: tuple[str, ...], at: int | None = None, fault: BaseException | None = None):
         super().__init__()
         self.phases, self.injectable, self.at, self.fault = phases, injectable, at, fault
         self.ops: list[str] = []
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def _count(self) -> None:
         if self.phases.current in self.injectable:
             self.ops.append(self.phases.current)
             if len(self.ops) - 1 == self.at and self.fault is not None:
                 fault, self.fault = self.fault, None
                 raise fault
+
+
+class Faults(_Injector, TorchFunctionMode):
+    """:class:`_Injector` over the torch functions called."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self._count()
         return func(*args, **(kwargs or {}))
 
 
-class DispatchFaults(TorchDispatchMode):
-    """:class:`Faults` one level down: the ATen operations (inside composite functions and autograd's backward too)."""
-
-    def __init__(self, phases: Phases, injectable: tuple[str, ...], at: int | None = None, fault: BaseException | None = None):
-        super().__init__()
-        self.phases, self.injectable, self.at, self.fault = phases, injectable, at, fault
-        self.ops: list[str] = []
+class DispatchFaults(_Injector, TorchDispatchMode):
+    """:class:`_Injector` one level down: the ATen operations (inside composite functions and autograd's backward too)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.phases.current in self.injectable:
-            self.ops.append(self.phases.current)
-            if len(self.ops) - 1 == self.at and self.fault is not None:
-                fault, self.fault = self.fault, None
-                raise fault
+        self._count()
         return func(*args, **(kwargs or {}))
 
 
