@@ -51,6 +51,7 @@ from teleopt.syre_anchors import (
     fan_in,
     real_view,
     use_foreach,
+    warn_fixed_step_lbfgs,
 )
 from teleopt.wrapper import OptimizerWrapper, no_grad_step
 
@@ -179,6 +180,7 @@ class Syre(OptimizerWrapper):
             self._check_group(group, number, start)
             start += len(group["params"])
         self._warn_base_weight_decay(range(len(self.param_groups)))
+        warn_fixed_step_lbfgs(inner)
 
     # -- groups -----------------------------------------------------------------------
     @classmethod

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -251,3 +252,21 @@ def decay_list(
             diff.mul_(d)
         new_grads.append(diff.mul_(coefficient).add_(grads[i]))
     return new_grads
+
+
+def warn_fixed_step_lbfgs(inner: torch.optim.Optimizer) -> None:
+    """Warn when the innermost optimizer is an ``LBFGS`` without a line search.
+
+    Syre enters every closure evaluation (LBFGS takes the steps of LBFGS on the decayed
+    loss, eq. 6/7 of the syre paper), but a fixed-step LBFGS can jump to a loss many times
+    its start on that objective where bare LBFGS happens not to; the strong-Wolfe line
+    search removes the jump.
+    """
+    if isinstance(inner, torch.optim.LBFGS) and any(g.get("line_search_fn") is None for g in inner.param_groups):
+        warnings.warn(
+            "Syre: LBFGS without a line search (line_search_fn=None) takes fixed steps of lr, which can blow up "
+            "on the decayed loss (as bare LBFGS on loss + gamma/2 |w - theta_0|^2 does); pass "
+            "line_search_fn='strong_wolfe' to LBFGS",
+            UserWarning,
+            stacklevel=3,
+        )

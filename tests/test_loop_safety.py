@@ -239,7 +239,9 @@ def _lbfgs_run(gamma: float, sigma0: float | None, steps: int = 6) -> tuple[list
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
     x, y = torch.randn(16, 4, generator=g, dtype=torch.float64), torch.randn(16, 3, generator=g, dtype=torch.float64)
     base = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
-    opt = base if sigma0 is None else Syre(base, gamma=gamma, sigma0=sigma0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fixed-step warning: this loop pins the arithmetic, not the advice
+        opt = base if sigma0 is None else Syre(base, gamma=gamma, sigma0=sigma0)
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
@@ -268,6 +270,58 @@ def test_syre_around_lbfgs_stays_finite_and_close_to_bare_lbfgs():
     assert losses[-1] < 0.5 * losses[0]
     # a 1e-3 decay towards a small anchor moves the loss by little (the penalty is about 1e-2 here)
     assert all(abs(a - b) <= 0.1 * b for a, b in zip(losses, bare))
+
+
+def _iris_lbfgs(seed: int, sigma0: float | None, line_search_fn: str | None) -> list[float]:
+    """Eight LBFGS steps (lr 0.5, max_iter 5) on scikit-learn's iris, unscaled, with a float64 4-8-3 ReLU MLP:
+    through ``Syre(gamma=1e-3, sigma0)``, or bare (``sigma0=None``); the data loss after each step."""
+    from sklearn.datasets import load_iris
+
+    data = load_iris()
+    x, y = torch.tensor(data.data, dtype=torch.float64), torch.tensor(data.target)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    base = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5, line_search_fn=line_search_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = base if sigma0 is None else Syre(base, gamma=1e-3, sigma0=sigma0)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    losses = []
+    for _ in range(8):
+        opt.step(closure)
+        with torch.no_grad():
+            losses.append(float(nn.functional.cross_entropy(model(x), y)))
+    return losses
+
+
+def test_syre_around_a_fixed_step_lbfgs_warns_and_names_the_line_search():
+    model = nn.Linear(4, 3)
+    with pytest.warns(UserWarning, match="line_search_fn='strong_wolfe'"):
+        Syre(torch.optim.LBFGS(model.parameters(), lr=0.5), gamma=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # with a line search there is nothing to warn about
+        Syre(torch.optim.LBFGS(model.parameters(), lr=0.5, line_search_fn="strong_wolfe"), gamma=1e-3)
+
+
+def test_the_fixed_step_lbfgs_blow_up_is_lbfgs_own_and_the_line_search_removes_it():
+    # The issue's loop: a fixed-step LBFGS under Syre jumps to a loss hundreds of times its start while bare
+    # LBFGS does not.  The decay is exact (the test above: the same steps as LBFGS on the decayed loss), so the
+    # jump is fixed-step LBFGS's own on that objective; with the strong-Wolfe line search, Syre trains like
+    # bare LBFGS on every seed, with plain decay and with a random anchor.
+    fixed = _iris_lbfgs(0, 0.0, None)
+    assert max(fixed) > 100 * fixed[0]
+    for seed in range(4):
+        bare = _iris_lbfgs(seed, None, "strong_wolfe")
+        for sigma0 in (0.0, 0.01):
+            searched = _iris_lbfgs(seed, sigma0, "strong_wolfe")
+            assert max(searched) < 1.0 and searched[-1] < 0.1, (seed, sigma0, searched)
+            assert abs(searched[-1] - bare[-1]) < 0.05, (seed, sigma0, searched[-1], bare[-1])
 
 
 # -- no numpy -------------------------------------------------------------------------------------------------------
