@@ -122,7 +122,6 @@ FILES_EXCEPTED_FROM_SIZE_RULES = {
     "detection/certify.py",
     "detection/detect.py",
     "detection/relations.py",
-    "detection/report.py",
     "detection/rules/arithmetic.py",
     "detection/rules/attention.py",
     "detection/rules/driver.py",
