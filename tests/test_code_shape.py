@@ -41,7 +41,6 @@ LONG_FUNCTIONS_TO_SPLIT = {
     "detection/certify.py:certify_sites",
     "detection/detect.py:_find",
     "detection/detect.py:_find_children",
-    "detection/rules/attention.py:_mha_sites",
     "syre.py:Syre._decay_group",
     "teleport/state_policy.py:StatePolicy.move",
     "wrapper.py:OptimizerWrapper.load_state_dict",
@@ -117,10 +116,8 @@ SIZE_RULES = {"C901", "PLR0912", "PLR0913", "PLR0915"}
 FILES_EXCEPTED_FROM_SIZE_RULES = {
     "actions/axis.py",
     "actions/test_functions.py",
-    "detection/attention.py",
     "detection/certify.py",
     "detection/detect.py",
-    "detection/rules/attention.py",
     "detection/verify.py",
     "syre.py",
     "teleport/balance.py",
