@@ -470,17 +470,7 @@ class _Finder:
                 raise NoMatch("q and k use overlapping rows of one projection")
             for proj in {pq, pk}:
                 self._flow_check(proj, targets[proj.node], {q, k}, set(inner), "q/k")
-            for n in inner:
-                op = self.op(n)[0]
-                if op == "sdpa":
-                    extra = list(n.args[3:]) + [n.kwargs.get("attn_mask")]
-                elif op in ("add", "maybe_add_mask", "masked_fill"):  # a bias or mask on the scores (nanoGPT's sliced buffer)
-                    extra = list(n.args[1:]) + list(n.kwargs.values())
-                else:
-                    continue
-                for other in extra:
-                    if isinstance(other, fx.Node) and self._depends_on(other, plumbing):
-                        raise NoMatch("a tensor added to the attention scores depends on q or k")
+            self._check_score_addends(inner, plumbing)
             self._check_private(inner[:-1], set(inner), "scores")
             q_bias = pq.bias_members(q0, H * d, 1, "q")
             pk.bias_members(k0, Hk * d, -1, "k", fixed_ok=half is None)  # left out (see below), but it must be a known bias
@@ -506,6 +496,20 @@ class _Finder:
                 self._gi,
             )
         ]
+
+    def _check_score_addends(self, inner: list[fx.Node], plumbing: set[fx.Node]) -> None:
+        """``NoMatch`` if a bias or mask on the scores (an sdpa mask, nanoGPT's sliced buffer) depends on q or k."""
+        for n in inner:
+            op = self.op(n)[0]
+            if op == "sdpa":
+                extra = list(n.args[3:]) + [n.kwargs.get("attn_mask")]
+            elif op in ("add", "maybe_add_mask", "masked_fill"):
+                extra = list(n.args[1:]) + list(n.kwargs.values())
+            else:
+                continue
+            for other in extra:
+                if isinstance(other, fx.Node) and self._depends_on(other, plumbing):
+                    raise NoMatch("a tensor added to the attention scores depends on q or k")
 
     def _rotary_half(self, d: int) -> tuple[int, int] | None:
         """(half, rotated dims) when q and k pass the same rotate-half embedding, ``None`` when neither does."""

@@ -290,7 +290,7 @@ def _bisect(check: Callable[[list[int]], float], idx: list[int], rtol: float, ou
     _bisect(check, idx[mid:], rtol, out)
 
 
-def certify_sites(
+def certify_sites(  # noqa: PLR0913  public: the sites, the inputs they are checked on, and five keyword-only options
     model: nn.Module,
     sites: list[Site],
     inputs: Sequence[Any],
@@ -334,77 +334,115 @@ def certify_sites(
             for p, value in saved:
                 p.copy_(value)
         checker = _Checker(moved, inputs, kwargs, modes, seed)
-    entries: dict[int, CertificationEntry] = {}
-    keep: dict[int, Site] = {}
-    groups: dict[str, list[int]] = {"exact": [], "translation": [], "batchnorm": []}
-    items: dict[int, tuple[Callable[[], Any], Callable[[], Any]]] = {}
-    for i, s in enumerate(sites):
+    certification = _Certification(sites, checker, tol, demote)
+    for i, site in enumerate(sites):
+        certification.prepare(i, site, gen)
+    for transform, batch in certification.batches():
+        certification.check(batch, transform)
+    return certification.result()
+
+
+_Item = tuple[Callable[[], Any], Callable[[], Any]]  # (apply, undo) of one site on the checker's model
+
+
+class _Certification:
+    """The state of one :func:`certify_sites` call: each site's item, its batch, and its entry once decided.
+
+    Sites are prepared in order (an element drawn for each, or an entry saying why it is not
+    checked), then checked batch by batch: one error for the whole batch, bisected on failure.
+    """
+
+    def __init__(self, sites: list[Site], checker: _Checker, tol: float, demote: bool) -> None:
+        self.sites = sites
+        self.checker = checker
+        self.tol = tol
+        self.demote = demote
+        self.entries: dict[int, CertificationEntry] = {}
+        self.keep: dict[int, Site] = {}
+        self.items: dict[int, _Item] = {}
+        self.groups: dict[str, list[int]] = {"exact": [], "translation": [], "batchnorm": []}
+
+    def prepare(self, i: int, s: Site, gen: torch.Generator) -> None:
+        """Site ``i``: kept unchecked (data-dependent, approximate without a BatchNorm), or an item in its group."""
         if s.action.exactness == "data-dependent":
-            entries[i] = CertificationEntry(s.name, "unchecked", math.nan, "data-dependent: holds on a given batch only")
-            keep[i] = s
-            continue
+            self.entries[i] = CertificationEntry(s.name, "unchecked", math.nan, "data-dependent: holds on a given batch only")
+            self.keep[i] = s
+            return
         if s.action.exactness == "approximate" and not s.info.get("batchnorm"):
-            entries[i] = CertificationEntry(s.name, "unchecked", math.nan, "approximate: no exact check for this site")
-            keep[i] = s
-            continue
+            self.entries[i] = CertificationEntry(s.name, "unchecked", math.nan, "approximate: no exact check for this site")
+            self.keep[i] = s
+            return
         try:
             if s.action.exactness == "approximate":
-                items[i] = _batchnorm_item(checker, s, gen)
-                groups["batchnorm"].append(i)
+                self.items[i] = _batchnorm_item(self.checker, s, gen)
+                self.groups["batchnorm"].append(i)
             else:
-                g = edge_element(s, moved, gen)
-                items[i] = (partial(checker.apply, s, g), _nothing)
-                groups["translation" if s.action.name == "softmax_translation" else "exact"].append(i)
+                g = edge_element(s, self.checker.model, gen)
+                self.items[i] = (partial(self.checker.apply, s, g), _nothing)
+                self.groups["translation" if s.action.name == "softmax_translation" else "exact"].append(i)
         except Exception as e:  # noqa: BLE001
-            entries[i] = CertificationEntry(s.name, "dropped", math.inf, f"no element could be drawn: {type(e).__name__}: {e}")
-    for kind, idx in groups.items():
-        if not idx and not (kind == "exact" and groups["batchnorm"]):
-            continue
-        transform = log_softmax_leaves if kind == "translation" else None
-        # exact and BatchNorm sites share one batch (one forward per mode when all pass); BatchNorm
-        # sites sharing a BatchNorm cannot scale its eps twice: those are checked one by one
-        batches = [idx]
-        if kind == "exact":
-            seen: set[str] = set()
-            alone: list[int] = []
-            for j in groups["batchnorm"]:
-                bns = set(sites[j].info["batchnorm"])
-                (alone if bns & seen else batches[0]).append(j)
-                seen |= bns
-            batches += [[j] for j in alone]
-        elif kind == "batchnorm":
-            continue
+            self.entries[i] = CertificationEntry(s.name, "dropped", math.inf, f"no element could be drawn: {type(e).__name__}: {e}")
 
-        def check(subset: list[int], transform=transform) -> float:
-            return checker.error([items[j] for j in subset], transform)
+    def batches(self) -> list[tuple[Callable | None, list[int]]]:
+        """The batches to check, each with the transform of the outputs it is checked on.
 
-        for batch_idx in batches:
-            if not batch_idx:
-                continue
-            failed: dict[int, float] = {}
-            batch = check(list(batch_idx))
-            _bisect(check, list(batch_idx), tol, failed, batch)
-            for j in batch_idx:
-                s = sites[j]
-                bn = s.action.exactness == "approximate"
-                note = "approximate BatchNorm input site, exact with eps * c^2" if bn else ""
-                if j not in failed:
-                    # the error of the whole batch when it passed (<= rtol), else 0 (passed within a sub-batch)
-                    entries[j] = CertificationEntry(s.name, "certified", batch if batch <= tol else 0.0, note)
-                    keep[j] = s
-                elif demote and not bn and math.isfinite(failed[j]):
-                    entries[j] = CertificationEntry(s.name, "demoted", failed[j], "output changes: demoted to approximate")
-                    keep[j] = _demoted(s, failed[j])
-                else:
-                    why = "fails with eps * c^2" if bn else "output changes under a random element"
-                    entries[j] = CertificationEntry(s.name, "dropped", failed[j], why)
-    checker.restore()
-    if checker.skipped_modes:
-        note = "; ".join(f"{m} mode not checked ({why})" for m, why in checker.skipped_modes.items())
-        entries = {
-            i: CertificationEntry(e.site, e.status, e.error, f"{e.reason}; {note}" if e.reason else note) for i, e in entries.items()
-        }
-    return [keep[i] for i in sorted(keep)], [entries[i] for i in sorted(entries)]
+        Exact and BatchNorm sites share one batch (one forward per mode when all pass); BatchNorm
+        sites sharing a BatchNorm cannot scale its eps twice: those are checked one by one.  The
+        softmax translation is checked on the log-softmax of the outputs.
+        """
+        first = list(self.groups["exact"])
+        alone: list[int] = []
+        seen: set[str] = set()
+        for j in self.groups["batchnorm"]:
+            bns = set(self.sites[j].info["batchnorm"])
+            (alone if bns & seen else first).append(j)
+            seen |= bns
+        batches: list[tuple[Callable | None, list[int]]] = [(None, first)]
+        batches += [(None, [j]) for j in alone]
+        batches.append((log_softmax_leaves, self.groups["translation"]))
+        return [(transform, batch) for transform, batch in batches if batch]
+
+    def check(self, batch: list[int], transform: Callable | None) -> None:
+        """Decide every site of ``batch``: one error for all, bisected down to the failing sites."""
+
+        def error(subset: list[int]) -> float:
+            return self.checker.error([self.items[j] for j in subset], transform)
+
+        failed: dict[int, float] = {}
+        err = error(list(batch))
+        _bisect(error, list(batch), self.tol, failed, err)
+        for j in batch:
+            self._decide(j, err, failed)
+
+    def _decide(self, j: int, batch_error: float, failed: dict[int, float]) -> None:
+        """Site ``j`` is certified, demoted (with ``demote``) or dropped, by its error in ``failed``."""
+        s = self.sites[j]
+        bn = s.action.exactness == "approximate"
+        note = "approximate BatchNorm input site, exact with eps * c^2" if bn else ""
+        if j not in failed:
+            # the error of the whole batch when it passed (<= rtol), else 0 (passed within a sub-batch)
+            self.entries[j] = CertificationEntry(s.name, "certified", batch_error if batch_error <= self.tol else 0.0, note)
+            self.keep[j] = s
+        elif self.demote and not bn and math.isfinite(failed[j]):
+            self.entries[j] = CertificationEntry(s.name, "demoted", failed[j], "output changes: demoted to approximate")
+            self.keep[j] = _demoted(s, failed[j])
+        else:
+            why = "fails with eps * c^2" if bn else "output changes under a random element"
+            self.entries[j] = CertificationEntry(s.name, "dropped", failed[j], why)
+
+    def result(self) -> tuple[list[Site], list[CertificationEntry]]:
+        """The surviving sites and one entry per site, in the sites' order; the checker's model restored.
+
+        A mode the model could not run in is named in every entry's reason.
+        """
+        self.checker.restore()
+        entries = self.entries
+        if self.checker.skipped_modes:
+            note = "; ".join(f"{m} mode not checked ({why})" for m, why in self.checker.skipped_modes.items())
+            entries = {
+                i: CertificationEntry(e.site, e.status, e.error, f"{e.reason}; {note}" if e.reason else note) for i, e in entries.items()
+            }
+        return [self.keep[i] for i in sorted(self.keep)], [entries[i] for i in sorted(entries)]
 
 
 @torch.no_grad()

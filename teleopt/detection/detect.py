@@ -12,8 +12,10 @@ Table 1.1 and Sec. 1.2; teleportation (Zhao 2026, Ch. 4) acts through the sites.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from torch import Tensor, nn
@@ -21,6 +23,7 @@ from torch import Tensor, nn
 from teleopt.detection.attention import find_attention_sites
 from teleopt.detection.axes import KINDS
 from teleopt.detection.certify import CertificationEntry, certify_sites
+from teleopt.detection.children import Call, call_module, is_cache, record_calls, renamed, shared_tensor_names, under
 from teleopt.detection.ops import custom_module_types
 from teleopt.detection.overlap import merge_overlapping
 from teleopt.detection.relations import ModelTensors, Relations
@@ -39,7 +42,7 @@ __all__ = ["find_symmetries", "unwrap_model"]
 _LOSSES = ("none", "cross_entropy")
 
 
-def find_symmetries(
+def find_symmetries(  # noqa: PLR0913  public: the model, its example call, and seven documented keyword-only options
     model: nn.Module,
     example_inputs: Tensor | Sequence[Tensor] | None = None,
     *,
@@ -112,6 +115,34 @@ def find_symmetries(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     model = unwrap_model(model)
+    inputs, kwargs = _example_call(example_inputs, example_kwargs)
+    if loss not in _LOSSES:
+        raise ValueError(f"loss must be one of {_LOSSES}, got {loss!r}")
+    options = _Options(loss, include_discrete, include_approximate, include_frozen, certify, certify_seed)
+    flags = [(m, m.training) for m in model.modules()]
+    lora = lora_sites(model, include_frozen=include_frozen)  # peft layers are not traceable: found by structure
+    stream = find_residual_sites(model, inputs, kwargs, include_frozen=include_frozen)  # a dynamic trace of the root
+    try:
+        return _find(model, inputs, kwargs, options, lora, stream)
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+@dataclass(frozen=True)
+class _Options:
+    """The options of one :func:`find_symmetries` call (the submodules of the children fallback get their own)."""
+
+    loss: str
+    include_discrete: bool
+    include_approximate: bool
+    include_frozen: bool
+    certify: bool
+    certify_seed: int
+
+
+def _example_call(example_inputs: Any, example_kwargs: Any) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+    """The example call as positional tensors and keyword arguments; ``TypeError``/``ValueError`` naming what is wrong."""
     if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
         raise TypeError(f"example_kwargs must be a mapping of keyword arguments, got {type(example_kwargs).__name__}")
     kwargs = dict(example_kwargs or {})
@@ -131,33 +162,23 @@ def find_symmetries(
         raise TypeError("example_inputs must contain at least one tensor (or example_kwargs a tensor input)")
     check_has_rows(inputs, None, "example_inputs")
     check_has_rows((), kwargs, "example_kwargs")
-    if loss not in _LOSSES:
-        raise ValueError(f"loss must be one of {_LOSSES}, got {loss!r}")
-    flags = [(m, m.training) for m in model.modules()]
-    lora = lora_sites(model, include_frozen=include_frozen)  # peft layers are not traceable: found by structure
-    stream = find_residual_sites(model, inputs, kwargs, include_frozen=include_frozen)  # a dynamic trace of the root
-    try:
-        return _find(
-            model, inputs, kwargs, loss, include_discrete, include_approximate, include_frozen, certify, certify_seed, lora, stream
-        )
-    finally:
-        for m, flag in flags:
-            m.training = flag
+    return inputs, kwargs
 
 
 def _find(
     model: nn.Module,
     inputs: tuple[Tensor, ...],
     kwargs: dict[str, Any],
-    loss: str,
-    include_discrete: bool,
-    include_approximate: bool,
-    include_frozen: bool,
-    certify: bool,
-    certify_seed: int,
+    options: _Options,
     lora: LoRASites | None = None,
     stream: ResidualStream | None = None,
 ) -> SymmetryReport:
+    """Detection on an unwrapped model in eval mode: trace, rules, attention heads, sites, certification, report.
+
+    A root whose ``forward`` cannot be traced is analysed submodule by submodule
+    (:func:`_find_children`); ``lora`` and ``stream`` are the sites found by structure and
+    by the residual stream's own trace.
+    """
     start = time.perf_counter()
     model.eval()
     lora = LoRASites() if lora is None else lora
@@ -165,16 +186,16 @@ def _find(
     try:
         graphs, opaque = trace_model(model, inputs, kwargs, custom_module_types())
     except DetectionError as e:
-        if not str(e).startswith("could not trace") or not any(True for _ in model.children()) or isinstance(model, _Call):
+        if not str(e).startswith("could not trace") or not any(True for _ in model.children()) or isinstance(model, Call):
             raise
-        report = _find_children(model, inputs, kwargs, loss, include_discrete, include_approximate, include_frozen, str(e))
+        report = _find_children(model, inputs, kwargs, options, str(e))
         sites = _name(_dedupe(lora.sites + report.sites + stream.sites), module_order(model))  # a LoRA pair keeps its name
         report.sites, merged = merge_overlapping(model, sites)
         report.skipped += [SkippedEntry("site", where, f"LoRA adapter {reason}") for where, reason in lora.skipped]
         report.skipped += [SkippedEntry(*entry) for entry in stream.skipped]
         report.skipped += [SkippedEntry(*note) for note in merged]
-        return _certified(model, report, inputs, kwargs, certify, certify_seed, ("eval", "train"), start)
-    rel = Relations(ModelTensors.of(model, include_frozen))
+        return _certified(model, report, inputs, kwargs, options, start)
+    rel = Relations(ModelTensors.of(model, options.include_frozen))
     run_rules(model, rel, graphs)
     skipped = [SkippedEntry("module", w.split(":")[0], f"could not be traced ({w.split(': ', 1)[1]}); kept opaque") for w in opaque]
     for gi, traced in enumerate(graphs):
@@ -182,46 +203,24 @@ def _find(
         rel.direct_sites.extend(found)
         skipped += [SkippedEntry(*n) for n in notes if SkippedEntry(*n) not in skipped]
     settle(rel)
-    order = module_order(model)
-    kinds = KINDS if include_discrete else ("general", "diagonal")
-    generic, notes = class_sites(rel, order, kinds)
-    attention, notes2 = direct_sites(rel, len(graphs))
-    sites = lora.sites + attention + generic + stream.sites  # first of equal sites is kept: a LoRA pair keeps its name
-    if loss == "cross_entropy":
-        translation, notes3 = softmax_translation_sites(graphs, rel)
-        sites += translation
-        notes2 += notes3
-    if not include_discrete:
-        sites = [s for s in sites if s.action.continuous]
-    if not include_approximate:
-        sites = [s for s in sites if s.action.exactness != "approximate"]
-    sites, merged = merge_overlapping(model, _name(_dedupe(sites), order))  # one site per symmetry
-    notes2 += merged
+    sites, notes = _proposed_sites(model, rel, graphs, options, lora, stream)
     certification: list[CertificationEntry] = []
     certify_seconds = 0.0
-    if certify and sites:
+    if options.certify and sites:
         t0 = time.perf_counter()
-        try:
-            sites, certification = certify_sites(model, sites, inputs, kwargs, seed=certify_seed, modes=_certify_modes(graphs, opaque))
-        except DetectionError:
-            raise
-        except Exception as e:  # the model does not run as called: say so rather than report unchecked sites
-            raise DetectionError(
-                f"certification could not run {type(model).__name__} on the example inputs: {type(e).__name__}: {e}"
-            ) from None
+        sites, certification = _certify(model, sites, inputs, kwargs, options.certify_seed, _certify_modes(graphs, opaque))
         certify_seconds = time.perf_counter() - t0
         for checked in certification:
             if checked.status == "dropped":
                 skipped.append(SkippedEntry("site", checked.site, f"failed certification: relative output error {checked.error:.2e}"))
     lora_notes = [("site", where, f"LoRA adapter {reason}") for where, reason in lora.skipped]
-    for kind, where, reason in [*rel.skipped, *notes, *notes2, *lora_notes, *stream.skipped]:
+    for kind, where, reason in [*rel.skipped, *notes, *lora_notes, *stream.skipped]:
         entry = SkippedEntry(kind, where, reason)
         if entry not in skipped:
             skipped.append(entry)
     for target, count in _shared_modules(graphs).items():
         skipped.append(SkippedEntry("module", target, f"called {count} times: its parameters are tied across calls"))
-    covered, total = _coverage(model, sites)
-    covered_exact, _ = _coverage(model, [s for s in sites if s.action.exactness == "exact"])
+    covered, coverage = _coverage_fields(model, sites)
     frozen = {
         name: ("frozen (requires_grad=False)" if name in rel.tensors.frozen else blocked_reasons(rel, name))
         for name, p in model.named_parameters()
@@ -231,23 +230,70 @@ def _find(
         sites=sites,
         skipped=skipped,
         frozen=frozen,
-        coverage=sum(covered.values()) / total if total else 0.0,
-        coverage_exact=sum(covered_exact.values()) / total if total else 0.0,
-        parameters=total,
         model=type(model).__name__,
         seconds=time.perf_counter() - start,
         certification=certification,
         certify_seconds=certify_seconds,
-        certified=certify,
+        certified=options.certify,
+        **coverage,
     )
 
 
-def _certified(model, report, inputs, kwargs, certify, seed, modes, start) -> SymmetryReport:
+def _proposed_sites(
+    model: nn.Module, rel: Relations, graphs: list, options: _Options, lora: LoRASites, stream: ResidualStream
+) -> tuple[list[Site], list[tuple[str, str, str]]]:
+    """The sites the settled relations propose, with the LoRA and residual-stream sites, one per symmetry and
+    named; and the notes on what was not made a site."""
+    order = module_order(model)
+    kinds = KINDS if options.include_discrete else ("general", "diagonal")
+    generic, notes = class_sites(rel, order, kinds)
+    attention, notes2 = direct_sites(rel, len(graphs))
+    sites = lora.sites + attention + generic + stream.sites  # first of equal sites is kept: a LoRA pair keeps its name
+    if options.loss == "cross_entropy":
+        translation, notes3 = softmax_translation_sites(graphs, rel)
+        sites += translation
+        notes2 += notes3
+    if not options.include_discrete:
+        sites = [s for s in sites if s.action.continuous]
+    if not options.include_approximate:
+        sites = [s for s in sites if s.action.exactness != "approximate"]
+    sites, merged = merge_overlapping(model, _name(_dedupe(sites), order))  # one site per symmetry
+    return sites, notes + notes2 + merged
+
+
+def _certify(
+    model: nn.Module, sites: list[Site], inputs: tuple[Tensor, ...], kwargs: dict[str, Any], seed: int, modes: tuple[str, ...]
+) -> tuple[list[Site], list[CertificationEntry]]:
+    """:func:`certify_sites`; a model that does not run as called is a ``DetectionError`` rather than unchecked sites."""
+    try:
+        return certify_sites(model, sites, inputs, kwargs, seed=seed, modes=modes)
+    except DetectionError:
+        raise
+    except Exception as e:
+        raise DetectionError(f"certification could not run {type(model).__name__} on the example inputs: {type(e).__name__}: {e}") from None
+
+
+def _coverage_fields(model: nn.Module, sites: list[Site]) -> tuple[dict[str, int], dict[str, Any]]:
+    """Entries covered per parameter (:func:`_coverage`), and a report's ``coverage``, ``coverage_exact`` and ``parameters``."""
+    covered, total = _coverage(model, sites)
+    covered_exact, _ = _coverage(model, [s for s in sites if s.action.exactness == "exact"])
+    return covered, {
+        "coverage": sum(covered.values()) / total if total else 0.0,
+        "coverage_exact": sum(covered_exact.values()) / total if total else 0.0,
+        "parameters": total,
+    }
+
+
+def _certified(
+    model: nn.Module, report: SymmetryReport, inputs: tuple[Tensor, ...], kwargs: dict[str, Any], options: _Options, start: float
+) -> SymmetryReport:
     """Certify a report assembled from parts (the children fallback) and recompute its coverage."""
-    if certify and report.sites:
+    if options.certify and report.sites:
         t0 = time.perf_counter()
         try:
-            report.sites, report.certification = certify_sites(model, report.sites, inputs, kwargs, seed=seed, modes=modes)
+            report.sites, report.certification = certify_sites(
+                model, report.sites, inputs, kwargs, seed=options.certify_seed, modes=("eval", "train")
+            )
         except Exception as e:  # noqa: BLE001
             raise DetectionError(
                 f"certification could not run {type(model).__name__} on the example inputs: {type(e).__name__}: {e}"
@@ -255,103 +301,15 @@ def _certified(model, report, inputs, kwargs, certify, seed, modes, start) -> Sy
         report.certify_seconds = time.perf_counter() - t0
         for entry in report.dropped:
             report.skipped.append(SkippedEntry("site", entry.site, f"failed certification: relative output error {entry.error:.2e}"))
-    report.certified = certify
-    covered, total = _coverage(model, report.sites)
-    covered_exact, _ = _coverage(model, [s for s in report.sites if s.action.exactness == "exact"])
-    report.coverage = sum(covered.values()) / total if total else 0.0
-    report.coverage_exact = sum(covered_exact.values()) / total if total else 0.0
-    report.parameters = total
+    report.certified = options.certify
+    covered, coverage = _coverage_fields(model, report.sites)
+    report.coverage, report.coverage_exact, report.parameters = coverage["coverage"], coverage["coverage_exact"], coverage["parameters"]
     report.frozen = {n: report.frozen.get(n, "no site acts on it") for n, _ in model.named_parameters() if not covered.get(n, 0)}
     report.seconds = time.perf_counter() - start
     return report
 
 
-class _Call(nn.Module):
-    """Calls ``module`` with recorded keyword arguments whose tensors are this wrapper's positional inputs."""
-
-    def __init__(self, module: nn.Module, call: dict[str, Any]) -> None:
-        from torch.utils._pytree import tree_flatten
-
-        super().__init__()
-        self.m = module
-        self._leaves, self._spec = tree_flatten(call)
-        self._slots = [i for i, v in enumerate(self._leaves) if isinstance(v, Tensor)]
-
-    def tensors(self) -> tuple[Tensor, ...]:
-        return tuple(self._leaves[i] for i in self._slots)
-
-    def call(self, tensors: tuple) -> Any:
-        from torch.utils._pytree import tree_unflatten
-
-        leaves = list(self._leaves)
-        for i, t in zip(self._slots, tensors):
-            leaves[i] = t
-        return self.m(**tree_unflatten(leaves, self._spec))
-
-
-def _call_module(module: nn.Module, call: dict[str, Any]) -> _Call:
-    """A ``_Call`` whose ``forward`` takes one named positional input per tensor (fx cannot trace ``*args``)."""
-    wrapper = _Call(module, call)
-    names = [f"t{i}" for i in range(len(wrapper._slots))]
-    namespace: dict[str, Any] = {}
-    exec(f"def forward(self, {', '.join(names)}):\n    return self.call(({''.join(n + ', ' for n in names)}))", namespace)  # noqa: S102
-    wrapper.__class__ = type("_Call", (_Call,), {"forward": namespace["forward"]})
-    return wrapper
-
-
-def _record_calls(model: nn.Module, inputs, kwargs) -> dict[str, list[tuple[tuple, dict]]]:
-    """The arguments every descendant module is called with, when the model runs once in eval mode."""
-    import torch
-
-    calls: dict[str, list[tuple[tuple, dict]]] = {}
-    hooks = []
-    for name, m in model.named_modules():
-        if name:
-            hooks.append(
-                m.register_forward_pre_hook(lambda mod, a, k, name=name: calls.setdefault(name, []).append((a, dict(k))), with_kwargs=True)
-            )
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            model(*inputs, **kwargs)
-    finally:
-        for h in hooks:
-            h.remove()
-        with torch.no_grad():
-            for b, v in buffers:
-                b.copy_(v)
-    return calls
-
-
-def _under(name: str, path: str) -> str:
-    """A name inside a ``_Call`` wrapper ("m", "m.<rest>") as a name inside the model (``path``, "<path>.<rest>")."""
-    if name == "m":
-        return path
-    return path + name[1:] if name.startswith("m.") else name
-
-
-def _renamed(site: Site, path: str) -> Site:
-    from teleopt.actions.axis import AxisAction
-
-    info = dict(site.info)
-    if isinstance(info.get("module"), str):
-        info["module"] = _under(info["module"], path)
-    if isinstance(info.get("batchnorm"), list):
-        info["batchnorm"] = [_under(p, path) for p in info["batchnorm"]]
-    action = site.action
-    if isinstance(action, AxisAction):  # member roles carry the wrapper's tensor names (they name the site)
-        cfg = action.config()
-        for m in cfg["members"]:
-            m["name"] = _under(m["name"], path)
-            if m.get("tensor"):
-                m["tensor"] = _under(m["tensor"], path)
-        if isinstance(cfg.get("reference"), str):
-            cfg["reference"] = _under(cfg["reference"], path)
-        action = AxisAction.from_config(cfg)
-    return Site(action, tuple(None if m is None else _under(m, path) for m in site.members), "", site.data_input, info)
-
-
-def _find_children(model, inputs, kwargs, loss, include_discrete, include_approximate, include_frozen, why) -> SymmetryReport:
+def _find_children(model: nn.Module, inputs: tuple[Tensor, ...], kwargs: dict[str, Any], options: _Options, why: str) -> SymmetryReport:
     """Fallback when the root ``forward`` cannot be traced (transformers models): analyse the called submodules.
 
     The model runs once with hooks that record each submodule's arguments; every
@@ -362,84 +320,96 @@ def _find_children(model, inputs, kwargs, loss, include_discrete, include_approx
     shared with other parts are dropped, and certification checks the rest on the
     whole model.
     """
-    import inspect
-
-    calls = _record_calls(model, inputs, kwargs)
-    sites: list[Site] = []
-    skipped = [
+    children = _Children(record_calls(model, inputs, kwargs), replace(options, loss="none", certify=False, certify_seed=0))
+    children.skipped.append(
         SkippedEntry(
             "module", "", f"the root forward could not be traced ({why.split(chr(10))[0][:200]}); its submodules were analysed one by one"
         )
-    ]
-    frozen: dict[str, str] = {}
-
-    def visit(module: nn.Module, path: str) -> None:
-        for name, child in module.named_children():
-            full = f"{path}{name}"
-            record = calls.get(full)
-            if not record:
-                visit(child, full + ".")
-                continue
-            if len(record) > 1:
-                skipped.append(SkippedEntry("module", full, f"called {len(record)} times: not analysed on its own"))
-                continue
-            args, kw = record[0]
-            try:
-                bound = inspect.signature(child.forward).bind(*args, **kw)
-            except TypeError as e:
-                skipped.append(SkippedEntry("module", full, f"its arguments could not be bound ({e})"))
-                continue
-            call: dict[str, Any] = {}
-            ok = True
-            for pname, value in bound.arguments.items():
-                param = inspect.signature(child.forward).parameters[pname]
-                if param.kind == param.VAR_KEYWORD:
-                    call.update(value)
-                elif param.kind == param.VAR_POSITIONAL:
-                    ok = ok and not value
-                else:
-                    call[pname] = None if _is_cache(value) else value
-            if not ok:
-                skipped.append(SkippedEntry("module", full, "called with *args: not analysed on its own"))
-                continue
-            wrapper = _call_module(child, call)
-            try:
-                sub = _find(wrapper, wrapper.tensors(), {}, "none", include_discrete, include_approximate, include_frozen, False, 0)
-            except DetectionError as e:
-                if str(e).startswith("could not trace") and any(True for _ in child.children()):
-                    visit(child, full + ".")
-                else:
-                    skipped.append(SkippedEntry("module", full, f"could not be analysed ({str(e)[:200]})"))
-                continue
-            if any(e.kind == "module" and e.where == "m" for e in sub.skipped):  # the child itself is untraceable
-                visit(child, full + ".")
-                continue
-            sites.extend(_renamed(site, full) for site in sub.sites)
-            skipped.extend(SkippedEntry(e.kind, _under(e.where, full), e.reason) for e in sub.skipped)
-            frozen.update({_under(n, full): reason for n, reason in sub.frozen.items()})
-
-    visit(model, "")
-    shared = _shared_tensor_names(model)
+    )
+    children.visit(model, "")
+    sites, skipped = children.sites, children.skipped
+    shared = shared_tensor_names(model)
     kept = [s for s in sites if not shared & set(s.tensor_names)]
     for s in sites:
         if s not in kept:
             skipped.append(SkippedEntry("site", s.name, "acts on a tensor shared with another part of the model"))
-    if loss == "cross_entropy":
+    if options.loss == "cross_entropy":
         skipped.append(SkippedEntry("site", "softmax_translation", "the root forward could not be traced"))
-    return SymmetryReport(sites=_name(_dedupe(kept), module_order(model)), skipped=skipped, frozen=frozen, model=type(model).__name__)
+    return SymmetryReport(
+        sites=_name(_dedupe(kept), module_order(model)), skipped=skipped, frozen=children.frozen, model=type(model).__name__
+    )
 
 
-def _is_cache(value: Any) -> bool:
-    """A transformers key/value cache: stateful (each call appends to it), so a submodule is analysed without it."""
-    return any(c.__name__.endswith("Cache") and c.__module__.startswith("transformers") for c in type(value).__mro__)
+class _Children:
+    """The submodules of an untraceable root, analysed one by one: their sites, skipped entries and frozen tensors.
 
+    ``calls`` holds the arguments each submodule was called with (:func:`~teleopt.detection.children.record_calls`);
+    ``options`` are those of each submodule's own detection (no loss, not certified).
+    """
 
-def _shared_tensor_names(model: nn.Module) -> set[str]:
-    """Qualified names of parameters/buffers reachable under more than one name (tied weights)."""
-    seen: dict[int, list[str]] = {}
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
-        seen.setdefault(id(t), []).append(name)
-    return {n for names in seen.values() if len(names) > 1 for n in names}
+    def __init__(self, calls: dict[str, list[tuple[tuple, dict]]], options: _Options) -> None:
+        self.calls = calls
+        self.options = options
+        self.sites: list[Site] = []
+        self.skipped: list[SkippedEntry] = []
+        self.frozen: dict[str, str] = {}
+
+    def visit(self, module: nn.Module, path: str) -> None:
+        """Analyse each child of ``module`` called exactly once; recurse into those never called."""
+        for name, child in module.named_children():
+            full = f"{path}{name}"
+            record = self.calls.get(full)
+            if not record:
+                self.visit(child, full + ".")
+            elif len(record) > 1:
+                self.skipped.append(SkippedEntry("module", full, f"called {len(record)} times: not analysed on its own"))
+            else:
+                call = self._call(child, full, record[0])
+                if call is not None:
+                    self._analyse(child, full, call)
+
+    def _call(self, child: nn.Module, full: str, record: tuple[tuple, dict]) -> dict[str, Any] | None:
+        """The recorded call of ``child`` as keyword arguments of its ``forward`` (a cache left out); ``None``
+        (and a skipped entry) if they cannot be bound or a ``*args`` is used."""
+        args, kw = record
+        signature = inspect.signature(child.forward)
+        try:
+            bound = signature.bind(*args, **kw)
+        except TypeError as e:
+            self.skipped.append(SkippedEntry("module", full, f"its arguments could not be bound ({e})"))
+            return None
+        call: dict[str, Any] = {}
+        ok = True
+        for pname, value in bound.arguments.items():
+            param = signature.parameters[pname]
+            if param.kind == param.VAR_KEYWORD:
+                call.update(value)
+            elif param.kind == param.VAR_POSITIONAL:
+                ok = ok and not value
+            else:
+                call[pname] = None if is_cache(value) else value
+        if not ok:
+            self.skipped.append(SkippedEntry("module", full, "called with *args: not analysed on its own"))
+            return None
+        return call
+
+    def _analyse(self, child: nn.Module, full: str, call: dict[str, Any]) -> None:
+        """Detection on ``child`` called as recorded, its names made the model's; recurse if it cannot be traced."""
+        wrapper = call_module(child, call)
+        try:
+            sub = _find(wrapper, wrapper.tensors(), {}, self.options)
+        except DetectionError as e:
+            if str(e).startswith("could not trace") and any(True for _ in child.children()):
+                self.visit(child, full + ".")
+            else:
+                self.skipped.append(SkippedEntry("module", full, f"could not be analysed ({str(e)[:200]})"))
+            return
+        if any(e.kind == "module" and e.where == "m" for e in sub.skipped):  # the child itself is untraceable
+            self.visit(child, full + ".")
+            return
+        self.sites.extend(renamed(site, full) for site in sub.sites)
+        self.skipped.extend(SkippedEntry(e.kind, under(e.where, full), e.reason) for e in sub.skipped)
+        self.frozen.update({under(n, full): reason for n, reason in sub.frozen.items()})
 
 
 def _certify_modes(graphs, opaque) -> tuple[str, ...]:

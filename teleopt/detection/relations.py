@@ -231,30 +231,39 @@ class Relations:
                 continue
             reason = f"{param} is used by {len(uses)} ops (a shared module or tied weights)"
             self.skipped.append(("parameter", param, f"used by {len(uses)} ops: its symmetries are tied across uses"))
-            # a use that splits the tensor into two roles (it absorbs the scaling of its input and
-            # writes that of its output) assumed it was the only use: fix those roles
-            for occ, atom in occs:
-                if occ.role in SPLIT_ROLES:
-                    for kind in KINDS:
-                        self.spaces[kind].block(self.nodes(kind, [atom]), reason)
-            by_axis: dict[tuple[int, int], list[int]] = {}
-            for occ, atom in occs:
-                if occ.role not in SPLIT_ROLES:
-                    by_axis.setdefault((occ.axis, occ.groups), []).append(atom)
-            axes_seen: dict[int, list[tuple[int, int]]] = {}
-            for (axis, groups), atoms in by_axis.items():
-                axes_seen.setdefault(axis, []).append((axis, groups))
-                for kind in KINDS:
-                    space = self.spaces[kind]
-                    nodes = self.nodes(kind, atoms)
-                    for other in nodes[1:]:
-                        space.unify([nodes[0]], [other], 1.0)
-            # a grouped virtual axis and a plain axis of the same tensor cannot be tied entry by entry
-            for variants in axes_seen.values():
-                if len(variants) > 1:
-                    for key in variants:
-                        for kind in KINDS:
-                            self.spaces[kind].block(self.nodes(kind, by_axis[key]), reason)
+            self._tie_uses(occs, reason)
+
+    def _tie_uses(self, occs: list[tuple[Occurrence, int]], reason: str) -> None:
+        """Tie the occurrences of one tensor used by several ops, axis by axis; block what cannot be tied.
+
+        A use that splits the tensor into two roles (it absorbs the scaling of its input and
+        writes that of its output) assumed it was the only use: those roles are fixed.  A
+        grouped virtual axis and a plain axis of the same tensor cannot be tied entry by
+        entry: both are fixed.
+        """
+        for occ, atom in occs:
+            if occ.role in SPLIT_ROLES:
+                self._block_in_every_kind([atom], reason)
+        by_axis: dict[tuple[int, int], list[int]] = {}
+        for occ, atom in occs:
+            if occ.role not in SPLIT_ROLES:
+                by_axis.setdefault((occ.axis, occ.groups), []).append(atom)
+        variants: dict[int, list[tuple[int, int]]] = {}
+        for (axis, groups), atoms in by_axis.items():
+            variants.setdefault(axis, []).append((axis, groups))
+            for kind in KINDS:
+                nodes = self.nodes(kind, atoms)
+                for other in nodes[1:]:
+                    self.spaces[kind].unify([nodes[0]], [other], 1.0)
+        for keys in variants.values():
+            if len(keys) > 1:
+                for key in keys:
+                    self._block_in_every_kind(by_axis[key], reason)
+
+    def _block_in_every_kind(self, atoms: list[int], reason: str) -> None:
+        """Fix ``atoms`` in every group kind's space, saying why."""
+        for kind in KINDS:
+            self.spaces[kind].block(self.nodes(kind, atoms), reason)
 
 
 class NodeContext:

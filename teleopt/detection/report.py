@@ -148,41 +148,16 @@ class SymmetryReport:
         """Inverse of :meth:`to_dict`; ``ValueError`` naming the entry for malformed data."""
         if not isinstance(data, dict):
             raise ValueError(f"a symmetry report is a dict, got {type(data).__name__}")
-        if not isinstance(data.get("sites"), list):
-            raise ValueError("a symmetry report needs 'sites', a list of site dicts")
-        sites = []
-        for number, entry in enumerate(data["sites"]):
-            try:
-                sites.append(Site.from_dict(entry))
-            except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
-                raise ValueError(f"symmetry report: site {number} is malformed ({type(e).__name__}: {e})") from e
-        skipped = []
-        for number, entry in enumerate(_typed(data, "skipped", list, [])):
-            if (
-                not isinstance(entry, dict)
-                or set(entry) != {"kind", "where", "reason"}
-                or not all(isinstance(v, str) for v in entry.values())
-            ):
-                raise ValueError(f"symmetry report: skipped entry {number} must be a dict of strings kind, where, reason")
-            skipped.append(SkippedEntry(**entry))
+        sites = _sites_from(data)
+        skipped = _skipped_from(data)
         frozen = _typed(data, "frozen", dict, {})
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in frozen.items()):
             raise ValueError("symmetry report: 'frozen' must map parameter names to reasons (strings)")
-        numbers = {}
-        for key, low, high in (("coverage", 0.0, 1.0), ("coverage_exact", 0.0, 1.0), ("seconds", 0.0, math.inf)):
-            value = _typed(data, key, (int, float), 0.0)
-            if not (low <= value <= high) or math.isnan(value):
-                raise ValueError(f"symmetry report: {key}={value!r} is outside [{low}, {high}]")
-            numbers[key] = float(value)
+        numbers = _bounded_numbers_from(data)
         parameters = _typed(data, "parameters", int, 0)
         if parameters < 0:
             raise ValueError(f"symmetry report: parameters={parameters} is negative")
-        certification = []
-        for number, entry in enumerate(_typed(data, "certification", list, [])):
-            try:
-                certification.append(CertificationEntry.from_dict(entry))
-            except (KeyError, TypeError, AttributeError, ValueError) as e:
-                raise ValueError(f"symmetry report: certification entry {number} is malformed ({type(e).__name__}: {e})") from e
+        certification = _certification_from(data)
         certify_seconds = float(_typed(data, "certify_seconds", (int, float), 0.0))
         if not certify_seconds >= 0.0:
             raise ValueError(f"symmetry report: certify_seconds={certify_seconds!r} is negative")
@@ -197,6 +172,51 @@ class SymmetryReport:
             certified=_typed(data, "certified", bool, False),
             **numbers,
         )
+
+
+def _sites_from(data: dict[str, Any]) -> list[Site]:
+    """The sites of a report dict; ``ValueError`` naming the first malformed one."""
+    if not isinstance(data.get("sites"), list):
+        raise ValueError("a symmetry report needs 'sites', a list of site dicts")
+    sites = []
+    for number, entry in enumerate(data["sites"]):
+        try:
+            sites.append(Site.from_dict(entry))
+        except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+            raise ValueError(f"symmetry report: site {number} is malformed ({type(e).__name__}: {e})") from e
+    return sites
+
+
+def _skipped_from(data: dict[str, Any]) -> list[SkippedEntry]:
+    """The skipped entries of a report dict, each a dict of strings kind, where, reason; else ``ValueError``."""
+    skipped = []
+    for number, entry in enumerate(_typed(data, "skipped", list, [])):
+        if not isinstance(entry, dict) or set(entry) != {"kind", "where", "reason"} or not all(isinstance(v, str) for v in entry.values()):
+            raise ValueError(f"symmetry report: skipped entry {number} must be a dict of strings kind, where, reason")
+        skipped.append(SkippedEntry(**entry))
+    return skipped
+
+
+def _bounded_numbers_from(data: dict[str, Any]) -> dict[str, float]:
+    """``coverage`` and ``coverage_exact`` in [0, 1] and ``seconds`` >= 0, as floats; else ``ValueError``."""
+    numbers = {}
+    for key, low, high in (("coverage", 0.0, 1.0), ("coverage_exact", 0.0, 1.0), ("seconds", 0.0, math.inf)):
+        value = _typed(data, key, (int, float), 0.0)
+        if not (low <= value <= high) or math.isnan(value):
+            raise ValueError(f"symmetry report: {key}={value!r} is outside [{low}, {high}]")
+        numbers[key] = float(value)
+    return numbers
+
+
+def _certification_from(data: dict[str, Any]) -> list[CertificationEntry]:
+    """The certification entries of a report dict; ``ValueError`` naming the first malformed one."""
+    certification = []
+    for number, entry in enumerate(_typed(data, "certification", list, [])):
+        try:
+            certification.append(CertificationEntry.from_dict(entry))
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"symmetry report: certification entry {number} is malformed ({type(e).__name__}: {e})") from e
+    return certification
 
 
 def _typed(data: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any) -> Any:

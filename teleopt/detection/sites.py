@@ -174,12 +174,19 @@ def _compose(p: _Piece, outer_f: int, size_f: int, inner_f: int, offset: int, le
     return None
 
 
-def _effective_pieces(rel: Relations, kind: str) -> tuple[dict[int, list[_Piece]], set[int], dict[int, list[str]], dict[int, list[str]]]:
-    """Pieces of every class including those reached through reshapes; structural classes; extra blocks/approx."""
+_Absorb = tuple[int, float, int, int, int, int, int, float]
+
+
+def _kron_absorbs(rel: Relations, kind: str) -> tuple[set[int], dict[int, list[_Absorb]]]:
+    """The classes of reshaped axes (structural) and, per class of a factor axis, the segments it absorbs.
+
+    A reshape ties an axis of size ``prod(sizes)`` to its factor axes (``rel.krons``); the factor
+    class at position ``i`` acts on a strided block of the merged axis: ``(merged class, its power,
+    outer size, factor size, inner size, offset in the factor, length, the factor leaf's power)``.
+    """
     space = rel.spaces[kind]
-    direct = _direct_pieces(rel, kind)
     structural: set[int] = set()
-    absorbs: dict[int, list[tuple[int, float, int, int, int, int, int, float]]] = {}
+    absorbs: dict[int, list[_Absorb]] = {}
     for m_atoms, factors, kinds, _where in rel.krons:
         if kind not in kinds:
             continue
@@ -195,6 +202,14 @@ def _effective_pieces(rel: Relations, kind: str) -> tuple[dict[int, list[_Piece]
             for leaf in space.leaves(rel.nodes(kind, f)):
                 absorbs.setdefault(leaf.root, []).append((cm, p_m, outer_f, sizes[i], inner_f, offset, leaf.length, leaf.power))
                 offset += leaf.length
+    return structural, absorbs
+
+
+def _effective_pieces(rel: Relations, kind: str) -> tuple[dict[int, list[_Piece]], set[int], dict[int, list[str]], dict[int, list[str]]]:
+    """Pieces of every class including those reached through reshapes; structural classes; extra blocks/approx."""
+    space = rel.spaces[kind]
+    direct = _direct_pieces(rel, kind)
+    structural, absorbs = _kron_absorbs(rel, kind)
     memo: dict[int, list[_Piece]] = {}
     extra_block: dict[int, list[str]] = {}
     extra_approx: dict[int, list[str]] = {}
@@ -233,6 +248,32 @@ _ACTIONS = {
 
 
 def _members(pieces: list[_Piece], kind: str, order: dict[str, int], shared: set[str]) -> list[Member] | str:
+    """The members of a site from the pieces of its class, or why the group is not representable."""
+    chosen = _chosen_powers(pieces, kind, shared)
+    if isinstance(chosen, str):
+        return chosen
+    if not chosen:
+        return "no tensor is changed by this group"
+    chosen.sort(key=lambda t: (order.get(t[0].param, 1 << 30), t[0].param, t[0].axis, t[0].start))
+    by_param: dict[str, list[tuple[_Piece, float]]] = {}
+    for p, power in chosen:
+        by_param.setdefault(p.param, []).append((p, power))
+    members = []
+    for param, parts in by_param.items():
+        if _overlapping(parts):
+            return f"{param} would carry the group twice on overlapping entries"
+        members += [_member(param, p, power, tensor=param if len(parts) > 1 else None) for p, power in parts]
+    return members
+
+
+def _chosen_powers(pieces: list[_Piece], kind: str, shared: set[str]) -> list[tuple[_Piece, float]] | str:
+    """One (piece, power) per tensor layout, the uses of a layout combined; a reason if they cannot be.
+
+    Permutations act with power 1; a GL group or a shared tensor's tied uses carry one
+    transformation, so their powers must agree; one use in several roles (``x * gamma``:
+    gamma absorbs x and writes the output) multiplies the scalings, and a layout whose
+    powers cancel is left out.
+    """
     by_layout: dict[tuple, dict[tuple, float]] = {}
     template: dict[tuple, _Piece] = {}
     for p in pieces:
@@ -244,47 +285,40 @@ def _members(pieces: list[_Piece], kind: str, order: dict[str, int], shared: set
         if kind == "permutation":
             power = 1.0
         elif kind == "general" or layout[0] in shared:
-            # tied uses of a shared tensor carry one transformation
             if any(abs(x - powers[0]) > _TOL for x in powers):
                 return f"{layout[0]} would need two different transformations of the same entries"
             power = powers[0]
         else:
-            # one use in several roles (x * gamma: gamma absorbs x and writes the output): the scalings multiply
             power = sum(powers)
             if abs(power) < _TOL:
                 continue
         chosen.append((template[layout], power))
-    if not chosen:
-        return "no tensor is changed by this group"
-    chosen.sort(key=lambda t: (order.get(t[0].param, 1 << 30), t[0].param, t[0].axis, t[0].start))
-    by_param: dict[str, list[tuple[_Piece, float]]] = {}
-    for p, power in chosen:
-        by_param.setdefault(p.param, []).append((p, power))
-    members = []
-    for param, parts in by_param.items():
-        for p, _ in parts:
-            for q, _ in parts:
-                if p is not q and p.axis == q.axis and not (p.stop <= q.start or q.stop <= p.start):
-                    return f"{param} would carry the group twice on overlapping entries"
-        for p, power in parts:
-            whole = p.start == 0 and p.stop == p.full
-            if abs(power - round(power)) < _TOL:
-                power = int(round(power))
-            name = param if len(parts) == 1 else f"{param}[{p.axis}:{p.start}:{p.stop}]"
-            members.append(
-                Member(
-                    name,
-                    p.axis,
-                    power,
-                    start=None if whole else p.start,
-                    stop=None if whole else p.stop,
-                    outer=p.outer,
-                    inner=p.inner,
-                    groups=p.groups,
-                    tensor=param if len(parts) > 1 else None,
-                )
-            )
-    return members
+    return chosen
+
+
+def _overlapping(parts: list[tuple[_Piece, float]]) -> bool:
+    """Whether two pieces of one tensor cover overlapping entries of the same axis."""
+    return any(p is not q and p.axis == q.axis and not (p.stop <= q.start or q.stop <= p.start) for p, _ in parts for q, _ in parts)
+
+
+def _member(param: str, p: _Piece, power: float, tensor: str | None) -> Member:
+    """The member of a piece: named by its slice when ``tensor`` is set (one of several pieces), power an
+    int when it is one."""
+    whole = p.start == 0 and p.stop == p.full
+    if abs(power - round(power)) < _TOL:
+        power = int(round(power))
+    name = param if tensor is None else f"{param}[{p.axis}:{p.start}:{p.stop}]"
+    return Member(
+        name,
+        p.axis,
+        power,
+        start=None if whole else p.start,
+        stop=None if whole else p.stop,
+        outer=p.outer,
+        inner=p.inner,
+        groups=p.groups,
+        tensor=tensor,
+    )
 
 
 def class_sites(rel: Relations, order: dict[str, int], kinds: Iterable[str] = KINDS) -> tuple[list[Site], list[tuple[str, str, str]]]:

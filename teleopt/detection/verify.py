@@ -129,7 +129,7 @@ def assert_sites_invariant(
     return assert_close(after, before, rtol, f"invariance of the output under {names}")
 
 
-def assert_site_minimal(
+def assert_site_minimal(  # noqa: PLR0913  public: assert_site_invariant's arguments, a member and a threshold
     model: nn.Module,
     site: Site,
     g: Tensor,

@@ -10,6 +10,7 @@ axis.  A parameter seen through such ops stays a :class:`ParamView`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch.fx as fx
@@ -106,48 +107,74 @@ def view_through(node: fx.Node, op: str, view: ParamView, out_shape: tuple[int, 
     """The parameter view after a view op, or ``None`` if the op does more than relabel axes."""
     if op in ("identity_like", "identity"):
         return view
-    axis_map: list[int | None]
-    expanded: list[bool]
-    if op == "permute":
-        perm = perm_of(node, len(view.shape))
-        if perm is None:
-            return None
-        return ParamView(view.name, view.kind, tuple(view.axis_map[i] for i in perm), out_shape, tuple(view.expanded[i] for i in perm))
-    if op == "expand":
-        off = len(out_shape) - len(view.shape)
-        axis_map, expanded = [], []
-        for j, n in enumerate(out_shape):
-            i = j - off
-            if i >= 0 and view.shape[i] == n:
-                axis_map.append(view.axis_map[i])
-                expanded.append(view.expanded[i])
-            else:
-                axis_map.append(None)
-                expanded.append(n > 1)
-        return ParamView(view.name, view.kind, tuple(axis_map), out_shape, tuple(expanded))
-    if op == "reshape":
-        groups = reshape_groups(view.shape, out_shape)
-        if groups is None or any(len(s) != 1 or len(d) != 1 for s, d in groups):
-            return None
-        axis_map = [None] * len(out_shape)
-        expanded = [False] * len(out_shape)
-        for (s,), (d,) in groups:
-            axis_map[d] = view.axis_map[s]
-            expanded[d] = view.expanded[s]
-        return ParamView(view.name, view.kind, tuple(axis_map), out_shape, tuple(expanded))
-    if op == "getitem_view":
-        items = index_items(node.args[1], len(view.shape))
-        if items is None or any(isinstance(i, int) or (isinstance(i, slice) and i != slice(None)) for i in items):
-            return None
-        axis_map, expanded = [], []
-        k = 0
-        for it in items:
-            if it is None:
-                axis_map.append(None)
-                expanded.append(False)
-            else:
-                axis_map.append(view.axis_map[k])
-                expanded.append(view.expanded[k])
-                k += 1
-        return ParamView(view.name, view.kind, tuple(axis_map), out_shape, tuple(expanded))
-    return None
+    through = _VIEW_OPS.get(op)
+    return through(node, view, out_shape) if through is not None else None
+
+
+def _relabelled(view: ParamView, out_shape: tuple[int, ...], axis_map: list[int | None], expanded: list[bool]) -> ParamView:
+    """``view``'s parameter seen with new axes: output axis j is parameter axis ``axis_map[j]`` (``None``: new)."""
+    return ParamView(view.name, view.kind, tuple(axis_map), out_shape, tuple(expanded))
+
+
+def _permuted(node: fx.Node, view: ParamView, out_shape: tuple[int, ...]) -> ParamView | None:
+    """A permute/transpose/movedim of a view: its axes reordered (``None`` if the order is unknown)."""
+    perm = perm_of(node, len(view.shape))
+    if perm is None:
+        return None
+    return _relabelled(view, out_shape, [view.axis_map[i] for i in perm], [view.expanded[i] for i in perm])
+
+
+def _expanded(node: fx.Node, view: ParamView, out_shape: tuple[int, ...]) -> ParamView:
+    """An expand of a view: trailing axes of equal size kept, the others new (expanded when longer than 1)."""
+    off = len(out_shape) - len(view.shape)
+    axis_map: list[int | None] = []
+    expanded: list[bool] = []
+    for j, n in enumerate(out_shape):
+        i = j - off
+        if i >= 0 and view.shape[i] == n:
+            axis_map.append(view.axis_map[i])
+            expanded.append(view.expanded[i])
+        else:
+            axis_map.append(None)
+            expanded.append(n > 1)
+    return _relabelled(view, out_shape, axis_map, expanded)
+
+
+def _reshaped(node: fx.Node, view: ParamView, out_shape: tuple[int, ...]) -> ParamView | None:
+    """A reshape of a view that only adds or drops unit axes (``None`` if it merges or splits axes)."""
+    groups = reshape_groups(view.shape, out_shape)
+    if groups is None or any(len(s) != 1 or len(d) != 1 for s, d in groups):
+        return None
+    axis_map: list[int | None] = [None] * len(out_shape)
+    expanded = [False] * len(out_shape)
+    for (s,), (d,) in groups:
+        axis_map[d] = view.axis_map[s]
+        expanded[d] = view.expanded[s]
+    return _relabelled(view, out_shape, axis_map, expanded)
+
+
+def _indexed(node: fx.Node, view: ParamView, out_shape: tuple[int, ...]) -> ParamView | None:
+    """A basic index of a view that only takes full slices and inserts new axes (``None`` otherwise)."""
+    items = index_items(node.args[1], len(view.shape))
+    if items is None or any(isinstance(i, int) or (isinstance(i, slice) and i != slice(None)) for i in items):
+        return None
+    axis_map: list[int | None] = []
+    expanded: list[bool] = []
+    k = 0
+    for it in items:
+        if it is None:
+            axis_map.append(None)
+            expanded.append(False)
+        else:
+            axis_map.append(view.axis_map[k])
+            expanded.append(view.expanded[k])
+            k += 1
+    return _relabelled(view, out_shape, axis_map, expanded)
+
+
+_VIEW_OPS: dict[str, Callable[[fx.Node, ParamView, tuple[int, ...]], ParamView | None]] = {
+    "permute": _permuted,
+    "expand": _expanded,
+    "reshape": _reshaped,
+    "getitem_view": _indexed,
+}

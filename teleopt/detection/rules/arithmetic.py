@@ -11,6 +11,7 @@ homogeneous of degree -1.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch.fx as fx
@@ -149,6 +150,18 @@ def _product(ctx: RuleContext, ta: Ref, tb: Ref, ea: float, eb: float, out: Ref,
             ctx.unify(G, hf, (out, j))
 
 
+@dataclass(frozen=True)
+class _ParameterFactor:
+    """``out = x**ex * v**ev`` with ``v`` a movable parameter, seen as its value and its two roles."""
+
+    x: Ref
+    ex: float
+    value: Ref  # v as the operand
+    absorbs: Ref  # v absorbing the scaling of x
+    writes: Ref  # v writing the scaling of out
+    ev: float
+
+
 def _scale_by_parameter(ctx: RuleContext, a: Any, b: Any, ka: str, ea: float, eb: float, out: Ref, oshape: tuple[int, ...]) -> None:
     """out = x^ex * v^ev with v a parameter: v absorbs the scaling of x and writes the scaling of out."""
     if ka == "view":
@@ -158,36 +171,48 @@ def _scale_by_parameter(ctx: RuleContext, a: Any, b: Any, ka: str, ea: float, eb
     v_val = ctx.tensor(v_arg, role="value")
     v_in = ctx.tensor(v_arg, role="absorbs")
     v_out = ctx.tensor(v_arg, role="writes")
+    factor = _ParameterFactor(x, ex, v_val, v_in, v_out, ev)
     for j in range(len(oshape)):
-        hx, hv = align(ctx, x, out, j), align(ctx, v_val, out, j)
-        fx_, fv = _full(ctx, x, hx, oshape[j]), _full(ctx, v_val, hv, oshape[j])
-        if oshape[j] == 1:
-            for h in (hx, hv):
-                if h is not None:
-                    ctx.unify(ALL, h, (out, j))
-            continue
-        if fx_ is not None and fv is not None:
-            ctx.unify(P, fx_, (out, j))
-            ctx.unify(P, fv, (out, j))
-            for h in (fx_, fv, (out, j)):
-                ctx.block(G, h, "multiplies by a per-channel parameter (not GL-equivariant)")
-            ctx.unify(D, fx_, (v_in, fv[1]), -ex / ev)
-            ctx.unify(D, (out, j), (v_out, fv[1]), 1.0 / ev)
-        elif fx_ is not None:
-            if hv is not None:
-                ctx.block(ALL, hv, "broadcast axis")
-            ctx.unify(P, fx_, (out, j))
-            ctx.unify(D, fx_, (out, j), ex)
-            if ex == 1:
-                ctx.unify(G, fx_, (out, j))
-        else:
-            if hx is not None:
-                ctx.block(ALL, hx, "broadcast axis")
-            if hv is None:
-                raise ValueError(f"no operand spans output axis {j}")
-            ctx.unify(P, hv, (out, j))
-            ctx.unify(D, (out, j), (v_out, hv[1]), 1.0 / ev)
-            ctx.block(G, (out, j), "multiplies by a per-channel parameter (not GL-equivariant)")
+        _scale_axis(ctx, factor, (out, j), oshape[j])
+
+
+def _scale_axis(ctx: RuleContext, f: _ParameterFactor, o: Handle, n: int) -> None:
+    """Output axis ``o`` (length ``n``) of ``x**ex * v**ev``: which operand varies along it says how it scales."""
+    out, j = o
+    hx, hv = align(ctx, f.x, out, j), align(ctx, f.value, out, j)
+    if n == 1:
+        for h in (hx, hv):
+            if h is not None:
+                ctx.unify(ALL, h, o)
+        return
+    fx_, fv = _full(ctx, f.x, hx, n), _full(ctx, f.value, hv, n)
+    if fx_ is not None and fv is not None:
+        ctx.unify(P, fx_, o)
+        ctx.unify(P, fv, o)
+        for h in (fx_, fv, o):
+            ctx.block(G, h, "multiplies by a per-channel parameter (not GL-equivariant)")
+        ctx.unify(D, fx_, (f.absorbs, fv[1]), -f.ex / f.ev)
+        ctx.unify(D, o, (f.writes, fv[1]), 1.0 / f.ev)
+    elif fx_ is not None:
+        if hv is not None:
+            ctx.block(ALL, hv, "broadcast axis")
+        ctx.unify(P, fx_, o)
+        ctx.unify(D, fx_, o, f.ex)
+        if f.ex == 1:
+            ctx.unify(G, fx_, o)
+    else:
+        _scale_by_parameter_only(ctx, f, o, hx, hv)
+
+
+def _scale_by_parameter_only(ctx: RuleContext, f: _ParameterFactor, o: Handle, hx: Handle | None, hv: Handle | None) -> None:
+    """An output axis along which only ``v`` varies: ``v`` writes its scaling (``x`` is broadcast)."""
+    if hx is not None:
+        ctx.block(ALL, hx, "broadcast axis")
+    if hv is None:
+        raise ValueError(f"no operand spans output axis {o[1]}")
+    ctx.unify(P, hv, o)
+    ctx.unify(D, o, (f.writes, hv[1]), 1.0 / f.ev)
+    ctx.block(G, o, "multiplies by a per-channel parameter (not GL-equivariant)")
 
 
 def _maybe_add_mask(ctx: RuleContext) -> None:

@@ -10,6 +10,7 @@ from linear layers is found by ``teleopt.detection.attention``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,10 +56,21 @@ def _attention_core(ctx: RuleContext, q: Ref, k: Ref, v: Ref, out: Ref, dropout:
         ctx.block(GD, h, "attention mixes tokens")
         if causal:
             ctx.block(P, h, "a causal mask fixes the order of tokens")
+    _attention_batch_axes(ctx, (q, k, v), out, dropout)
+    if isinstance(mask_arg, fx.Node) and isinstance(ctx.value(mask_arg), TensorMeta):
+        _attention_mask(ctx, ctx.tensor(mask_arg, role="mask"), k, out)
+
+
+def _attention_batch_axes(ctx: RuleContext, qkv: tuple[Ref, Ref, Ref], out: Ref, dropout: float) -> None:
+    """The leading (batch, head) axes of q, k, v pass permutations to the output's, right-aligned.
+
+    A broadcast axis is fixed; scaling and GL are blocked (attention is not linear in queries
+    and keys), and permutations too under dropout (its masks are drawn per head).
+    """
     so = ctx.meta(out)
     nb = len(so) - 2
     for j in range(nb):
-        for t in (q, k, v):
+        for t in qkv:
             s = ctx.meta(t)
             i = j - (nb - (len(s) - 2))
             if i < 0:
@@ -71,17 +83,19 @@ def _attention_core(ctx: RuleContext, q: Ref, k: Ref, v: Ref, out: Ref, dropout:
                 ctx.block(ALL, (t, i), "broadcast axis")
             ctx.block(GD, (t, i), "attention is not linear in queries and keys")
         ctx.block(GD, (out, j), "attention is not linear in queries and keys")
-    if isinstance(mask_arg, fx.Node) and isinstance(ctx.value(mask_arg), TensorMeta):
-        mask = ctx.tensor(mask_arg, role="mask")
-        ms = ctx.meta(mask)
-        for j in range(len(ms)):
-            oj = j - (len(ms) - len(so))
-            if oj < 0 or ms[j] == 1:
-                continue
-            if oj == len(so) - 1:
-                ctx.unify(P, (mask, j), (k, -2))
-            else:
-                ctx.unify(P, (mask, j), (out, oj))
+
+
+def _attention_mask(ctx: RuleContext, mask: Ref, k: Ref, out: Ref) -> None:
+    """A mask's non-unit axes, right-aligned with the scores, permute with the output's (its last with the keys')."""
+    so, ms = ctx.meta(out), ctx.meta(mask)
+    for j in range(len(ms)):
+        oj = j - (len(ms) - len(so))
+        if oj < 0 or ms[j] == 1:
+            continue
+        if oj == len(so) - 1:
+            ctx.unify(P, (mask, j), (k, -2))
+        else:
+            ctx.unify(P, (mask, j), (out, oj))
 
 
 def _mha(ctx: RuleContext) -> None:
@@ -124,36 +138,40 @@ def _mha(ctx: RuleContext) -> None:
 
 
 def _mha_sites(ctx: RuleContext, m: nn.MultiheadAttention, heads_permutable: bool) -> None:
-    rel = ctx.rel
+    """The per-head GL sites on (Q, K) and (V, O) and the head permutations of ``nn.MultiheadAttention``."""
+    rel, where = ctx.rel, ctx.where
     names = rel.tensors.names
-    E, H = m.embed_dim, m.num_heads
-    d = E // H
-    where = ctx.where
+    q_rows, k_rows, v_rows, perm_rows = _mha_rows(m, lambda t: None if t is None else names.get(id(t)))
+    H = m.num_heads
+    w_o = names.get(id(m.out_proj.weight))
+    info = {"heads": H, "head_dim": m.embed_dim // H, "module": where}
+    blocks = H if H > 1 else None
+    rel.direct_sites.append(
+        DirectSite(
+            "attention_qk_gl", "general", q_rows + k_rows, blocks, 1, "Zhao 2026, Ex. 1.2.11-1.2.12", where, dict(info), "exact", ctx.gi
+        )
+    )
+    vo_rows = v_rows + [(w_o, dict(axis=1, power=-1))]
+    rel.direct_sites.append(
+        DirectSite("attention_vo_gl", "general", vo_rows, blocks, 1, "Zhao 2026, Ex. 1.2.12", where, dict(info), "exact", ctx.gi)
+    )
+    if H > 1:
+        _mha_head_permutation(ctx, m, perm_rows + [(w_o, dict(axis=1))], info, heads_permutable)
 
-    def name(t: torch.Tensor | None) -> str | None:
-        return None if t is None else names.get(id(t))
 
-    q_rows: _Rows
-    k_rows: _Rows
-    v_rows: _Rows
-    perm_rows: _Rows
-    if m._qkv_same_embed_dim:
-        w = name(m.in_proj_weight)
-        q_rows = [(w, dict(axis=0, power=1, start=0, stop=E))]
-        k_rows = [(w, dict(axis=0, power=-1, start=E, stop=2 * E))]
-        v_rows = [(w, dict(axis=0, power=1, start=2 * E, stop=3 * E))]
-        perm_rows = [(w, dict(axis=0, outer=3))]
-    else:
-        q_rows = [(name(m.q_proj_weight), dict(axis=0, power=1))]
-        k_rows = [(name(m.k_proj_weight), dict(axis=0, power=-1))]
-        v_rows = [(name(m.v_proj_weight), dict(axis=0, power=1))]
-        perm_rows = [(name(getattr(m, a)), dict(axis=0)) for a in ("q_proj_weight", "k_proj_weight", "v_proj_weight")]
+def _mha_rows(m: nn.MultiheadAttention, name: Callable[[torch.Tensor | None], str | None]) -> tuple[_Rows, _Rows, _Rows, _Rows]:
+    """The members of the (Q, K) rows, the V rows and the head-permuted rows of an ``nn.MultiheadAttention``.
+
+    The key bias moves only when there is an appended key (``bias_k``) or zero key: then it adds
+    q . b_k to the scores of the projected keys only, no longer a per-query constant that softmax
+    ignores.
+    """
+    E = m.embed_dim
+    q_rows, k_rows, v_rows, perm_rows = _mha_weight_rows(m, name)
     b_in = name(m.in_proj_bias)
     if b_in is not None:
         q_rows.append((b_in, dict(axis=0, power=1, start=0, stop=E)))
         if m.bias_k is not None or m.add_zero_attn:
-            # the key bias adds q . b_k to the scores of the projected keys only, not to those of the
-            # appended key (bias_k) or zero key: no longer a per-query constant that softmax ignores
             k_rows.append((b_in, dict(axis=0, power=-1, start=E, stop=2 * E)))
         v_rows.append((b_in, dict(axis=0, power=1, start=2 * E, stop=3 * E)))
         perm_rows.append((b_in, dict(axis=0, outer=3)))
@@ -161,38 +179,41 @@ def _mha_sites(ctx: RuleContext, m: nn.MultiheadAttention, heads_permutable: boo
         k_rows.append((name(m.bias_k), dict(axis=2, power=-1)))
         v_rows.append((name(m.bias_v), dict(axis=2, power=1)))
         perm_rows += [(name(m.bias_k), dict(axis=2)), (name(m.bias_v), dict(axis=2))]
-    w_o = name(m.out_proj.weight)
-    info = {"heads": H, "head_dim": d, "module": where}
-    blocks = H if H > 1 else None
-    rel.direct_sites.append(
-        DirectSite(
-            "attention_qk_gl", "general", q_rows + k_rows, blocks, 1, "Zhao 2026, Ex. 1.2.11-1.2.12", where, dict(info), "exact", ctx.gi
+    return q_rows, k_rows, v_rows, perm_rows
+
+
+def _mha_weight_rows(m: nn.MultiheadAttention, name: Callable[[torch.Tensor | None], str | None]) -> tuple[_Rows, _Rows, _Rows, _Rows]:
+    """The q, k, v and head-permuted rows of the input projection: one packed weight or three."""
+    E = m.embed_dim
+    if m._qkv_same_embed_dim:
+        w = name(m.in_proj_weight)
+        return (
+            [(w, dict(axis=0, power=1, start=0, stop=E))],
+            [(w, dict(axis=0, power=-1, start=E, stop=2 * E))],
+            [(w, dict(axis=0, power=1, start=2 * E, stop=3 * E))],
+            [(w, dict(axis=0, outer=3))],
         )
+    return (
+        [(name(m.q_proj_weight), dict(axis=0, power=1))],
+        [(name(m.k_proj_weight), dict(axis=0, power=-1))],
+        [(name(m.v_proj_weight), dict(axis=0, power=1))],
+        [(name(getattr(m, a)), dict(axis=0)) for a in ("q_proj_weight", "k_proj_weight", "v_proj_weight")],
     )
-    rel.direct_sites.append(
-        DirectSite(
-            "attention_vo_gl",
-            "general",
-            v_rows + [(w_o, dict(axis=1, power=-1))],
-            blocks,
-            1,
-            "Zhao 2026, Ex. 1.2.12",
-            where,
-            dict(info),
-            "exact",
-            ctx.gi,
-        )
-    )
-    if H > 1 and not heads_permutable:
+
+
+def _mha_head_permutation(ctx: RuleContext, m: nn.MultiheadAttention, rows: _Rows, info: dict[str, Any], heads_permutable: bool) -> None:
+    """The head permutation site, or why it is skipped (per-head weights used, attention dropout)."""
+    rel, where = ctx.rel, ctx.where
+    if not heads_permutable:
         rel.skipped.append(("attention", where, "head permutations skipped: the per-head attention weights are returned and used"))
-    elif H > 1 and not m.dropout:
+    elif not m.dropout:
         rel.direct_sites.append(
             DirectSite(
                 "attention_head_permutation",
                 "permutation",
-                perm_rows + [(w_o, dict(axis=1))],
+                rows,
                 None,
-                d,
+                info["head_dim"],
                 "Zhao 2026, Ex. 1.2.12",
                 where,
                 dict(info),
@@ -200,7 +221,7 @@ def _mha_sites(ctx: RuleContext, m: nn.MultiheadAttention, heads_permutable: boo
                 ctx.gi,
             )
         )
-    elif H > 1:
+    else:
         rel.skipped.append(
             ("attention", where, f"head permutations skipped: attention dropout (p={m.dropout}) draws masks per head in training")
         )

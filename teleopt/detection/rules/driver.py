@@ -23,7 +23,7 @@ from torch import nn
 from teleopt.detection.fx_args import nodes_in
 from teleopt.detection.ops import identify_node, is_user_op
 from teleopt.detection.relations import ALL, ParamView, Relations
-from teleopt.detection.rules.context import RuleContext, tensor_paths
+from teleopt.detection.rules.context import OpRule, RuleContext, tensor_paths
 from teleopt.detection.rules.table import RULES
 from teleopt.detection.tracing import TensorMeta, TracedGraph
 from teleopt.detection.views import view_through
@@ -50,20 +50,13 @@ def run_rules(model: nn.Module, rel: Relations, graphs: list[TracedGraph]) -> No
 
 def _node(model: nn.Module, rel: Relations, traced: TracedGraph, gi: int, node: fx.Node) -> None:
     if node.op == "placeholder":
-        ctx = RuleContext(rel, traced, gi, node, "the model input")
-        for path, meta in tensor_paths(traced.values.get(node.name)):
-            if meta.is_float:
-                ctx.block_tensor(ALL, ctx.output(path), "the model input is fixed")
+        _model_input(RuleContext(rel, traced, gi, node, "the model input"))
         return
     if node.op == "get_attr":
         _get_attr(model, rel, traced, gi, node)
         return
     if node.op == "output":
-        ctx = RuleContext(rel, traced, gi, node, "the model output")
-        for a in nodes_in(node.args):
-            if ctx.is_tensor(a):
-                ctx.block_tensor(ALL, ctx.tensor(a, role="output"), "the model output is fixed")
-        ctx.finish()
+        _model_output(RuleContext(rel, traced, gi, node, "the model output"))
         return
     op, describe = identify_node(node, traced)
     ctx = RuleContext(rel, traced, gi, node, describe)
@@ -73,28 +66,61 @@ def _node(model: nn.Module, rel: Relations, traced: TracedGraph, gi: int, node: 
         return
     rule = RULES.get(op) if op is not None else None
     if rule is None:
-        if any(ctx.is_operand(a) for a in nodes_in((node.args, node.kwargs))):
-            ctx.fail_closed(describe)
-        else:
-            ctx.constant()
+        _without_rule(ctx)
     else:
-        user = is_user_op(node, traced)
-        try:
-            rule(ctx)
-            if user:
-                ctx.seal()
-        except Exception as e:  # fail closed (relations it stated before failing are true of the op;
-            # blocking everything it touches dominates them)
-            if not user and os.environ.get(STRICT_ENV, "") not in ("", "0"):
-                raise RuleError(f"the detection rule of {describe} ({node.name}) raised {type(e).__name__}: {e}") from e
-            ctx.finish()
-            ctx = RuleContext(rel, traced, gi, node, describe)
-            if user:
-                ctx.fail_closed(f"{describe} (its rule failed: {type(e).__name__}: {e})")
-            else:
-                ctx.internal_error(describe, e)
+        ctx = _apply_rule(ctx, rule)
     _dead(ctx)
     ctx.finish()
+
+
+def _model_input(ctx: RuleContext) -> None:
+    """Every floating-point tensor of a model input is fixed."""
+    for path, meta in tensor_paths(ctx.traced.values.get(ctx.node.name)):
+        if meta.is_float:
+            ctx.block_tensor(ALL, ctx.output(path), "the model input is fixed")
+
+
+def _model_output(ctx: RuleContext) -> None:
+    """Every floating-point tensor the model returns is fixed."""
+    for a in nodes_in(ctx.node.args):
+        if ctx.is_tensor(a):
+            ctx.block_tensor(ALL, ctx.tensor(a, role="output"), "the model output is fixed")
+    ctx.finish()
+
+
+def _without_rule(ctx: RuleContext) -> None:
+    """An op without a rule: fail closed when it reads an operand, else its outputs are constants."""
+    node = ctx.node
+    if any(ctx.is_operand(a) for a in nodes_in((node.args, node.kwargs))):
+        ctx.fail_closed(ctx.describe)
+    else:
+        ctx.constant()
+
+
+def _apply_rule(ctx: RuleContext, rule: OpRule) -> RuleContext:
+    """Run ``rule`` on the node (sealing a user's rule); the context to finish, a fresh one if the rule raised.
+
+    A rule that raises fails closed: the relations it stated before failing are true of the
+    op, and blocking everything it touches dominates them.  A built-in rule that raises is
+    an internal error (raised as :class:`RuleError` in strict mode).
+    """
+    node, describe = ctx.node, ctx.describe
+    user = is_user_op(node, ctx.traced)
+    try:
+        rule(ctx)
+        if user:
+            ctx.seal()
+        return ctx
+    except Exception as e:
+        if not user and os.environ.get(STRICT_ENV, "") not in ("", "0"):
+            raise RuleError(f"the detection rule of {describe} ({node.name}) raised {type(e).__name__}: {e}") from e
+        ctx.finish()
+        ctx = RuleContext(ctx.rel, ctx.traced, ctx.gi, node, describe)
+        if user:
+            ctx.fail_closed(f"{describe} (its rule failed: {type(e).__name__}: {e})")
+        else:
+            ctx.internal_error(describe, e)
+        return ctx
 
 
 def _get_attr(model: nn.Module, rel: Relations, traced: TracedGraph, gi: int, node: fx.Node) -> None:

@@ -10,6 +10,7 @@ depthwise one scales each channel by its own filter.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from teleopt.detection.fx_args import arg, int_arg, optional_tensor_arg, tensor_arg
@@ -106,80 +107,124 @@ def _matmul(ctx: RuleContext) -> None:
 
 
 def _conv_core(ctx: RuleContext, x: Ref, w_arg: Any, b: Ref | None, groups: int, pointwise: bool, transposed: bool, module: Any) -> None:
+    """A convolution of ``x`` (weight from ``module`` or the node argument ``w_arg``): channels, positions, batch."""
     out = ctx.output()
-    xs = ctx.meta(x)
-    w_shape: tuple[int, ...]
     if module is not None:
-        w_shape = tuple(module.weight.shape)
+        w_shape: tuple[int, ...] = tuple(module.weight.shape)
         param = ctx.rel.tensors.names.get(id(module.weight))
     else:
         w_shape = ctx.value(w_arg).shape
         view = ctx.view_of(w_arg)
         param = view.name if view is not None and view.axis_map == tuple(range(len(w_shape))) and view.kind == "parameter" else None
-    n_spatial = len(w_shape) - 2
-    batched = len(xs) == n_spatial + 2
-    ch = 1 if batched else 0
+    xs = ctx.meta(x)
+    batched = len(xs) == len(w_shape)  # (N, C, *spatial) against the weight's (C_out, C_in, *kernel)
+    conv = _Conv(ctx, x, xs, out, b, w_arg, module, groups, transposed, w_shape, param, 1 if batched else 0)
+    conv.channels()
+    conv.positions(pointwise)
 
-    def weight(role: str) -> Ref:
-        if module is not None:
-            ref = ctx.param(module, "weight", role)
-            assert ref is not None  # module.weight was read above
+
+@dataclass(frozen=True)
+class _Conv:
+    """One convolution node as its rule sees it: input ``x`` (shape ``xs``), output ``out``, bias ``b``, and the weight.
+
+    The weight is ``module.weight`` (a ``call_module`` node) or the node argument ``w_arg``;
+    ``param`` names it when a site may move it as a whole; ``ch`` is the channel axis of ``x``
+    and ``out`` (1 when batched).
+    """
+
+    ctx: RuleContext
+    x: Ref
+    xs: tuple[int, ...]  # the shape of x
+    out: Ref
+    b: Ref | None
+    w_arg: Any
+    module: Any
+    groups: int
+    transposed: bool
+    w_shape: tuple[int, ...]
+    param: str | None
+    ch: int
+
+    def weight(self, role: str) -> Ref:
+        """The weight, as an occurrence in ``role``."""
+        if self.module is not None:
+            ref = self.ctx.param(self.module, "weight", role)
+            assert ref is not None  # module.weight was read by _conv_core
             return ref
-        return ctx.tensor(w_arg, role=role)
+        return self.ctx.tensor(self.w_arg, role=role)
 
-    c_in = xs[ch]
-    out_axis, in_axis = (1, 0) if transposed else (0, 1)
-    c_out = w_shape[1] * groups if transposed else w_shape[0]
-    depthwise = groups == c_in and c_out == c_in and (w_shape[1] == 1)
-    if groups == 1:
-        w = weight("weight")
-        ctx.unify(ALL, (out, ch), (w, out_axis))
-        if b is not None:
-            ctx.unify(ALL, (out, ch), (b, 0))
-        ctx.unify(ALL, (x, ch), (w, in_axis), -1.0)
-    elif depthwise and param is not None:
-        # depthwise: channel c in -> channel c out, weight row c (axis 0)
-        w_val, w_in, w_out = weight("weight"), weight("absorbs"), weight("writes")
+    def channels(self) -> None:
+        """The channel axes: dense (a boundary), depthwise, grouped, or grouped with a computed weight (fixed)."""
+        c_in = self.xs[self.ch]
+        c_out = self.w_shape[1] * self.groups if self.transposed else self.w_shape[0]
+        depthwise = self.groups == c_in and c_out == c_in and (self.w_shape[1] == 1)
+        if self.groups == 1:
+            self._dense()
+        elif depthwise and self.param is not None:
+            self._depthwise()
+        elif self.param is not None:
+            self._grouped(self.param)
+        else:
+            self.weight("weight")
+            self.ctx.block(ALL, (self.x, self.ch), "a grouped convolution with a computed weight")
+            self.ctx.block(ALL, (self.out, self.ch), "a grouped convolution with a computed weight")
+
+    def _dense(self) -> None:
+        """Output channels are the weight's rows (and the bias), input channels its columns (Zhao 2026, Prop. 1.2.3)."""
+        ctx, ch = self.ctx, self.ch
+        out_axis, in_axis = (1, 0) if self.transposed else (0, 1)
+        w = self.weight("weight")
+        ctx.unify(ALL, (self.out, ch), (w, out_axis))
+        if self.b is not None:
+            ctx.unify(ALL, (self.out, ch), (self.b, 0))
+        ctx.unify(ALL, (self.x, ch), (w, in_axis), -1.0)
+
+    def _depthwise(self) -> None:
+        """Channel c in -> channel c out through weight row c: its filter absorbs and writes the scaling."""
+        ctx, x, out, ch = self.ctx, self.x, self.out, self.ch
+        w_val, w_in, w_out = self.weight("weight"), self.weight("absorbs"), self.weight("writes")
         ctx.unify(P, (x, ch), (out, ch))
         ctx.unify(P, (out, ch), (w_val, 0))
         ctx.unify(D, (x, ch), (w_in, 0), -1.0)
         ctx.unify(D, (out, ch), (w_out, 0))
-        if b is not None:
-            ctx.unify(DP, (out, ch), (b, 0))
+        if self.b is not None:
+            ctx.unify(DP, (out, ch), (self.b, 0))
         ctx.block(G, (x, ch), "a depthwise convolution is not GL-equivariant")
         ctx.block(G, (out, ch), "a depthwise convolution is not GL-equivariant")
-    elif param is not None:
-        # grouped: positive scaling of input channels through the grouped weight layout
-        w = weight("weight")
-        if transposed:
+
+    def _grouped(self, param: str) -> None:
+        """Positive scaling of the channels through the grouped weight layout (a virtual axis); no GL or permutations."""
+        ctx, x, out, ch, groups = self.ctx, self.x, self.out, self.ch, self.groups
+        w = self.weight("weight")
+        if self.transposed:
             ctx.unify(D, (x, ch), (w, 0), -1.0)
-            virtual = ctx.virtual_axis(param, 1, groups, "writes", w_shape[1] * groups)
+            virtual = ctx.virtual_axis(param, 1, groups, "writes", self.w_shape[1] * groups)
             ctx.unify(D, (out, ch), virtual)
         else:
             ctx.unify(D, (out, ch), (w, 0))
-            virtual = ctx.virtual_axis(param, 1, groups, "absorbs", w_shape[1] * groups)
+            virtual = ctx.virtual_axis(param, 1, groups, "absorbs", self.w_shape[1] * groups)
             ctx.unify(D, (x, ch), virtual, -1.0)
-        if b is not None:
-            ctx.unify(D, (out, ch), (b, 0))
+        if self.b is not None:
+            ctx.unify(D, (out, ch), (self.b, 0))
         why = f"a grouped convolution ({groups} groups) only allows permutations within groups"
         ctx.block(("general", "permutation"), (x, ch), why)
         ctx.block(("general", "permutation"), (out, ch), why)
-    else:
-        weight("weight")
-        ctx.block(ALL, (x, ch), "a grouped convolution with a computed weight")
-        ctx.block(ALL, (out, ch), "a grouped convolution with a computed weight")
-    for i in range(ch + 1, len(xs)):
-        if pointwise:
-            ctx.unify(P, (x, i), (out, i))
+
+    def positions(self, pointwise: bool) -> None:
+        """Spatial axes pass (as a batch) only through a pointwise convolution; the batch axis always passes."""
+        ctx, x, out, b = self.ctx, self.x, self.out, self.b
+        for i in range(self.ch + 1, len(self.xs)):
+            if pointwise:
+                ctx.unify(P, (x, i), (out, i))
+                if b is None:
+                    ctx.unify(GD, (x, i), (out, i))
+            else:
+                ctx.block(ALL, (x, i), "a convolution mixes positions")
+                ctx.block(ALL, (out, i), "a convolution mixes positions")
+        if self.ch == 1:
+            ctx.unify(P, (x, 0), (out, 0))
             if b is None:
-                ctx.unify(GD, (x, i), (out, i))
-        else:
-            ctx.block(ALL, (x, i), "a convolution mixes positions")
-            ctx.block(ALL, (out, i), "a convolution mixes positions")
-    if batched:
-        ctx.unify(P, (x, 0), (out, 0))
-        if b is None:
-            ctx.unify(GD, (x, 0), (out, 0))
+                ctx.unify(GD, (x, 0), (out, 0))
 
 
 def _all_equal(v: Any, x: int) -> bool:
