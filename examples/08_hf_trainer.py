@@ -35,7 +35,7 @@ import torch
 
 import teleopt
 from teleopt.integrations.peft import lora_sites
-from teleopt.teleport import SafetyConfig
+from teleopt.teleport import SafetyConfig, SearchConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # build everything from configs
 
@@ -133,9 +133,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             lora_sites(model).sites,
             objective="balance",  # least weight norm on the orbit: A A^T = B^T B
             every=every,
-            trust_region=None,
             safety=SafetyConfig(max_predicted_decrease=None),
             batch_fn=lambda: (probe, None),  # checks the loss on this batch; model(**probe).loss
+            search=SearchConfig(trust_region=None),
         )
 
     def syre(model):  # (4)
