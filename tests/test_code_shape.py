@@ -43,9 +43,6 @@ LONG_FUNCTIONS_TO_SPLIT = {
     "detection/detect.py:_find_children",
     "detection/rules/attention.py:_mha_sites",
     "detection/rules/layers.py:_conv_core",
-    "syre.py:Syre._decay_group",
-    "teleport/state_policy.py:StatePolicy.move",
-    "wrapper.py:OptimizerWrapper.load_state_dict",
 }
 
 
@@ -130,11 +127,8 @@ FILES_EXCEPTED_FROM_SIZE_RULES = {
     "detection/sites.py",
     "detection/verify.py",
     "detection/views.py",
-    "syre.py",
     "teleport/balance.py",
     "teleport/optimizer.py",
-    "teleport/state_policy.py",
-    "wrapper.py",
 }
 
 
