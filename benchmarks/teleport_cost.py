@@ -112,7 +112,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from teleopt import AxisAction, Member, Site, get_action
-from teleopt.teleport import SafetyConfig, Teleport
+from teleopt.teleport import SafetyConfig, SearchConfig, Teleport
 
 LEAKY = get_action("positive_rescaling", activation="leaky_relu", negative_slope=0.1)
 RELU = get_action("positive_rescaling", activation="relu")
@@ -374,20 +374,16 @@ def measure(
         torch.optim.Adam(model.parameters(), lr=1e-4),
         model,
         wrapper.sites,
-        ascent_steps=steps,
-        trust_region=None,
-        path="fast",
         safety=SafetyConfig(watch_steps=0, max_predicted_decrease=None),
+        search=SearchConfig(steps=steps, trust_region=None, path="fast"),
     )
     general10 = Teleport(
         torch.optim.Adam(model.parameters(), lr=1e-4),
         model,
         wrapper.sites,
-        ascent_steps=steps,
-        trust_region=None,
-        path="general",
         loss_fn=loss_fn,
         safety=SafetyConfig(watch_steps=0, max_predicted_decrease=None, loss_tol=1e-3),
+        search=SearchConfig(steps=steps, trust_region=None, path="general"),
     )
     f10, g10 = [], []  # each from the start point too: 500 accepted 10-step teleports in a row blew mlp-5678 up
     for _ in range(reps):
@@ -482,7 +478,7 @@ def search_main(args: argparse.Namespace) -> None:
     """Scaling sites: the default boundary step against 100 projected-Adam ascent steps (``GradientAscent()``),
     ``teleports`` consecutive teleports each (watch off, Adam base), on the digits MLP, mlp-10M and resnet18's
     BatchNorm-output sites: each teleport's gain and the median time."""
-    from teleopt.teleport import GradientAscent, SearchConfig
+    from teleopt.teleport import GradientAscent
 
     teleports = 5
     rows = []

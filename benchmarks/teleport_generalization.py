@@ -55,7 +55,7 @@ from syre_common import finish, header, parser, print_table  # noqa: E402
 from teleport_digits import cross_entropy, mean_std, train  # noqa: E402
 
 from teleopt.datasets import Digits, digits_mlp, hidden_rescaling_sites, load_digits  # noqa: E402
-from teleopt.teleport import Curvature, Objective, Sharpness, Teleport  # noqa: E402
+from teleopt.teleport import Curvature, Objective, SearchConfig, Sharpness, Teleport  # noqa: E402
 
 LR, BATCH, EPOCHS, TELEPORT_EPOCH = 0.01, 20, 40, 20
 DISPLACEMENTS = tuple(0.001 + 0.01 * i for i in range(20))  # 0.001, 0.011, ..., 0.191 (Sec. 5.2.3, MNIST)
@@ -77,9 +77,8 @@ def measure(model: torch.nn.Module, objective: Objective, batch: tuple[torch.Ten
         model,
         hidden_rescaling_sites(model),
         objective=objective,
-        ascent_steps=0,
         loss_fn=cross_entropy,
-        seed=seed,
+        search=SearchConfig(steps=0, seed=seed),
     )
     report = probe.teleport(batch=batch)
     probe.zero_grad()
@@ -140,10 +139,8 @@ def teleport_run(arm: str, seed: int, data: Digits, epochs: int, teleport_epoch:
             model,
             hidden_rescaling_sites(model),
             objective=objective,
-            ascent_steps=steps,
-            ascent_lr=ASCENT_LR,
             loss_fn=cross_entropy,
-            seed=seed,
+            search=SearchConfig(steps=steps, lr=ASCENT_LR, seed=seed),
         )
         probe = sharpness(quick) if kind == "sharpness" else Curvature(curves=16)
         full = (data.x_train, data.y_train)

@@ -46,7 +46,7 @@ from torch import nn
 
 from teleopt import Site, get_action
 from teleopt.datasets import hidden_rescaling_sites, mlp_regression, regression_loss
-from teleopt.teleport import SafetyConfig, Sharpness, Teleport
+from teleopt.teleport import SafetyConfig, Schedule, SearchConfig, Sharpness, Teleport
 
 EPOCHS = 300
 TELEPORT_EPOCH = 5
@@ -83,10 +83,10 @@ def make(
     base = base_optimizer(opt_name, model)
     if variant == "none":
         return base
-    common: dict[str, Any] = dict(loss_fn=loss_fn, batch_fn=lambda: (X, Y), **schedule)
+    common: dict[str, Any] = dict(loss_fn=loss_fn, batch_fn=lambda: (X, Y), schedule=Schedule(**schedule))
     if variant == "paper_compat":
         steps, lr = PAPER[opt_name]
-        return Teleport(base, model, data_dependent_sites(), paper_compat=True, ascent_steps=steps, ascent_lr=lr, **common)
+        return Teleport(base, model, data_dependent_sites(), **common, search=SearchConfig(paper_compat=True, steps=steps, lr=lr))
     kind, objective = variant.split(":")
     if objective == "sharpness":
         objective = Sharpness(direction="decrease")
@@ -282,7 +282,7 @@ def main() -> None:
                         f"r=log{round(math.exp(r))} cap={cap}",
                         "exact:grad_norm",
                         {"at": [TELEPORT_EPOCH]},
-                        dict(trust_region=r, safety=SafetyConfig(max_predicted_decrease=cap)),
+                        dict(search=SearchConfig(trust_region=r), safety=SafetyConfig(max_predicted_decrease=cap)),
                     )
                 )
         for cap in (1.0, 2.0, 4.0):
@@ -290,7 +290,7 @@ def main() -> None:
                 (f"r=log4 cap={cap}", "exact:grad_norm", {"at": [TELEPORT_EPOCH]}, dict(safety=SafetyConfig(max_predicted_decrease=cap)))
             )
         for lr in (0.02, 0.05, 0.1, 0.2, 0.5):
-            settings.append((f"ascent_lr={lr} (100 steps)", "exact:grad_norm", {"at": [TELEPORT_EPOCH]}, dict(ascent_lr=lr)))
+            settings.append((f"ascent_lr={lr} (100 steps)", "exact:grad_norm", {"at": [TELEPORT_EPOCH]}, dict(search=SearchConfig(lr=lr))))
         for margin in (0.9, 0.5):
             settings.append(
                 (

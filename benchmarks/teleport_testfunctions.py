@@ -36,7 +36,7 @@ from torch import nn
 
 from teleopt import Site, get_action
 from teleopt.actions.test_functions import booth, rosenbrock
-from teleopt.teleport import Teleport
+from teleopt.teleport import Schedule, SearchConfig, Teleport
 
 
 class Point(nn.Module):
@@ -72,7 +72,14 @@ def run(name: str, teleport: dict[str, Any] | None) -> dict[str, Any]:
     opt: torch.optim.Optimizer = base
     if teleport is not None:
         site = Site(get_action(spec["action"]), ("w",))
-        opt = Teleport(base, model, [site], trust_region=None, batch_fn=lambda: ((), None), **spec["schedule"], **teleport)
+        opt = Teleport(
+            base,
+            model,
+            [site],
+            batch_fn=lambda: ((), None),
+            schedule=Schedule(**spec["schedule"]),
+            search=SearchConfig(trust_region=None, **teleport),
+        )
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
@@ -104,7 +111,7 @@ def main() -> None:
         settings = {
             "none": None,
             "teleport (defaults)": {},
-            "teleport (10 ascent steps)": {"ascent_steps": 10},
+            "teleport (10 ascent steps)": {"steps": 10},
         }
         for label, teleport in settings.items():
             res = run(name, teleport)

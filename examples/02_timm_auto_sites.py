@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import teleopt
 from teleopt.datasets import load_digits
+from teleopt.teleport import Schedule
 
 
 def images(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -123,11 +124,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model,
         "auto",
         objective="balance",
-        every=4 if args.quick else 50,
-        warmup=4 if args.quick else 50,  # not at step 0: balancing a fresh initialisation under SGD cost accuracy
         example_inputs=example,
         loss_fn=F.cross_entropy,
         batch_fn=teleport_batch,
+        schedule=Schedule(
+            every=4 if args.quick else 50, warmup=4 if args.quick else 50
+        ),  # not at step 0: balancing a fresh initialisation under SGD cost accuracy
     )
     teleported = train(optimizer)
 

@@ -36,6 +36,7 @@ from torch import nn
 from torch.func import functional_call
 
 import teleopt
+from teleopt.teleport import SearchConfig
 from teleopt.testing import assert_close, assert_gradient_transport, group_elements
 from teleopt.testing.conformance import CHECKS, BaseOptimizer, WrapperConformance
 
@@ -90,7 +91,7 @@ def my_optimizer_stack(base: torch.optim.Optimizer, enabled: bool = True) -> tor
     holder = _Holder(params)
     # the suite's problem is W1 (8, 4), b1 (8,), W2 (3, 8), b2 (3,) with a ReLU hidden layer
     sites = [teleopt.Site(teleopt.get_action("positive_rescaling", activation="relu"), ("p0", "p1", "p2"))] if len(params) == 4 else []
-    teleport = teleopt.Teleport(base, holder, sites, every=2 if enabled else None, ascent_steps=5)
+    teleport = teleopt.Teleport(base, holder, sites, every=2 if enabled else None, search=SearchConfig(steps=5))
     return teleopt.Syre(teleport, gamma=1e-3 if enabled else 0.0, exclude_1d=True)
 
 

@@ -33,7 +33,7 @@ from torch import nn
 
 import teleopt
 from teleopt.discovery import LearnedAction, bind, compare_curves, problems
-from teleopt.teleport import SafetyConfig
+from teleopt.teleport import SafetyConfig, SearchConfig
 
 LOSS_TOL = 2e-2  # relative loss change a teleport along the learned (approximate) action may cause
 
@@ -101,9 +101,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             every=20,
             loss_fn=loss_fn,
             batch_fn=teleport_batch,
-            ascent_steps=5,
-            trust_region=0.5,  # |log c| <= 0.5 a teleport: at log 4 (the default) 5 of 15 blew up and were rolled back
             safety=SafetyConfig(loss_tol=LOSS_TOL),
+            search=SearchConfig(
+                steps=5, trust_region=0.5
+            ),  # |log c| <= 0.5 a teleport: at log 4 (the default) 5 of 15 blew up and were rolled back
         )
         baseline_sgd = torch.optim.SGD(baseline_model.parameters(), lr=0.05)
         for _ in range(train_steps):

@@ -10,7 +10,7 @@ permutation of the vocabulary).  teleopt needs no Trainer subclass or callback:
    wrapper around ``AdamW``.  The Trainer builds its LR scheduler on it and
    accelerate wraps it in an ``AcceleratedOptimizer``; both only call the standard
    ``torch.optim.Optimizer`` API, so the wrapper's ``step`` still runs every step;
-3. ``Teleport(..., objective="balance", every=k, trust_region=None)`` moves every
+3. ``Teleport(..., objective="balance", every=k, search=SearchConfig(trust_region=None))`` moves every
    pair to its balanced point A A^T = B^T B every k steps (the least weight norm on
    the orbit, closed form, no extra forward or backward pass), transports ``.grad`` and Adam's ``exp_avg``
    and checks on a fixed probe batch from ``batch_fn`` (a dict, as the Trainer's
@@ -35,7 +35,7 @@ import torch
 
 import teleopt
 from teleopt.integrations.peft import lora_sites
-from teleopt.teleport import SafetyConfig
+from teleopt.teleport import SafetyConfig, SearchConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # build everything from configs
 
@@ -133,9 +133,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             lora_sites(model).sites,
             objective="balance",  # least weight norm on the orbit: A A^T = B^T B
             every=every,
-            trust_region=None,
             safety=SafetyConfig(max_predicted_decrease=None),
             batch_fn=lambda: (probe, None),  # checks the loss on this batch; model(**probe).loss
+            search=SearchConfig(trust_region=None),
         )
 
     def syre(model):  # (4)

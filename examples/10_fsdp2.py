@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import teleopt  # noqa: E402
 from teleopt.checkpoint import load_optimizer_state_dict, optimizer_state_dict  # noqa: E402
 from teleopt.sharding import CommunicatedBytes, full  # noqa: E402
+from teleopt.teleport import Schedule
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -76,7 +77,9 @@ def shard(model: nn.Module, device: torch.device) -> nn.Module:
 def make_optimizer(model: nn.Module, example: torch.Tensor, every: int) -> teleopt.Syre:
     """``sites="auto"`` on the sharded model: detection runs once on an unsharded copy (gathered on every rank)."""
     base = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    teleport = teleopt.Teleport(base, model, "auto", example_inputs=(example,), objective="balance", every=every, warmup=every)
+    teleport = teleopt.Teleport(
+        base, model, "auto", example_inputs=(example,), objective="balance", schedule=Schedule(every=every, warmup=every)
+    )
     return teleopt.Syre(teleport, gamma=1e-3, decoupled=True, seed=0)
 
 

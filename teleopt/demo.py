@@ -46,7 +46,7 @@ from torch.optim import Optimizer
 
 from teleopt.datasets import Digits, MLPRegression, digits_mlp, hidden_rescaling_sites, load_digits, mlp_regression
 from teleopt.syre import Syre
-from teleopt.teleport import Teleport
+from teleopt.teleport import Schedule, Teleport
 
 __all__ = ["RunResult", "DemoResult", "run_demo", "plot", "main", "feature_rank"]
 
@@ -179,7 +179,9 @@ def _regression_arms() -> list[_Arm]:
             if not teleport:
                 return opt, None
             # one exact teleport before step 5's update (Zhao 2026, Sec. 4.6.1), checked on the full batch
-            wrapped = Teleport(opt, model, hidden_rescaling_sites(model), at=[5], loss_fn=MLPRegression.loss_fn, batch_fn=batch_fn)
+            wrapped = Teleport(
+                opt, model, hidden_rescaling_sites(model), loss_fn=MLPRegression.loss_fn, batch_fn=batch_fn, schedule=Schedule(at=[5])
+            )
             return wrapped, wrapped
 
         return build
@@ -209,7 +211,7 @@ def _digits_arms() -> list[_Arm]:
 
     def teleport(opt: Optimizer, model: nn.Sequential, batch_fn: Callable[[], tuple[Tensor, Tensor]]) -> Teleport:
         # one teleport before the first update (Zhao 2026, Sec. 5.4.2), checked on a 200-sample batch
-        return Teleport(opt, model, hidden_rescaling_sites(model), at=[0], loss_fn=cross_entropy, batch_fn=batch_fn)
+        return Teleport(opt, model, hidden_rescaling_sites(model), loss_fn=cross_entropy, batch_fn=batch_fn, schedule=Schedule(at=[0]))
 
     def plain(lr: float, weight_decay: float = 0.0):
         return lambda model, batch_fn: (sgd(model, lr, weight_decay), None)

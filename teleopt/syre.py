@@ -39,9 +39,10 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from teleopt.sharding import from_local_like, full, is_sharded, local, shard_like
+from teleopt.sharding import full, is_sharded, local, shard_like
 from teleopt.syre_anchors import (
     OPTION_NAMES,
+    add_penalty,
     anchor_std,
     check_options,
     check_scales,
@@ -49,6 +50,7 @@ from teleopt.syre_anchors import (
     draw_anchor,
     draw_diagonal,
     fan_in,
+    install_grads,
     real_view,
     use_foreach,
     warn_fixed_step_lbfgs,
@@ -56,6 +58,9 @@ from teleopt.syre_anchors import (
 from teleopt.wrapper import OptimizerWrapper, no_grad_step
 
 __all__ = ["Syre", "fan_in"]
+
+_Swapped = list[tuple[Tensor, Tensor | None]]  # (parameter, its gradient before the coupled decay)
+_Deferred = list[tuple[Tensor, Tensor]]  # (parameter, decoupled decrement applied after the step)
 
 
 def _coupled_grad(index: int, p: Tensor) -> Tensor:
@@ -182,7 +187,6 @@ class Syre(OptimizerWrapper):
         self._warn_base_weight_decay(range(len(self.param_groups)))
         warn_fixed_step_lbfgs(inner)
 
-    # -- groups -----------------------------------------------------------------------
     @classmethod
     def param_group(cls, params: Iterable[Tensor] | Tensor, **options: Any) -> dict[str, Any]:
         """A param group dict with syre options (names without prefix) for the base optimizer's constructor.
@@ -369,9 +373,7 @@ class Syre(OptimizerWrapper):
             self._scratch[p] = buffer
         return buffer
 
-    def _decay_group(
-        self, group: dict[str, Any], members: list[tuple[int, Tensor]], deferred: list[tuple[Tensor, Tensor]]
-    ) -> list[tuple[Tensor, Tensor | None]]:
+    def _decay_group(self, group: dict[str, Any], members: list[tuple[int, Tensor]], deferred: _Deferred) -> _Swapped:
         """Decay one group's parameters; returns (parameter, original gradient) pairs swapped in coupled mode.
 
         Complex parameters decay in their real view.  Gradients with a graph
@@ -382,49 +384,52 @@ class Syre(OptimizerWrapper):
         but appended to ``deferred`` as ``(parameter, decrement)`` for after it.
         """
         gamma = group[self.prefix + "gamma"]
-        decoupled = group[self.prefix + "decoupled"]
-        if decoupled:
+        if group[self.prefix + "decoupled"]:
             coefficient = float(group["lr"]) * gamma
         else:
             # maximize=True negates the gradient inside the base; the decay must still pull towards the anchor.
             coefficient = -gamma if group.get("maximize", False) else gamma
-        swapped: list[tuple[Tensor, Tensor | None]] = []
-        if not decoupled:
             for index, p in members:
                 if _coupled_grad(index, p).is_sparse:
                     raise TypeError(f"Syre: parameter {index} has a sparse gradient; coupled decay needs dense gradients")
-
-        def install(ps: list[Tensor], new_grads: list[Tensor]) -> None:
-            for p, g in zip(ps, new_grads):
-                swapped.append((p, p.grad))
-                g = torch.view_as_complex(g) if p.is_complex() else g
-                # the kernel works on local shards: a sharded gradient gets its layout back
-                p.grad = g if is_sharded(g) or p.grad is None else from_local_like(g, p.grad)
-
+        swapped: _Swapped = []
         if any(p.grad is not None and p.grad.requires_grad for _, p in members):
-            for index, p in members:
-                anchor, diagonal = self._anchor_of(index, group, p), self._diagonal_of(index, group, p)
+            self._decay_with_graph(group, members, coefficient, deferred, swapped)
+        elif not self.store_anchors:
+            self._decay_regenerated(group, members, coefficient, swapped)
+        else:
+            self._decay_stored(group, members, coefficient, swapped)
+        return swapped
+
+    def _decay_with_graph(
+        self, group: dict[str, Any], members: list[tuple[int, Tensor]], coefficient: float, deferred: _Deferred, swapped: _Swapped
+    ) -> None:
+        """Gradients with a graph: the coupled decay added with autograd on, the decoupled one deferred."""
+        for index, p in members:
+            anchor, diagonal = self._anchor_of(index, group, p), self._diagonal_of(index, group, p)
+            with torch.enable_grad():
+                scaled = (real_view(p) - anchor) * (coefficient if diagonal is None else coefficient * diagonal)
+            if group[self.prefix + "decoupled"]:
+                deferred.append((p, scaled.detach()))
+            else:
                 with torch.enable_grad():
-                    diff = real_view(p) - anchor
-                    scaled = diff * (coefficient if diagonal is None else coefficient * diagonal)
-                if decoupled:
-                    deferred.append((p, scaled.detach()))
-                else:
-                    with torch.enable_grad():
-                        install([p], [real_view(_coupled_grad(index, p)) + scaled])
-            return swapped
-        if not self.store_anchors:
-            # Regenerate tensor by tensor: never more than one anchor in memory.
-            for index, p in members:
-                anchor = self._anchor_of(index, group, p)
-                diagonal = self._diagonal_of(index, group, p)
-                grads = [] if p.grad is None else [real_view(local(p.grad))]
-                diagonals = None if diagonal is None else [local(diagonal)]
-                new = decay_list([real_view(local(p))], grads, [local(anchor)], diagonals, coefficient, decoupled, foreach=False)
-                install([p], new)
-            return swapped
+                    install_grads(swapped, [p], [real_view(_coupled_grad(index, p)) + scaled])
+
+    def _decay_regenerated(self, group: dict[str, Any], members: list[tuple[int, Tensor]], coefficient: float, swapped: _Swapped) -> None:
+        """Anchors regenerated tensor by tensor: never more than one anchor in memory."""
+        for index, p in members:
+            anchor, diagonal = self._anchor_of(index, group, p), self._diagonal_of(index, group, p)
+            grads = [] if p.grad is None else [real_view(local(p.grad))]
+            diagonals = None if diagonal is None else [local(diagonal)]
+            decoupled = group[self.prefix + "decoupled"]
+            install_grads(
+                swapped, [p], decay_list([real_view(local(p))], grads, [local(anchor)], diagonals, coefficient, decoupled, foreach=False)
+            )
+
+    def _decay_stored(self, group: dict[str, Any], members: list[tuple[int, Tensor]], coefficient: float, swapped: _Swapped) -> None:
+        """Stored anchors: one fused decay per device and dtype."""
         buckets: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]] = {}
-        has_diagonal = group[self.prefix + "diagonal_eps"] > 0
+        has_diagonal, decoupled = group[self.prefix + "diagonal_eps"] > 0, group[self.prefix + "decoupled"]
         for index, p in members:
             stored = self._anchors.get(p)  # matched to p by _check_acting in this step
             anchor = self._anchor_of(index, group, p) if stored is None else stored
@@ -445,8 +450,9 @@ class Syre(OptimizerWrapper):
             reuse = device.type == "cpu" and not (decoupled and not has_diagonal)
             scratch = [self._scratch_of(p) for p in ps] if reuse else None
             views = [real_view(local(p)) for p in ps]
-            install(ps, decay_list(views, gs, anchors, diagonals if has_diagonal else None, coefficient, decoupled, foreach, scratch))
-        return swapped
+            install_grads(
+                swapped, ps, decay_list(views, gs, anchors, diagonals if has_diagonal else None, coefficient, decoupled, foreach, scratch)
+            )
 
     def _check_acting(self, with_grad: bool = True) -> None:
         """Validate every group's options (written into a group after construction too) and materialise/check
@@ -479,8 +485,8 @@ class Syre(OptimizerWrapper):
         in_closure = self.base_needs_closure
         loss = self._closure_before_step(closure)
         self._check_acting(with_grad=not in_closure)
-        swapped: list[tuple[Tensor, Tensor | None]] = []
-        deferred: list[tuple[Tensor, Tensor]] = []
+        swapped: _Swapped = []
+        deferred: _Deferred = []
 
         def restore() -> None:
             while swapped:
@@ -507,9 +513,7 @@ class Syre(OptimizerWrapper):
                     if not group[self.prefix + "decoupled"]:
                         swapped.extend(self._decay_group(group, members, deferred))
                 penalty = self._penalty(coupled_only=True)
-            if isinstance(value, Tensor):
-                return value + penalty.to(device=value.device, dtype=value.dtype)
-            return value if value is None else value + float(penalty)
+            return add_penalty(value, penalty)
 
         inner = self.innermost
         handles = (inner.register_step_pre_hook(decay), inner.register_step_post_hook(finish))

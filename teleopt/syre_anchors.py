@@ -23,17 +23,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from teleopt.sharding import shard_like
+from teleopt.sharding import from_local_like, is_sharded, shard_like
 
 __all__ = [
     "OPTION_NAMES",
     "anchor_std",
+    "add_penalty",
     "check_options",
     "check_scales",
     "decay_list",
     "draw_anchor",
     "draw_diagonal",
     "fan_in",
+    "install_grads",
     "real_view",
     "use_foreach",
 ]
@@ -270,3 +272,19 @@ def warn_fixed_step_lbfgs(inner: torch.optim.Optimizer) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def install_grads(swapped: list[tuple[Tensor, Tensor | None]], ps: list[Tensor], new_grads: list[Tensor]) -> None:
+    """Give each of ``ps`` its decayed gradient (a real view is viewed back as complex; a sharded
+    gradient gets its layout back), recording ``(parameter, original gradient)`` in ``swapped``."""
+    for p, g in zip(ps, new_grads):
+        swapped.append((p, p.grad))
+        g = torch.view_as_complex(g) if p.is_complex() else g
+        p.grad = g if is_sharded(g) or p.grad is None else from_local_like(g, p.grad)
+
+
+def add_penalty(value: Any, penalty: Tensor) -> Any:
+    """A closure's loss plus the coupled groups' ``gamma / 2 |w - theta_0|_D^2`` (``None`` stays ``None``)."""
+    if isinstance(value, Tensor):
+        return value + penalty.to(device=value.device, dtype=value.dtype)
+    return value if value is None else value + float(penalty)

@@ -188,6 +188,19 @@ def torch_initialising_step(optimizer: Optimizer) -> bool:
 _TORCH_STATE_DICT = "torch.distributed.checkpoint.state_dict"
 
 
+def _cast_like(entries: dict[str, Any], p: Tensor) -> None:
+    """Move the tensors of ``entries`` (wrapper state of ``p``) to ``p``'s device, floating ones to its dtype."""
+    for key, value in entries.items():
+        if isinstance(value, Tensor) and value.is_floating_point():
+            # a real entry of a complex parameter (kept in its real view) takes the real dtype
+            dtype = p.dtype.to_real() if p.is_complex() else p.dtype
+            entries[key] = value.to(device=p.device, dtype=dtype)
+        elif isinstance(value, Tensor) and value.is_complex():
+            entries[key] = value.to(device=p.device, dtype=p.dtype)
+        elif isinstance(value, Tensor):
+            entries[key] = value.to(device=p.device)
+
+
 class OptimizerWrapper(Optimizer):
     """Base class of teleopt's optimizer wrappers (see module docs for the contract).
 
@@ -371,11 +384,44 @@ class OptimizerWrapper(Optimizer):
             if result is not None:
                 state_dict = result
         where = f"{type(self).__name__}.load_state_dict"
+        saved_groups = self._saved_groups(state_dict, where)
+        base_state, per_param = self._split_saved_state(state_dict["state"], saved_groups, where)
+        encoded = [g[self._group_key] for g in saved_groups if self._group_key in g]
+        saved_groups = [{k: v for k, v in g.items() if k != self._group_key} for g in saved_groups]
+        top = self._saved_record(state_dict, encoded, where)
+        params = {idx: p for idx, _, p in self.iter_params()}
+        for idx in per_param:
+            if idx not in params:
+                raise ValueError(f"{where}: state_dict has wrapper state for parameter {idx}, but the optimizer has {len(params)}")
+        mine_before = [{k: v for k, v in group.items() if k.startswith(self.prefix)} for group in self.param_groups]
+        self._check_loaded(saved_groups, mine_before, per_param, top)
+        base_sd = {k: v for k, v in state_dict.items() if k not in ("state", self._top_key)}
+        base_sd["state"], base_sd["param_groups"] = base_state, saved_groups
+        self._base.load_state_dict(base_sd)
+        self.param_groups = self._base.param_groups
+        for group, previous in zip(self.param_groups, mine_before):
+            for key, value in previous.items():
+                group.setdefault(key, value)
+        for idx, entries in per_param.items():
+            _cast_like(entries, params[idx])
+        self._load_wrapper_state(per_param, top)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    @staticmethod
+    def _saved_groups(state_dict: dict[str, Any], where: str) -> list[dict[str, Any]]:
+        """The saved param groups, after checking the shape of ``state_dict``'s two entries."""
         saved_state, saved_groups = state_dict["state"], state_dict["param_groups"]
         if not isinstance(saved_state, dict):
             raise ValueError(f"{where}: 'state' must be a dict, got {type(saved_state).__name__}")
         if not isinstance(saved_groups, (list, tuple)) or not all(isinstance(g, dict) for g in saved_groups):
             raise ValueError(f"{where}: 'param_groups' must be a list of dicts")
+        return list(saved_groups)
+
+    def _split_saved_state(
+        self, saved_state: dict[Any, Any], saved_groups: list[dict[str, Any]], where: str
+    ) -> tuple[dict[Any, Any], dict[int, dict[str, Any]]]:
+        """The base's per-parameter state (keys as saved) and the wrapper's (prefix stripped, by parameter index)."""
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"{where}: the state_dict has {len(saved_groups)} param group(s), the optimizer {len(self.param_groups)}")
         base_state: dict[Any, Any] = {}
@@ -401,41 +447,18 @@ class OptimizerWrapper(Optimizer):
                 per_param[index] = mine
             if rest:
                 base_state[idx] = rest
-        encoded = [g[self._group_key] for g in saved_groups if self._group_key in g]
-        saved_groups = [{k: v for k, v in g.items() if k != self._group_key} for g in saved_groups]
+        return base_state, per_param
+
+    def _saved_record(self, state_dict: dict[str, Any], encoded: list[Any], where: str) -> dict[str, Any]:
+        """The wrapper's top-level record: its own key, else (through torch's distributed-checkpoint
+        functions) the encoded record in the first param group, else empty."""
         if self._top_key in state_dict:
             top = state_dict[self._top_key]
-        else:  # through torch's distributed-checkpoint functions: the record in the first param group
+        else:
             top = decode_record(encoded[0], f"{where}: param_groups[0][{self._group_key!r}]") if encoded and encoded[0] else {}
         if not isinstance(top, dict):
             raise ValueError(f"{where}: {self._top_key!r} must be a dict, got {type(top).__name__}")
-        params = {idx: p for idx, _, p in self.iter_params()}
-        for idx in per_param:
-            if idx not in params:
-                raise ValueError(f"{where}: state_dict has wrapper state for parameter {idx}, but the optimizer has {len(params)}")
-        mine_before = [{k: v for k, v in group.items() if k.startswith(self.prefix)} for group in self.param_groups]
-        self._check_loaded(saved_groups, mine_before, per_param, top)
-        base_sd = {k: v for k, v in state_dict.items() if k not in ("state", self._top_key)}
-        base_sd["state"], base_sd["param_groups"] = base_state, saved_groups
-        self._base.load_state_dict(base_sd)
-        self.param_groups = self._base.param_groups
-        for group, previous in zip(self.param_groups, mine_before):
-            for key, value in previous.items():
-                group.setdefault(key, value)
-        for idx, entries in per_param.items():
-            p = params[idx]
-            for key, value in entries.items():
-                if isinstance(value, Tensor) and value.is_floating_point():
-                    # a real entry of a complex parameter (kept in its real view) takes the real dtype
-                    dtype = p.dtype.to_real() if p.is_complex() else p.dtype
-                    entries[key] = value.to(device=p.device, dtype=dtype)
-                elif isinstance(value, Tensor) and value.is_complex():
-                    entries[key] = value.to(device=p.device, dtype=p.dtype)
-                elif isinstance(value, Tensor):
-                    entries[key] = value.to(device=p.device)
-        self._load_wrapper_state(per_param, top)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        return top
 
     def _check_loaded(
         self,

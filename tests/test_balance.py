@@ -154,7 +154,14 @@ def test_attention_sites_with_fused_qkv_slices_balance_head_by_head():
     found = [s for s in find_symmetries(attn, (x,)).sites if s.action.exactness == "exact" and s.action.continuous]
     assert {s.action.name for s in found} == {"attention_qk_gl", "attention_vo_gl"}
     before = attn(x)
-    opt = Teleport(torch.optim.SGD(attn.parameters(), lr=0.1), attn, found, objective="balance", trust_region=None, example_inputs=x)
+    opt = Teleport(
+        torch.optim.SGD(attn.parameters(), lr=0.1),
+        attn,
+        found,
+        objective="balance",
+        example_inputs=x,
+        search=SearchConfig(trust_region=None),
+    )
     before.sum().backward()
     report = opt.teleport()
     assert report.accepted, report.reason
@@ -294,10 +301,12 @@ def test_a_teleport_without_schedule_arguments_never_fires_at_step_zero():
     opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, relu_sites(1), objective="balance")
     assert not opt.schedule.due(0, 0)
     assert steps(opt, 101) == [50, 100]
-    # a given warm-up replaces the default one; a given schedule replaces it all
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, relu_sites(1), objective="balance", warmup=70)
+    # a given schedule replaces it all
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=1e-2), model, relu_sites(1), objective="balance", schedule=Schedule(every=50, warmup=70)
+    )
     assert [t for t in range(200) if opt.schedule.due(t, 0)] == [70, 120, 170]
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, relu_sites(1), objective="balance", at=[3])
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, relu_sites(1), objective="balance", schedule=Schedule(at=[3]))
     assert [t for t in range(200) if opt.schedule.due(t, 0)] == [3]
 
 
@@ -323,8 +332,8 @@ def test_a_watch_rollback_backs_off_only_until_a_teleport_comes_through():
         model,
         relu_sites(1),
         objective="balance",
-        at=[2],
         safety=SafetyConfig(watch_steps=3, backoff=0.5),
+        schedule=Schedule(at=[2]),
     )
     opt.record.backoff = 0.25  # as after two rollbacks
     for _ in range(8):
@@ -493,8 +502,8 @@ def test_balance_teleport_on_a_gl_site_is_exact_and_moves_state():
         model,
         [site],
         objective="balance",
-        trust_region=None,
         safety=SafetyConfig(max_predicted_decrease=None),
+        search=SearchConfig(trust_region=None),
     )
     for _ in range(3):
         opt.zero_grad()
@@ -524,7 +533,9 @@ def test_b_zero_declines_the_teleport_and_leaves_the_weights():
         model[1].weight.zero_()
     before = [p.detach().clone() for p in model.parameters()]
     site = Site(get_action("gl_linear"), ("0.weight", None, "1.weight"))
-    opt = Teleport(torch.optim.AdamW(model.parameters(), lr=1e-2), model, [site], objective="balance", trust_region=None)
+    opt = Teleport(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), model, [site], objective="balance", search=SearchConfig(trust_region=None)
+    )
     x = torch.randn(8, 5, dtype=torch.float64)
     model(x).square().sum().backward()
     report = opt.teleport()
@@ -543,8 +554,8 @@ def test_fraction_moves_part_of_the_way():
             model,
             [site],
             objective=Balance(**kw),
-            trust_region=None,
             safety=SafetyConfig(max_predicted_decrease=None),
+            search=SearchConfig(trust_region=None),
         )
         model(torch.randn(8, 5, dtype=torch.float64)).square().sum().backward()
         report = opt.teleport()

@@ -176,11 +176,11 @@ def _rescaled(model, x, y, **kwargs):
 def test_a_scaling_teleport_steps_to_the_boundary_by_default_and_gains_what_ascent_does(seed):
     """Two chained ReLU rescaling sites, gradient norm: the default boundary step (one gradient of the
     gradient-norm model and 3 line-search points) gains at least what 100 projected-Adam steps
-    (``ascent_steps=100``, which keeps the ascent) do, and the outputs are unchanged."""
+    (``SearchConfig(steps=100)``: steps chosen keep the ascent) do, and the outputs are unchanged."""
     model, x, y = _relu_mlp(seed)
     before = model(x).detach()
     boundary = _rescaled(copy.deepcopy(model), x, y)
-    ascent = _rescaled(copy.deepcopy(model), x, y, ascent_steps=100)
+    ascent = _rescaled(copy.deepcopy(model), x, y, search=SearchConfig(steps=100))
     assert boundary.accepted and ascent.accepted
     assert boundary.gain >= ascent.gain * (1 - 1e-9) and boundary.gain > 1
     moved = copy.deepcopy(model)
@@ -206,7 +206,7 @@ def test_the_default_search_is_a_boundary_step_for_fast_path_gl_and_unconfigured
     assert isinstance(config.strategy_for(objective, problem([GeneralLinear(4), PositiveScaling(3)])), BoundaryStep)
     assert isinstance(config.strategy_for(objective, problem([PositiveScaling(3)])), BoundaryStep)
     assert isinstance(SearchConfig(steps=10).strategy_for(objective, problem([PositiveScaling(3)])), GradientAscent)
-    configured = SearchConfig(ascent_configured=True)  # what Teleport(..., ascent_steps=100) builds
+    configured = SearchConfig(steps=100)  # steps chosen, even at the default value: the ascent as chosen
     assert isinstance(configured.strategy_for(objective, problem([PositiveScaling(3)])), GradientAscent)
     assert isinstance(configured.strategy_for(objective, problem([GeneralLinear(4)])), BoundaryStep)
     decrease = GradientNorm(direction="decrease")

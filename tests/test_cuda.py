@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import teleopt
-from teleopt.teleport import SafetyConfig, Teleport
+from teleopt.teleport import SafetyConfig, SearchConfig, Teleport
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -49,8 +49,8 @@ def _teleported(device: str, **kwargs: Any) -> tuple[float, float, list[torch.Te
 
 
 def test_a_fast_teleport_on_the_gpu_lands_where_the_cpu_one_does():
-    cpu_before, _, cpu_params, cpu_report = _teleported("cpu", ascent_steps=20)
-    before, after, params, report = _teleported("cuda", ascent_steps=20)
+    cpu_before, _, cpu_params, cpu_report = _teleported("cpu", search=SearchConfig(steps=20))
+    before, after, params, report = _teleported("cuda", search=SearchConfig(steps=20))
     assert report.accepted and cpu_report.accepted, (report.reason, cpu_report.reason)
     assert report.path == "fast" and report.grad_norm_after > report.grad_norm_before
     assert abs(after - before) <= 1e-12 * abs(before)  # exact symmetry, float64 round-off
@@ -61,7 +61,7 @@ def test_a_fast_teleport_on_the_gpu_lands_where_the_cpu_one_does():
 
 def test_a_general_path_teleport_on_the_gpu_is_exact():
     """Autograd through the model on the batch (``path="general"``): the same exactness on the GPU."""
-    before, after, _, report = _teleported("cuda", path="general", ascent_steps=5)
+    before, after, _, report = _teleported("cuda", search=SearchConfig(path="general", steps=5))
     assert report.accepted and report.path == "general", report.reason
     assert report.grad_norm_after > report.grad_norm_before
     assert abs(after - before) <= 1e-12 * abs(before)

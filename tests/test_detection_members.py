@@ -68,7 +68,7 @@ LAYOUTS = [
 def test_flattened_reader_with_outer_or_inner_blocks(group, act, channels_last):
     S = 3
     reader = Member("W2", 1, -1, outer=S) if channels_last else Member("W2", 1, -1, inner=S)
-    action = AxisAction("flatten", group, (Member("W1", 0), Member("b1", 0), reader), example=_flatten_problem(channels_last, act))
+    action = AxisAction("flatten", group, (Member("W1", 0), Member("b1", 0), reader)).with_example(_flatten_problem(channels_last, act))
     worst = check_action(action, seed=3, trials=4)
     assert worst["invariance"] <= 1e-10
 
@@ -108,8 +108,7 @@ def test_grouped_convolution_input_channels():
         "grouped_reader",
         "diagonal",
         (Member("W1", 0), Member("b1", 0), Member("W2", 1, -1, groups=3)),
-        example=_grouped_problem(transposed=False),
-    )
+    ).with_example(_grouped_problem(transposed=False))
     assert check_action(action, seed=5, trials=4)["invariance"] <= 1e-10
 
 
@@ -140,7 +139,9 @@ def test_grouped_transposed_convolution_output_channels():
 
         return ExampleProblem((W2, b2, W3), X, fn)
 
-    action = AxisAction("grouped_writer", "diagonal", (Member("W2", 1, 1, groups=3), Member("b2", 0), Member("W3", 1, -1)), example=make)
+    action = AxisAction("grouped_writer", "diagonal", (Member("W2", 1, 1, groups=3), Member("b2", 0), Member("W3", 1, -1))).with_example(
+        make
+    )
     assert check_action(action, seed=6, trials=4)["invariance"] <= 1e-10
 
 
@@ -173,7 +174,7 @@ def test_parts_of_one_tensor_compose_fused_qkv(heads):
         Member("qkv.weight[k]", 0, -1, start=hd, stop=2 * hd, tensor="qkv.weight"),
         Member("qkv.bias[k]", 0, -1, start=hd, stop=2 * hd, tensor="qkv.bias"),
     )
-    action = AxisAction("qk", "general", members, blocks=heads if heads > 1 else None, example=_fused_qkv_problem(heads))
+    action = AxisAction("qk", "general", members, blocks=heads if heads > 1 else None).with_example(_fused_qkv_problem(heads))
     problem = action.example(torch.Generator().manual_seed(0))
     # the site binds each part to the same tensor: pass it once per member
     W, b, Wo = problem.params

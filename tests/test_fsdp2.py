@@ -25,7 +25,7 @@ from torch import nn
 
 from teleopt import Site, Syre, get_action
 from teleopt.sharding import reshard
-from teleopt.teleport import SafetyConfig, Teleport
+from teleopt.teleport import SafetyConfig, SearchConfig, Teleport
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without distributed")
 
@@ -139,7 +139,7 @@ PROBE = torch.linspace(-2, 2, 5 * 6).reshape(5, 6)
 
 def _teleport(model: nn.Module, **kwargs: Any) -> Teleport:
     base = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    return Teleport(base, model, SITES, loss_fn=_mse, ascent_steps=10, **kwargs)
+    return Teleport(base, model, SITES, loss_fn=_mse, **kwargs, search=SearchConfig(steps=10))
 
 
 def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -175,7 +175,7 @@ def _teleport_worker(rank: int, _: str) -> dict[str, Any]:
     report = opt.teleport(batch=(x, y))
     after, out_after = _snapshot(model, opt), _probe(model)
     refused = {}
-    for what, kwargs in {"auto": {"sites": "auto"}, "general": {"sites": SITES, "path": "general"}}.items():
+    for what, kwargs in {"auto": {"sites": "auto"}, "general": {"sites": SITES, "search": SearchConfig(path="general")}}.items():
         try:
             Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, **kwargs)
             refused[what] = "no error"
@@ -322,7 +322,7 @@ def test_teleport_on_fsdp2_moves_every_shard_consistently(tmp_path, monkeypatch)
 def _stacked(model: nn.Module, **kwargs: Any) -> Syre:
     """Syre(Teleport(AdamW)): anchors as per-parameter state, Teleport's counters at the top level."""
     base = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    return Syre(Teleport(base, model, SITES, every=3, ascent_steps=10, **kwargs), gamma=0.5, sigma0=1.0, seed=3)
+    return Syre(Teleport(base, model, SITES, every=3, **kwargs, search=SearchConfig(steps=10)), gamma=0.5, sigma0=1.0, seed=3)
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -507,7 +507,7 @@ def _models_optimizer(model: nn.Module, sites: list[Site], batch_fn: Callable[[]
     ranks 7e-5 apart from one process."""
     base = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     safety = SafetyConfig(watch_restore="snapshot", watch_patience=1)
-    teleport = Teleport(base, model, sites, loss_fn=_mse, every=2, ascent_steps=10, batch_fn=batch_fn, safety=safety)
+    teleport = Teleport(base, model, sites, loss_fn=_mse, every=2, batch_fn=batch_fn, safety=safety, search=SearchConfig(steps=10))
     return Syre(teleport, gamma=0.1, sigma0=1.0, seed=3)
 
 

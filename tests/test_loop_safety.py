@@ -22,6 +22,7 @@ from torch import nn
 import teleopt
 from teleopt import Syre, Teleport
 from teleopt.detection.certify import certify_sites
+from teleopt.teleport import SafetyConfig
 from teleopt.teleport.schedule import Schedule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -145,7 +146,7 @@ def test_zero_row_example_inputs_are_refused_at_construction():
     with pytest.raises(ValueError, match="example_kwargs has a tensor with no rows"):
         Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, example_kwargs={"x": empty}, objective="balance")
     with pytest.raises(ValueError, match="heldout_batch has a tensor with no rows"):
-        Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, heldout_batch=(empty, None), objective="balance")
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, objective="balance", safety=SafetyConfig(heldout_batch=(empty, None)))
 
 
 def test_zero_row_inputs_are_refused_by_detection_and_certification():

@@ -23,7 +23,7 @@ peft = pytest.importorskip("peft")
 
 import teleopt  # noqa: E402
 from teleopt.integrations.peft import lora_sites  # noqa: E402
-from teleopt.teleport import SafetyConfig  # noqa: E402
+from teleopt.teleport import SafetyConfig, SearchConfig  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -164,8 +164,8 @@ def _balance_teleport(model: nn.Module, sites, steps: int = 3):
         model,
         sites,
         objective="balance",
-        trust_region=None,
         safety=SafetyConfig(max_predicted_decrease=None),
+        search=SearchConfig(trust_region=None),
     )
     ids = _ids()
     model.train()
@@ -220,8 +220,8 @@ def test_peft_init_b_zero_is_left_alone_then_balanced_every_k_steps():
         sites,
         every=2,
         objective="balance",
-        trust_region=None,
         safety=SafetyConfig(max_predicted_decrease=None),
+        search=SearchConfig(trust_region=None),
     )
     ids = _ids()
     for _ in range(6):

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from teleopt import Site, get_action
-from teleopt.teleport import SafetyConfig, SearchConfig, SearchProblem, SearchResult, Teleport
+from teleopt.teleport import SafetyConfig, Schedule, SearchConfig, SearchProblem, SearchResult, Teleport
 from teleopt.teleport.reference import reference_teleport
 from teleopt.testing import assert_close, seeds
 
@@ -113,7 +113,7 @@ def fast_teleport(model: nn.Module, sites: list[Site], data: tuple[Tensor, Tenso
         search=SearchConfig(trust_region=None, path="fast", strategy=strategy),  # type: ignore[arg-type]
         safety=SafetyConfig(max_predicted_decrease=None, watch_steps=0),
         example_inputs=data[0],
-        at=[0],
+        schedule=Schedule(at=[0]),
     )
     model.zero_grad()
     mse(model(data[0]), data[1]).backward()

@@ -56,7 +56,7 @@ def test_get_action_with_options_builds_a_new_instance():
 
 
 def _custom(name: str) -> AxisAction:
-    return AxisAction(name, "diagonal", [Member("A", 0), Member("B", 1, -1)], reference="user", example=None)
+    return AxisAction(name, "diagonal", [Member("A", 0), Member("B", 1, -1)], reference="user")
 
 
 def test_register_instance_class_and_factory():
@@ -126,7 +126,7 @@ def test_user_action_checked_with_the_kit():
         A, B, X = (torch.randn(s, generator=gen, dtype=dtype) for s in ((4, 3), (2, 4), (5, 3)))
         return teleopt.ExampleProblem((A, B), X, lambda p, x: torch.relu(x @ p[0].T) @ p[1].T)
 
-    action = AxisAction("user_relu_scaling", "diagonal", [Member("A", 0), Member("B", 1, -1)], example=example)
+    action = AxisAction("user_relu_scaling", "diagonal", [Member("A", 0), Member("B", 1, -1)]).with_example(example)
     worst = check_action(action)
     assert worst["invariance"] < 1e-10 and worst["gradient_transport"] < 1e-10
 

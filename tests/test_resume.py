@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from teleopt import Site, Syre
-from teleopt.teleport import SafetyConfig, Teleport
+from teleopt.teleport import SafetyConfig, Schedule, Teleport
 
 STEPS = 13
 TELEPORTS = [2, 9]
@@ -70,9 +70,9 @@ def optimizer(model: nn.Module, base: str, syre: bool = False, sites: Any = "aut
             BASES[base](model.parameters()),
             model,
             sites if sites == "auto" else list(sites),
-            at=TELEPORTS,
             example_inputs=batch(0)[0][:4],
             safety=SafetyConfig(watch_steps=4, **safety),
+            schedule=Schedule(at=TELEPORTS),
         )
     if not syre:
         return opt

@@ -7,7 +7,7 @@ import torch
 
 from teleopt import Site, get_action
 from teleopt.syre import Syre
-from teleopt.teleport import Teleport
+from teleopt.teleport import SearchConfig, Teleport
 from teleopt.testing.conformance import WrapperConformance
 
 
@@ -57,7 +57,7 @@ def relu_problem(seed: int = 11):
 
 def teleporting(optimizer, params, **kwargs):
     site = Site(get_action("positive_rescaling", activation="relu"), ("p0", "p1", "p2"))
-    return Teleport(optimizer, Holder(params), [site], every=2, ascent_steps=5, example_inputs=PROBE, **kwargs)
+    return Teleport(optimizer, Holder(params), [site], every=2, example_inputs=PROBE, **kwargs, search=SearchConfig(steps=5))
 
 
 @pytest.mark.parametrize("decoupled", [False, True])

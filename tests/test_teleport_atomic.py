@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from teleopt import Site, get_action
-from teleopt.teleport import SafetyConfig, Teleport
+from teleopt.teleport import SafetyConfig, Schedule, SearchConfig, Teleport
 from teleopt.teleport.engine import TeleportEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -85,9 +85,9 @@ class PhasedEngine(TeleportEngine):
 class PhasedTeleport(Teleport):
     """A ``Teleport`` whose engine names its phases (``phases``); the hooks mark the end of the teleport."""
 
-    def _make_engine(self, paper_compat):
-        assert not paper_compat
-        engine = super()._make_engine(paper_compat)
+    def _make_engine(self):
+        assert not self.search.paper_compat
+        engine = super()._make_engine()
         phased = PhasedEngine(engine.config, engine.record)
         phased.phases = self.phases = Phases()
         return phased
@@ -235,7 +235,7 @@ CASES = [
     Case("mlp scalings, fast path, default watch (snapshot)", mlp, (16, 5), 3, {}),
     Case("mlp scalings, fast path, no watch (rollback by inverse elements)", mlp, (16, 5), 3, {"safety": SafetyConfig(watch_steps=0)}),
     Case("attention GL and scalings, fast path, default watch", Attention, (4, 3, 8), 4, {}),
-    Case("mlp scalings, general path", mlp, (16, 5), 3, {"path": "general"}, points=3),
+    Case("mlp scalings, general path", mlp, (16, 5), 3, {"search": SearchConfig(path="general")}, points=3),
     Case("mlp scalings, teleport(closure), no watch", mlp, (16, 5), 3, {"safety": SafetyConfig(watch_steps=0)}, closure=True),
     Case("mlp scalings, Lookahead(Adam), fast path", mlp, (16, 5), 3, {}, points=3, lookahead=True),
 ]
@@ -264,8 +264,8 @@ def build(case: Case) -> tuple[nn.Module, PhasedTeleport, Callable[[], Any]]:
             example_inputs=x[:4],
             loss_fn=loss_fn,
             batch_fn=lambda: (x, y),
-            when=lambda step: step >= 2,
             **case.options,
+            schedule=Schedule(when=lambda step: step >= 2),
         )
 
     def closure() -> Tensor:
@@ -441,7 +441,11 @@ def test_a_fault_in_a_paper_compat_teleport_leaves_everything_bitwise_as_before(
         get_action("data_dependent_gl", activation="leaky_relu", negative_slope=0.1), ("0.weight", None, "2.weight"), data_input="0"
     )
     opt = Teleport(
-        torch.optim.Adam(model.parameters(), lr=1e-2), model, [site], loss_fn=nn.functional.mse_loss, paper_compat=True, ascent_steps=3
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        model,
+        [site],
+        loss_fn=nn.functional.mse_loss,
+        search=SearchConfig(paper_compat=True, steps=3),
     )
     for _ in range(2):
         opt.zero_grad()

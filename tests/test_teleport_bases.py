@@ -137,7 +137,13 @@ def test_a_watch_rollback_puts_the_lookahead_slow_weights_back():
     torch_optimizer = pytest.importorskip("torch_optimizer")
     model, x = mlp(), torch.randn(8, 4)
     base = torch_optimizer.Lookahead(torch.optim.SGD(model.parameters(), lr=0.0), k=2)
-    opt = Teleport(base, model, find_symmetries(model, x).continuous_sites, at=[3], safety=SafetyConfig(watch_steps=2, watch_factor=1e-6))
+    opt = Teleport(
+        base,
+        model,
+        find_symmetries(model, x).continuous_sites,
+        safety=SafetyConfig(watch_steps=2, watch_factor=1e-6),
+        schedule=Schedule(at=[3]),
+    )
     train(opt, model, x, 3)  # Lookahead syncs at steps 0 and 2
     slow = {n: base.state[p]["slow_param"].clone() for n, p in model.named_parameters()}
     train(opt, model, x, 1)  # teleport at step 3: the slow weights follow it

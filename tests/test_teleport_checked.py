@@ -21,7 +21,7 @@ from torch import nn
 
 from teleopt import Site, get_action
 from teleopt.functional import Batch
-from teleopt.teleport import SafetyConfig, Teleport
+from teleopt.teleport import SafetyConfig, Schedule, SearchConfig, Teleport
 from teleopt.teleport.check import PROBE_ROWS, OutputCheck, float64_rerun
 from teleopt.testing import relative_error
 
@@ -102,7 +102,9 @@ def test_mlp_teleport_without_batch_is_checked_on_probe_inputs(probe, dtype, tra
     heldout, _ = data(8, dtype, seed=5)
     example = {"example_inputs": data(4, dtype, seed=9)[0]} if probe == "example_inputs" else {}
     # trust region 1: scales e^+-1, not the powers of two (exact in binary) log 4 would give
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), ascent_steps=10, trust_region=1.0, **example)
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), **example, search=SearchConfig(steps=10, trust_region=1.0)
+    )
     backward(model, x, y)  # the last forward: its first 8 rows are the probe when no example_inputs
     before = {t: outputs(model, heldout, t) for t in (False, True)}
     report = opt.teleport()
@@ -153,9 +155,8 @@ def test_timm_vit_teleport_without_batch_is_checked_on_probe_inputs(dtype, train
         torch.optim.SGD(model.parameters(), lr=1e-3),
         model,
         list(_vit_sites()),
-        ascent_steps=2,
-        ascent_lr=0.5,
         safety=SafetyConfig(max_predicted_decrease=None),
+        search=SearchConfig(steps=2, lr=0.5),
     )
     assert {s.action.name for s in opt.sites} == {"attention_qk_gl", "attention_vo_gl", "positive_rescaling"}
     with torch.no_grad():
@@ -191,9 +192,8 @@ def test_dropout_and_droppath_in_train_mode_accept_true_symmetries():
         loss_fn=nn.functional.cross_entropy,
         batch_fn=lambda: (x, y),
         every=1,
-        ascent_steps=2,
-        ascent_lr=0.5,
         safety=SafetyConfig(max_predicted_decrease=None, watch_steps=0),
+        search=SearchConfig(steps=2, lr=0.5),
     )
     state = torch.random.get_rng_state()
     closure()
@@ -220,7 +220,7 @@ def test_a_rescaling_across_gelu_is_declined_by_the_probe_check(dtype):
     model = _gelu_net(dtype)
     x, y = data(16, dtype)
     base = torch.optim.Adam(model.parameters(), lr=1e-3)
-    opt = Teleport(base, model, [Site(RELU, ("0.weight", "0.bias", "2.weight"))], ascent_steps=10)
+    opt = Teleport(base, model, [Site(RELU, ("0.weight", "0.bias", "2.weight"))], search=SearchConfig(steps=10))
     for _ in range(2):
         backward(model, x, y)
         opt.step()
@@ -263,23 +263,24 @@ PATHS = ["batch_fn", "example_inputs", "last_forward", "closure", "general", "da
 @pytest.mark.parametrize("how", PATHS)
 def test_every_path_checks_the_outputs(how):
     model, (x, y) = mlp(), data()
-    sites, kwargs = mlp_sites(), {}
+    sites, kwargs, search = mlp_sites(), {}, {"steps": 5}
     if how == "batch_fn":
-        kwargs = {"batch_fn": lambda: (x, y), "loss_fn": mse, "at": [0]}
+        kwargs = {"batch_fn": lambda: (x, y), "loss_fn": mse, "schedule": Schedule(at=[0])}
     elif how == "example_inputs":
-        kwargs = {"example_inputs": x[:3], "at": [0]}
+        kwargs = {"example_inputs": x[:3], "schedule": Schedule(at=[0])}
     elif how == "last_forward":
-        kwargs = {"at": [0]}
+        kwargs = {"schedule": Schedule(at=[0])}
     elif how == "general":
-        kwargs = {"path": "general", "loss_fn": mse}
+        kwargs, search["path"] = {"loss_fn": mse}, "general"
     elif how == "data_dependent":
         model, x, y, sites = _dd_setup()
-        kwargs = {"loss_fn": mse, "trust_region": 0.5}
+        kwargs, search["trust_region"] = {"loss_fn": mse}, 0.5
     elif how == "paper_compat":
         model, x, y = _dd_setup()[:3]
         sites = [Site(GL, ("0.weight", None, "2.weight"))]
-        kwargs = {"loss_fn": mse, "paper_compat": True, "ascent_lr": 0.5}
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, sites, ascent_steps=5, **kwargs)
+        kwargs = {"loss_fn": mse}
+        search.update(paper_compat=True, lr=0.5)
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, sites, **kwargs, search=SearchConfig(**search))
     backward(model, x, y)
     if how in ("batch_fn", "example_inputs", "last_forward"):
         opt.step()  # scheduled at step 0
@@ -301,7 +302,7 @@ def test_every_path_checks_the_outputs(how):
 def test_a_closure_that_does_not_call_the_model_is_checked_by_its_loss():
     model, (x, y) = mlp(), data()
     params = list(model.parameters())
-    opt = Teleport(torch.optim.SGD(params, lr=1e-2), model, mlp_sites(), ascent_steps=5)
+    opt = Teleport(torch.optim.SGD(params, lr=1e-2), model, mlp_sites(), search=SearchConfig(steps=5))
 
     def closure():  # computes the model's function from its tensors: the module is never called
         opt.zero_grad()
@@ -325,9 +326,8 @@ def test_an_inconclusive_float32_check_is_re_run_in_float64():
         torch.optim.SGD(model.parameters(), lr=1e-2),
         model,
         mlp_sites(),
-        ascent_steps=10,
-        trust_region=0.9,  # scales of e^0.9 (a power of two would be exact in binary)
         safety=SafetyConfig(loss_tol=1e-8),
+        search=SearchConfig(steps=10, trust_region=0.9),  # scales of e^0.9 (a power of two would be exact in binary)
     )
     backward(model, x, y)
     report = opt.teleport()
@@ -381,7 +381,7 @@ def test_keyword_arguments_reach_the_model(form):
         batch = {"x": x, "mask": mask}
     else:
         loss_fn, batch = mse, (x, y, {"mask": mask})
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, [site], loss_fn=loss_fn, ascent_steps=5)
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, [site], loss_fn=loss_fn, search=SearchConfig(steps=5))
     model.zero_grad()
     mse(model(x, mask=mask), y).backward()
     if form == "probe":
@@ -416,7 +416,7 @@ def test_with_example_inputs_only_the_precision_hook_runs_on_every_forward():
     del plain
     gc.collect()
     assert not model._forward_pre_hooks
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), example_inputs=x[:8], ascent_steps=3)
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), example_inputs=x[:8], search=SearchConfig(steps=3))
     # the autocast recorder, and one pre-hook for one forward: the keyword names of the training forward
     assert len(model._forward_pre_hooks) == 2 and not model._forward_hooks
     model.zero_grad()
@@ -433,7 +433,7 @@ def test_torch_compile_is_unwrapped_and_its_forwards_are_recorded():
     model = mlp()
     compiled = torch.compile(model, backend="eager")
     x, y = data()
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), compiled, mlp_sites(), ascent_steps=5)
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), compiled, mlp_sites(), search=SearchConfig(steps=5))
     assert opt.module is model
     compiled.zero_grad()
     mse(compiled(x), y).backward()
@@ -458,7 +458,7 @@ def test_auto_sites_keep_the_optimized_ones_and_list_the_others():
 
 def test_parameters_frozen_after_the_wrapper_is_built_are_never_moved():
     model, (x, y) = mlp(), data()
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), ascent_steps=5)
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), search=SearchConfig(steps=5))
     backward(model, x, y)
     model[5].weight.requires_grad_(False)
     frozen = model[5].weight.detach().clone()
@@ -483,7 +483,7 @@ def test_a_non_finite_gradient_declines_the_teleport():
 def test_a_search_that_returns_non_finite_coordinates_declines_and_moves_nothing():
     """A strategy (a learned policy, say) whose coordinates overflow: the teleport is declined in the
     search phase, before anything moves (parameters, gradients and optimizer state bit for bit)."""
-    from teleopt.teleport import SearchConfig, SearchResult
+    from teleopt.teleport import SearchResult
 
     class Overflowing:
         def search(self, problem):

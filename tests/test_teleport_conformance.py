@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from teleopt import Site, get_action
-from teleopt.teleport import Teleport
+from teleopt.teleport import SearchConfig, Teleport
 from teleopt.testing.conformance import CHECKS, WrapperConformance
 
 BASES = ["sgd_momentum", "adagrad", "adam", "adamw_foreach", "yogi"]
@@ -52,7 +52,7 @@ def teleporting(base: torch.optim.Optimizer) -> Teleport:
     params = _params(base)
     model = Holder(params)
     sites = [Site(RESCALING, ("p0", "p1", "p2"))] if len(params) == 4 else []
-    return Teleport(base, model, sites, every=2, ascent_steps=5, example_inputs=_probe(params))
+    return Teleport(base, model, sites, every=2, example_inputs=_probe(params), search=SearchConfig(steps=5))
 
 
 def idle(base: torch.optim.Optimizer) -> Teleport:

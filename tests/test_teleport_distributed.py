@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from teleopt import Site, get_action
-from teleopt.teleport import SafetyConfig, Teleport
+from teleopt.teleport import SafetyConfig, SearchConfig, Teleport
 
 LEAKY = get_action("positive_rescaling", activation="leaky_relu", negative_slope=0.1)
 DD = get_action("data_dependent_gl", activation="leaky_relu", negative_slope=0.1)
@@ -44,7 +44,7 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         # shows 37x its reference; the default patience (3) lets the teleport at step 4 stack on it, the weights grow
         # to norm^2 ~2e7 and the general teleport below finds no feasible move. This test is about ranks agreeing.
         safety = SafetyConfig(watch_patience=1)
-        opt = Teleport(torch.optim.Adam(model.parameters(), lr=1e-2), model, sites, every=2, ascent_steps=30, safety=safety)
+        opt = Teleport(torch.optim.Adam(model.parameters(), lr=1e-2), model, sites, every=2, safety=safety, search=SearchConfig(steps=30))
         gen = torch.Generator().manual_seed(100 + rank)  # different data on every rank
         for _ in range(5):
             x, y = torch.randn(8, 5, generator=gen), torch.randn(8, 3, generator=gen)
@@ -60,9 +60,8 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             model,
             dd,
             loss_fn=_mse,
-            ascent_steps=5,
-            trust_region=0.3,
             safety=SafetyConfig(loss_tol=1e-4),
+            search=SearchConfig(steps=5, trust_region=0.3),
         )
         x, y = torch.randn(4, 5, generator=gen), torch.randn(4, 3, generator=gen)
         opt.zero_grad()

@@ -74,13 +74,9 @@ def test_shortcuts_build_the_same_group_objects_as_explicit_ones():
         torch.optim.SGD(model.parameters(), lr=0.1),
         model,
         sites(),
-        every=3,
-        warmup=1,
-        ascent_steps=7,
-        ascent_lr=0.1,
-        trust_region=0.5,
-        path="fast",
         state_policy="reset",
+        schedule=Schedule(every=3, warmup=1),
+        search=SearchConfig(steps=7, lr=0.1, trust_region=0.5, path="fast"),
     )
     full = Teleport(
         torch.optim.SGD(model.parameters(), lr=0.1),
@@ -106,12 +102,6 @@ def test_shortcuts_build_the_same_group_objects_as_explicit_ones():
     "kwargs,error,match",
     [
         ({"schedule": Schedule(every=2), "every": 3}, ValueError, "either schedule="),
-        ({"search": SearchConfig(), "ascent_steps": 3}, ValueError, "either search="),
-        (
-            {"state_policy": StatePolicy(), "state_fallback": "reset"},
-            ValueError,
-            "state_fallback",
-        ),
         ({"search": "fast"}, TypeError, "SearchConfig"),
         ({"evry": 3}, TypeError, "unexpected keyword argument 'evry'"),
     ],
@@ -178,7 +168,7 @@ def test_the_caps_still_scale_a_strategy_choice_towards_the_identity():
     assert report.shrink < 1.0 and report.gain <= 1.5 + 1e-9
 
 
-def test_gradient_ascent_is_the_default_strategy_and_matches_the_shortcuts():
+def test_gradient_ascent_is_the_default_strategy_and_matches_chosen_steps():
     model, (x, y) = mlp(), data()
     reports = []
     for search in (
@@ -190,8 +180,7 @@ def test_gradient_ascent_is_the_default_strategy_and_matches_the_shortcuts():
             torch.optim.SGD(m.parameters(), lr=0.1),
             m,
             sites(),
-            search=search,
-            **({} if search else {"ascent_steps": 10}),
+            search=search or SearchConfig(steps=10),
         )
         backward(m, x, y)
         reports.append(opt.teleport())
@@ -206,7 +195,7 @@ def test_the_watch_round_trips_through_a_weights_only_state_dict():
         model,
         sites(),
         every=1,
-        ascent_steps=5,
+        search=SearchConfig(steps=5),
     )
     backward(model, x, y)
     opt.step()
@@ -221,7 +210,7 @@ def test_the_watch_round_trips_through_a_weights_only_state_dict():
         fresh_model,
         sites(),
         every=1,
-        ascent_steps=5,
+        search=SearchConfig(steps=5),
     )
     fresh.load_state_dict(torch.load(buf, weights_only=True))
     loaded = fresh.record.watch
@@ -372,7 +361,9 @@ def test_the_watch_checkpoints_exactly_what_its_rollback_uses():
         (SafetyConfig(watch_restore="snapshot"), math.log(4), "snapshot"),
     ):
         model, (x, y) = mlp(), data()
-        opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, sites(), every=1, trust_region=trust, safety=safety)
+        opt = Teleport(
+            torch.optim.SGD(model.parameters(), lr=0.01), model, sites(), every=1, safety=safety, search=SearchConfig(trust_region=trust)
+        )
         backward(model, x, y)
         opt.step()
         watch = opt.record.watch

@@ -16,7 +16,7 @@ from hypothesis import example, given, settings
 from torch import nn
 
 from teleopt import AxisAction, Member, Site, get_action
-from teleopt.teleport import SafetyConfig, Teleport
+from teleopt.teleport import SafetyConfig, SearchConfig, Teleport
 from teleopt.teleport.gradient_norm import GradientNormModel
 from teleopt.teleport.transport import transport
 from teleopt.testing import assert_close, seeds
@@ -79,7 +79,7 @@ def test_fast_teleport_is_exact_and_moves_grad_to_the_new_gradient(family, seed)
     make_model, make_sites = FAMILIES[family]
     model = make_model(seed % 1000)
     x, y = data(seed % 997 + 1)
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, make_sites(), ascent_steps=10)
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, make_sites(), search=SearchConfig(steps=10))
     loss, _ = true_gradients(model, x, y)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     report = opt.teleport()
@@ -384,7 +384,7 @@ def _adam_setup(action_sites, state_policy=None):
     model = mlp()
     x, y = data()
     base = torch.optim.Adam(model.parameters(), lr=1e-3)
-    opt = Teleport(base, model, action_sites, state_policy=state_policy, ascent_steps=20)
+    opt = Teleport(base, model, action_sites, state_policy=state_policy, search=SearchConfig(steps=20))
     for _ in range(3):
         opt.zero_grad()
         mse(model(x), y).backward()
@@ -418,7 +418,7 @@ def test_gl_second_moments_fall_back_and_are_reported():
     model[1] = nn.Identity()  # linear between layer 0 and 2: GL_6 is exact
     x, y = data()
     base = torch.optim.Adam(model.parameters(), lr=1e-3)
-    opt = Teleport(base, model, [Site(gl, ("0.weight", "0.bias", "2.weight"))], ascent_steps=10)
+    opt = Teleport(base, model, [Site(gl, ("0.weight", "0.bias", "2.weight"))], search=SearchConfig(steps=10))
     for _ in range(2):
         opt.zero_grad()
         mse(model(x), y).backward()
@@ -465,7 +465,7 @@ def test_trust_region_bounds_the_log_scales():
     model = mlp()
     x, y = data()
     r = 0.3
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, rescaling_sites(), trust_region=r)
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, rescaling_sites(), search=SearchConfig(trust_region=r))
     true_gradients(model, x, y)
     report = opt.teleport()
     assert report.accepted
@@ -481,8 +481,8 @@ def test_gain_cap_holds():
         torch.optim.SGD(model.parameters(), lr=0.01),
         model,
         rescaling_sites(),
-        trust_region=3.0,
         safety=SafetyConfig(max_gain=2.0, max_predicted_decrease=None),
+        search=SearchConfig(trust_region=3.0),
     )
     true_gradients(model, x, y)
     report = opt.teleport()
@@ -499,9 +499,9 @@ def test_predicted_decrease_cap_ties_the_gain_to_the_learning_rate():
         torch.optim.SGD(model.parameters(), lr=lr),
         model,
         rescaling_sites(),
-        trust_region=3.0,
         loss_fn=mse,
         safety=SafetyConfig(max_predicted_decrease=ratio),
+        search=SearchConfig(trust_region=3.0),
     )
     true_gradients(model, x, y)
     report = opt.teleport(batch=(x, y))
@@ -532,9 +532,9 @@ def test_stability_margin_keeps_the_teleported_point_stable():
         torch.optim.SGD(model.parameters(), lr=lr),
         model,
         rescaling_sites(),
-        trust_region=3.0,
         loss_fn=mse,
         safety=SafetyConfig(max_predicted_decrease=None, stability_margin=margin, stability_iterations=50),
+        search=SearchConfig(trust_region=3.0),
     )
     true_gradients(model, x, y)
     report = opt.teleport(batch=(x, y))

@@ -16,7 +16,7 @@ from hypothesis import example, given, settings
 from torch import nn
 
 from teleopt import Site, get_action
-from teleopt.teleport import Curvature, Sharpness, Teleport
+from teleopt.teleport import Curvature, SearchConfig, Sharpness, Teleport
 from teleopt.testing import assert_close, seeds
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
@@ -65,7 +65,9 @@ def grads_at(model, x, y, loss_fn):
 def test_data_dependent_chain_is_exact_on_the_batch(seed):
     """Eq. 4.13 on both hidden layers, each reading its input after the layers below moved."""
     model, X, Y = paper_mlp(seed=seed, dtype=torch.float64)
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-4), model, dd_sites(), loss_fn=sse, ascent_steps=20, trust_region=0.5)
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=1e-4), model, dd_sites(), loss_fn=sse, search=SearchConfig(steps=20, trust_region=0.5)
+    )
     loss, _ = grads_at(model, X, Y, sse)
     report = opt.teleport(batch=(X, Y))
     assert report.path == "general" and report.accepted
@@ -88,7 +90,7 @@ def test_general_path_leaves_batchnorm_statistics_alone():
         [Site(relu, ("1.weight", "1.bias", "3.weight"))],
         objective="lookahead",
         loss_fn=mse,
-        ascent_steps=5,
+        search=SearchConfig(steps=5),
     )
     grads_at(model, x, y, mse)
     buffers = copy.deepcopy(dict(model.named_buffers()))
@@ -125,7 +127,7 @@ def test_lookahead_objective_predicts_the_real_next_step():
     model, X, Y = paper_mlp(dtype=torch.float64)
     sites = [Site(LEAKY, ("0.weight", None, "2.weight")), Site(LEAKY, ("2.weight", None, "4.weight"))]
     base = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-    opt = Teleport(base, model, sites, objective="lookahead", loss_fn=sse, ascent_steps=30)
+    opt = Teleport(base, model, sites, objective="lookahead", loss_fn=sse, search=SearchConfig(steps=30))
     for _ in range(3):
         grads_at(model, X, Y, sse)
         opt.step()
@@ -148,7 +150,7 @@ def test_preconditioned_norm_is_adagrads_eq_5_7():
     model, X, Y = paper_mlp(dtype=torch.float64)
     sites = [Site(LEAKY, ("0.weight", None, "2.weight")), Site(LEAKY, ("2.weight", None, "4.weight"))]
     base = torch.optim.Adagrad(model.parameters(), lr=0.1)
-    opt = Teleport(base, model, sites, objective="preconditioned_norm", ascent_steps=20)
+    opt = Teleport(base, model, sites, objective="preconditioned_norm", search=SearchConfig(steps=20))
     for _ in range(3):
         grads_at(model, X, Y, sse)
         opt.step()
@@ -167,7 +169,9 @@ def test_sharpness_is_eq_5_1_with_unit_random_directions():
     model, X, Y = paper_mlp(dtype=torch.float64)
     sites = [Site(LEAKY, ("0.weight", None, "2.weight"))]
     objective = Sharpness(displacements=(0.01, 0.03), directions=3)
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-4), model, sites, objective=objective, loss_fn=sse, ascent_steps=15, seed=4)
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=1e-4), model, sites, objective=objective, loss_fn=sse, search=SearchConfig(steps=15, seed=4)
+    )
     grads_at(model, X, Y, sse)
     gen = torch.Generator().manual_seed(4)
     dirs = objective.prepare(type("E", (), {"ctx": type("C", (), {"trainable": dict(model.named_parameters())})})(), gen)
@@ -190,7 +194,7 @@ def test_curvature_is_eq_5_2_and_vectorised():
     model, X, Y = paper_mlp(dtype=torch.float64)
     site = Site(LEAKY, ("0.weight", None, "2.weight"))
     objective = Curvature(curves=3)
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-4), model, [site], objective=objective, ascent_steps=10, seed=2)
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-4), model, [site], objective=objective, search=SearchConfig(steps=10, seed=2))
     grads_at(model, X, Y, sse)
     report = opt.teleport()
     assert report.path == "fast" and report.accepted and report.objective_after > report.objective_before
@@ -214,7 +218,7 @@ def test_nonlinear_data_dependent_action_through_act_only():
     action = get_action("nonlinear_gl", activation="sigmoid")
     site = Site(action, ("2.weight", "0.weight", "0.bias"), data_input="0")
     x, y = torch.randn(1, 4, dtype=torch.float64), torch.randn(1, 2, dtype=torch.float64)
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, [site], loss_fn=mse, ascent_steps=10, trust_region=0.5)
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, [site], loss_fn=mse, search=SearchConfig(steps=10, trust_region=0.5))
     grads_at(model, x, y, mse)
     report = opt.teleport(batch=(x, y))
     assert report.path == "general" and report.accepted and report.loss_drift <= RTOL and report.gain > 1
@@ -225,7 +229,11 @@ def test_paper_compat_is_not_loss_preserving_and_exact_is():
     model, X, Y = paper_mlp(seed=12345)
     exact = copy.deepcopy(model)
     compat = Teleport(
-        torch.optim.SGD(model.parameters(), lr=1e-4), model, dd_sites(), loss_fn=sse, paper_compat=True, ascent_steps=8, ascent_lr=1e-7
+        torch.optim.SGD(model.parameters(), lr=1e-4),
+        model,
+        dd_sites(),
+        loss_fn=sse,
+        search=SearchConfig(paper_compat=True, steps=8, lr=1e-7),
     )
     for _ in range(5):
         grads_at(model, X, Y, sse)
@@ -235,7 +243,9 @@ def test_paper_compat_is_not_loss_preserving_and_exact_is():
     assert report.path == "paper_compat" and "not loss-preserving" in report.reason
     assert report.loss_drift > 1e-2
 
-    opt = Teleport(torch.optim.SGD(exact.parameters(), lr=1e-4), exact, dd_sites(), loss_fn=sse, ascent_steps=20, trust_region=0.5)
+    opt = Teleport(
+        torch.optim.SGD(exact.parameters(), lr=1e-4), exact, dd_sites(), loss_fn=sse, search=SearchConfig(steps=20, trust_region=0.5)
+    )
     for _ in range(5):
         grads_at(exact, X, Y, sse)
         opt.step()
@@ -288,9 +298,8 @@ def test_an_op_without_double_backward_fails_with_what_to_do_and_moves_nothing()
             m,
             "auto",
             example_inputs=x[:2],
-            path="general",
             loss_fn=nn.functional.cross_entropy,
-            ascent_steps=2,
+            search=SearchConfig(path="general", steps=2),
         )
         opt.zero_grad()
         nn.functional.cross_entropy(m(x), y).backward()

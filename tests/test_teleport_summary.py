@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from teleopt import find_symmetries
-from teleopt.teleport import SafetyConfig, Teleport
+from teleopt.teleport import SafetyConfig, Schedule, Teleport
 from teleopt.teleport.report import Tally, TeleportReport
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,7 +34,7 @@ def _backward(model, x, y, scale=1.0):
 
 
 def test_summary_counts_a_teleport_rolled_back_by_the_watch_once():
-    model, x, y, opt = _setup(0.0, objective="balance", every=5, warmup=5)  # lr 0: the weights move by teleports only
+    model, x, y, opt = _setup(0.0, objective="balance", schedule=Schedule(every=5, warmup=5))  # lr 0: the weights move by teleports only
     for t in range(14):
         _backward(model, x, y, 1e3 if t == 6 else 1.0)  # the teleport at step 5 blows up at step 6
         opt.step()

@@ -13,7 +13,7 @@ from hypothesis import strategies as hst
 from torch import nn
 
 from teleopt import AxisAction, Member, Site, get_action
-from teleopt.teleport import SafetyConfig, Schedule, Teleport
+from teleopt.teleport import SafetyConfig, Schedule, SearchConfig, Teleport
 from teleopt.testing import assert_close, seeds
 
 LEAKY = get_action("positive_rescaling", activation="leaky_relu", negative_slope=0.1)
@@ -83,7 +83,9 @@ def test_schedule_rejects_bad_input(kwargs, error):
 def test_teleports_happen_before_the_scheduled_updates():
     model = mlp()
     x, y = batch()
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, sites(), every=3, warmup=1, ascent_steps=5)
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=1e-3), model, sites(), schedule=Schedule(every=3, warmup=1), search=SearchConfig(steps=5)
+    )
     train(opt, model, x, y, 8)
     assert [r.step for r in opt.reports] == [1, 4, 7]
     assert all(r.accepted and r.path == "fast" for r in opt.reports)
@@ -109,7 +111,7 @@ def test_hooks_receive_reports_and_ema_copies_follow():
     model = mlp()
     ema = copy.deepcopy(model)
     x, y = batch()
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, sites(), at=[0])
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, sites(), schedule=Schedule(at=[0]))
     seen = []
 
     def follow(wrapper, report):
@@ -250,7 +252,7 @@ def test_an_exactly_invertible_rollback_copies_nothing(monkeypatch, dtype):
 
 def test_a_rollback_by_other_scales_copies_the_site_members(monkeypatch):
     """A trust region of 0.3 gives scales e^0.3, not powers of two: the site members are copied (and come back bit for bit)."""
-    copies, ran, (params, _, _), (params_after, _, _) = _rollback_copies(monkeypatch, trust_region=0.3)
+    copies, ran, (params, _, _), (params_after, _, _) = _rollback_copies(monkeypatch, search=SearchConfig(trust_region=0.3))
     assert copies == [True] and ran == ["InverseSnapshot"]
     for n, t in params_after.items():
         assert torch.equal(t, params[n]), n
@@ -353,10 +355,10 @@ def _diverging_teleport(watch_restore="snapshot"):
         torch.optim.SGD(model.parameters(), lr=1e-4),
         model,
         sites(bias=False)[:1] + [Site(LEAKY, ("2.weight", None, "4.weight"))],
-        at=[5],
-        trust_region=math.log(16),
         example_inputs=X,
         safety=SafetyConfig(max_predicted_decrease=None, watch_steps=10, watch_restore=watch_restore),
+        schedule=Schedule(at=[5]),
+        search=SearchConfig(trust_region=math.log(16)),
     )
     return model, X, Y, opt
 
@@ -446,7 +448,9 @@ def test_caps_decline_when_no_move_is_allowed():
 def test_state_dict_keeps_counters_and_loads_weights_only():
     model = mlp()
     x, y = batch()
-    opt = Teleport(torch.optim.Adam(model.parameters(), lr=1e-3), model, sites(), every=2, objective="curvature", ascent_steps=3)
+    opt = Teleport(
+        torch.optim.Adam(model.parameters(), lr=1e-3), model, sites(), every=2, objective="curvature", search=SearchConfig(steps=3)
+    )
     train(opt, model, x, y, 3)
     sd = opt.state_dict()
     buffer = io.BytesIO()
@@ -455,7 +459,9 @@ def test_state_dict_keeps_counters_and_loads_weights_only():
     loaded = torch.load(buffer, weights_only=True)
     top = loaded["teleopt_teleport"]
     assert top["step"] == 3 and top["accepted"] == 2 and "watch" in top
-    other = Teleport(torch.optim.Adam(model.parameters(), lr=1e-3), model, sites(), every=2, objective="curvature", ascent_steps=3)
+    other = Teleport(
+        torch.optim.Adam(model.parameters(), lr=1e-3), model, sites(), every=2, objective="curvature", search=SearchConfig(steps=3)
+    )
     other.load_state_dict(loaded)
     assert other.record.step == 3 and torch.equal(other._generator.get_state(), opt._generator.get_state())
 
@@ -493,9 +499,9 @@ def test_rejects_unknown_members_discrete_sites_and_bad_types():
     with pytest.raises(ValueError, match="state_policy"):
         Teleport(opt, model, sites(), state_policy="teleport")
     with pytest.raises(ValueError, match="trust_region"):
-        Teleport(opt, model, sites(), trust_region=-1.0)
+        Teleport(opt, model, sites(), search=SearchConfig(trust_region=-1.0))
     with pytest.raises(ValueError, match="batches=2 needs batch_fn"):
-        Teleport(opt, model, sites(), every=1, batches=2)
+        Teleport(opt, model, sites(), schedule=Schedule(every=1, batches=2))
     with pytest.raises(TypeError, match="nn.Module"):
         Teleport(opt, "model", sites())
     with pytest.raises(ValueError, match="max_gain"):
@@ -532,7 +538,7 @@ def test_objectives_that_need_a_batch_say_so():
     with pytest.raises(ValueError, match="names no data_input"):
         Teleport(torch.optim.SGD(model2.parameters(), lr=0.1), model2, [Site(dd, ("0.weight", None, "2.weight"))])
     with pytest.raises(ValueError, match="path='fast' is not possible"):
-        Teleport(torch.optim.SGD(model2.parameters(), lr=0.1), model2, [site], path="fast").teleport(batch=(x, y))
+        Teleport(torch.optim.SGD(model2.parameters(), lr=0.1), model2, [site], search=SearchConfig(path="fast")).teleport(batch=(x, y))
 
 
 def test_unmodelled_optimizers_reject_objectives_that_need_their_update():
@@ -545,7 +551,7 @@ def test_unmodelled_optimizers_reject_objectives_that_need_their_update():
 def test_paper_compat_needs_gl_sites():
     model = mlp()
     with pytest.raises(ValueError, match="not a GL site"):
-        Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites(), paper_compat=True)
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites(), search=SearchConfig(paper_compat=True))
 
 
 def test_fused_base_under_grad_scaler_teleports_unscaled_gradients():
@@ -555,7 +561,7 @@ def test_fused_base_under_grad_scaler_teleports_unscaled_gradients():
 
     def run(scaled: bool):
         model = mlp(torch.float32)
-        opt = Teleport(torch.optim.Adam(model.parameters(), lr=1e-2, fused=True), model, sites(), every=2, ascent_steps=10)
+        opt = Teleport(torch.optim.Adam(model.parameters(), lr=1e-2, fused=True), model, sites(), every=2, search=SearchConfig(steps=10))
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, enabled=scaled)
         for _ in range(5):
             opt.zero_grad()

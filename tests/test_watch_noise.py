@@ -79,10 +79,7 @@ def _run(multipliers: dict[int, float], steps: int = 24, **safety):
     with torch.no_grad():
         model[0].weight.mul_(3.0)  # unbalanced: the balance teleport moves
     sites = find_symmetries(model, x).continuous_sites
-    opt = Teleport(
-        torch.optim.SGD(model.parameters(), lr=1e-3), model, sites, objective="balance", every=10, warmup=10,
-        safety=SafetyConfig(**safety),
-    )  # fmt: skip
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, sites, objective="balance", safety=SafetyConfig(**safety), schedule=Schedule(every=10, warmup=10))  # fmt: skip
     for t in range(steps):
         opt.zero_grad()
         (model(x) - y).pow(2).mean().backward()

@@ -17,7 +17,7 @@ from torch.optim.optimizer import (
 
 from teleopt import Site, get_action
 from teleopt.syre import Syre
-from teleopt.teleport import Teleport
+from teleopt.teleport import SearchConfig, Teleport
 from teleopt.wrapper import OptimizerWrapper, no_grad_step
 
 
@@ -142,7 +142,9 @@ def test_teleport_with_lbfgs_teleports_exactly_and_restarts_its_curvature_histor
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LeakyReLU(0.1), torch.nn.Linear(6, 2))
     x, y = torch.randn(24, 4, generator=g), torch.randn(24, 2, generator=g)
     site = Site(get_action("positive_rescaling", activation="leaky_relu", negative_slope=0.1), ("0.weight", "0.bias", "2.weight"))
-    teleport = Teleport(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5), model, [site], every=2, trust_region=0.5)
+    teleport = Teleport(
+        torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5), model, [site], every=2, search=SearchConfig(trust_region=0.5)
+    )
     after_teleport = []
     teleport.register_teleport_hook(lambda opt, report: after_teleport.append(model(x).detach()))
     losses = []

@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from teleopt.detection import find_symmetries
 from teleopt.site import Site
 from teleopt.syre import Syre
-from teleopt.teleport import Teleport
+from teleopt.teleport import Schedule, Teleport
 
 __all__ = ["ArmContext", "ARMS", "TELEPORT_ARMS", "DECAY_ARMS"]
 
@@ -130,8 +130,10 @@ ARMS: dict[str, Callable[[ArmContext], Optimizer]] = {
     "teleport_default": lambda c: Teleport(
         c.optimizer(), c.model, "auto", example_inputs=c.example_inputs, loss_fn=c.loss_fn, batch_fn=c.batch_fn
     ),
-    "teleport_once": lambda c: Teleport(c.optimizer(), c.model, "auto", at=[c.teleport_step], **c.teleport_kwargs()),
-    "teleport_once_allsites": lambda c: Teleport(c.optimizer(), c.model, c.all_sites(), at=[c.teleport_step], **c.teleport_kwargs()),
+    "teleport_once": lambda c: Teleport(c.optimizer(), c.model, "auto", **c.teleport_kwargs(), schedule=Schedule(at=[c.teleport_step])),
+    "teleport_once_allsites": lambda c: Teleport(
+        c.optimizer(), c.model, c.all_sites(), **c.teleport_kwargs(), schedule=Schedule(at=[c.teleport_step])
+    ),
     "teleport_every200": lambda c: Teleport(c.optimizer(), c.model, "auto", every=200, **c.teleport_kwargs()),
     # least weight norm on the orbit (closed form) on its default schedule, every 50 steps from step 50, with the
     # baseline's weight decay

@@ -18,8 +18,6 @@ the same action with A = g^{-T}.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from functools import partial
 
 import torch
 from torch import Tensor
@@ -47,11 +45,6 @@ def multi_head_attention(p: Params, x: Tensor, num_heads: int) -> Tensor:
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     out = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(B, T, -1)
     return out @ W_O.T
-
-
-def _example(num_heads: int, members: tuple[str, ...] = _ALL) -> Callable[..., ExampleProblem]:
-    """Example problem for an action whose members are ``members`` (a subset of the seven projections)."""
-    return partial(_attention_example, num_heads, members)  # a partial, not a closure: actions pickle
 
 
 def _attention_example(
@@ -108,8 +101,10 @@ class AttentionQK(AxisAction):
             reference="Zhao 2026, Ex. 1.2.11-1.2.12",
             group_name="(GL_{d_k}(R))^h",
             blocks=num_heads,
-            example=_example(num_heads, ("W_Q", "b_Q", "W_K", "b_K")),
         )
+
+    def example(self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> ExampleProblem:
+        return _attention_example(self.num_heads, ("W_Q", "b_Q", "W_K", "b_K"), generator, dtype)
 
 
 class AttentionVO(AxisAction):
@@ -127,8 +122,10 @@ class AttentionVO(AxisAction):
             reference="Zhao 2026, Ex. 1.2.12",
             group_name="(GL_{d_v}(R))^h",
             blocks=num_heads,
-            example=_example(num_heads, ("W_V", "b_V", "W_O")),
         )
+
+    def example(self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> ExampleProblem:
+        return _attention_example(self.num_heads, ("W_V", "b_V", "W_O"), generator, dtype)
 
 
 class AttentionHeadPermutation(AxisAction):
@@ -146,8 +143,10 @@ class AttentionHeadPermutation(AxisAction):
             _members({"W_Q": (0, 1), "b_Q": (0, 1), "W_K": (0, 1), "b_K": (0, 1), "W_V": (0, 1), "b_V": (0, 1), "W_O": (1, 1)}),
             reference="Zhao 2026, Ex. 1.2.12",
             group_name="S_h",
-            example=_example(num_heads),
         )
+
+    def example(self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> ExampleProblem:
+        return _attention_example(self.num_heads, _ALL, generator, dtype)
 
     def group(self, params: Params):
         n = self.axis_length(params)

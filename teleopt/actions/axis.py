@@ -239,7 +239,6 @@ class AxisAction(GroupAction):
         blocks: int | None = None,
         unit_size: int = 1,
         exactness: Exactness = "exact",
-        example: Callable[[torch.Generator | None, torch.dtype], ExampleProblem] | None = None,
     ) -> None:
         if group not in GROUP_TYPES:
             raise ValueError(f"group must be one of {sorted(GROUP_TYPES)}, got {group!r}")
@@ -277,7 +276,7 @@ class AxisAction(GroupAction):
         self.optional_members = frozenset(m.name for m in members if m.optional)
         self.blocks = blocks
         self.unit_size = unit_size
-        self._example = example
+        self._example: Callable[[torch.Generator | None, torch.dtype], ExampleProblem] | None = None
 
     @staticmethod
     def _default_group_name(group: str, blocks: int | None) -> str:
@@ -423,7 +422,16 @@ class AxisAction(GroupAction):
             out.append(torch.cat([before, moved, after], dim=axis))
         return tuple(out)
 
+    def with_example(self, example: Callable[[torch.Generator | None, torch.dtype], ExampleProblem]) -> AxisAction:
+        """This action, with ``example(generator, dtype)`` as its example problem (the property tests of a
+        user-defined action use it; the registry's actions override :meth:`example`).  A module-level
+        function or a partial, not a closure, if the action is to pickle."""
+        if not callable(example):
+            raise TypeError(f"example must be callable(generator, dtype) -> ExampleProblem, got {type(example).__name__}")
+        self._example = example
+        return self
+
     def example(self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> ExampleProblem:
         if self._example is None:
-            raise TypeError(f"{self.name}: no example problem was given for this action")
+            raise TypeError(f"{self.name}: no example problem was given for this action (AxisAction.with_example)")
         return self._example(generator, dtype)

@@ -46,11 +46,10 @@ class BatchNormScaling(AxisAction):
             reference="Zhao 2026, Ex. 1.2.7",
             group_name="R_{>0}^h",
             exactness="exact" if self.eps == 0 else "approximate",
-            example=self._example_problem,
         )
 
-    def _example_problem(
-        self, generator: torch.Generator | None, dtype: torch.dtype, h: int = 4, n: int = 5, k: int = 16
+    def example(
+        self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64, h: int = 4, n: int = 5, k: int = 16
     ) -> ExampleProblem:
         def randn(*shape: int) -> Tensor:
             return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)

@@ -68,24 +68,33 @@ def _hidden_members(reader_power: float) -> tuple[Member, ...]:
     return (Member("W1", 0, 1), Member("b1", 0, 1, optional=True), Member("W2", 1, reader_power))
 
 
-class GLLinear(AxisAction):
+class _TwoLayerAction(AxisAction):
+    """An action on a two-layer network through ``activation``; its example problem is one."""
+
+    activation: Activation
+
+    def example(self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> ExampleProblem:
+        return two_layer_example(self.activation, generator, dtype)
+
+
+class GLLinear(_TwoLayerAction):
     """GL_h acting between two linear layers with biases: Zhao 2026, Ex. 1.2.2.
 
     g . (W1, b1, W2) = (g W1, g b1, W2 g^{-1}).
     """
 
     def __init__(self) -> None:
+        self.activation = get_activation("identity")
         super().__init__(
             "gl_linear",
             "general",
             _hidden_members(-1),
             reference="Zhao 2026, Ex. 1.2.2",
             group_name="GL_h(R)",
-            example=partial(two_layer_example, get_activation("identity")),
         )
 
 
-class PositiveRescaling(AxisAction):
+class PositiveRescaling(_TwoLayerAction):
     """Positive rescaling through a homogeneous activation of degree alpha: Zhao 2026, Ex. 1.2.4.
 
     g . (W1, b1, W2) = (g W1, g b1, W2 g^{-alpha}) for g in R_{>0}^h.  ``activation``
@@ -114,24 +123,23 @@ class PositiveRescaling(AxisAction):
             _hidden_members(-alpha),
             reference="Zhao 2026, Ex. 1.2.4",
             group_name="R_{>0}^h",
-            example=partial(two_layer_example, act),
         )
 
 
-class SignFlipAction(AxisAction):
+class SignFlipAction(_TwoLayerAction):
     """Sign flips Z_2^h through an odd activation (tanh): Zhao 2026, Ex. 1.2.5."""
 
     def __init__(self, activation: str = "tanh") -> None:
         act = get_activation(activation)
         if not act.odd:
             raise ValueError(f"{activation} is not odd: no sign-flip symmetry")
+        self.activation = act
         super().__init__(
             "sign_flip",
             "sign",
             _hidden_members(-1),
             reference="Zhao 2026, Ex. 1.2.5",
             group_name="Z_2^h",
-            example=partial(two_layer_example, act),
         )
 
 
@@ -140,33 +148,31 @@ def radial_rescaling(z: Tensor) -> Tensor:
     return z / (1.0 + z.norm(dim=-1, keepdim=True))
 
 
-class RadialOrthogonal(AxisAction):
+class RadialOrthogonal(_TwoLayerAction):
     """O(h) through a radial rescaling activation sigma(z) = f(|z|) z: Zhao 2026, Ex. 1.2.6."""
 
     def __init__(self) -> None:
-        act = Activation("radial", radial_rescaling)
+        self.activation = Activation("radial", radial_rescaling)
         super().__init__(
             "radial_orthogonal",
             "orthogonal",
             _hidden_members(-1),
             reference="Zhao 2026, Ex. 1.2.6",
             group_name="O(h)",
-            example=partial(two_layer_example, act),
         )
 
 
-class HiddenPermutation(AxisAction):
+class HiddenPermutation(_TwoLayerAction):
     """Permutations S_h of hidden units through any pointwise activation: Zhao 2026, Ex. 1.2.9."""
 
     def __init__(self, activation: str = "gelu") -> None:
-        act = get_activation(activation)
+        self.activation = get_activation(activation)
         super().__init__(
             "hidden_permutation",
             "permutation",
             _hidden_members(1),
             reference="Zhao 2026, Ex. 1.2.9",
             group_name="S_h",
-            example=partial(two_layer_example, act),
         )
 
 
@@ -197,5 +203,7 @@ class RBFPermutation(AxisAction):
             (Member("w", 0), Member("b", 0), Member("c", 0)),
             reference="Zhao 2026, Ex. 1.2.10",
             group_name="S_k",
-            example=_rbf_example,
         )
+
+    def example(self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> ExampleProblem:
+        return _rbf_example(generator, dtype)

@@ -38,5 +38,7 @@ class LoRAGL(AxisAction):
             (Member("U", 1, -1), Member("V", 0, 1)),
             reference="Zhao 2026, Ex. 1.2.13",
             group_name="GL_r(R)",
-            example=_example,
         )
+
+    def example(self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> ExampleProblem:
+        return _example(generator, dtype)

@@ -101,5 +101,7 @@ class ResidualRotation(AxisAction):
             ),
             reference=REFERENCE,
             group_name="O(d_model)",
-            example=_example,
         )
+
+    def example(self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> ExampleProblem:
+        return _example(generator, dtype)

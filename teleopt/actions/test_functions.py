@@ -17,6 +17,7 @@ M^T R M^{-T} grad (Zhao 2026, eq. 4.19).  The parameter tuple has one member ``w
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -26,7 +27,7 @@ from torch import Tensor
 from teleopt.actions.base import ExampleProblem, GroupAction, Params, required
 from teleopt.groups import Group, Orthogonal
 
-__all__ = ["ConjugatedRotation", "Rosenbrock", "Booth", "QuadraticOrthogonal", "rosenbrock", "booth"]
+__all__ = ["ChangeOfVariables", "ConjugatedRotation", "Rosenbrock", "Booth", "QuadraticOrthogonal", "rosenbrock", "booth"]
 
 
 def rosenbrock(w: Tensor) -> Tensor:
@@ -39,12 +40,27 @@ def booth(w: Tensor) -> Tensor:
     return (w[..., 0] + 2 * w[..., 1] - 7) ** 2 + (2 * w[..., 0] + w[..., 1] - 5) ** 2
 
 
-class ConjugatedRotation(GroupAction):
-    """O(n) acting by g . w = h^{-1}(g h(w)) for a bijection h: Zhao 2026, Prop. 4.4.1.
+@dataclass(frozen=True)
+class ChangeOfVariables:
+    """The bijection u = h(w) in which a loss is rotation invariant, and its inverse.
 
     ``M`` is the (constant) Jacobian of h when h is affine; it enables exact
     gradient transport.  ``linear`` says whether h is linear (not only affine).
+    Module-level functions and partials, not closures: actions must pickle.
     """
+
+    h: Callable[[Tensor], Tensor]
+    h_inv: Callable[[Tensor], Tensor]
+    M: Tensor | None = None
+    linear: bool = False
+
+    def __post_init__(self) -> None:
+        if self.linear and self.M is None:
+            raise ValueError("a linear change of variables needs its matrix M")
+
+
+class ConjugatedRotation(GroupAction):
+    """O(n) acting by g . w = h^{-1}(g h(w)) for a bijection h (``change``): Zhao 2026, Prop. 4.4.1."""
 
     group_type = Orthogonal
     exactness = "exact"
@@ -54,21 +70,16 @@ class ConjugatedRotation(GroupAction):
         self,
         name: str,
         n: int,
-        h: Callable[[Tensor], Tensor],
-        h_inv: Callable[[Tensor], Tensor],
+        change: ChangeOfVariables,
         loss: Callable[[Tensor], Tensor],
         start: Callable[[torch.Generator | None, torch.dtype], Tensor],
         reference: str,
-        M: Tensor | None = None,
-        linear: bool = False,
     ) -> None:
         self.name, self.n, self.reference = name, n, reference
         self.group_name = "SO(2)" if n == 2 else f"O({n})"
-        self._h, self._h_inv, self.loss, self._start = h, h_inv, loss, start
-        if linear and M is None:
-            raise ValueError("a linear change of variables needs its matrix M")
-        self.M = M
-        self.linear = linear
+        self._h, self._h_inv, self.loss, self._start = change.h, change.h_inv, loss, start
+        self.M = change.M
+        self.linear = change.linear
 
     @property
     def has_gradient_transport(self) -> bool:
@@ -121,7 +132,12 @@ class Rosenbrock(ConjugatedRotation):
 
     def __init__(self) -> None:
         super().__init__(
-            "rosenbrock_so2", 2, _rosenbrock_h, _rosenbrock_h_inv, rosenbrock, _random_start(2), "Zhao 2026, Prop. 4.4.1, eq. 4.6-4.8"
+            "rosenbrock_so2",
+            2,
+            ChangeOfVariables(_rosenbrock_h, _rosenbrock_h_inv),
+            rosenbrock,
+            _random_start(2),
+            "Zhao 2026, Prop. 4.4.1, eq. 4.6-4.8",
         )
 
 
@@ -142,7 +158,12 @@ class Booth(ConjugatedRotation):
 
     def __init__(self) -> None:
         super().__init__(
-            "booth_so2", 2, _booth_h, _booth_h_inv, booth, _random_start(2, 5.0), "Zhao 2026, Prop. 4.4.1, eq. 4.9-4.11", M=_BOOTH_M
+            "booth_so2",
+            2,
+            ChangeOfVariables(_booth_h, _booth_h_inv, M=_BOOTH_M),
+            booth,
+            _random_start(2, 5.0),
+            "Zhao 2026, Prop. 4.4.1, eq. 4.9-4.11",
         )
 
 
@@ -187,11 +208,8 @@ class QuadraticOrthogonal(ConjugatedRotation):
         super().__init__(
             "quadratic_orthogonal",
             A.shape[0],
-            partial(_linear_h, S),
-            partial(_linear_h_inv, S),
+            ChangeOfVariables(partial(_linear_h, S), partial(_linear_h_inv, S), M=S, linear=True),
             partial(_quadratic, A),
             _random_start(A.shape[0]),
             "Zhao 2026, eq. 4.33",
-            M=S,
-            linear=True,
         )

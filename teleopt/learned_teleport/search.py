@@ -24,7 +24,7 @@ __all__ = ["PolicySearch"]
 class PolicySearch:
     """Choose teleport coordinates with a trained policy; its recurrent state carries across teleports.
 
-    The coordinates are projected onto each site's trust region (``trust_region=``
+    The coordinates are projected onto each site's trust region (``SearchConfig(trust_region=...)``
     of ``Teleport``), as the default ascent's are.
     """
 

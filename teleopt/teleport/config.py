@@ -1,32 +1,35 @@
-"""``Teleport``'s configuration: four group objects and the keyword shortcuts for them.
+"""``Teleport``'s configuration: four group objects and one keyword shortcut.
 
 ``Teleport`` is configured by :class:`~teleopt.teleport.schedule.Schedule` (when),
-:class:`~teleopt.teleport.search.SearchConfig` (how elements are chosen),
-:class:`~teleopt.teleport.safety.SafetyConfig` (caps, checks, watch) and
-:class:`~teleopt.teleport.state_policy.StatePolicy` (the optimizer state).  The
-common fields have keyword shortcuts (:class:`Shortcuts`): ``every=100`` means
-``schedule=Schedule(every=100)``, ``ascent_steps=20`` means
-``search=SearchConfig(steps=20)``.  A group object and its shortcuts are not
-given together.
+:class:`~teleopt.teleport.search.SearchConfig` (how elements are chosen, the seed,
+``paper_compat``), :class:`~teleopt.teleport.safety.SafetyConfig` (caps, checks,
+held-out batch, watch) and :class:`~teleopt.teleport.state_policy.StatePolicy`
+(the optimizer state).  ``every=100`` is the one shortcut: it means
+``schedule=Schedule(every=100)`` and is not given together with ``schedule``.
+Keywords that moved into these objects raise a ``TypeError`` naming where
+(:data:`MOVED_KEYWORDS`).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, TypedDict
+from typing import Any, NamedTuple, ParamSpec, TypedDict
 
 from teleopt.functional import Batch, LossFn, as_batch, check_has_rows
 from teleopt.teleport.safety import SafetyConfig
 from teleopt.teleport.schedule import Schedule
-from teleopt.teleport.search import Path, SearchConfig
+from teleopt.teleport.search import SearchConfig
 from teleopt.teleport.state_policy import StatePolicy
+
+P = ParamSpec("P")
 
 __all__ = [
     "DataSources",
+    "MOVED_KEYWORDS",
     "Shortcuts",
-    "check_seed",
-    "check_shortcuts",
+    "reject_moved_keywords",
     "resolve_data",
     "checked_batch",
     "resolve_safety",
@@ -37,7 +40,7 @@ __all__ = [
 
 
 class Shortcuts(TypedDict, total=False):
-    """Keyword shortcuts of ``Teleport`` for fields of its group objects."""
+    """The schedule fields :func:`resolve_schedule` reads besides a ``Schedule``; ``Teleport`` passes ``every``."""
 
     every: int | None
     at: Sequence[int] | None
@@ -45,19 +48,39 @@ class Shortcuts(TypedDict, total=False):
     warmup: int
     batches: int
     max_teleports: int | None
-    ascent_steps: int
-    ascent_lr: float
-    trust_region: float | None
-    path: Path
-    state_fallback: str | dict[str, str] | None
 
 
-def check_shortcuts(shortcuts: Mapping[str, object]) -> None:
-    """``TypeError`` for a keyword that is no shortcut (as Python says for unknown keywords)."""
-    known = set(Shortcuts.__annotations__)
-    for key in shortcuts:
-        if key not in known:
-            raise TypeError(f"Teleport() got an unexpected keyword argument {key!r}")
+#: Where each keyword ``Teleport`` no longer takes went (the one shortcut left is ``every``).
+MOVED_KEYWORDS: dict[str, str] = {
+    "at": "schedule=Schedule(at=...)",
+    "when": "schedule=Schedule(when=...)",
+    "warmup": "schedule=Schedule(warmup=...)",
+    "batches": "schedule=Schedule(batches=...)",
+    "max_teleports": "schedule=Schedule(max_teleports=...)",
+    "ascent_steps": "search=SearchConfig(steps=...)",
+    "ascent_lr": "search=SearchConfig(lr=...)",
+    "trust_region": "search=SearchConfig(trust_region=...)",
+    "path": "search=SearchConfig(path=...)",
+    "seed": "search=SearchConfig(seed=...)",
+    "paper_compat": "search=SearchConfig(paper_compat=True)",
+    "state_fallback": "state_policy=StatePolicy(policy, fallback=...)",
+    "heldout_batch": "safety=SafetyConfig(heldout_batch=...)",
+}
+
+
+def reject_moved_keywords(init: Callable[P, None]) -> Callable[P, None]:
+    """``init`` raising a ``TypeError`` that says where a keyword of :data:`MOVED_KEYWORDS` went
+    (``inspect.signature`` still shows ``init``'s own parameters)."""
+
+    @functools.wraps(init)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> None:
+        moved = [key for key in kwargs if key in MOVED_KEYWORDS]
+        if moved:
+            where = "; ".join(f"{key}= -> {MOVED_KEYWORDS[key]}" for key in moved)
+            raise TypeError(f"Teleport() no longer takes {', '.join(moved)}: the settings live in the config objects ({where})")
+        init(*args, **kwargs)
+
+    return checked
 
 
 def resolve_schedule(schedule: Schedule | None, s: Shortcuts, default: Schedule | None = None) -> Schedule:
@@ -71,11 +94,11 @@ def resolve_schedule(schedule: Schedule | None, s: Shortcuts, default: Schedule 
         resolved = _schedule_from_shortcuts(s, default)
         if resolved.manual:
             warnings.warn(
-                "Teleport has no schedule (no every=, at= or when=, and the objective has no default one): step() "
+                "Teleport has no schedule (no every= or schedule=, and the objective has no default one): step() "
                 "never teleports, only explicit opt.teleport() calls do. Pass every=N to teleport every N steps, or "
                 "schedule=Schedule() to say that teleports are manual",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,  # the user's line: through Teleport.__init__ and its keyword check
             )
         return resolved
     if not isinstance(schedule, Schedule):
@@ -106,32 +129,18 @@ def _schedule_from_shortcuts(s: Shortcuts, default: Schedule | None) -> Schedule
     )
 
 
-def resolve_search(search: SearchConfig | None, s: Shortcuts) -> SearchConfig:
-    """``search``, or one built from the ``ascent_steps``/``ascent_lr``/``trust_region``/``path`` shortcuts."""
+def resolve_search(search: SearchConfig | None) -> SearchConfig:
+    """``search`` itself, or the default :class:`SearchConfig` for ``None``."""
     if search is None:
-        default = SearchConfig()
-        return SearchConfig(
-            steps=s.get("ascent_steps", default.steps),
-            lr=s.get("ascent_lr", default.lr),
-            trust_region=s.get("trust_region", default.trust_region),
-            path=s.get("path", default.path),
-            ascent_configured="ascent_steps" in s or "ascent_lr" in s,
-        )
+        return SearchConfig()
     if not isinstance(search, SearchConfig):
         raise TypeError(f"search must be a teleopt SearchConfig, got {type(search).__name__}")
-    if any(key in s for key in ("ascent_steps", "ascent_lr", "trust_region", "path")):
-        raise ValueError("give either search= or ascent_steps/ascent_lr/trust_region/path, not both")
     return search
 
 
-def resolve_state_policy(policy: StatePolicy | str | dict[str, str] | None, shortcuts: Shortcuts) -> StatePolicy:
-    """``policy`` as a :class:`StatePolicy` (a string or dict is its ``policy``, ``state_fallback`` its fallback)."""
-    fallback = shortcuts.get("state_fallback")
-    if not isinstance(policy, StatePolicy):
-        return StatePolicy(policy, fallback)
-    if fallback is not None:
-        raise ValueError("give either state_policy=StatePolicy(...) or state_fallback, not both")
-    return policy
+def resolve_state_policy(policy: StatePolicy | str | Mapping[str, str] | None) -> StatePolicy:
+    """``policy`` as a :class:`StatePolicy` (a string or mapping is its ``policy`` argument)."""
+    return policy if isinstance(policy, StatePolicy) else StatePolicy(policy)
 
 
 class DataSources(NamedTuple):
@@ -190,10 +199,3 @@ def resolve_safety(safety: SafetyConfig | None) -> SafetyConfig:
     if not isinstance(safety, SafetyConfig):
         raise TypeError(f"safety must be a SafetyConfig, got {type(safety).__name__}")
     return safety
-
-
-def check_seed(value: object) -> int:
-    """``value`` when it is an int >= 0 (the teleport seed)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"seed must be an int >= 0, got {value!r}")
-    return value

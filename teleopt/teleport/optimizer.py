@@ -24,7 +24,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -37,10 +37,8 @@ from teleopt.sharding import reshard, sharded_module, unsupported_layout
 from teleopt.site import Site
 from teleopt.teleport.check import KeywordCheck, OutputCapture, ProbeRecorder, seeded
 from teleopt.teleport.config import (
-    Shortcuts,
-    check_seed,
-    check_shortcuts,
     checked_batch,
+    reject_moved_keywords,
     resolve_data,
     resolve_safety,
     resolve_schedule,
@@ -77,9 +75,6 @@ from teleopt.teleport.transaction import Transaction
 from teleopt.teleport.watch import REFERENCE_STEPS, TeleportRecord
 from teleopt.unwrap import hook_target, unwrap
 from teleopt.wrapper import OptimizerWrapper, no_grad_step, torch_initialising_step
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 __all__ = ["Teleport"]
 
@@ -120,22 +115,26 @@ class Teleport(OptimizerWrapper):
         ``"sharpness"``, ``"curvature"``, ``"balance"`` (least weight norm on the orbit, in
         closed form) or an :class:`~teleopt.teleport.objectives.Objective`.
     schedule:
-        When to teleport (:class:`~teleopt.teleport.schedule.Schedule`); shortcuts
-        ``every``, ``at``, ``when``, ``warmup``, ``batches``, ``max_teleports``.  Without
-        ``every``/``at``/``when`` the objective's default applies: ``"balance"`` every 50
-        steps from step 50; every other objective (the default ``"grad_norm"`` included)
-        only when :meth:`teleport` is called (a ``UserWarning`` says so; an explicit
-        ``schedule=Schedule()`` chooses it without one).  No default teleports at step 0.
+        When to teleport (:class:`~teleopt.teleport.schedule.Schedule`: ``every``, ``at``,
+        ``when``, ``warmup``, ``batches``, ``max_teleports``).  Without ``every``/``at``/``when``
+        the objective's default applies: ``"balance"`` every 50 steps from step 50; every other
+        objective (the default ``"grad_norm"`` included) only when :meth:`teleport` is called (a
+        ``UserWarning`` says so; an explicit ``schedule=Schedule()`` chooses it without one).  No
+        default teleports at step 0.
+    every:
+        Shortcut for ``schedule=Schedule(every=every)`` (not given with ``schedule``).
     search:
         How elements are chosen (:class:`~teleopt.teleport.search.SearchConfig`: ascent
-        steps and step size, trust region, path, strategy); shortcuts ``ascent_steps``,
-        ``ascent_lr``, ``trust_region`` (stored per param group as
-        ``teleopt_teleport_trust_region``; default log 4) and ``path``.
+        steps and step size, trust region (stored per param group as
+        ``teleopt_teleport_trust_region``; default log 4), path, strategy, the seed of the
+        random draws, and ``paper_compat``, the papers' first-order, non-invariant teleport
+        for comparisons).
     safety:
-        :class:`~teleopt.teleport.safety.SafetyConfig` (caps, tolerances, watch).
+        :class:`~teleopt.teleport.safety.SafetyConfig` (caps, tolerances, a held-out batch
+        on which invariance is also checked, watch).
     state_policy:
         What happens to the optimizer state (:class:`~teleopt.teleport.state_policy.StatePolicy`,
-        or its ``policy`` argument); shortcut ``state_fallback``.
+        or its ``policy`` argument).
     loss_fn:
         ``loss_fn(model(*inputs, **kwargs), target)``, needed by the general path and
         by loss checks on explicit batches; ``None`` when the output is the loss or
@@ -148,8 +147,6 @@ class Teleport(OptimizerWrapper):
         arguments the model is called with in training, or a mapping of keyword inputs
         alone (target ``None``); see :func:`teleopt.functional.as_batch`.  Every
         evaluation on it draws the same dropout masks.
-    heldout_batch:
-        A batch on which invariance is also checked.
     example_inputs, example_kwargs:
         Inputs (a tensor, a tuple, or a mapping of keyword inputs of a transformers
         model) and keyword arguments for ``sites="auto"`` detection, and the *probe
@@ -159,17 +156,15 @@ class Teleport(OptimizerWrapper):
         the last forward's inputs, copied), in eval mode; with none of them it is
         declined, never accepted unchecked.  A training forward whose arguments differ
         from these is warned about (neither detection nor the check saw them).
-    paper_compat:
-        Reproduce the papers' first-order, non-invariant teleport
-        (:mod:`~teleopt.teleport.paper_compat`); for comparisons only.
-    seed:
-        Seed of the generator that draws the random directions of the sharpness
-        and curvature objectives (its state is saved in ``state_dict``).
+
+    Keywords that moved into the config objects (``ascent_steps``, ``at``, ``seed``,
+    ``heldout_batch``, ...) raise a ``TypeError`` naming where they went.
     """
 
     prefix = "teleopt_teleport_"
 
-    def __init__(
+    @reject_moved_keywords
+    def __init__(  # noqa: PLR0913  the public constructor, bounded at 15 parameters by tests/test_teleport_signature.py
         self,
         optimizer: Optimizer,
         model: nn.Module,
@@ -177,49 +172,47 @@ class Teleport(OptimizerWrapper):
         *,
         objective: str | Objective = "grad_norm",
         schedule: Schedule | None = None,
+        every: int | None = None,
         search: SearchConfig | None = None,
         safety: SafetyConfig | None = None,
-        state_policy: StatePolicy | str | dict[str, str] | None = None,
+        state_policy: StatePolicy | str | Mapping[str, str] | None = None,
         loss_fn: LossFn | None = None,
         batch_fn: Callable[[], Any] | None = None,
-        heldout_batch: Any = None,
         example_inputs: Any = None,
         example_kwargs: Mapping[str, Any] | None = None,
-        paper_compat: bool = False,
-        seed: int = 0,
-        **shortcuts: Unpack[Shortcuts],
     ) -> None:
         _check_model(model)
-        check_shortcuts(shortcuts)
-        search = resolve_search(search, shortcuts)
-        super().__init__(optimizer, {"enabled": True, "trust_region": search.trust_region, "state": ""})  # state: see wrapper
+        self._search = resolve_search(search)
+        super().__init__(optimizer, {"enabled": True, "trust_region": self._search.trust_region, "state": ""})  # state: see wrapper
         self._module = unwrap(model)
         self._hook_target = hook_target(model)
         check_model_matches_optimizer(self._module, self.param_groups)
         self._objective = get_objective(objective)
-        self._schedule = resolve_schedule(schedule, shortcuts, self._objective.default_schedule())
+        self._schedule = resolve_schedule(schedule, {"every": every}, self._objective.default_schedule())
         warn_scale_free_objective(self._objective.name, self._schedule, self.innermost)
-        self._search = search
-        self._policy = resolve_state_policy(state_policy, shortcuts)
-        data = resolve_data(loss_fn, batch_fn, heldout_batch, example_inputs, example_kwargs, batches=self._schedule.batches)
-        self._loss_fn, self._batch_fn, self._heldout, self._example = data
+        self._policy = resolve_state_policy(state_policy)
         self._safety = resolve_safety(safety)
+        data = resolve_data(loss_fn, batch_fn, self._safety.heldout_batch, example_inputs, example_kwargs, batches=self._schedule.batches)
+        self._loss_fn, self._batch_fn, self._heldout, self._example = data
+        self._set_up_sites(sites)
+        self._generator = torch.Generator().manual_seed(self._search.seed)
+        self._record = TeleportRecord()
+        self._lookahead = LookaheadView.of(self.innermost)
+        self._engine = self._make_engine()
+        self._start_recording()
+
+    def _set_up_sites(self, sites: str | Sequence[Site]) -> None:
+        """The sites (``None`` until ``"auto"`` detection), after what the objective and a sharded model need."""
         if self._objective.needs_optimizer_model:
-            TeleportContext.build(self._module, optimizer, self._policy).model.require(f"objective {self._objective.name!r}")
+            TeleportContext.build(self._module, self._base, self._policy).model.require(f"objective {self._objective.name!r}")
         self._sharded = sharded_module(self._module)
         layout = unsupported_layout(self._module) if self._sharded else None
         if layout is not None:  # before "auto" detection gathers the model
             raise ValueError(f"Teleport on a sharded model supports FSDP2's layout (a 1-D mesh, Shard(0)); not {layout}")
         self._auto_skipped: dict[str, str] = {}
-        self._sites = self._initial_sites(sites, bool(paper_compat))
+        self._sites = self._initial_sites(sites)
         if self._sharded:
-            self._check_sharded(bool(paper_compat))
-        self._seed = check_seed(seed)
-        self._generator = torch.Generator().manual_seed(self._seed)
-        self._record = TeleportRecord()
-        self._lookahead = LookaheadView.of(self.innermost)
-        self._engine = self._make_engine(bool(paper_compat))
-        self._start_recording()
+            self._check_sharded()
 
     def _start_recording(self) -> None:
         """Teleport hooks, reports, their tally, and the forward pre-hooks.
@@ -242,7 +235,7 @@ class Teleport(OptimizerWrapper):
             handle = self._hook_target.register_forward_pre_hook(self._probe, with_kwargs=True)
             weakref.finalize(self, handle.remove)  # the hook goes when the wrapper does
 
-    def _make_engine(self, paper_compat: bool) -> TeleportEngine:
+    def _make_engine(self) -> TeleportEngine:
         """The engine every teleport runs on: the papers' first-order one with ``paper_compat``."""
         config = EngineConfig(
             module=self._module,
@@ -253,19 +246,19 @@ class Teleport(OptimizerWrapper):
             policy=self._policy,
             loss_fn=self._loss_fn,
             generator=self._generator,
-            seed=self._seed,
+            seed=self._search.seed,
             trust_key=self.prefix + "trust_region",
             sharded=self._sharded,
             hook_target=self._hook_target,
         )
-        return (PaperCompatEngine if paper_compat else TeleportEngine)(config, self._record)
+        return (PaperCompatEngine if self._search.paper_compat else TeleportEngine)(config, self._record)
 
-    def _check_sharded(self, paper_compat: bool) -> None:
+    def _check_sharded(self) -> None:
         """What an FSDP2 (``fully_shard``) model supports: explicit fast-path sites and objectives without a batch."""
         why = None
         if self._sites is None:
             why = "sites='auto' without example_inputs (detection runs on an unsharded copy, built when Teleport is)"
-        elif paper_compat:
+        elif self._search.paper_compat:
             why = "paper_compat (its engine evaluates the model functionally)"
         elif self._objective.needs_batch:
             why = f"objective {self._objective.name!r} (it evaluates the model functionally on a batch)"
@@ -279,7 +272,7 @@ class Teleport(OptimizerWrapper):
                 f"objectives without a batch); not {why}"
             )
 
-    def _initial_sites(self, sites: str | Sequence[Site], paper_compat: bool) -> list[Site] | None:
+    def _initial_sites(self, sites: str | Sequence[Site]) -> list[Site] | None:
         found: list[Site] | None = None
         if isinstance(sites, str):
             if sites != "auto":
@@ -288,7 +281,7 @@ class Teleport(OptimizerWrapper):
                 found = self._detect(self._example)
         else:
             found = validate_sites(sites, self._module, self.param_groups, given=True)
-        if paper_compat:
+        if self._search.paper_compat:
             if found is None:
                 raise ValueError("paper_compat needs explicit GL sites (sites='auto' finds exact ones only)")
             check_paper_compat_sites(found)
@@ -468,7 +461,7 @@ class Teleport(OptimizerWrapper):
     def _check_seed(self) -> int:
         """The RNG seed of this teleport's check forwards (from the seed and the counters, so resumable)."""
         record = self._record
-        return (self._seed * 1_000_003 + 7_919 * record.step + record.accepted + 31 * record.rollbacks) % (1 << 62)
+        return (self._search.seed * 1_000_003 + 7_919 * record.step + record.accepted + 31 * record.rollbacks) % (1 << 62)
 
     def _probe_inputs(self) -> tuple[Batch | None, str]:
         """The probe inputs (``example_inputs``/``example_kwargs``, else the last forward's) and their source."""

@@ -137,8 +137,8 @@ def _hidden_width(site: Site, cur: dict[str, Tensor]) -> int:
 
 class PaperCompatEngine(TeleportEngine):
     """The official first-order teleport as a teleport engine: planned like any other (path
-    ``"paper_compat"``, always on a batch), then ``ascent_steps`` first-order steps of size
-    ``ascent_lr`` replace search, apply and verify.  No caps, no watch; the outputs on the batch
+    ``"paper_compat"``, always on a batch), then ``SearchConfig.steps`` first-order steps of size
+    ``SearchConfig.lr`` replace search, apply and verify.  No caps, no watch; the outputs on the batch
     are compared as for every teleport (``report.check_error``), but the teleport is accepted
     whatever they show."""
 
@@ -163,7 +163,8 @@ class PaperCompatEngine(TeleportEngine):
         if plan.transaction is not None:  # all or nothing: the live tensors, their gradients and state
             grads = [p.grad for p in cfg.module.parameters() if p.grad is not None]
             plan.transaction.protect(list(live.values()) + grads, [ctx.trainable[n] for n in live if n in ctx.trainable])
-        paper_compat_teleport(fmodel, plan.sites, request.batch, list(ctx.trainable), live, cfg.search.steps, cfg.search.lr)
+        ascent = cfg.search.ascent()
+        paper_compat_teleport(fmodel, plan.sites, request.batch, list(ctx.trainable), live, ascent.steps, ascent.lr)
         # the check is measured like any other teleport's, but decides nothing: this mode is not loss-preserving
         check = plan.check
         assert check is not None and check.kind == "batch", "planned with a batch (paper_compat needs one)"

@@ -96,7 +96,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -123,7 +123,10 @@ def _positive(value: Any, what: str, allow_none: bool = True) -> float | None:
 
 @dataclass
 class SafetyConfig:
-    """Safety settings of a :class:`~teleopt.teleport.Teleport` (see module docs)."""
+    """Safety settings of a :class:`~teleopt.teleport.Teleport` (see module docs).
+
+    ``heldout_batch`` is a batch on which the loss is also checked (to ``heldout_tol``), in the
+    forms :func:`teleopt.functional.as_batch` takes; ``Teleport`` checks it has rows."""
 
     max_gain: float | None = None
     max_predicted_decrease: float | None = 8.0
@@ -137,6 +140,7 @@ class SafetyConfig:
     watch_patience: int = 3
     watch_restore: str = "inverse"
     backoff: float = 0.5
+    heldout_batch: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.max_gain = _positive(self.max_gain, "max_gain")

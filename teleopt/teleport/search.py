@@ -43,7 +43,7 @@ __all__ = [
 
 Path = Literal["auto", "fast", "general"]
 
-_ASCENT_STEPS, _ASCENT_LR = 100, 0.2  # the projected ascent's defaults (Teleport's ascent_steps, ascent_lr)
+_ASCENT_STEPS, _ASCENT_LR = 100, 0.2  # the projected ascent's defaults (SearchConfig's steps, lr)
 
 
 @dataclass
@@ -291,7 +291,8 @@ class SearchConfig:
     ----------
     steps, lr:
         Projected Adam on the group coordinates: number of steps and step size
-        (``ascent_steps=``/``ascent_lr=`` shortcuts of ``Teleport``).
+        (``None``: not chosen, 100 and 0.2).  Choosing either makes positive-scaling
+        sites ascend as chosen instead of stepping to the boundary (:meth:`strategy_for`).
     trust_region:
         Bound on the coordinates (|log-scale| <= r, spectral norm of GL generators
         <= r), stored per param group as ``teleopt_teleport_trust_region`` (a site
@@ -302,25 +303,31 @@ class SearchConfig:
         How elements are chosen (:class:`SearchStrategy`); default
         ``GradientAscent(steps, lr)``, or :class:`ClosedForm` for objectives that have one (``"balance"``),
         or :class:`BoundaryStep` for fast-path teleports with GL sites, and with positive-scaling sites
-        under the gradient-norm objective unless the ascent was configured (:meth:`strategy_for`).
-    ascent_configured:
-        Whether ``steps`` or ``lr`` was chosen by the user (``ascent_steps=``/``ascent_lr=``, or values
-        other than the defaults): then scaling sites ascend as configured instead of stepping to the
-        boundary.  Set by :class:`~teleopt.teleport.Teleport`; rarely given directly.
+        under the gradient-norm objective unless ``steps`` or ``lr`` was chosen (:meth:`strategy_for`).
+    seed:
+        Seed of the teleport's generator: the random directions of the sharpness and curvature
+        objectives and the dropout masks of the check forwards (its state is saved in ``state_dict``).
+    paper_compat:
+        Run the papers' first-order, non-invariant teleport instead
+        (:mod:`~teleopt.teleport.paper_compat`, ``steps`` ascent steps of size ``lr``); for comparisons only.
     """
 
-    steps: int = _ASCENT_STEPS
-    lr: float = _ASCENT_LR
+    steps: int | None = None
+    lr: float | None = None
     trust_region: float | None = math.log(4)
     path: Path = "auto"
     strategy: SearchStrategy | None = field(default=None)
-    ascent_configured: bool = False
+    seed: int = 0
+    paper_compat: bool = False
 
     def __post_init__(self) -> None:
         check_positive_or_none(self.trust_region, "trust_region")
-        _check_int(self.steps, "ascent_steps", 0)
-        self.lr = check_positive(self.lr, "ascent_lr")
-        self.ascent_configured = bool(self.ascent_configured) or (self.steps, self.lr) != (_ASCENT_STEPS, _ASCENT_LR)
+        if self.steps is not None:
+            _check_int(self.steps, "steps", 0)
+        self.lr = None if self.lr is None else check_positive(self.lr, "lr")
+        _check_int(self.seed, "seed", 0)
+        if not isinstance(self.paper_compat, bool):
+            raise TypeError(f"paper_compat must be a bool, got {type(self.paper_compat).__name__}")
         if self.path not in ("auto", "fast", "general"):
             raise ValueError(f"path must be 'auto', 'fast' or 'general', got {self.path!r}")
         if self.strategy is not None and not isinstance(self.strategy, SearchStrategy):
@@ -334,9 +341,19 @@ class SearchConfig:
             raise TypeError(f"strategy must have a search(problem) method, got {type(self.strategy).__name__}")
 
     @property
+    def ascent_configured(self) -> bool:
+        """Whether ``steps`` or ``lr`` was chosen: then scaling sites ascend as chosen."""
+        return self.steps is not None or self.lr is not None
+
+    def ascent(self) -> GradientAscent:
+        """Projected ascent with ``steps`` and ``lr``, the defaults where they were not chosen."""
+        default = GradientAscent()
+        return GradientAscent(default.steps if self.steps is None else self.steps, default.lr if self.lr is None else self.lr)
+
+    @property
     def chooser(self) -> SearchStrategy:
         """The strategy given, or projected ascent."""
-        return self.strategy if self.strategy is not None else GradientAscent(self.steps, self.lr)
+        return self.strategy if self.strategy is not None else self.ascent()
 
     def strategy_for(self, objective: Objective, problem: SearchProblem | None = None) -> SearchStrategy:
         """The strategy in use for ``objective`` (and ``problem``): the one given, else the objective's
@@ -349,7 +366,7 @@ class SearchConfig:
         if self.strategy is None and objective.closed_form:
             return ClosedForm()
         if self.strategy is None and problem is not None and self._boundary_problem(problem, objective):
-            return BoundaryStep(fallback=GradientAscent(self.steps, self.lr))
+            return BoundaryStep(fallback=self.ascent())
         return self.chooser
 
     def _boundary_problem(self, problem: SearchProblem, objective: Objective) -> bool:

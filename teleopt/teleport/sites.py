@@ -299,5 +299,5 @@ def warn_scale_free_objective(objective: str, schedule: Schedule, optimizer: Opt
         "with the gradient: grad-norm teleports shrink layers, and scale-free steps are then large relative to them "
         "(training diverged under Yogi and Lamb in examples/03_torch_optimizer.py). Prefer objective='balance'.",
         UserWarning,
-        stacklevel=3,
+        stacklevel=4,  # the user's line: through Teleport.__init__ and its keyword check
     )

@@ -87,6 +87,40 @@ def _check_spec(spec: str | Mapping[str, str] | None, what: str) -> dict[str, st
 
 
 @dataclass
+class _Entries:
+    """The state entries of one move: each entry's role, the moments to transport keyed
+    ``name\x00key``, their transported values by key and name, and the names without a rule per key."""
+
+    roles: dict[str, dict[str, StateRole]] = field(default_factory=dict)
+    by_role: dict[str, dict[str, Tensor]] = field(default_factory=lambda: {"first_moment": {}, "second_moment": {}})
+    moved: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+    no_rule: dict[str, set[str]] = field(default_factory=dict)
+
+    def of(self, name: str) -> _ParamEntries:
+        """The view of parameter ``name``."""
+        return _ParamEntries(self, name)
+
+
+@dataclass(frozen=True)
+class _ParamEntries:
+    """One parameter's view of :class:`_Entries`."""
+
+    entries: _Entries
+    name: str
+
+    @property
+    def roles(self) -> dict[str, StateRole]:
+        return self.entries.roles[self.name]
+
+    def has_rule(self, key: str) -> bool:
+        """Whether entry ``key`` was transported (a moment of the parameter's shape with a rule)."""
+        return key in self.entries.moved and self.name not in self.entries.no_rule.get(key, set())
+
+    def moved(self, key: str) -> Tensor:
+        return self.entries.moved[key][self.name]
+
+
+@dataclass
 class MovedState:
     """The optimizer state at g . w for the site parameters (not yet written back).
 
@@ -176,82 +210,103 @@ class StatePolicy:
         themselves (:func:`~teleopt.teleport.transport.transport_`; the result holds
         the same tensors), others as without it.
         """
-        roles: dict[str, dict[str, StateRole]] = {}
-        by_role: dict[str, dict[str, Tensor]] = {"first_moment": {}, "second_moment": {}}
-        shaped_otherwise: dict[str, set[str]] = {}
+        entries = self._sort(optimizer, states, like)
+        self._transport_moments(entries, sites, elements, like, in_place)
+        result = MovedState()
         for name, st in states.items():
-            roles[name] = {}
+            vals, dec = self._decide(optimizer, st, entries.of(name), groups[name])
+            result.values[name] = vals
+            result.decisions[name] = dec
+        return result
+
+    def _sort(self, optimizer: Optimizer, states: Mapping[str, Mapping[str, Any]], like: Mapping[str, Tensor]) -> _Entries:
+        """Every entry's role, and the moments to transport by role (those of another shape have no rule)."""
+        entries = _Entries()
+        for name, st in states.items():
+            entries.roles[name] = {}
             for key, value in st.items():
                 role = state_role(optimizer, key)
-                roles[name][key] = role
-                if (
-                    role == "unknown"
-                    and key not in self._warned
-                    and self.resolve(key, role, optimizer) == "keep"
-                    and key not in self.policy
-                ):
-                    self._warned.add(key)
-                    warnings.warn(
-                        f"Teleport: optimizer state entry {key!r} of {type(optimizer).__name__} has no known role; it is "
-                        "kept unchanged by teleports (pass state_policy={" + repr(key) + ": 'reset'} to reset it)",
-                        stacklevel=3,
-                    )
-                if role in by_role and isinstance(value, Tensor) and self.resolve(key, role, optimizer) == "transport":
+                entries.roles[name][key] = role
+                self._warn_unknown(optimizer, key, role)
+                if role in entries.by_role and isinstance(value, Tensor) and self.resolve(key, role, optimizer) == "transport":
                     if name not in like or value.shape == like[name].shape:
-                        by_role[role][f"{name}\x00{key}"] = value
+                        entries.by_role[role][f"{name}\x00{key}"] = value
                     else:  # a per-tensor norm (NovoGrad's 0-d exp_avg_sq) or a factored moment: no elementwise rule
-                        shaped_otherwise.setdefault(key, set()).add(name)
-        moved: dict[str, dict[str, Tensor]] = {}
-        no_rule: dict[str, set[str]] = {key: set(names) for key, names in shaped_otherwise.items()}
+                        entries.no_rule.setdefault(key, set()).add(name)
+        return entries
+
+    def _warn_unknown(self, optimizer: Optimizer, key: str, role: StateRole) -> None:
+        """Warn once per key about an entry of no known role that teleports keep as it is."""
+        if role != "unknown" or key in self._warned or key in self.policy or self.resolve(key, role, optimizer) != "keep":
+            return
+        self._warned.add(key)
+        warnings.warn(
+            f"Teleport: optimizer state entry {key!r} of {type(optimizer).__name__} has no known role; it is "
+            "kept unchanged by teleports (pass state_policy={" + repr(key) + ": 'reset'} to reset it)",
+            stacklevel=5,
+        )
+
+    @staticmethod
+    def _transport_moments(
+        entries: _Entries, sites: Sequence[Site], elements: Sequence[Tensor], like: Mapping[str, Tensor], in_place: bool
+    ) -> None:
+        """Transport the sorted moments by the covector and squared rules, one state key at a time (into ``entries``)."""
         kinds: tuple[tuple[str, TensorKind], ...] = (("first_moment", "covector"), ("second_moment", "second_moment"))
         for moment, kind in kinds:
             # transport() works on tensor names; one state key at a time
-            keys = {k.split("\x00", 1)[1] for k in by_role[moment]}
+            keys = {k.split("\x00", 1)[1] for k in entries.by_role[moment]}
             for key in keys:
-                values = {k.split("\x00", 1)[0]: v for k, v in by_role[moment].items() if k.endswith("\x00" + key)}
+                values = {k.split("\x00", 1)[0]: v for k, v in entries.by_role[moment].items() if k.endswith("\x00" + key)}
                 if in_place and transport_(sites, elements, values, like, kind):
                     out, missing = dict(values), set[str]()
                 else:
                     out, missing = transport(sites, elements, values, like, kind)
-                moved[key] = out
-                no_rule[key] = no_rule.get(key, set()) | missing
-        result = MovedState()
-        for name, st in states.items():
-            vals: dict[str, Any] = {}
-            dec: dict[str, str] = {}
-            fresh = False
+                entries.moved[key] = out
+                entries.no_rule[key] = entries.no_rule.get(key, set()) | missing
+
+    def _decide(
+        self, optimizer: Optimizer, st: Mapping[str, Any], entries: _ParamEntries, group: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """One parameter's moved state and the decision per entry (a reset second moment of the Adam
+        family restarts its first moment and step too: its bias correction starts again)."""
+        vals: dict[str, Any] = {}
+        dec: dict[str, str] = {}
+        fresh = False
+        for key, value in st.items():
+            role = entries.roles[key]
+            moment = role in ("first_moment", "second_moment") and isinstance(value, Tensor)
+            policy, dec[key] = self._policy_of(optimizer, key, role, entries.has_rule(key) if moment else None)
+            if dec[key] == "transport":
+                vals[key] = entries.moved(key)
+            elif policy == "reset":
+                vals[key] = self._fresh(optimizer, group, key, value)
+                fresh = fresh or (role == "second_moment" and "step" in st and "exp_avg" in st and not isinstance(optimizer, Adagrad))
+            else:
+                vals[key] = value
+        if fresh:
             for key, value in st.items():
-                role = roles[name][key]
-                policy = self.resolve(key, role, optimizer)
-                if policy == "transport" and role in ("first_moment", "second_moment") and isinstance(value, Tensor):
-                    if name in no_rule.get(key, set()):
-                        policy = self.resolve_fallback(key, role)
-                        dec[key] = "fallback:" + policy
-                    else:
-                        vals[key] = moved[key][name]
-                        dec[key] = "transport"
-                        continue
-                elif policy == "transport":
-                    # steps, diagnostics, update buffers and unknown entries have no covector rule
-                    policy = self.resolve_fallback(key, role) if role in ("update", "unknown") else "keep"
-                    dec[key] = "fallback:" + policy if role in ("update", "unknown") else policy
-                else:
-                    dec[key] = policy
-                if policy == "reset":
-                    vals[key] = self._fresh(optimizer, groups[name], key, value)
-                    if role == "second_moment" and "step" in st and "exp_avg" in st and not isinstance(optimizer, Adagrad):
-                        fresh = True
-                else:
-                    vals[key] = value
-            if fresh:
-                for key, value in st.items():
-                    if roles[name][key] in ("first_moment", "second_moment", "step"):
-                        vals[key] = self._fresh(optimizer, groups[name], key, value)
-                        if not dec[key].endswith("reset"):
-                            dec[key] = "reset:bias-correction"
-            result.values[name] = vals
-            result.decisions[name] = dec
-        return result
+                if entries.roles[key] in ("first_moment", "second_moment", "step"):
+                    vals[key] = self._fresh(optimizer, group, key, value)
+                    if not dec[key].endswith("reset"):
+                        dec[key] = "reset:bias-correction"
+        return vals, dec
+
+    def _policy_of(self, optimizer: Optimizer, key: str, role: StateRole, has_rule: bool | None) -> tuple[str, str]:
+        """The policy applied to entry ``key`` and the decision reported: transport where a moment tensor has a
+        rule (``has_rule``; ``None`` for entries that are no moment tensor), else the fallback (moments
+        without a rule, update buffers, unknown entries) or keep (steps, diagnostics)."""
+        policy = self.resolve(key, role, optimizer)
+        if policy != "transport":
+            return policy, policy
+        if has_rule is not None:
+            if has_rule:
+                return "transport", "transport"
+            fallback = self.resolve_fallback(key, role)
+            return fallback, "fallback:" + fallback
+        if role in ("update", "unknown"):
+            fallback = self.resolve_fallback(key, role)
+            return fallback, "fallback:" + fallback
+        return "keep", "keep"
 
     @staticmethod
     def _fresh(optimizer: Optimizer, group: dict[str, Any], key: str, value: Any) -> Any:
