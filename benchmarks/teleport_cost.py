@@ -7,7 +7,8 @@ predicted-decrease cap, the output check on the teleport batch and the watch on)
 thread, CPU process time: one ``teleport(batch=...)`` right after a backward, and next
 to it the bare fast path ``teleport()`` (probe check, no caps), each paired with a bare
 ``step()`` and a training iteration from the same start point, interleaved (medians of
-the per-pair ratios), and the peak extra memory of one checked teleport.  Rows:
+the per-pair ratios), the peak extra memory of one checked teleport and the growth of
+``torch.save(state_dict())`` it leaves (``ckpt``: the default watch's record).  Rows:
 
 * ``mlp-10M``: ReLU MLP 1024-2048-2048-1536-10, batch 64 (``--quick``: 16), cross entropy, Adam lr 1e-4;
 * ``resnet18``: timm resnet18 at 64x64, batch 8, SGD momentum 0.9 (``sites="auto"``: under
@@ -97,6 +98,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import io
 import json
 import os
 import platform
@@ -655,7 +657,8 @@ def measure_checked(
     the library's defaults (caps, check and watch on): one ``teleport(batch=...)`` right after a backward (checked
     and capped), and next to it ``teleport()`` (the bare fast path: checked on the probe inputs, no caps), each
     paired with a bare ``step()`` and a training iteration from the same start point, interleaved; and the peak
-    extra memory of one checked teleport (:class:`LiveBytes`, in multiples of the parameters' bytes)."""
+    extra memory of one checked teleport (:class:`LiveBytes`, in multiples of the parameters' bytes) and the growth
+    of the saved ``state_dict()`` it leaves (the same multiple)."""
     model = model.to(DEVICE)
     x, y = (t.to(DEVICE) for t in batch)
     base = optimizer([p for p in model.parameters() if p.requires_grad])
@@ -694,9 +697,11 @@ def measure_checked(
                 iters.append(cpu_timed(iteration)[0])
     restart()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    before = saved_bytes(wrapper.state_dict())
     counter = LiveBytes()
     with counter:
         report = wrapper.teleport(batch=(x, y))
+    growth = saved_bytes(wrapper.state_dict()) - before
     return {
         "model": name,
         "params": sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -715,7 +720,15 @@ def measure_checked(
         "shrink": statistics.median(r.shrink for r in reports),
         "peak_extra": counter.peak / param_bytes,
         "peak_accepted": report.accepted,
+        "state_dict_growth": growth / param_bytes,
     }
+
+
+def saved_bytes(state: dict[str, Any]) -> int:
+    """Bytes of ``torch.save(state)``: what a checkpoint of this state dict writes."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.tell()
 
 
 def measure_balance_run(
@@ -776,17 +789,18 @@ def users_main(args: argparse.Namespace) -> None:
     print(
         f"Teleport cost, the README configuration, {datetime.date.today()}, {machine()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)"
     )
-    head = f"{'model':9} {'optimizer':9} {'params':>9} {'sites':>5} {'step ms':>8} {'iter ms':>8} {'checked ms':>10} {'/step':>6} {'/iter':>6} {'bare fast ms':>12} {'/step':>6} {'accepted':>8} {'shrink':>6} {'peak extra':>10}"
+    head = f"{'model':9} {'optimizer':9} {'params':>9} {'sites':>5} {'step ms':>8} {'iter ms':>8} {'checked ms':>10} {'/step':>6} {'/iter':>6} {'bare fast ms':>12} {'/step':>6} {'accepted':>8} {'shrink':>6} {'peak extra':>10} {'ckpt':>6}"
     print(head)
     print("-" * len(head))
     for r in rows:
         print(
             f"{r['model']:9} {r['optimizer']:9} {r['params']:>9} {r['sites']:>5} {r['step_ms']:>8.2f} {r['iteration_ms']:>8.2f} {r['checked_ms']:>10.2f} "
             f"{r['checked_over_step']:>6.2f} {r['checked_over_iteration']:>6.2f} {r['fast_ms']:>12.2f} {r['fast_over_step']:>6.2f} "
-            f"{r['accepted']:>4}/{r['teleports']:<3} {r['shrink']:>6.3f} {r['peak_extra']:>9.2f}x"
+            f"{r['accepted']:>4}/{r['teleports']:<3} {r['shrink']:>6.3f} {r['peak_extra']:>9.2f}x {100 * r['state_dict_growth']:>5.1f}%"
         )
     print("checked: teleport(batch=...) with loss_fn and batch_fn (caps, check and watch on); bare fast: teleport() (probe check, no caps)")
     print("peak extra: one checked teleport's peak of new tensor bytes (LiveBytes), in multiples of the trainable parameters' bytes")
+    print("ckpt: growth of torch.save(state_dict()) after that teleport (the default watch), in % of the trainable parameters' bytes")
     head = (
         f"{'balance every step':18} {'params':>9} {'sites':>5} {'iter ms':>8} {'with balance':>12} {'run time growth':>15} {'accepted':>8}"
     )

@@ -373,14 +373,22 @@ class GeneralLinear(_MatrixGroup):
             return None
         A, B = _sym(A).reshape(-1, self.n, self.n), _sym(B).reshape(-1, self.n, self.n)
         xi = coords.detach().to(device=A.device, dtype=torch.float64).reshape(A.shape)
-        a, U = torch.linalg.eigh(A)
-        root = (U * a.clamp_min(0).sqrt().unsqueeze(-2)) @ U.mT
-        nuclear = torch.linalg.eigvalsh(_sym(root @ B @ root)).clamp_min(0).sqrt().sum(-1)
+        # ||Y^T X||_*^2 sums the eigenvalues' roots of A B, similar to L^T B L (A = L L^T) or A^1/2 B A^1/2
+        L, info = torch.linalg.cholesky_ex(A)
+        if bool((info != 0).any()):  # A only semi-definite
+            a, U = torch.linalg.eigh(A)
+            L = (U * a.clamp_min(0).sqrt().unsqueeze(-2)) @ U.mT
+        nuclear = torch.linalg.eigvalsh(_sym(L.mT @ B @ L)).clamp_min(0).sqrt().sum(-1)
         scale = (A.diagonal(dim1=-2, dim2=-1).sum(-1) * B.diagonal(dim1=-2, dim2=-1).sum(-1)).sqrt()
         zero = ~(nuclear > BALANCE_RCOND * scale)
         nuclear = nuclear.clamp_min(torch.finfo(torch.float64).tiny)
-        if bool(((xi - xi.mT).abs() <= SYMMETRIC_RTOL * xi.abs().amax().clamp_min(1e-300)).all()):
-            lam, V = torch.linalg.eigh(_sym(xi))
+        cache = active_cache()
+        eigen = None if cache is None or coords.requires_grad else cache.get("eigen", coords, id(coords))
+        if eigen is not None or bool(((xi - xi.mT).abs() <= SYMMETRIC_RTOL * xi.abs().amax().clamp_min(1e-300)).all()):
+            if eigen is not None:  # a boundary point's own eigendecomposition (boundary_point): no second one
+                V, lam = eigen[0].to(xi).reshape(A.shape), eigen[1].to(xi).reshape(A.shape[:-1])
+            else:
+                lam, V = torch.linalg.eigh(_sym(xi))
             a_diag, b_diag = ((V.mT @ A) * V.mT).sum(-1), ((V.mT @ B) * V.mT).sum(-1)
 
             def sizes(s: Tensor) -> tuple[Tensor, Tensor]:
