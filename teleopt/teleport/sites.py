@@ -181,8 +181,11 @@ def detect_sites(
     # exact sites only: an approximate site (BatchNorm input scaling, exact up to eps) would fail the
     # invariance post-condition; pass such sites explicitly with a loss tolerance
     skipped: dict[str, str] = {}
+    for s in found.sites:  # e.g. the residual rotation behind trainable norm gains (not linear in the gains)
+        if s.action.exactness == "exact" and not s.action.has_gradient_transport:
+            skipped[s.name] = "exact but no closed-form gradient transport: pass it explicitly, with a batch (the general path)"
     sites = validate_sites(
-        [s for s in found.sites if s.action.exactness == "exact"],
+        [s for s in found.sites if s.action.exactness == "exact" and s.action.has_gradient_transport],
         module,
         param_groups,
         given=False,
@@ -214,7 +217,10 @@ def normalization_affine(site: Site, module: nn.Module) -> bool:
     GroupNorm, RMSNorm, or a module whose class name says Norm): the rescaling of gamma and beta against
     the next layer's input columns."""
     owners = dict(module.named_modules())
-    for name in site.tensor_names:
+    members = getattr(site.action, "members", None) or [None] * len(site.members)
+    for member, name in zip(members, site.members):
+        if name is None or getattr(member, "power", 1) == 0:  # read, not moved (the residual rotation's gains)
+            continue
         prefix, _, leaf = name.rpartition(".")
         owner = owners.get(prefix)
         if owner is not None and leaf in dict(owner.named_parameters(recurse=False)) and _is_norm(owner):
