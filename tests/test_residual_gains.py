@@ -291,3 +291,34 @@ def test_a_rotation_of_few_directions_moves_every_member_as_the_dense_product_do
     dense = action.act(g.clone().requires_grad_(), params)  # under autograd: the dense product
     for a, b in zip(low, dense):
         assert relative_error(a, b.detach()) <= 1e-13
+
+
+def test_the_rotations_fixing_the_all_ones_vector_form_a_group():
+    group = OrthogonalFixingOnes(6)
+    gen = torch.Generator().manual_seed(9)
+    a, b = (group.random(generator=gen, scale=3.0) for _ in range(2))
+    ones = torch.ones(6, dtype=torch.float64)
+    for g in (group.identity(), group.compose(a, b), group.inverse(a)):
+        group.validate(g)
+        assert torch.allclose(g @ ones, ones, atol=1e-14)
+    assert torch.allclose(group.compose(a, group.inverse(a)), group.identity(), atol=1e-14)
+    # the algebra action is the derivative of exp at 0, projected onto {A skew, A 1 = 0}
+    M = torch.randn(6, 6, generator=gen, dtype=torch.float64)
+    t = 1e-6
+    numeric = (group.exp(t * M) - group.exp(-t * M)) / (2 * t)
+    assert torch.allclose(group._algebra_matrix(M, 1), numeric, atol=1e-8)
+    with pytest.raises(ValueError, match="at least 2"):
+        OrthogonalFixingOnes(1)
+
+
+def test_bad_members_and_gains_are_rejected_by_name():
+    from teleopt.actions.axis import Member
+
+    with pytest.raises(ValueError, match="power"):
+        GainedResidualRotation([Member("W", 1, 2)], {})
+    with pytest.raises(ValueError, match=r"gains\['X'\]"):
+        GainedResidualRotation([Member("W", 1, -1)], {"X": ("g", 0.0)})
+    action = GainedResidualRotation([Member("E", 1, 1), Member("W", 1, -1)], {"W": ("g", 0.0)})
+    params = (torch.randn(5, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64), torch.zeros(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="zero entry"):
+        action.act(action.identity(params), params)
