@@ -255,11 +255,14 @@ def test_auto_teleport_on_a_llama_given_labels_is_accepted_and_leaves_the_functi
     assert relative_error(_logits(model, False).float(), before) <= 1e-5
 
 
-def test_an_explicit_teleport_along_the_rotation_takes_the_general_path_and_is_accepted():
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable gains", "frozen gains"])
+def test_an_explicit_teleport_along_the_rotation_takes_the_general_path_and_is_accepted(frozen):
     model = causal("llama", attn_implementation="eager").float()
+    for name, p in model.named_parameters():
+        p.requires_grad_(not (frozen and "norm" in name))  # a frozen gain is read, never moved: the site stays usable
     site = _stream(model)
     batch = {"input_ids": _ids(), "labels": _ids(), "use_cache": False}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     tele = teleopt.Teleport(opt, model, [site], loss_fn=None, batch_fn=lambda: batch, ascent_steps=2, schedule=Schedule())
     before = _logits(model, False).float()
     model.train()

@@ -64,6 +64,7 @@ from teleopt.teleport.sites import (
     check_model_matches_optimizer,
     detect_sites,
     movable_sites,
+    moved_names,
     normalization_affine,
     scale_free_updates,
     unsharded_twin,
@@ -496,7 +497,7 @@ class Teleport(OptimizerWrapper):
         active, skipped = [], dict(self._auto_skipped)
         for site in self._sites:
             why = unusable(site, self._module, params, optimized)
-            if why is None and not all(n not in params or id(params[n]) in enabled for n in site.tensor_names):
+            if why is None and not all(n not in params or id(params[n]) in enabled for n in moved_names(site)):
                 why = "teleports are disabled for its param group"
             if why is None:
                 active.append(site)
