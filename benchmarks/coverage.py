@@ -19,10 +19,10 @@ Run: ``python benchmarks/coverage.py [--quick | --lm] [--json out.json] [--plot-
 ``--quick`` runs three small models at 32x32 once (the smoke test uses it).
 
 ``--residual`` prints the residual stream's rows instead (:func:`residual_rows`): tiny causal
-LMs (hidden 64, 2 layers, 4 heads, 2 KV heads, vocabulary 1000, 16 tokens) as built, whose
-trainable RMSNorm gains leave the stream's rotation out, and after
-``teleopt.detection.residual.fold_norm_gains``; ``--residual-big`` adds a 12-layer,
-768-wide Llama (detection time with certification).
+LMs (hidden 64, 2 layers, 4 heads, 2 KV heads, vocabulary 1000, 16 tokens) as built (trainable
+gains read by the rotation, never folded), GPT-2 with and without dropout on the stream and with
+a tied or untied head; ``--residual-big`` adds a 12-layer, 768-wide Llama (vocabulary 32000) and
+GPT-2 small, timed on one thread.
 """
 
 from __future__ import annotations
@@ -65,6 +65,12 @@ LM_ZOO = {
     "lm:qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _GQA),
     "lm:mistral": ("MistralConfig", "MistralForCausalLM", _GQA),
     "lm:gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 64, "n_layer": 2, "n_head": 4}),
+    # GPT-2 as pretraining often runs it: no dropout on the stream, an untied head (the rotation needs both)
+    "lm:gpt2-d0-untied": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        {"n_embd": 64, "n_layer": 2, "n_head": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": False},
+    ),
     "lm:bert": ("BertConfig", "BertModel", {**_TINY, "intermediate_size": 128}),
 }
 
@@ -143,59 +149,70 @@ def measure(name: str, kwargs: dict[str, Any], size: int, repeats: int) -> dict[
     }
 
 
-#: causal LMs of the residual-stream rows: name -> (config class, config kwargs)
-RESIDUAL_ZOO = {
-    "llama": ("LlamaConfig", {}),
-    "qwen2": ("Qwen2Config", {}),
-    "mistral": ("MistralConfig", {}),
+#: causal LMs of the residual-stream rows: name -> (config class, model class, config kwargs), all as built
+_STREAM = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
+_TINY_GPT2 = {"n_embd": 64, "n_layer": 2, "n_head": 4, "bos_token_id": 0, "eos_token_id": 0}
+_NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+RESIDUAL_ZOO: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", _STREAM),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _STREAM),
+    "mistral": ("MistralConfig", "MistralForCausalLM", _STREAM),
+    "gemma (1 + w gains, untied)": ("GemmaConfig", "GemmaForCausalLM", {**_STREAM, "head_dim": 16, "tie_word_embeddings": False}),
+    "gpt2 (default: dropout 0.1, tied)": ("GPT2Config", "GPT2LMHeadModel", _TINY_GPT2),
+    "gpt2 (dropout 0, tied)": ("GPT2Config", "GPT2LMHeadModel", {**_TINY_GPT2, **_NO_DROPOUT}),
+    "gpt2 (dropout 0, untied)": ("GPT2Config", "GPT2LMHeadModel", {**_TINY_GPT2, **_NO_DROPOUT, "tie_word_embeddings": False}),
 }
-_TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
 _BIG = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 12, "intermediate_size": 2048}
+#: --residual-big: real vocabularies (Llama 32000, GPT-2 small 50257), one thread
+BIG_ZOO: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama-12x768": ("LlamaConfig", "LlamaForCausalLM", {**_BIG, "vocab_size": 32000}),
+    "gpt2-small (default)": ("GPT2Config", "GPT2LMHeadModel", {}),
+    "gpt2-small (dropout 0, untied)": ("GPT2Config", "GPT2LMHeadModel", {**_NO_DROPOUT, "tie_word_embeddings": False}),
+}
 
 
 def residual_rows(big: bool = False) -> list[dict[str, Any]]:
-    """Coverage of exact continuous sites on causal LMs with and without folded norm gains (the residual rotation)."""
+    """Exact coverage and the residual rotation as built (no folding) on causal LMs, detection time with certification."""
     import transformers
 
-    from teleopt.detection.residual import fold_norm_gains
-
     rows = []
-    cases = [(name, cls, dict(_TINY, **extra)) for name, (cls, extra) in RESIDUAL_ZOO.items()]
-    if big:
-        cases.append(("llama-12x768", "LlamaConfig", _BIG))
-    for name, config_cls, config in cases:
+    cases = [(name, spec, False) for name, spec in RESIDUAL_ZOO.items()] + ([(n, s, True) for n, s in BIG_ZOO.items()] if big else [])
+    threads = torch.get_num_threads()
+    for name, (config_cls, model_cls, config), large in cases:
         torch.manual_seed(0)
-        cfg = getattr(transformers, config_cls)(vocab_size=1000, max_position_embeddings=64, **config)
-        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        extra = {} if large else {"vocab_size": 1000}
+        extra.update({} if config_cls == "GPT2Config" else {"max_position_embeddings": 64})
+        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**extra, **config})).eval()
         ids = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
-        call = {"input_ids": ids, "use_cache": False}
-        for folded in (False, True):
-            if folded:
-                fold_norm_gains(model, example_kwargs=call)
-            start = time.perf_counter()
-            report = find_symmetries(model, example_kwargs=call)
-            seconds = time.perf_counter() - start
-            stream = [s for s in report.sites if s.action.name == "residual_rotation"]
-            why = next((e.reason for e in report.skipped if e.where == "residual stream"), "")
-            rows.append(
-                {
-                    "model": f"{name}{' (folded)' if folded else ''}",
-                    "parameters": report.parameters,
-                    "residual_site": bool(stream),
-                    "residual_members": len(stream[0].members) if stream else 0,
-                    "coverage_exact": report.coverage_exact,
-                    "seconds": seconds,
-                    "certify_seconds": report.certify_seconds,
-                    "left_out": why,
-                }
-            )
-            print(f"{rows[-1]['model']}: coverage {100 * report.coverage_exact:.1f}%, {seconds:.2f} s", flush=True)
+        call: dict[str, Any] = {"input_ids": ids} if config_cls == "GPT2Config" else {"input_ids": ids, "use_cache": False}
+        torch.set_num_threads(1 if large else threads)
+        start, cpu = time.perf_counter(), time.process_time()
+        report = find_symmetries(model, example_kwargs=call)
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        torch.set_num_threads(threads)
+        stream = [s for s in report.sites if s.action.name == "residual_rotation"]
+        why = next((e.reason for e in report.skipped if e.where == "residual stream"), "")
+        rows.append(
+            {
+                "model": name,
+                "parameters": report.parameters,
+                "residual_site": bool(stream),
+                "residual_members": len(stream[0].members) if stream else 0,
+                "coverage_exact": report.coverage_exact,
+                "seconds": seconds,
+                "cpu_seconds": cpu,
+                "certify_seconds": report.certify_seconds,
+                "threads": 1 if large else threads,
+                "left_out": why,
+            }
+        )
+        print(f"{name}: coverage {100 * report.coverage_exact:.1f}%, {seconds:.2f} s ({cpu:.2f} s CPU)", flush=True)
     return rows
 
 
 def residual_table(rows: list[dict[str, Any]]) -> str:
     """The rows of :func:`residual_rows` as text."""
-    lines = [("model", "params", "residual site", "exact coverage", "detect s", "certify s")]
+    lines = [("model", "params", "residual site", "exact coverage", "detect s", "cpu s", "certify s", "threads")]
     for r in rows:
         site = f"yes ({r['residual_members']} members)" if r["residual_site"] else "no"
         lines.append(
@@ -205,7 +222,9 @@ def residual_table(rows: list[dict[str, Any]]) -> str:
                 site,
                 f"{100 * r['coverage_exact']:.1f}%",
                 f"{r['seconds']:.2f}",
+                f"{r['cpu_seconds']:.2f}",
                 f"{r['certify_seconds']:.2f}",
+                str(r["threads"]),
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
@@ -280,8 +299,8 @@ def main() -> None:
     parser.add_argument("--plot-dir", type=str, default=None, help="write coverage.png here (default: next to --json)")
     parser.add_argument("--repeats", type=int, default=3, help="detection runs per model (median reported)")
     parser.add_argument("--models", type=str, default=None, help="comma-separated subset of the zoo (e.g. vit_base_patch16_224,resnet50)")
-    parser.add_argument("--residual", action="store_true", help="only the residual stream's rows (tiny causal LMs)")
-    parser.add_argument("--residual-big", action="store_true", help="with --residual: add a 12-layer, 768-wide Llama")
+    parser.add_argument("--residual", action="store_true", help="only the residual stream's rows (tiny causal LMs, as built)")
+    parser.add_argument("--residual-big", action="store_true", help="with --residual: add a 12-layer 768-wide Llama and GPT-2 small")
     parser.add_argument("--lm", action="store_true", help="only the tiny language models (lm: rows)")
     args = parser.parse_args()
     if args.residual:

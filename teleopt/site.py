@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from teleopt.actions.axis import AxisAction
+from teleopt.actions.axis import CONFIG_VARIANTS, AxisAction
 from teleopt.actions.base import GroupAction, Params, required
 
 __all__ = ["Site", "as_sites", "lookup_tensor"]
@@ -107,8 +107,8 @@ class Site:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (names, not tensors) that :meth:`from_dict` turns back into a site."""
-        if isinstance(self.action, AxisAction):
-            action: Any = {"axis_action": self.action.config()}
+        if isinstance(self.action, AxisAction) or type(self.action).__name__ in CONFIG_VARIANTS:
+            action: Any = {"axis_action": self.action.config()}  # type: ignore[attr-defined]
         else:
             action = {"registered": self.action.name}
         return {"action": action, "members": list(self.members), "name": self.name, "data_input": self.data_input, "info": dict(self.info)}

@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 from teleopt.detection import find_symmetries  # noqa: E402
 from teleopt.detection.certify import edge_element, output_leaves  # noqa: E402
+from teleopt.detection.float64 import keep_float64  # noqa: E402
 from teleopt.numerics import relative_error  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,7 +54,7 @@ def ids() -> torch.Tensor:
 
 def outputs(model: torch.nn.Module, kwargs: dict, mode: str) -> list[torch.Tensor]:
     model.train(mode == "train")
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+    with torch.no_grad(), torch.random.fork_rng(devices=[]), keep_float64():  # RMSNorm's float32 cast stays float64
         torch.manual_seed(1)  # the same dropout masks before and after
         return [t for t in output_leaves(model(**kwargs)) if t.is_floating_point()]
 
@@ -103,9 +104,12 @@ def test_attention_heads_and_norm_gains_are_found_and_exact(name, attn):
 
 def _gain_sites(report) -> dict[str, set[str]]:
     """Continuous sites that move a norm's gain: site name -> the tensors it moves."""
-    return {
-        s.name: set(s.tensor_names) for s in report.sites if s.action.continuous and any("norm" in n or "ln_" in n for n in s.tensor_names)
+    moved = {
+        s.name: {n for m, n in zip(getattr(s.action, "members", s.members), s.members) if n is not None and getattr(m, "power", 1) != 0}
+        for s in report.sites
+        if s.action.continuous
     }
+    return {n: t for n, t in moved.items() if any("norm" in x or "ln_" in x for x in t)}  # the residual rotation reads gains
 
 
 def test_pre_norm_gains_rescale_against_every_consumer():

@@ -4,9 +4,9 @@ A model written for half precision computes some steps in float32 whatever its d
 and not only from float64 tensors: transformers' rotary table casts the integer
 ``position_ids`` with ``.float()`` and multiplies them with the (float64, in the copy)
 inverse frequencies (transformers 5.17 does exactly this; a mixed float64 @ float32
-matmul raises).  Inside ``keep_float64`` a cast to float32 of a float64 or a
-non-floating tensor gives float64; casts of other tensors and to other dtypes are
-untouched.
+matmul raises).  Inside ``keep_float64`` a cast of a float64 tensor to float32 keeps
+float64, and a matrix product of float64 and float32 operands computes in float64;
+everything else, a float32 model's forward included, runs as without the mode.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from teleopt.detection.float64 import keep_float64
 
 
 @pytest.mark.parametrize("cast", ["float", "to_dtype", "to_kw", "type"])
-@pytest.mark.parametrize("source", [torch.float64, torch.int64, torch.int32, torch.bool])
-def test_a_cast_to_float32_of_a_float64_or_integer_tensor_keeps_float64(cast, source):
-    t = torch.arange(4).to(source)
+def test_a_cast_to_float32_of_a_float64_tensor_keeps_float64(cast):
+    t = torch.arange(4, dtype=torch.float64)
     with keep_float64():
         out = {
             "float": lambda: t.float(),
@@ -33,17 +32,36 @@ def test_a_cast_to_float32_of_a_float64_or_integer_tensor_keeps_float64(cast, so
             "type": lambda: t.type(torch.float32),
         }[cast]()
     assert out.dtype == torch.float64
-    assert torch.equal(out, torch.arange(4).to(source).double())
+    assert torch.equal(out, t)
 
 
-@pytest.mark.parametrize("source", [torch.float32, torch.float16, torch.bfloat16])
-def test_other_floating_casts_are_untouched(source):
+@pytest.mark.parametrize("source", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool])
+def test_other_casts_are_untouched(source):
     t = torch.ones(3, dtype=source)
     with keep_float64():
         assert t.float().dtype == torch.float32
         assert t.to(torch.float32).dtype == torch.float32
         assert torch.ones(3, dtype=torch.float64).to(torch.float16).dtype == torch.float16
-        assert torch.arange(3).to(torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("product", ["operator", "matmul", "mm", "bmm"])
+def test_a_product_of_float64_and_float32_operands_computes_in_float64(product):
+    a = torch.randn(2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    b = torch.arange(8).reshape(1, 4, 2).expand(2, 4, 2).float()  # integer positions cast with .float()
+    fn = {
+        "operator": lambda x, y: x @ y,
+        "matmul": torch.matmul,
+        "mm": lambda x, y: torch.mm(x[0], y[0]),
+        "bmm": torch.bmm,
+    }[product]
+    with pytest.raises(RuntimeError):
+        fn(a, b)  # outside the mode torch refuses the mixed product
+    with keep_float64():
+        out = fn(a, b)
+        assert fn(a.float(), b).dtype == torch.float64  # a float32 view of a float64 tensor keeps float64
+        assert fn(b.transpose(-1, -2), b).dtype == torch.float32  # a float32 model's products are untouched
+    assert out.dtype == torch.float64
+    assert torch.equal(out, fn(a, b.double()))
 
 
 class _RotaryLike(nn.Module):

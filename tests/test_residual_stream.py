@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 import teleopt  # noqa: E402
 from teleopt.actions.axis import AxisAction, Member  # noqa: E402
+from teleopt.actions.residual import GainedResidualRotation  # noqa: E402
 from teleopt.detection.float64 import keep_float64  # noqa: E402
 from teleopt.detection.residual import find_residual_sites, fold_norm_gains  # noqa: E402
 from teleopt.numerics import relative_error  # noqa: E402
@@ -165,24 +166,22 @@ def test_gradient_transport_equals_autograd_at_the_moved_point(folded):
         assert relative_error(a, b) <= RTOL, name
 
 
-def test_trainable_gains_are_left_out_with_the_reason():
+def test_trainable_gains_are_read_not_folded():
+    """As built (no folding) the stream gets the gained rotation; ``"auto"`` leaves it out (no gradient transport)."""
     model = build("llama")
-    found = find_residual_sites(model, (), _call())
-    assert not found.sites
-    (entry,) = found.skipped
-    assert "trainable" in entry[2] and "fold_norm_gains" in entry[2]
-    report = teleopt.find_symmetries(model, example_kwargs=_call())
-    assert not [s for s in report.sites if s.action.name == "residual_rotation"]
-    assert any("trainable" in e.reason for e in report.skipped if e.where == "residual stream")
+    (site,) = find_residual_sites(model, (), _call()).sites
+    assert isinstance(site.action, GainedResidualRotation)
+    assert len(site.action.gains) == 2 * 5 + 1  # q, k, v, gate, up per layer and the head
+    assert not fast_path_eligible(site)
 
 
-def test_frozen_gains_other_than_one_are_left_out():
+def test_frozen_gains_other_than_one_are_read_too():
     model = build("llama")
     for name, p in model.named_parameters():
         if "norm" in name:
             p.requires_grad_(False)
-    (entry,) = find_residual_sites(model, (), _call()).skipped
-    assert "not all ones" in entry[2]
+    (site,) = find_residual_sites(model, (), _call()).sites
+    assert isinstance(site.action, GainedResidualRotation)
 
 
 def test_tied_embeddings_are_one_member_and_refuse_folding_the_final_gain():
@@ -265,11 +264,14 @@ def test_a_hand_written_gpt_with_tied_embeddings_gets_one_exact_site():
     assert relative_error(model(ids), before) <= RTOL
 
 
-def test_layernorm_is_left_out_with_the_reason():
+def test_layernorm_with_a_tied_trainable_final_gain_is_left_out_with_the_reason():
     torch.manual_seed(0)
     model = TinyGPT(nn.LayerNorm)
     (entry,) = find_residual_sites(model, (_ids(tokens=8),)).skipped
-    assert "LayerNorm" in entry[2] and "all-ones vector" in entry[2]
+    assert "tied embeddings" in entry[2] and "norm.weight" in entry[2] and "is trainable" in entry[2]
+    model.norm.weight.requires_grad_(False)  # frozen at ones: the rotations fixing the all-ones vector
+    (site,) = find_residual_sites(model, (_ids(tokens=8),)).sites
+    assert site.action.fixes_ones
 
 
 def test_dropout_on_the_stream_is_left_out():

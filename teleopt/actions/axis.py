@@ -208,6 +208,10 @@ def _second_moment_power(group: Group, power: float) -> float:
     return squared
 
 
+#: other axis-wise actions whose ``config()`` names them as ``variant``, by name (:meth:`AxisAction.from_config`)
+CONFIG_VARIANTS: dict[str, Any] = {}
+
+
 class AxisAction(GroupAction):
     """An exact linear action: ``group`` acting on an axis of every member (see module docs).
 
@@ -298,8 +302,12 @@ class AxisAction(GroupAction):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> AxisAction:
-        """Inverse of :meth:`config` (the example problem is not serialised)."""
+        """Inverse of :meth:`config` (the example problem is not serialised); a config naming a ``variant``
+        (:data:`CONFIG_VARIANTS`) is rebuilt by that class."""
         cfg = dict(config)
+        variant = cfg.pop("variant", None)
+        if variant is not None:
+            return CONFIG_VARIANTS[variant].from_config(config)
         members = [Member(**m) for m in cfg.pop("members")]
         name, group = cfg.pop("name"), cfg.pop("group")
         return cls(name, group, members, **cfg)

@@ -26,15 +26,18 @@ the teleport's state policy treats it as it does GL sites'.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from teleopt.actions.axis import AxisAction, Member
-from teleopt.actions.base import ExampleProblem, Params, required
+from teleopt.actions.axis import CONFIG_VARIANTS, AxisAction, Member
+from teleopt.actions.base import Exactness, ExampleProblem, GroupAction, Params, required
+from teleopt.groups import Group, Orthogonal, OrthogonalFixingOnes, is_validated
 
-__all__ = ["ResidualRotation", "residual_rotation", "rms_norm", "REFERENCE"]
+__all__ = ["GainedResidualRotation", "ResidualRotation", "residual_rotation", "rms_norm", "REFERENCE"]
 
 REFERENCE = "Ashkboos et al. 2024a (SliceGPT), Theorem 1 (computational invariance)"
 NAME = "residual_rotation"
@@ -105,3 +108,135 @@ class ResidualRotation(AxisAction):
 
     def example(self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> ExampleProblem:
         return _example(generator, dtype)
+
+
+class GainedResidualRotation(GroupAction):
+    """The residual stream's rotation with its norms' gains left as they are (no folding).
+
+    A norm with gain g (effective D = diag(g + offset): ``offset`` 1 for a (1 + w)
+    parametrisation) outputs D Q x / rms(x) on a rotated stream, so its output moves by the
+    conjugate P = D Q D^{-1}: a reader W of it becomes W P^{-1} = W D Q^T D^{-1}, and a
+    LayerNorm bias b becomes P b (LayerNorm(Q x) with bias P b is P LayerNorm(x)).
+    ``members`` are :class:`~teleopt.actions.axis.Member` s as for :func:`residual_rotation`;
+    ``gains`` maps those behind a norm to (its gain tensor, offset); the gains become members
+    that are read, never moved (``power=0``).  With ``fixes_ones`` the group is the rotations
+    fixing the all-ones vector (:class:`~teleopt.groups.OrthogonalFixingOnes`), which
+    LayerNorm's mean subtraction commutes with.
+
+    The action is exact for every nonzero gain but not linear in (W, g) jointly: the gradient at
+    the moved point depends on the weights' and gains' values (the gains' gradients change too),
+    so there is no closed-form gradient transport and teleports along it take the general path.
+    """
+
+    exactness: Exactness = "exact"
+
+    def __init__(
+        self, members: Sequence[Member], gains: Mapping[str, tuple[str, float]], *, fixes_ones: bool = False, name: str = NAME
+    ) -> None:
+        acting = tuple(members)
+        known = {m.name for m in acting}
+        if not acting or any(
+            m.power not in (1, -1) or m.outer != 1 or m.inner != 1 or m.groups != 1 or m.start is not None for m in acting
+        ):
+            raise ValueError("members must be whole-axis members with power +1 or -1")
+        for member, (gain, offset) in gains.items():
+            if member not in known or gain in known or not isinstance(offset, (int, float)):
+                raise ValueError(f"gains[{member!r}]: need a member, a gain tensor that is not one, and a numeric offset")
+        self.name = name
+        self.reference = REFERENCE
+        self.group_name = "O(d_model) fixing 1" if fixes_ones else "O(d_model)"
+        self.group_type = OrthogonalFixingOnes if fixes_ones else Orthogonal
+        self.linear = False
+        self.members = acting + tuple(Member(n, 0, 0) for n in dict.fromkeys(g for g, _ in gains.values()))
+        self.member_names = tuple(m.name for m in self.members)
+        self.optional_members = frozenset()
+        self.gains = {k: (str(g), float(o)) for k, (g, o) in gains.items()}
+        self.fixes_ones = bool(fixes_ones)
+
+    def config(self) -> dict[str, Any]:
+        """Plain data that :meth:`AxisAction.from_config <teleopt.actions.axis.AxisAction.from_config>` rebuilds."""
+        return {
+            "variant": type(self).__name__,
+            "name": self.name,
+            "members": [asdict(m) for m in self.members if m.power != 0],
+            "gains": {k: list(v) for k, v in self.gains.items()},
+            "fixes_ones": self.fixes_ones,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> GainedResidualRotation:
+        """Inverse of :meth:`config`."""
+        gains = {k: (v[0], v[1]) for k, v in config["gains"].items()}
+        return cls([Member(**m) for m in config["members"]], gains, fixes_ones=config["fixes_ones"], name=config["name"])
+
+    def acted_axes(self) -> tuple[int | None, ...]:
+        return tuple(None if m.power == 0 else m.axis for m in self.members)
+
+    def group(self, params: Params) -> Group:
+        params = self.check_params(params)
+        m, p = next((m, p) for m, p in zip(self.members, params) if p is not None and m.power != 0)
+        n = p.shape[m.axis]
+        return OrthogonalFixingOnes(n) if self.fixes_ones else Orthogonal(n)
+
+    def act(self, g: Tensor, params: Params, data: Any = None) -> Params:
+        """g . params: writers by Q, readers by Q^{-T}, each conjugated by its norm's gain (see class docs)."""
+        params = self.check_params(params)
+        if not is_validated(g):
+            self.group(params).validate(g.detach())
+        return self._apply(g, params, params, +1)
+
+    def _apply(self, g: Tensor, values: Params, params: Params, sign: int) -> Params:
+        grp = self.group(params)
+        given = dict(zip(self.member_names, params))
+        current: dict[str, Tensor] = {}
+        low = _low_rank(g)  # Q = I + L R^T of low rank: D^p Q D^-p = I + (D^p L)(D^-p R)^T, O(n r) per vector
+        for m, p in zip(self.members, values):
+            if p is None or m.power == 0:
+                continue
+            power = int(sign * m.power)
+            base = current.get(m.tensor_key, p)
+            axis = m.axis % p.ndim
+            d = None
+            if m.name in self.gains:
+                gain, offset = self.gains[m.name]
+                d = required(given[gain], gain).to(p.dtype) + offset
+                if not bool((d != 0).all()):
+                    raise ValueError(f"{self.name}: the gain {gain!r} has a zero entry: no conjugate rotation exists")
+            if low is not None:
+                left, right = low[0].to(p.dtype), low[1].to(p.dtype)
+                if d is not None:
+                    left, right = left * d.pow(power).unsqueeze(1), right * d.pow(-power).unsqueeze(1)
+                current[m.tensor_key] = _low_rank_update(base, axis, left, right)
+            elif d is None:
+                current[m.tensor_key] = grp.act_on_axis(g, base, axis, 1)  # Q^{-T} = Q: one representation
+            else:  # P^power on the axis, P = D Q D^-1: x -> D^power Q D^-power x
+                shape = [1] * p.ndim
+                shape[axis] = d.numel()
+                dv = d.reshape(shape)
+                current[m.tensor_key] = grp.act_on_axis(g, base * dv.pow(-power), axis, 1) * dv.pow(power)
+        return tuple(p if p is None or m.power == 0 else current[m.tensor_key] for m, p in zip(self.members, values))
+
+    def example(self, generator: torch.Generator | None = None, dtype: torch.dtype = torch.float64) -> ExampleProblem:
+        raise TypeError(f"{self.name}: a detected action has no example problem")
+
+
+def _low_rank(g: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(L, R) with g - I = L R^T when that has rank <= n / 8 (outside autograd, n >= 128), else ``None``:
+    certification's elements rotate a few directions (:func:`~teleopt.detection.certify.edge_element`)."""
+    n = g.shape[-1]
+    if g.requires_grad or g.ndim != 2 or n < 128:
+        return None
+    U, S, Vh = torch.linalg.svd(g.to(torch.float64) - torch.eye(n, dtype=torch.float64, device=g.device))
+    r = int((S > 1e-12 * max(1.0, float(S[0]))).sum())
+    return (U[:, :r] * S[:r], Vh[:r].mT) if r <= n // 8 else None
+
+
+def _low_rank_update(x: Tensor, axis: int, left: Tensor, right: Tensor) -> Tensor:
+    """x + L R^T x on ``axis`` (one fused product for matrices)."""
+    if x.ndim == 2:
+        return torch.addmm(x, x @ right, left.mT) if axis == 1 else torch.addmm(x, left, right.mT @ x)
+    moved = x.movedim(axis, -1)
+    return (moved + (moved @ right) @ left.mT).movedim(-1, axis)
+
+
+CONFIG_VARIANTS[GainedResidualRotation.__name__] = GainedResidualRotation

@@ -92,6 +92,9 @@ def edge_element(site: Site, model: nn.Module, generator: torch.Generator) -> Te
     if shape is None:
         return group.random(generator=generator, dtype=ref.dtype, device=ref.device)
     coords = torch.randn(shape, generator=generator, dtype=torch.float64)
+    if group.kind == "orthogonal" and len(shape) == 2 and shape[0] > 64:  # a rotation of a random 8-dim subspace:
+        u = torch.linalg.qr(coords[:, :8])[0]  # I + U (e^M - I) U^T, cheap to apply to every weight of a residual stream
+        coords = u @ torch.randn(8, 8, generator=generator, dtype=torch.float64) @ u.mT
     edge = _EDGE.get(group.kind, 1.0)
     if group.kind == "diagonal":
         coords = coords.sign() * edge

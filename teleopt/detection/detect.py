@@ -480,7 +480,7 @@ def _coverage(model: nn.Module, sites: list[Site]) -> tuple[dict[str, int], int]
     A member acts on a slab (a range of one axis); the entries outside every slab of a
     tensor form a product set, so the count is exact without materialising masks.
     """
-    from teleopt.actions.axis import AxisAction
+    from teleopt.actions.axis import Member
 
     params = dict(model.named_parameters())
     slabs: dict[str, dict[int, set[int]]] = {}
@@ -488,9 +488,11 @@ def _coverage(model: nn.Module, sites: list[Site]) -> tuple[dict[str, int], int]
     for s in sites:
         if not s.action.continuous:
             continue
-        members = s.action.members if isinstance(s.action, AxisAction) else [None] * len(s.members)
+        members = getattr(s.action, "members", None)  # axis-wise actions (the residual rotation's too)
+        if not members or not all(isinstance(m, Member) for m in members):
+            members = [None] * len(s.members)
         for m, name in zip(members, s.members):
-            if name not in params:
+            if name not in params or (m is not None and m.power == 0):  # read, not moved (a norm's gain)
                 continue
             if m is None or m.start is None or m.stop is None or m.groups > 1:
                 full.add(name)

@@ -49,7 +49,7 @@ def footprint(model: nn.Module, site: Site) -> list[Part] | None:
     parts = []
     for member, name in zip(members, site.members):
         axis = getattr(member, "axis", None)
-        if name is None or axis is None:
+        if name is None or axis is None or getattr(member, "power", 1) == 0:  # power 0: read, not moved
             continue
         tensor = lookup_tensor(model, name)
         length = tensor.shape[axis] if -tensor.ndim <= axis < tensor.ndim else 0

@@ -27,6 +27,7 @@ transform (Zhao 2026, Prop. 4.5.1, eq. 4.19).
 
 from teleopt.groups.base import BALANCE_RCOND, Group, GroupKind, apply_on_axis, is_validated, validated
 from teleopt.groups.cache import GroupCache
+from teleopt.groups.centred import OrthogonalFixingOnes
 from teleopt.groups.diagonal import PositiveScaling, SignFlip
 from teleopt.groups.discrete import Permutation, Translation
 from teleopt.groups.matrix import GeneralLinear, Orthogonal
@@ -38,6 +39,7 @@ __all__ = [
     "GroupCache",
     "GeneralLinear",
     "Orthogonal",
+    "OrthogonalFixingOnes",
     "PositiveScaling",
     "SignFlip",
     "Permutation",

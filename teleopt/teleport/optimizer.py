@@ -62,6 +62,7 @@ from teleopt.teleport.sites import (
     check_model_matches_optimizer,
     detect_sites,
     movable_sites,
+    moved_names,
     normalization_affine,
     scale_free_updates,
     unsharded_twin,
@@ -397,7 +398,7 @@ class Teleport(OptimizerWrapper):
         (the first up to 8 rows of each output leaf).  ``batch`` (see
         :func:`teleopt.functional.as_batch`; keyword arguments too) is a teleport
         batch for the general path and for the check; it takes precedence over the
-        closure for the check.  With neither, the check runs on probe inputs, and
+        closure for the check; without both, ``batch_fn()`` gives it.  With none, the check runs on probe inputs, and
         without those the teleport is declined.  Inside ``step()`` the closure runs
         once only: checks then use ``batch_fn`` or probe inputs (the closure's own
         forward is the last forward), and the general path leaves the teleport
@@ -405,6 +406,8 @@ class Teleport(OptimizerWrapper):
         """
         seed = self._check_seed()
         outputs = None
+        if batch is None and closure is None and self._batch_fn is not None:
+            batch = self._batch_fn()  # an unscheduled teleport takes its batch where scheduled ones do
         if closure is None:
             loss = self._run_closure(closure)
         else:
@@ -487,7 +490,7 @@ class Teleport(OptimizerWrapper):
         active, skipped = [], dict(self._auto_skipped)
         for site in self._sites:
             why = unusable(site, self._module, params, optimized)
-            if why is None and not all(n not in params or id(params[n]) in enabled for n in site.tensor_names):
+            if why is None and not all(n not in params or id(params[n]) in enabled for n in moved_names(site)):
                 why = "teleports are disabled for its param group"
             if why is None:
                 active.append(site)

@@ -89,11 +89,13 @@ def _bind(site: Site, module: nn.Module, params: dict[str, nn.Parameter], optimi
     if members != site.members:
         site = Site(site.action, members, site.name, site.data_input, dict(site.info))
     devices, dtypes = set(), set()
+    moved = moved_names(site)
     for m in site.tensor_names:
         t = lookup_tensor(module, m)
         devices.add(t.device)
         dtypes.add(t.dtype)
-        _check_member(site, m, t, params, optimized)
+        if m in moved:
+            _check_member(site, m, t, params, optimized)
     if len(devices) > 1:
         raise ValueError(f"site {site.name!r} has members on several devices ({sorted(map(str, devices))}); move them to one")
     if len(dtypes) > 1:
@@ -104,9 +106,16 @@ def _bind(site: Site, module: nn.Module, params: dict[str, nn.Parameter], optimi
     return site
 
 
+def moved_names(site: Site) -> list[str]:
+    """The site's tensors the action moves: all but the members it only reads (``power`` 0, the gains the
+    residual rotation is conjugated by)."""
+    read = {n for a, n in zip(getattr(site.action, "members", ()), site.members) if getattr(a, "power", 1) == 0}
+    return [n for n in site.tensor_names if n not in read]
+
+
 def unusable(site: Site, module: nn.Module, params: dict[str, nn.Parameter], optimized: set[int]) -> str | None:
     """Why a teleport cannot move ``site`` now (a frozen member, one the optimizer does not update), or ``None``."""
-    for m in site.tensor_names:
+    for m in moved_names(site):
         name = _resolve_name(module, m)
         if name in params:
             p = params[name]
@@ -181,8 +190,11 @@ def detect_sites(
     # exact sites only: an approximate site (BatchNorm input scaling, exact up to eps) would fail the
     # invariance post-condition; pass such sites explicitly with a loss tolerance
     skipped: dict[str, str] = {}
+    for s in found.sites:  # e.g. the residual rotation behind trainable norm gains (not linear in the gains)
+        if s.action.exactness == "exact" and not s.action.has_gradient_transport:
+            skipped[s.name] = "exact but no closed-form gradient transport: pass it explicitly, with a batch (the general path)"
     sites = validate_sites(
-        [s for s in found.sites if s.action.exactness == "exact"],
+        [s for s in found.sites if s.action.exactness == "exact" and s.action.has_gradient_transport],
         module,
         param_groups,
         given=False,
@@ -214,7 +226,7 @@ def normalization_affine(site: Site, module: nn.Module) -> bool:
     GroupNorm, RMSNorm, or a module whose class name says Norm): the rescaling of gamma and beta against
     the next layer's input columns."""
     owners = dict(module.named_modules())
-    for name in site.tensor_names:
+    for name in moved_names(site):
         prefix, _, leaf = name.rpartition(".")
         owner = owners.get(prefix)
         if owner is not None and leaf in dict(owner.named_parameters(recurse=False)) and _is_norm(owner):
