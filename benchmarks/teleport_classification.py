@@ -61,7 +61,7 @@ from syre_common import finish, header, parser, print_table  # noqa: E402
 from teleport_digits import cross_entropy, first_epoch_at_or_below, mean_std, median_or_none, train  # noqa: E402
 
 from teleopt.datasets import digits_mlp, hidden_rescaling_sites, load_digits  # noqa: E402
-from teleopt.teleport import SafetyConfig, Teleport  # noqa: E402
+from teleopt.teleport import SafetyConfig, Schedule, Teleport  # noqa: E402
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "AdaGrad": (torch.optim.Adagrad, {"lr": 1e-2}),
@@ -103,6 +103,7 @@ def run(opt_name: str, arm: str, seed: int, epochs: int, data) -> dict[str, Any]
             ascent_lr=ascent_lr,
             state_policy=policy,
             safety=safety,
+            schedule=Schedule(),
         )
         current[0] = teleport
     teleport_rows = torch.Generator().manual_seed(10_000 + seed)

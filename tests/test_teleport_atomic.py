@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from teleopt import Site, get_action
-from teleopt.teleport import SafetyConfig, Teleport
+from teleopt.teleport import SafetyConfig, Schedule, Teleport
 from teleopt.teleport.engine import TeleportEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -441,7 +441,13 @@ def test_a_fault_in_a_paper_compat_teleport_leaves_everything_bitwise_as_before(
         get_action("data_dependent_gl", activation="leaky_relu", negative_slope=0.1), ("0.weight", None, "2.weight"), data_input="0"
     )
     opt = Teleport(
-        torch.optim.Adam(model.parameters(), lr=1e-2), model, [site], loss_fn=nn.functional.mse_loss, paper_compat=True, ascent_steps=3
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        model,
+        [site],
+        loss_fn=nn.functional.mse_loss,
+        paper_compat=True,
+        ascent_steps=3,
+        schedule=Schedule(),
     )
     for _ in range(2):
         opt.zero_grad()

@@ -42,6 +42,7 @@ from teleopt.teleport.config import (
     check_shortcuts,
     checked_batch,
     resolve_data,
+    resolve_objective,
     resolve_safety,
     resolve_schedule,
     resolve_search,
@@ -116,16 +117,17 @@ class Teleport(OptimizerWrapper):
         (``requires_grad=False``) after the wrapper was built is left out of the
         teleports while it is frozen.
     objective:
-        ``"grad_norm"`` (default), ``"preconditioned_norm"``, ``"lookahead"``,
-        ``"sharpness"``, ``"curvature"``, ``"balance"`` (least weight norm on the orbit, in
-        closed form) or an :class:`~teleopt.teleport.objectives.Objective`.
+        ``"grad_norm"``, ``"preconditioned_norm"``, ``"lookahead"``, ``"sharpness"``,
+        ``"curvature"``, ``"balance"`` (least weight norm on the orbit, in closed form) or an
+        :class:`~teleopt.teleport.objectives.Objective`.  Default (``None``): ``"balance"``
+        on its default schedule when no schedule is given either, else ``"grad_norm"``.
     schedule:
         When to teleport (:class:`~teleopt.teleport.schedule.Schedule`); shortcuts
         ``every``, ``at``, ``when``, ``warmup``, ``batches``, ``max_teleports``.  Without
         ``every``/``at``/``when`` the objective's default applies: ``"balance"`` every 50
-        steps from step 50; every other objective (the default ``"grad_norm"`` included)
-        only when :meth:`teleport` is called (a ``UserWarning`` says so; an explicit
-        ``schedule=Schedule()`` chooses it without one).  No default teleports at step 0.
+        steps from step 50; every other objective only when :meth:`teleport` is called (a
+        ``UserWarning`` says so; an explicit ``schedule=Schedule()`` chooses it without
+        one).  No default teleports at step 0.
     search:
         How elements are chosen (:class:`~teleopt.teleport.search.SearchConfig`: ascent
         steps and step size, trust region, path, strategy); shortcuts ``ascent_steps``,
@@ -175,7 +177,7 @@ class Teleport(OptimizerWrapper):
         model: nn.Module,
         sites: str | Sequence[Site] = "auto",
         *,
-        objective: str | Objective = "grad_norm",
+        objective: str | Objective | None = None,
         schedule: Schedule | None = None,
         search: SearchConfig | None = None,
         safety: SafetyConfig | None = None,
@@ -196,7 +198,7 @@ class Teleport(OptimizerWrapper):
         self._module = unwrap(model)
         self._hook_target = hook_target(model)
         check_model_matches_optimizer(self._module, self.param_groups)
-        self._objective = get_objective(objective)
+        self._objective = get_objective(resolve_objective(objective, schedule, shortcuts, bool(paper_compat)))
         self._schedule = resolve_schedule(schedule, shortcuts, self._objective.default_schedule())
         warn_scale_free_objective(self._objective.name, self._schedule, self.innermost)
         self._search = search
