@@ -46,7 +46,7 @@ from torch.optim import Optimizer
 
 from teleopt.datasets import Digits, MLPRegression, digits_mlp, hidden_rescaling_sites, load_digits, mlp_regression
 from teleopt.syre import Syre
-from teleopt.teleport import Teleport
+from teleopt.teleport import Schedule, Teleport
 
 __all__ = ["RunResult", "DemoResult", "run_demo", "plot", "main", "feature_rank"]
 
@@ -225,7 +225,13 @@ def _digits_arms() -> list[_Arm]:
         # the realistic suite's recommendation for SGD: least weight norm on the orbit every 50 steps from step 50
         def build(model: nn.Sequential, batch_fn: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Optimizer, Teleport | None]:
             t = Teleport(
-                sgd(model, lr), model, hidden_rescaling_sites(model), objective="balance", loss_fn=cross_entropy, batch_fn=batch_fn
+                sgd(model, lr),
+                model,
+                hidden_rescaling_sites(model),
+                objective="balance",
+                schedule=Schedule(every=50, warmup=50),
+                loss_fn=cross_entropy,
+                batch_fn=batch_fn,
             )
             return t, t
 

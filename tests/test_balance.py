@@ -290,13 +290,13 @@ def test_a_teleport_without_schedule_arguments_never_fires_at_step_zero():
     # a manual schedule (the papers' grad_norm objective, chosen by giving a schedule) teleports only on request
     opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, relu_sites(1), schedule=Schedule())
     assert opt.objective.name == "grad_norm" and opt.schedule.manual and steps(opt, 60) == []
-    # balance: every 50 steps from step 50
+    # balance: every 200 steps from step 200
     opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, relu_sites(1), objective="balance")
     assert not opt.schedule.due(0, 0)
-    assert steps(opt, 101) == [50, 100]
+    assert steps(opt, 401) == [200, 400]
     # a given warm-up replaces the default one; a given schedule replaces it all
     opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, relu_sites(1), objective="balance", warmup=70)
-    assert [t for t in range(200) if opt.schedule.due(t, 0)] == [70, 120, 170]
+    assert [t for t in range(700) if opt.schedule.due(t, 0)] == [70, 270, 470, 670]
     opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, relu_sites(1), objective="balance", at=[3])
     assert [t for t in range(200) if opt.schedule.due(t, 0)] == [3]
 
@@ -500,7 +500,7 @@ def test_balance_teleport_on_a_gl_site_is_exact_and_moves_state():
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
         opt.step()
-    assert opt.reports == []  # the default schedule starts at step 50
+    assert opt.reports == []  # the default schedule starts at step 200
     opt.zero_grad()
     ((model(x) - y) ** 2).mean().backward()
     out = model(x).detach()
