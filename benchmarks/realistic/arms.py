@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from teleopt.detection import find_symmetries
 from teleopt.site import Site
 from teleopt.syre import Syre
-from teleopt.teleport import Teleport
+from teleopt.teleport import Schedule, Teleport
 
 __all__ = ["ArmContext", "ARMS", "TELEPORT_ARMS", "DECAY_ARMS"]
 
@@ -133,13 +133,21 @@ ARMS: dict[str, Callable[[ArmContext], Optimizer]] = {
     "teleport_once": lambda c: Teleport(c.optimizer(), c.model, "auto", at=[c.teleport_step], **c.teleport_kwargs()),
     "teleport_once_allsites": lambda c: Teleport(c.optimizer(), c.model, c.all_sites(), at=[c.teleport_step], **c.teleport_kwargs()),
     "teleport_every200": lambda c: Teleport(c.optimizer(), c.model, "auto", every=200, **c.teleport_kwargs()),
-    # least weight norm on the orbit (closed form) on its default schedule, every 50 steps from step 50, with the
-    # baseline's weight decay
-    "balance_every": lambda c: Teleport(c.optimizer(), c.model, "auto", objective="balance", **c.teleport_kwargs()),
+    # least weight norm on the orbit (closed form) every 50 steps from step 50 (its default schedule until 2026-11-27),
+    # with the baseline's weight decay
+    "balance_every": lambda c: Teleport(
+        c.optimizer(), c.model, "auto", objective="balance", schedule=Schedule(every=50, warmup=50), **c.teleport_kwargs()
+    ),
     # the same, 4x less often: 10 teleports in 2000 steps, each costing ~10 iterations on the MLPs
     "balance_every200": lambda c: Teleport(c.optimizer(), c.model, "auto", objective="balance", every=200, **c.teleport_kwargs()),
+    # the same, every 200 steps from step 200 (after every configuration's lr warm-up; none at initialisation)
+    "balance_every200_from200": lambda c: Teleport(
+        c.optimizer(), c.model, "auto", objective="balance", schedule=Schedule(every=200, warmup=200), **c.teleport_kwargs()
+    ),
     # the same on every exact site, normalisation-affine rescalings included
-    "balance_every_allsites": lambda c: Teleport(c.optimizer(), c.model, c.all_sites(), objective="balance", **c.teleport_kwargs()),
+    "balance_every_allsites": lambda c: Teleport(
+        c.optimizer(), c.model, c.all_sites(), objective="balance", schedule=Schedule(every=50, warmup=50), **c.teleport_kwargs()
+    ),
     # the decay comparison (Ziyin et al. 2025): plain decay towards zero vs towards a random static anchor, same strength
     "weight_decay": lambda c: c.optimizer(weight_decay=c.decay),
     "syre_default": lambda c: c.syre(),
