@@ -124,8 +124,8 @@ class Teleport(OptimizerWrapper):
     schedule:
         When to teleport (:class:`~teleopt.teleport.schedule.Schedule`); shortcuts
         ``every``, ``at``, ``when``, ``warmup``, ``batches``, ``max_teleports``.  Without
-        ``every``/``at``/``when`` the objective's default applies: ``"balance"`` every 50
-        steps from step 50; every other objective only when :meth:`teleport` is called (a
+        ``every``/``at``/``when`` the objective's default applies: ``"balance"`` every 200
+        steps from step 200; every other objective only when :meth:`teleport` is called (a
         ``UserWarning`` says so; an explicit ``schedule=Schedule()`` chooses it without
         one).  No default teleports at step 0.
     search:
