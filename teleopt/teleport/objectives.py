@@ -376,8 +376,8 @@ class Balance(Objective):
         """Every 200 steps from step 200 (never at step 0, before any training; after the usual lr warm-ups).
 
         Chosen on benchmarks/realistic as the schedule of ``Teleport``'s default (figures: ``docs/teleport.md``,
-        "When to use which"): on the byte-level Llama every 50 steps cost 20% of the steps in teleports and ended
-        above 1.01x the tuned baseline's best validation loss; every 200 steps did not."""
+        "When to use which"): on the byte-level Llama every 50 steps cost 16-20% of the steps in teleports and
+        ended above 1.01x the tuned baseline's best validation loss in one of two seeds; every 200 steps did not."""
         return Schedule(every=DEFAULT_BALANCE_EVERY, warmup=DEFAULT_BALANCE_EVERY)
 
     def prepare(self, evaluator: Evaluator, generator: torch.Generator) -> WeightNormModel:
