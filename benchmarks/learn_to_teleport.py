@@ -138,13 +138,15 @@ def teleport_in_teleport_cost(policy: TeleportPolicy, width: int, reps: int) -> 
     from teleopt import Site
     from teleopt.actions import PositiveRescaling
     from teleopt.learned_teleport import PolicySearch
-    from teleopt.teleport import SearchConfig, Teleport
+    from teleopt.teleport import Schedule, SearchConfig, Teleport
 
     gen = torch.Generator().manual_seed(7)
     model = nn.Sequential(nn.Linear(784, width, bias=False), nn.LeakyReLU(0.1), nn.Linear(width, 10, bias=False))
     x, y = torch.randn(256, 784, generator=gen), torch.randn(256, 10, generator=gen)
     site = Site(PositiveRescaling("leaky_relu", negative_slope=0.1), ("0.weight", None, "2.weight"))
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, [site], search=SearchConfig(strategy=PolicySearch(policy)))
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=1e-3), model, [site], search=SearchConfig(strategy=PolicySearch(policy)), schedule=Schedule()
+    )
 
     def backward() -> None:
         opt.zero_grad()

@@ -61,7 +61,7 @@ from syre_common import finish, header, parser, print_table  # noqa: E402
 from teleport_digits import cross_entropy, first_epoch_at_or_below, mean_std, median_or_none, train  # noqa: E402
 
 from teleopt.datasets import digits_mlp, hidden_rescaling_sites, load_digits  # noqa: E402
-from teleopt.teleport import SafetyConfig, SearchConfig, Teleport  # noqa: E402
+from teleopt.teleport import SafetyConfig, Schedule, SearchConfig, Teleport  # noqa: E402
 
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "AdaGrad": (torch.optim.Adagrad, {"lr": 1e-2}),
@@ -102,6 +102,7 @@ def run(opt_name: str, arm: str, seed: int, epochs: int, data) -> dict[str, Any]
             state_policy=policy,
             safety=safety,
             search=SearchConfig(steps=ASCENT_STEPS, lr=ascent_lr),
+            schedule=Schedule(),
         )
         current[0] = teleport
     teleport_rows = torch.Generator().manual_seed(10_000 + seed)

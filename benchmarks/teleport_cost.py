@@ -114,7 +114,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from teleopt import AxisAction, Member, Site, get_action
-from teleopt.teleport import SafetyConfig, SearchConfig, Teleport
+from teleopt.teleport import SafetyConfig, Schedule, SearchConfig, Teleport
 
 LEAKY = get_action("positive_rescaling", activation="leaky_relu", negative_slope=0.1)
 RELU = get_action("positive_rescaling", activation="relu")
@@ -224,7 +224,9 @@ def peak_extra_memory(
     x, y = batch
     example = x[:2] if sites == "auto" else None
     safety = SafetyConfig(watch_steps=watch, watch_restore=restore)
-    wrapper = Teleport(torch.optim.Adam(model.parameters(), lr=1e-4), model, sites, example_inputs=example, safety=safety)
+    wrapper = Teleport(
+        torch.optim.Adam(model.parameters(), lr=1e-4), model, sites, example_inputs=example, safety=safety, schedule=Schedule()
+    )
     for _ in range(2):  # one step so that Adam's state exists, then the gradient the teleport reads
         wrapper.zero_grad()
         loss_fn(model(x), y).backward()
@@ -291,7 +293,7 @@ def measure(
     example = x[:2] if sites == "auto" else None
     bare = torch.optim.Adam(model.parameters(), lr=1e-4)
     base = torch.optim.Adam(model.parameters(), lr=1e-4)
-    wrapper = Teleport(base, model, sites, example_inputs=example, safety=SafetyConfig(watch_steps=0))
+    wrapper = Teleport(base, model, sites, example_inputs=example, safety=SafetyConfig(watch_steps=0), schedule=Schedule())
     n_params = sum(p.numel() for p in model.parameters())
     # the time a step spends outside the optimizer's update: each optimizer's step hooks time its update, so
     # the rest (torch's step machinery, and the wrapper's own work) is measured directly, not as the
@@ -378,6 +380,7 @@ def measure(
         wrapper.sites,
         safety=SafetyConfig(watch_steps=0, max_predicted_decrease=None),
         search=SearchConfig(steps=steps, trust_region=None, path="fast"),
+        schedule=Schedule(),
     )
     general10 = Teleport(
         torch.optim.Adam(model.parameters(), lr=1e-4),
@@ -386,6 +389,7 @@ def measure(
         loss_fn=loss_fn,
         safety=SafetyConfig(watch_steps=0, max_predicted_decrease=None, loss_tol=1e-3),
         search=SearchConfig(steps=steps, trust_region=None, path="general"),
+        schedule=Schedule(),
     )
     f10, g10 = [], []  # each from the start point too: 500 accepted 10-step teleports in a row blew mlp-5678 up
     for _ in range(reps):
@@ -495,7 +499,12 @@ def search_main(args: argparse.Namespace) -> None:
             model = model.to(DEVICE)
             x, y = (t.to(DEVICE) for t in batch)
             wrapper = Teleport(
-                torch.optim.Adam(model.parameters(), lr=1e-4), model, sites, safety=SafetyConfig(watch_steps=0), search=search
+                torch.optim.Adam(model.parameters(), lr=1e-4),
+                model,
+                sites,
+                safety=SafetyConfig(watch_steps=0),
+                search=search,
+                schedule=Schedule(),
             )
             model.zero_grad()
             loss_fn(model(x), y).backward()
@@ -529,7 +538,7 @@ def overhead_main(args: argparse.Namespace) -> None:
     model, sites, (x, y) = mlp_5678()
     model, x, y = model.to(DEVICE), x.to(DEVICE), y.to(DEVICE)
     bare = torch.optim.Adam(model.parameters(), lr=1e-4)
-    wrapper = Teleport(torch.optim.Adam(model.parameters(), lr=1e-4), model, sites, safety=SafetyConfig(watch_steps=0))
+    wrapper = Teleport(torch.optim.Adam(model.parameters(), lr=1e-4), model, sites, safety=SafetyConfig(watch_steps=0), schedule=Schedule())
 
     backward = backward_of(model, x, y, regression)
     backward()
@@ -662,7 +671,7 @@ def measure_checked(
     model = model.to(DEVICE)
     x, y = (t.to(DEVICE) for t in batch)
     base = optimizer([p for p in model.parameters() if p.requires_grad])
-    wrapper = Teleport(base, model, sites, example_inputs=(x[:2],), loss_fn=loss_fn, batch_fn=lambda: (x, y))
+    wrapper = Teleport(base, model, sites, example_inputs=(x[:2],), loss_fn=loss_fn, batch_fn=lambda: (x, y), schedule=Schedule())
 
     def iteration() -> None:
         base.zero_grad()

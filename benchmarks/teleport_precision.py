@@ -131,7 +131,13 @@ def _wrapper(model: nn.Module, sites: Any, batch: Callable[[int], Batch], loss_f
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return teleopt.Teleport(
-            torch.optim.Adam(model.parameters(), 1e-3), model, sites, loss_fn=loss_fn, batch_fn=lambda: batch(next(calls)), **kw
+            torch.optim.Adam(model.parameters(), 1e-3),
+            model,
+            sites,
+            objective="grad_norm",
+            loss_fn=loss_fn,
+            batch_fn=lambda: batch(next(calls)),
+            **kw,
         )
 
 

@@ -17,7 +17,7 @@ teleopt's wrappers take any ``torch.optim.Optimizer``, including the ones from t
 * saves a checkpoint mid-run, loads it with ``torch.load(weights_only=True)`` into
   a fresh model and fresh wrappers, and checks that both runs continue identically.
 
-Why balance and not the default ``"grad_norm"`` objective: Yogi and Lamb take
+Why balance and not the papers' ``"grad_norm"`` objective: Yogi and Lamb take
 steps that do not scale with the gradient, and grad-norm teleports grow the
 gradient by shrinking layers, so the next steps are large relative to the shrunk
 weights and training diverges (``Teleport`` warns about that configuration; see

@@ -227,7 +227,13 @@ def _digits_arms() -> list[_Arm]:
         # the realistic suite's recommendation for SGD: least weight norm on the orbit every 50 steps from step 50
         def build(model: nn.Sequential, batch_fn: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Optimizer, Teleport | None]:
             t = Teleport(
-                sgd(model, lr), model, hidden_rescaling_sites(model), objective="balance", loss_fn=cross_entropy, batch_fn=batch_fn
+                sgd(model, lr),
+                model,
+                hidden_rescaling_sites(model),
+                objective="balance",
+                schedule=Schedule(every=50, warmup=50),
+                loss_fn=cross_entropy,
+                batch_fn=batch_fn,
             )
             return t, t
 

@@ -294,13 +294,13 @@ def test_a_teleport_without_schedule_arguments_never_fires_at_step_zero():
             opt.step()
         return [r.step for r in opt.reports]
 
-    # the default objective (grad_norm) teleports only on request
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, relu_sites(1))
-    assert opt.schedule.manual and steps(opt, 60) == []
-    # balance: every 50 steps from step 50
+    # a manual schedule (the papers' grad_norm objective, chosen by giving a schedule) teleports only on request
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, relu_sites(1), schedule=Schedule())
+    assert opt.objective.name == "grad_norm" and opt.schedule.manual and steps(opt, 60) == []
+    # balance: every 200 steps from step 200
     opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, relu_sites(1), objective="balance")
     assert not opt.schedule.due(0, 0)
-    assert steps(opt, 101) == [50, 100]
+    assert steps(opt, 401) == [200, 400]
     # a given schedule replaces it all
     opt = Teleport(
         torch.optim.SGD(model.parameters(), lr=1e-2), model, relu_sites(1), objective="balance", schedule=Schedule(every=50, warmup=70)
@@ -315,7 +315,7 @@ def test_auto_leaves_out_normalisation_affine_sites_under_adaptive_optimizers():
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.LayerNorm(8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).double()
     x = torch.randn(4, 6, dtype=torch.float64)
     with pytest.warns(UserWarning, match="normalisation-affine"):
-        adam = Teleport(torch.optim.AdamW(model.parameters()), model, "auto", example_inputs=x)
+        adam = Teleport(torch.optim.AdamW(model.parameters()), model, "auto", example_inputs=x, schedule=Schedule())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         sgd = Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, "auto", example_inputs=x, schedule=Schedule())
@@ -509,7 +509,7 @@ def test_balance_teleport_on_a_gl_site_is_exact_and_moves_state():
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
         opt.step()
-    assert opt.reports == []  # the default schedule starts at step 50
+    assert opt.reports == []  # the default schedule starts at step 200
     opt.zero_grad()
     ((model(x) - y) ** 2).mean().backward()
     out = model(x).detach()

@@ -13,7 +13,7 @@ from torch import nn
 
 from teleopt import Site, get_action
 from teleopt.groups import GeneralLinear, PositiveScaling, Translation
-from teleopt.teleport import BoundaryStep, GradientAscent, SafetyConfig, SearchConfig, Teleport
+from teleopt.teleport import BoundaryStep, GradientAscent, SafetyConfig, Schedule, SearchConfig, Teleport
 from teleopt.teleport.objectives import GradientNorm, get_objective
 
 F64 = torch.float64
@@ -134,7 +134,9 @@ def _linear_net(seed):
 def _teleported(model, x, y, strategy):
     site = Site(get_action("gl_linear"), ("0.weight", "0.bias", "1.weight"))
     search = SearchConfig(strategy=strategy) if strategy is not None else None
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, [site], safety=SafetyConfig(watch_steps=0), search=search)
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=1e-3), model, [site], safety=SafetyConfig(watch_steps=0), search=search, schedule=Schedule()
+    )
     opt.zero_grad()
     nn.functional.mse_loss(model(x), y).backward()
     return opt.teleport()
@@ -166,7 +168,9 @@ def _relu_mlp(seed):
 def _rescaled(model, x, y, **kwargs):
     relu = get_action("positive_rescaling", activation="relu")
     sites = [Site(relu, ("0.weight", "0.bias", "2.weight")), Site(relu, ("2.weight", "2.bias", "4.weight"))]
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, sites, safety=SafetyConfig(watch_steps=0), **kwargs)
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=1e-3), model, sites, safety=SafetyConfig(watch_steps=0), **kwargs, schedule=Schedule()
+    )
     opt.zero_grad()
     nn.functional.mse_loss(model(x), y).backward()
     return opt.teleport()

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import teleopt
-from teleopt.teleport import SafetyConfig, SearchConfig, Teleport
+from teleopt.teleport import SafetyConfig, Schedule, SearchConfig, Teleport
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -38,7 +38,7 @@ def _teleported(device: str, **kwargs: Any) -> tuple[float, float, list[torch.Te
     loss before/after, parameters, report."""
     model = mlp(0).to(device)
     x, y = (t.to(device) for t in data())
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, rescaling_sites(), loss_fn=mse, **kwargs)
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, rescaling_sites(), loss_fn=mse, **kwargs, schedule=Schedule())
     mse(model(x), y).backward()
     with torch.no_grad():
         before = float(mse(model(x), y))
@@ -212,7 +212,9 @@ def test_the_output_check_seeds_the_gpu_generator_too():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 4)).double().cuda()
     x, y = torch.randn(32, 8, dtype=torch.float64, device="cuda"), torch.randint(0, 4, (32,), device="cuda")
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, "auto", loss_fn=F.cross_entropy, safety=SafetyConfig())
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=0.01), model, "auto", loss_fn=F.cross_entropy, safety=SafetyConfig(), schedule=Schedule()
+    )
     F.cross_entropy(model(x), y).backward()
     report = opt.teleport(batch=(x, y))
     assert report.accepted, report.reason
@@ -226,7 +228,7 @@ def _gl_teleported(device: str) -> tuple[Any, list[torch.Tensor], float]:
     model = nn.Sequential(nn.Linear(12, 16), nn.Linear(16, 10, bias=False)).double().to(device)
     x, y = torch.randn(32, 12, dtype=torch.float64).to(device), torch.randn(32, 10, dtype=torch.float64).to(device)
     site = teleopt.Site(teleopt.get_action("gl_linear"), ("0.weight", "0.bias", "1.weight"))
-    opt = Teleport(torch.optim.Adam(model.parameters(), lr=1e-3), model, [site], example_inputs=x[:8])
+    opt = Teleport(torch.optim.Adam(model.parameters(), lr=1e-3), model, [site], example_inputs=x[:8], schedule=Schedule())
     before = model(x).detach()
     F.mse_loss(model(x), y).backward()
     report = opt.teleport()
@@ -265,7 +267,14 @@ def test_rollbacks_by_the_inverse_elements_on_the_gpu():
     model = nn.Sequential(nn.Linear(5, 6), nn.LeakyReLU(0.1), nn.Linear(6, 3)).cuda()
     x, y = torch.randn(16, 5).cuda(), torch.randn(16, 3).cuda()
     bad = teleopt.Site(_wrong_rescaling(), ("0.weight", "0.bias", "2.weight"))
-    opt = Teleport(torch.optim.Adam(model.parameters(), lr=1e-3), model, [bad], loss_fn=F.mse_loss, safety=SafetyConfig(watch_steps=0))
+    opt = Teleport(
+        torch.optim.Adam(model.parameters(), lr=1e-3),
+        model,
+        [bad],
+        loss_fn=F.mse_loss,
+        safety=SafetyConfig(watch_steps=0),
+        schedule=Schedule(),
+    )
     F.mse_loss(model(x), y).backward()
     before = copy.deepcopy(model.state_dict())
     copies = []
@@ -286,7 +295,12 @@ def test_rollbacks_by_the_inverse_elements_on_the_gpu():
     leaky = teleopt.get_action("positive_rescaling", activation="leaky_relu", negative_slope=0.1)
     good = [teleopt.Site(leaky, ("0.weight", "0.bias", "2.weight"))]
     opt = Teleport(
-        torch.optim.Adam(model.parameters(), lr=1e-3), model, good, example_inputs=x[:8], safety=SafetyConfig(watch_restore="inverse")
+        torch.optim.Adam(model.parameters(), lr=1e-3),
+        model,
+        good,
+        example_inputs=x[:8],
+        safety=SafetyConfig(watch_restore="inverse"),
+        schedule=Schedule(),
     )
     model.zero_grad()
     F.mse_loss(model(x), y).backward()

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from teleopt import Site, get_action
-from teleopt.teleport import SafetyConfig, SearchConfig, Teleport
+from teleopt.teleport import SafetyConfig, Schedule, SearchConfig, Teleport
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.coordinates import zero_coordinates
 from teleopt.teleport.fast_path import FastEvaluator
@@ -130,6 +130,7 @@ def test_a_capped_checked_teleport_never_simulates_the_optimizer_and_decides_as_
             loss_fn=lambda out, y: ((out - y) ** 2).mean(),
             safety=SafetyConfig(max_predicted_decrease=0.05, watch_steps=0),
             search=SearchConfig(trust_region=3.0),
+            schedule=Schedule(),
         )
         calls = []
         simulated = FastEvaluator.first_order_decrease

@@ -157,13 +157,14 @@ def test_auto_teleport_on_a_causal_lm_moves_along_the_attention_sites():
     import warnings
 
     from teleopt import Teleport
+    from teleopt.teleport import Schedule
 
     model = build("llama").float()
     batch = {"input_ids": ids(), "labels": ids()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the norm-gain sites are left out under AdamW, with a warning
-        tele = Teleport(opt, model, "auto", example_kwargs=batch, loss_fn=None, batch_fn=lambda: batch)
+        tele = Teleport(opt, model, "auto", example_kwargs=batch, loss_fn=None, batch_fn=lambda: batch, schedule=Schedule())
     names = {s.action.name for s in tele.sites}
     assert {"attention_qk_rotary_scaling", "attention_vo_gl"} <= names
     model(**batch).loss.backward()

@@ -21,7 +21,7 @@ from teleopt.functional import Batch
 from teleopt.groups import GeneralLinear
 from teleopt.groups.cache import active_placements, remembering_placements
 from teleopt.numerics import all_finite_sums, read_together
-from teleopt.teleport import SafetyConfig, Teleport
+from teleopt.teleport import SafetyConfig, Schedule, Teleport
 from teleopt.teleport.check import buffers_restored, forward, seeded
 from teleopt.teleport.coordinates import max_abs
 from teleopt.teleport.gradient_norm import GradientNormModel, _to_host
@@ -106,7 +106,7 @@ def _relu_mlp(depth: int) -> tuple[nn.Sequential, list[Site]]:
 def _reads_of_one_teleport(depth: int) -> int:
     model, sites = _relu_mlp(depth)
     x, y = torch.randn(16, 8), torch.randn(16, 8)
-    opt = Teleport(torch.optim.Adam(model.parameters(), lr=1e-3), model, sites, safety=SafetyConfig(watch_steps=0))
+    opt = Teleport(torch.optim.Adam(model.parameters(), lr=1e-3), model, sites, safety=SafetyConfig(watch_steps=0), schedule=Schedule())
     nn.functional.mse_loss(model(x), y).backward()
     opt.step()
     opt.zero_grad()

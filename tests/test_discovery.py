@@ -21,7 +21,7 @@ from teleopt.discovery import ActionNetwork, DiscoveryConfig, LearnedAction, dis
 from teleopt.discovery.binding import SubnetworkAction, bind, module_input
 from teleopt.discovery.diagnostics import abs_cosine, compare_curves, data_sensitivity, principal_angles, span_residual
 from teleopt.discovery.samples import SampleSpec
-from teleopt.teleport import SearchConfig
+from teleopt.teleport import Schedule, SearchConfig
 from teleopt.testing import assert_group_axioms, check_action, group_elements
 from teleopt.testing.strategies import default_max_norm
 
@@ -495,7 +495,13 @@ def test_teleport_uses_a_learned_action_loaded_from_file(block_action, tmp_path)
         def teleporter(tol):
             opt = torch.optim.SGD(model.parameters(), lr=1e-2)
             return teleopt.Teleport(
-                opt, model, [site], loss_fn=mse, safety=SafetyConfig(loss_tol=tol), search=SearchConfig(path="general", steps=3)
+                opt,
+                model,
+                [site],
+                loss_fn=mse,
+                safety=SafetyConfig(loss_tol=tol),
+                search=SearchConfig(path="general", steps=3),
+                schedule=Schedule(),
             )
 
         report = teleporter(LEARNED_LOSS_TOL).teleport(batch=batch)
@@ -520,9 +526,11 @@ def test_teleport_rejects_a_learned_site_that_does_not_match(block_action):
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     wrong = teleopt.Site(block_action, ("wide1.weight", "wide2.weight"), data_input="wide1")
     with pytest.raises(ValueError, match=r"'W1' has shape \(3, 1\), but the learned action acts on shape \(1, 1\)"):
-        teleopt.Teleport(opt, model, [wrong], loss_fn=nn.functional.mse_loss, search=SearchConfig(path="general"))
+        teleopt.Teleport(opt, model, [wrong], loss_fn=nn.functional.mse_loss, search=SearchConfig(path="general"), schedule=Schedule())
     site = bind(block_action, model, ["block1.weight", "block2.weight"], "block1")
-    teleport = teleopt.Teleport(opt, model, [site], loss_fn=nn.functional.mse_loss, search=SearchConfig(path="general"))
+    teleport = teleopt.Teleport(
+        opt, model, [site], loss_fn=nn.functional.mse_loss, search=SearchConfig(path="general"), schedule=Schedule()
+    )
     gen = torch.Generator().manual_seed(8)
     batch = (torch.randn(8, 3, generator=gen, dtype=F64), torch.randn(8, 2, generator=gen, dtype=F64))
     before = {n: t.detach().clone() for n, t in model.state_dict().items()}

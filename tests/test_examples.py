@@ -229,7 +229,9 @@ def test_09_lightning(capsys):
     assert accepted and all(r.loss_drift is not None and r.loss_drift <= 1e-5 for r in accepted)
     assert resumed.syre.penalty() > 0
     assert result["accuracy"] > 0.5
-    assert "resumed at step" in capsys.readouterr().out
+    assert result["accuracy"] >= result["baseline_accuracy"] - 0.005  # no worse than the bare AdamW (0.838 vs 0.836)
+    printed = capsys.readouterr().out
+    assert "resumed at step" in printed and "baseline (AdamW alone" in printed
 
 
 def test_10_fsdp2_under_torchrun(capsys):

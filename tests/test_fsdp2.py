@@ -25,7 +25,7 @@ from torch import nn
 
 from teleopt import Site, Syre, get_action
 from teleopt.sharding import reshard
-from teleopt.teleport import SafetyConfig, SearchConfig, Teleport
+from teleopt.teleport import SafetyConfig, Schedule, SearchConfig, Teleport
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without distributed")
 
@@ -139,7 +139,7 @@ PROBE = torch.linspace(-2, 2, 5 * 6).reshape(5, 6)
 
 def _teleport(model: nn.Module, **kwargs: Any) -> Teleport:
     base = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    return Teleport(base, model, SITES, loss_fn=_mse, **kwargs, search=SearchConfig(steps=10))
+    return Teleport(base, model, SITES, loss_fn=_mse, **kwargs, search=SearchConfig(steps=10), objective="grad_norm")
 
 
 def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -177,7 +177,7 @@ def _teleport_worker(rank: int, _: str) -> dict[str, Any]:
     refused = {}
     for what, kwargs in {"auto": {"sites": "auto"}, "general": {"sites": SITES, "search": SearchConfig(path="general")}}.items():
         try:
-            Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, **kwargs)
+            Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, **kwargs, schedule=Schedule())
             refused[what] = "no error"
         except ValueError as error:
             refused[what] = str(error)
@@ -190,7 +190,7 @@ def _teleport_worker(rank: int, _: str) -> dict[str, Any]:
     tensor_parallel.weight = nn.Parameter(distribute_tensor(tensor_parallel.weight.detach(), init_device_mesh("cpu", (WORLD,)), [Shard(1)]))
     for what, layout in {"hsdp": hsdp, "tensor_parallel": tensor_parallel}.items():
         try:
-            Teleport(torch.optim.SGD(layout.parameters(), lr=0.1), layout, [])
+            Teleport(torch.optim.SGD(layout.parameters(), lr=0.1), layout, [], schedule=Schedule())
             refused[what] = "no error"
         except ValueError as error:
             refused[what] = str(error)
@@ -524,7 +524,7 @@ def _models_worker(rank: int, _: str, kinds: tuple[str, ...] = ("cnn", "transfor
         model = _shard_all(model, shard_placement_fn(model, sites) if rows else None)
         placements = {n: str(p.placements) for n, p in model.named_parameters()}
         with pytest.warns(UserWarning) if kind != "cnn" else contextlib.nullcontext():  # LayerNorm sites left out
-            auto = Teleport(torch.optim.AdamW(model.parameters()), model, "auto", example_inputs=(data(rank, 0)[0],))
+            auto = Teleport(torch.optim.AdamW(model.parameters()), model, "auto", example_inputs=(data(rank, 0)[0],), schedule=Schedule())
         auto_sites = [s.name for s in auto.sites or []]
         calls = iter(range(100))
         opt = _models_optimizer(model, sites, lambda data=data, calls=calls: data(rank, 50 + next(calls)))
@@ -584,7 +584,7 @@ def _like_one_process(runs: list[dict[str, Any]], kind: str, world: int) -> list
     # sites="auto" on the sharded model (detected on an unsharded copy) picks what it picks unsharded
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        auto = Teleport(torch.optim.AdamW(model.parameters()), model, "auto", example_inputs=(data(0, 0)[0],))
+        auto = Teleport(torch.optim.AdamW(model.parameters()), model, "auto", example_inputs=(data(0, 0)[0],), schedule=Schedule())
     assert all(run["auto_sites"] == [s.name for s in auto.sites or []] for run in runs), (runs[0]["auto_sites"], auto.sites)
     assert runs[0]["auto_sites"]
 

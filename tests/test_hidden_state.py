@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from teleopt import Site, get_action
 from teleopt.groups import GroupCache
 from teleopt.groups.cache import active_cache
-from teleopt.teleport import SafetyConfig, Teleport
+from teleopt.teleport import SafetyConfig, Schedule, Teleport
 
 PACKAGE = Path(__file__).resolve().parents[1] / "teleopt"
 STATELESS = ("groups",)  # packages under teleopt/ held to the rule
@@ -116,7 +116,9 @@ def _gl_teleport_counts() -> Counter[str]:
     gl = get_action("gl_linear")
     sites = [Site(gl, ("0.weight", "0.bias", "2.weight")), Site(gl, ("2.weight", "2.bias", "4.weight"))]
     x = torch.randn(16, 8)
-    opt = Teleport(torch.optim.AdamW(model.parameters()), model, sites, safety=SafetyConfig(watch_steps=0), example_inputs=x[:8])
+    opt = Teleport(
+        torch.optim.AdamW(model.parameters()), model, sites, safety=SafetyConfig(watch_steps=0), example_inputs=x[:8], schedule=Schedule()
+    )
     nn.functional.mse_loss(model(x), torch.randn(16, 4)).backward()
     with _LinalgCount() as count:
         report = opt.teleport()

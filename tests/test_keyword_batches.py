@@ -16,6 +16,7 @@ from torch import nn
 
 import teleopt
 from teleopt.functional import Batch, FunctionalModel, as_batch
+from teleopt.teleport import Schedule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -85,5 +86,7 @@ def test_teleport_checks_a_keyword_batch_in_train_mode():
 def test_auto_sites_from_keyword_example_inputs():
     torch.manual_seed(0)
     model = _KeywordNet()
-    opt = teleopt.Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, "auto", example_inputs={"features": torch.randn(4, 6)})
+    opt = teleopt.Teleport(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, "auto", example_inputs={"features": torch.randn(4, 6)}, schedule=Schedule()
+    )
     assert opt.sites and {s.action.name for s in opt.sites} == {"positive_rescaling"}

@@ -231,14 +231,16 @@ def test_a_policy_chooses_teleport_elements_inside_teleport_exactly_and_cheaply(
     import time
 
     from teleopt.learned_teleport import PolicySearch
-    from teleopt.teleport import SearchConfig, Teleport
+    from teleopt.teleport import Schedule, SearchConfig, Teleport
 
     policy = randomised_policy(3, teleport_scale=0.2)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 11, bias=False), nn.LeakyReLU(0.1), nn.Linear(11, 3, bias=False)).double()
     site = Site(PositiveRescaling("leaky_relu", negative_slope=0.1), ("0.weight", None, "2.weight"))
     x, y = torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, [site], search=SearchConfig(strategy=PolicySearch(policy)))
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=1e-3), model, [site], search=SearchConfig(strategy=PolicySearch(policy)), schedule=Schedule()
+    )
 
     def loss() -> torch.Tensor:
         return ((model(x) - y) ** 2).sum()
@@ -270,7 +272,7 @@ def test_policy_search_reads_its_inputs_from_the_fast_path_statistics():
     from teleopt.learned_teleport import PolicySearch
     from teleopt.learned_teleport.policy import _norm_gradient
     from teleopt.learned_teleport.search import _fast_features
-    from teleopt.teleport import SearchConfig, Teleport
+    from teleopt.teleport import Schedule, SearchConfig, Teleport
 
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -288,7 +290,9 @@ def test_policy_search_reads_its_inputs_from_the_fast_path_statistics():
             return super().search(problem)
 
     policy = randomised_policy(5, teleport_scale=0.2)
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, sites, search=SearchConfig(strategy=Recording(policy)))
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=1e-3), model, sites, search=SearchConfig(strategy=Recording(policy)), schedule=Schedule()
+    )
     x = torch.randn(32, 6, dtype=torch.float64)
     opt.zero_grad()
     (model(x) ** 2).sum().backward()

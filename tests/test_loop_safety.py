@@ -371,9 +371,10 @@ def test_a_teleport_without_a_schedule_warns_at_construction_unless_it_is_chosen
     model, x, _ = _data()
     sites = [s for s in teleopt.find_symmetries(model, x).sites if s.action.continuous]
     with pytest.warns(UserWarning, match="no schedule"):
-        Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, sites)  # grad_norm: no default schedule
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, sites, objective="grad_norm")  # no default schedule
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, sites)  # the default: balance on its schedule
         Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, sites, schedule=Schedule())
         Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, sites, every=10)
         Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, sites, objective="balance")

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 import teleopt
 from teleopt.groups import GeneralLinear, PositiveScaling
-from teleopt.teleport import SearchConfig, TeleportReport
+from teleopt.teleport import Schedule, SearchConfig, TeleportReport
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))]
 
@@ -31,7 +31,12 @@ def _mlp_teleport(dtype: torch.dtype, device: str = "cpu") -> tuple[nn.Module, t
     model, x, y = model.to(device), x.to(device), y.to(device)
     # trust region 0.9: the search ends inside it, where scales are not powers of two by themselves
     opt = teleopt.Teleport(
-        torch.optim.SGD(model.parameters(), lr=0.01), model, "auto", loss_fn=F.cross_entropy, search=SearchConfig(trust_region=0.9)
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        model,
+        "auto",
+        loss_fn=F.cross_entropy,
+        search=SearchConfig(trust_region=0.9),
+        schedule=Schedule(),
     )
     F.cross_entropy(model(x).float(), y).backward()
     with torch.no_grad():

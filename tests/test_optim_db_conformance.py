@@ -45,7 +45,7 @@ from torch.testing._internal.common_optimizers import optim_db
 
 from teleopt import Site, get_action
 from teleopt.syre import Syre
-from teleopt.teleport import Teleport
+from teleopt.teleport import Schedule, Teleport
 from teleopt.wrapper import OptimizerWrapper
 
 MODES = ("syre_off", "syre", "teleport_off", "syre_of_teleport", "teleport_of_syre")
@@ -186,7 +186,7 @@ def wrap(base: torch.optim.Optimizer, model: torch.nn.Module, problem: Problem, 
         return Syre(opt, gamma=gamma, sigma0=0.5, decoupled=decoupled, seed=3)
 
     def teleport(opt: torch.optim.Optimizer) -> Teleport:
-        return Teleport(opt, model, problem.sites())  # manual schedule: never teleports by itself
+        return Teleport(opt, model, problem.sites(), schedule=Schedule())  # manual schedule: never teleports by itself
 
     if mode == "syre_off":
         return syre(base, 0.0)
@@ -274,7 +274,7 @@ def teleport_gap(what: str) -> str | None:
         return loss
 
     if what == "closure_base":
-        optimizer = Teleport(torch.optim.LBFGS(model.parameters()), model, [])
+        optimizer = Teleport(torch.optim.LBFGS(model.parameters()), model, [], schedule=Schedule())
         try:
             optimizer.step(closure)
         except TypeError as error:
@@ -282,7 +282,7 @@ def teleport_gap(what: str) -> str | None:
                 raise
             return "Teleport.step does not pass the closure to closure-only bases yet (it must call _step_base)"
         return None
-    optimizer = Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, [])
+    optimizer = Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, [], schedule=Schedule())
     seen = []
     handle = register_optimizer_step_pre_hook(lambda *_: seen.append(1))
     try:

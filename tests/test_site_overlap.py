@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 import teleopt
 from teleopt.detection.overlap import footprint, merge_overlapping
+from teleopt.teleport import Schedule
 
 Attention = SeparateQKVAttention
 
@@ -81,7 +82,7 @@ def _largest_row_moves(model: nn.Module, sites: list, elements: dict, names: tup
 
 def _teleported(model: nn.Module, x: torch.Tensor, sites: list) -> tuple[teleopt.Teleport, teleopt.teleport.TeleportReport]:
     y = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(5))
-    opt = teleopt.Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, sites, loss_fn=F.cross_entropy)
+    opt = teleopt.Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, sites, loss_fn=F.cross_entropy, schedule=Schedule())
     F.cross_entropy(model(x), y).backward()
     tele = opt.teleport(batch=(x, y))
     assert tele.accepted, tele.reason

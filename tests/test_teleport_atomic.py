@@ -446,6 +446,7 @@ def test_a_fault_in_a_paper_compat_teleport_leaves_everything_bitwise_as_before(
         [site],
         loss_fn=nn.functional.mse_loss,
         search=SearchConfig(paper_compat=True, steps=3),
+        schedule=Schedule(),
     )
     for _ in range(2):
         opt.zero_grad()

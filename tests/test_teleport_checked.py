@@ -103,7 +103,12 @@ def test_mlp_teleport_without_batch_is_checked_on_probe_inputs(probe, dtype, tra
     example = {"example_inputs": data(4, dtype, seed=9)[0]} if probe == "example_inputs" else {}
     # trust region 1: scales e^+-1, not the powers of two (exact in binary) log 4 would give
     opt = Teleport(
-        torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), **example, search=SearchConfig(steps=10, trust_region=1.0)
+        torch.optim.SGD(model.parameters(), lr=1e-2),
+        model,
+        mlp_sites(),
+        **example,
+        search=SearchConfig(steps=10, trust_region=1.0),
+        schedule=Schedule(),
     )
     backward(model, x, y)  # the last forward: its first 8 rows are the probe when no example_inputs
     before = {t: outputs(model, heldout, t) for t in (False, True)}
@@ -157,6 +162,7 @@ def test_timm_vit_teleport_without_batch_is_checked_on_probe_inputs(dtype, train
         list(_vit_sites()),
         safety=SafetyConfig(max_predicted_decrease=None),
         search=SearchConfig(steps=2, lr=0.5),
+        schedule=Schedule(),
     )
     assert {s.action.name for s in opt.sites} == {"attention_qk_gl", "attention_vo_gl", "positive_rescaling"}
     with torch.no_grad():
@@ -220,7 +226,7 @@ def test_a_rescaling_across_gelu_is_declined_by_the_probe_check(dtype):
     model = _gelu_net(dtype)
     x, y = data(16, dtype)
     base = torch.optim.Adam(model.parameters(), lr=1e-3)
-    opt = Teleport(base, model, [Site(RELU, ("0.weight", "0.bias", "2.weight"))], search=SearchConfig(steps=10))
+    opt = Teleport(base, model, [Site(RELU, ("0.weight", "0.bias", "2.weight"))], search=SearchConfig(steps=10), schedule=Schedule())
     for _ in range(2):
         backward(model, x, y)
         opt.step()
@@ -241,7 +247,7 @@ def test_without_anything_to_check_on_the_teleport_is_declined():
     model = mlp()
     x, y = data()
     backward(model, x, y)  # before the wrapper exists: not recorded
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites())
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), schedule=Schedule())
     saved = params_of(model)
     report = opt.teleport()
     assert not report.accepted and report.check == "none" and "nothing to check" in report.reason
@@ -280,7 +286,9 @@ def test_every_path_checks_the_outputs(how):
         sites = [Site(GL, ("0.weight", None, "2.weight"))]
         kwargs = {"loss_fn": mse}
         search.update(paper_compat=True, lr=0.5)
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, sites, **kwargs, search=SearchConfig(**search))
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=1e-2), model, sites, **kwargs, search=SearchConfig(**search), objective="grad_norm"
+    )
     backward(model, x, y)
     if how in ("batch_fn", "example_inputs", "last_forward"):
         opt.step()  # scheduled at step 0
@@ -302,7 +310,7 @@ def test_every_path_checks_the_outputs(how):
 def test_a_closure_that_does_not_call_the_model_is_checked_by_its_loss():
     model, (x, y) = mlp(), data()
     params = list(model.parameters())
-    opt = Teleport(torch.optim.SGD(params, lr=1e-2), model, mlp_sites(), search=SearchConfig(steps=5))
+    opt = Teleport(torch.optim.SGD(params, lr=1e-2), model, mlp_sites(), search=SearchConfig(steps=5), schedule=Schedule())
 
     def closure():  # computes the model's function from its tensors: the module is never called
         opt.zero_grad()
@@ -328,6 +336,7 @@ def test_an_inconclusive_float32_check_is_re_run_in_float64():
         mlp_sites(),
         safety=SafetyConfig(loss_tol=1e-8),
         search=SearchConfig(steps=10, trust_region=0.9),  # scales of e^0.9 (a power of two would be exact in binary)
+        schedule=Schedule(),
     )
     backward(model, x, y)
     report = opt.teleport()
@@ -381,7 +390,9 @@ def test_keyword_arguments_reach_the_model(form):
         batch = {"x": x, "mask": mask}
     else:
         loss_fn, batch = mse, (x, y, {"mask": mask})
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, [site], loss_fn=loss_fn, search=SearchConfig(steps=5))
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=1e-2), model, [site], loss_fn=loss_fn, search=SearchConfig(steps=5), schedule=Schedule()
+    )
     model.zero_grad()
     mse(model(x, mask=mask), y).backward()
     if form == "probe":
@@ -396,7 +407,7 @@ def test_keyword_arguments_reach_the_model(form):
 
 def test_the_probe_keeps_a_bounded_copy_of_the_last_forward():
     model = mlp()
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites())
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), schedule=Schedule())
     x, _ = data(64)
     model(x)
     probe = opt._probe.batch
@@ -411,12 +422,19 @@ def test_with_example_inputs_only_the_precision_hook_runs_on_every_forward():
     # recorder stays, which reads autocast's flags (the training precision) and copies nothing
     model = mlp()
     x, y = data(64)
-    plain = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites())
+    plain = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), schedule=Schedule())
     assert {type(h).__name__ for h in model._forward_pre_hooks.values()} == {"ProbeRecorder", "PrecisionRecorder"}
     del plain
     gc.collect()
     assert not model._forward_pre_hooks
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), example_inputs=x[:8], search=SearchConfig(steps=3))
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=1e-2),
+        model,
+        mlp_sites(),
+        example_inputs=x[:8],
+        search=SearchConfig(steps=3),
+        schedule=Schedule(),
+    )
     # the autocast recorder, and one pre-hook for one forward: the keyword names of the training forward
     assert len(model._forward_pre_hooks) == 2 and not model._forward_hooks
     model.zero_grad()
@@ -433,7 +451,7 @@ def test_torch_compile_is_unwrapped_and_its_forwards_are_recorded():
     model = mlp()
     compiled = torch.compile(model, backend="eager")
     x, y = data()
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), compiled, mlp_sites(), search=SearchConfig(steps=5))
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), compiled, mlp_sites(), search=SearchConfig(steps=5), schedule=Schedule())
     assert opt.module is model
     compiled.zero_grad()
     mse(compiled(x), y).backward()
@@ -447,7 +465,13 @@ def test_auto_sites_keep_the_optimized_ones_and_list_the_others():
     x, y = data()
     head = list(model[4].parameters())
     with pytest.warns(UserWarning, match="left out"):
-        opt = Teleport(torch.optim.SGD(list(model[0].parameters()) + list(model[2].parameters()), lr=1e-2), model, "auto", example_inputs=x)
+        opt = Teleport(
+            torch.optim.SGD(list(model[0].parameters()) + list(model[2].parameters()), lr=1e-2),
+            model,
+            "auto",
+            example_inputs=x,
+            schedule=Schedule(),
+        )
     assert opt.sites and all("4.weight" not in s.tensor_names for s in opt.sites)
     backward(model, x, y)
     saved = [p.detach().clone() for p in head]
@@ -458,7 +482,7 @@ def test_auto_sites_keep_the_optimized_ones_and_list_the_others():
 
 def test_parameters_frozen_after_the_wrapper_is_built_are_never_moved():
     model, (x, y) = mlp(), data()
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), search=SearchConfig(steps=5))
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), search=SearchConfig(steps=5), schedule=Schedule())
     backward(model, x, y)
     model[5].weight.requires_grad_(False)
     frozen = model[5].weight.detach().clone()
@@ -471,7 +495,7 @@ def test_parameters_frozen_after_the_wrapper_is_built_are_never_moved():
 
 def test_a_non_finite_gradient_declines_the_teleport():
     model, (x, y) = mlp(), data()
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites())
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), schedule=Schedule())
     backward(model, x, y)
     model[3].weight.grad[0, 0] = math.nan
     saved = params_of(model)
@@ -491,7 +515,7 @@ def test_a_search_that_returns_non_finite_coordinates_declines_and_moves_nothing
 
     model, (x, y) = mlp(), data()
     base = torch.optim.Adam(model.parameters(), lr=1e-3)
-    opt = Teleport(base, model, mlp_sites(), search=SearchConfig(strategy=Overflowing()))
+    opt = Teleport(base, model, mlp_sites(), search=SearchConfig(strategy=Overflowing()), schedule=Schedule())
     for _ in range(2):
         opt.zero_grad()
         backward(model, x, y)
@@ -531,7 +555,7 @@ def test_a_gradient_norm_that_overflows_declines_the_fast_path_before_anything_m
     """The fast path reads no gradient for finiteness in its plan phase: its search declines on a non-finite
     gradient norm (a NaN anywhere, or squares that overflow), naming the gradient when an entry is not finite."""
     model, (x, y) = mlp(), data()
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites())
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), schedule=Schedule())
     backward(model, x, y)
     model[5].weight.grad.fill_(torch.finfo(F64).max / 2)  # every entry finite, their squares overflow
     saved, grads = params_of(model), [p.grad.clone() for p in model.parameters()]
@@ -575,7 +599,7 @@ def test_the_verify_phase_reads_the_moved_gradients_only_when_not_proven_finite(
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(5, 6), nn.Linear(6, 3)).to(F64)
         sites = [Site(GL, ("0.weight", "0.bias", "1.weight"))]
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, sites)
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, sites, schedule=Schedule())
     backward(model, x, y)
     grads = {p.grad.data_ptr(): name for name, p in model.named_parameters()}
     summed = set()
@@ -596,7 +620,9 @@ def test_the_verify_phase_reads_the_moved_gradients_only_when_not_proven_finite(
 
 def test_probe_inputs_the_model_does_not_take_decline_the_teleport():
     model, (x, y) = mlp(), data()
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), example_inputs=torch.zeros(2, 4, dtype=F64))
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=1e-2), model, mlp_sites(), example_inputs=torch.zeros(2, 4, dtype=F64), schedule=Schedule()
+    )
     backward(model, x, y)
     saved = params_of(model)
     report = opt.teleport()

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from teleopt import Site, get_action
-from teleopt.teleport import SearchConfig, Teleport
+from teleopt.teleport import Schedule, SearchConfig, Teleport
 from teleopt.testing.conformance import CHECKS, WrapperConformance
 
 BASES = ["sgd_momentum", "adagrad", "adam", "adamw_foreach", "yogi"]
@@ -59,7 +59,7 @@ def idle(base: torch.optim.Optimizer) -> Teleport:
     params = _params(base)
     model = Holder(params)
     sites = [Site(RESCALING, ("p0", "p1", "p2"))] if len(params) == 4 else []
-    return Teleport(base, model, sites, example_inputs=_probe(params))  # no schedule: never teleports on its own
+    return Teleport(base, model, sites, example_inputs=_probe(params), schedule=Schedule())  # manual: never teleports on its own
 
 
 @pytest.mark.parametrize("check", CHECKS)

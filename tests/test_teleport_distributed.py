@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from teleopt import Site, get_action
-from teleopt.teleport import SafetyConfig, SearchConfig, Teleport
+from teleopt.teleport import SafetyConfig, Schedule, SearchConfig, Teleport
 
 LEAKY = get_action("positive_rescaling", activation="leaky_relu", negative_slope=0.1)
 DD = get_action("data_dependent_gl", activation="leaky_relu", negative_slope=0.1)
@@ -62,6 +62,7 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             loss_fn=_mse,
             safety=SafetyConfig(loss_tol=1e-4),
             search=SearchConfig(steps=5, trust_region=0.3),
+            schedule=Schedule(),
         )
         x, y = torch.randn(4, 5, generator=gen), torch.randn(4, 3, generator=gen)
         opt.zero_grad()
@@ -71,7 +72,7 @@ def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
         fsdp1 = FullyShardedDataParallel(_mlp(), device_id=torch.device("cpu"))  # flat parameters, no site names
         try:
-            Teleport(torch.optim.SGD(fsdp1.parameters(), lr=0.1), fsdp1, [])
+            Teleport(torch.optim.SGD(fsdp1.parameters(), lr=0.1), fsdp1, [], schedule=Schedule())
             fsdp = "no error"
         except TypeError as error:
             fsdp = str(error)

@@ -143,6 +143,7 @@ def test_a_search_strategy_chooses_the_elements_and_the_rest_of_the_teleport_is_
         sites(),
         search=SearchConfig(strategy=strategy),
         loss_fn=mse,
+        schedule=Schedule(),
     )
     backward(model, x, y)
     report = opt.teleport(batch=(x, y))
@@ -162,6 +163,7 @@ def test_the_caps_still_scale_a_strategy_choice_towards_the_identity():
         search=SearchConfig(strategy=FixedScales(-1.0)),
         safety=SafetyConfig(max_gain=1.5, max_predicted_decrease=None),
         loss_fn=mse,
+        schedule=Schedule(),
     )
     backward(model, x, y)
     report = opt.teleport(batch=(x, y))
@@ -181,6 +183,7 @@ def test_gradient_ascent_is_the_default_strategy_and_matches_chosen_steps():
             m,
             sites(),
             search=search or SearchConfig(steps=10),
+            schedule=Schedule(),
         )
         backward(m, x, y)
         reports.append(opt.teleport())

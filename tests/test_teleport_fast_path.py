@@ -16,7 +16,7 @@ from hypothesis import example, given, settings
 from torch import nn
 
 from teleopt import AxisAction, Member, Site, get_action
-from teleopt.teleport import SafetyConfig, SearchConfig, Teleport
+from teleopt.teleport import SafetyConfig, Schedule, SearchConfig, Teleport
 from teleopt.teleport.gradient_norm import GradientNormModel
 from teleopt.teleport.transport import transport
 from teleopt.testing import assert_close, seeds
@@ -79,7 +79,7 @@ def test_fast_teleport_is_exact_and_moves_grad_to_the_new_gradient(family, seed)
     make_model, make_sites = FAMILIES[family]
     model = make_model(seed % 1000)
     x, y = data(seed % 997 + 1)
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, make_sites(), search=SearchConfig(steps=10))
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, make_sites(), search=SearchConfig(steps=10), schedule=Schedule())
     loss, _ = true_gradients(model, x, y)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     report = opt.teleport()
@@ -98,7 +98,7 @@ def test_fast_teleport_is_exact_and_moves_grad_to_the_new_gradient(family, seed)
 def test_teleport_with_closure_verifies_the_loss():
     model = mlp()
     x, y = data()
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, rescaling_sites())
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, rescaling_sites(), schedule=Schedule())
 
     def closure():
         opt.zero_grad()
@@ -384,7 +384,7 @@ def _adam_setup(action_sites, state_policy=None):
     model = mlp()
     x, y = data()
     base = torch.optim.Adam(model.parameters(), lr=1e-3)
-    opt = Teleport(base, model, action_sites, state_policy=state_policy, search=SearchConfig(steps=20))
+    opt = Teleport(base, model, action_sites, state_policy=state_policy, search=SearchConfig(steps=20), schedule=Schedule())
     for _ in range(3):
         opt.zero_grad()
         mse(model(x), y).backward()
@@ -418,7 +418,7 @@ def test_gl_second_moments_fall_back_and_are_reported():
     model[1] = nn.Identity()  # linear between layer 0 and 2: GL_6 is exact
     x, y = data()
     base = torch.optim.Adam(model.parameters(), lr=1e-3)
-    opt = Teleport(base, model, [Site(gl, ("0.weight", "0.bias", "2.weight"))], search=SearchConfig(steps=10))
+    opt = Teleport(base, model, [Site(gl, ("0.weight", "0.bias", "2.weight"))], search=SearchConfig(steps=10), schedule=Schedule())
     for _ in range(2):
         opt.zero_grad()
         mse(model(x), y).backward()
@@ -449,7 +449,7 @@ def test_adagrad_sum_is_kept_by_default_and_transported_on_request():
         model = mlp()
         x, y = data()
         base = torch.optim.Adagrad(model.parameters(), lr=0.01)
-        opt = Teleport(base, model, rescaling_sites(), state_policy=policy)
+        opt = Teleport(base, model, rescaling_sites(), state_policy=policy, schedule=Schedule())
         opt.zero_grad()
         mse(model(x), y).backward()
         opt.step()
@@ -465,7 +465,9 @@ def test_trust_region_bounds_the_log_scales():
     model = mlp()
     x, y = data()
     r = 0.3
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.01), model, rescaling_sites(), search=SearchConfig(trust_region=r))
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=0.01), model, rescaling_sites(), search=SearchConfig(trust_region=r), schedule=Schedule()
+    )
     true_gradients(model, x, y)
     report = opt.teleport()
     assert report.accepted
@@ -483,6 +485,7 @@ def test_gain_cap_holds():
         rescaling_sites(),
         safety=SafetyConfig(max_gain=2.0, max_predicted_decrease=None),
         search=SearchConfig(trust_region=3.0),
+        schedule=Schedule(),
     )
     true_gradients(model, x, y)
     report = opt.teleport()
@@ -502,6 +505,7 @@ def test_predicted_decrease_cap_ties_the_gain_to_the_learning_rate():
         loss_fn=mse,
         safety=SafetyConfig(max_predicted_decrease=ratio),
         search=SearchConfig(trust_region=3.0),
+        schedule=Schedule(),
     )
     true_gradients(model, x, y)
     report = opt.teleport(batch=(x, y))
@@ -535,6 +539,7 @@ def test_stability_margin_keeps_the_teleported_point_stable():
         loss_fn=mse,
         safety=SafetyConfig(max_predicted_decrease=None, stability_margin=margin, stability_iterations=50),
         search=SearchConfig(trust_region=3.0),
+        schedule=Schedule(),
     )
     true_gradients(model, x, y)
     report = opt.teleport(batch=(x, y))

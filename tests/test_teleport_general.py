@@ -16,7 +16,7 @@ from hypothesis import example, given, settings
 from torch import nn
 
 from teleopt import Site, get_action
-from teleopt.teleport import Curvature, SearchConfig, Sharpness, Teleport
+from teleopt.teleport import Curvature, Schedule, SearchConfig, Sharpness, Teleport
 from teleopt.testing import assert_close, seeds
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
@@ -66,7 +66,12 @@ def test_data_dependent_chain_is_exact_on_the_batch(seed):
     """Eq. 4.13 on both hidden layers, each reading its input after the layers below moved."""
     model, X, Y = paper_mlp(seed=seed, dtype=torch.float64)
     opt = Teleport(
-        torch.optim.SGD(model.parameters(), lr=1e-4), model, dd_sites(), loss_fn=sse, search=SearchConfig(steps=20, trust_region=0.5)
+        torch.optim.SGD(model.parameters(), lr=1e-4),
+        model,
+        dd_sites(),
+        loss_fn=sse,
+        search=SearchConfig(steps=20, trust_region=0.5),
+        schedule=Schedule(),
     )
     loss, _ = grads_at(model, X, Y, sse)
     report = opt.teleport(batch=(X, Y))
@@ -107,7 +112,7 @@ def test_verification_pass_of_a_closure_leaves_batchnorm_statistics_alone():
     relu = get_action("positive_rescaling", activation="relu")
     site = Site(relu, ("1.weight", "1.bias", "3.weight"))  # BatchNorm output scaling through the ReLU
     x, y = torch.randn(16, 5, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, [site])
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, [site], schedule=Schedule())
     reference = copy.deepcopy(model)
     reference(x)  # one forward pass in train mode: what the closure's first call does
 
@@ -218,7 +223,14 @@ def test_nonlinear_data_dependent_action_through_act_only():
     action = get_action("nonlinear_gl", activation="sigmoid")
     site = Site(action, ("2.weight", "0.weight", "0.bias"), data_input="0")
     x, y = torch.randn(1, 4, dtype=torch.float64), torch.randn(1, 2, dtype=torch.float64)
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, [site], loss_fn=mse, search=SearchConfig(steps=10, trust_region=0.5))
+    opt = Teleport(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model,
+        [site],
+        loss_fn=mse,
+        search=SearchConfig(steps=10, trust_region=0.5),
+        schedule=Schedule(),
+    )
     grads_at(model, x, y, mse)
     report = opt.teleport(batch=(x, y))
     assert report.path == "general" and report.accepted and report.loss_drift <= RTOL and report.gain > 1
@@ -234,6 +246,7 @@ def test_paper_compat_is_not_loss_preserving_and_exact_is():
         dd_sites(),
         loss_fn=sse,
         search=SearchConfig(paper_compat=True, steps=8, lr=1e-7),
+        schedule=Schedule(),
     )
     for _ in range(5):
         grads_at(model, X, Y, sse)
@@ -244,7 +257,12 @@ def test_paper_compat_is_not_loss_preserving_and_exact_is():
     assert report.loss_drift > 1e-2
 
     opt = Teleport(
-        torch.optim.SGD(exact.parameters(), lr=1e-4), exact, dd_sites(), loss_fn=sse, search=SearchConfig(steps=20, trust_region=0.5)
+        torch.optim.SGD(exact.parameters(), lr=1e-4),
+        exact,
+        dd_sites(),
+        loss_fn=sse,
+        search=SearchConfig(steps=20, trust_region=0.5),
+        schedule=Schedule(),
     )
     for _ in range(5):
         grads_at(exact, X, Y, sse)
@@ -300,6 +318,7 @@ def test_an_op_without_double_backward_fails_with_what_to_do_and_moves_nothing()
             example_inputs=x[:2],
             loss_fn=nn.functional.cross_entropy,
             search=SearchConfig(path="general", steps=2),
+            schedule=Schedule(),
         )
         opt.zero_grad()
         nn.functional.cross_entropy(m(x), y).backward()

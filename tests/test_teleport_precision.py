@@ -22,7 +22,7 @@ import teleopt
 from teleopt.groups import GeneralLinear
 from teleopt.registry import get_action
 from teleopt.site import Site
-from teleopt.teleport import coordinates
+from teleopt.teleport import Schedule, coordinates
 from teleopt.teleport.precision import Precision, PrecisionRecorder
 
 Attention = SeparateQKVAttention
@@ -38,7 +38,9 @@ def _setup(seed: int = 0) -> tuple[nn.Module, teleopt.Teleport, torch.Tensor, to
     model = Attention()
     g = torch.Generator().manual_seed(seed + 1)
     x, y = torch.randn(16, 6, DIM, generator=g), torch.randint(0, 4, (16,), generator=g)
-    opt = teleopt.Teleport(torch.optim.Adam(model.parameters(), 1e-3), model, _sites(), loss_fn=F.cross_entropy, example_inputs=x[:4])
+    opt = teleopt.Teleport(
+        torch.optim.Adam(model.parameters(), 1e-3), model, _sites(), loss_fn=F.cross_entropy, example_inputs=x[:4], schedule=Schedule()
+    )
     return model, opt, x, y
 
 

@@ -76,7 +76,7 @@ def test_the_no_schedule_warning_points_at_the_users_line():
     model, sites = _model_and_sites()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites)
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites, objective="grad_norm")
     mine = [w for w in caught if "no schedule" in str(w.message)]
     assert len(mine) == 1 and mine[0].filename == __file__
 

@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 
-from teleopt.teleport import SafetyConfig, SearchConfig, Teleport
+from teleopt.teleport import SafetyConfig, Schedule, SearchConfig, Teleport
 from teleopt.testing import assert_close
 
 timm = pytest.importorskip("timm")
@@ -59,6 +59,7 @@ def test_auto_sites_teleport_preserves_outputs_and_raises_the_gradient_norm(name
         example_inputs=x[:2],
         safety=SafetyConfig(max_predicted_decrease=None),
         search=SearchConfig(steps=5),
+        schedule=Schedule(),
     )
     assert opt.sites and all(s.action.exactness == "exact" and s.action.continuous for s in opt.sites)
     kinds = {s.action.name for s in opt.sites}

@@ -141,7 +141,7 @@ def test_hooks_receive_reports_and_ema_copies_follow():
 def test_report_contents():
     model = mlp()
     x, y = batch()
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, sites(), loss_fn=mse)
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, sites(), loss_fn=mse, schedule=Schedule())
     opt.zero_grad()
     mse(model(x), y).backward()
     report = opt.teleport(batch=(x, y), heldout_batch=batch(seed=9))
@@ -163,7 +163,7 @@ def test_post_condition_rolls_back_a_non_invariant_teleport():
     model = mlp()
     x, y = batch()
     base = torch.optim.Adam(model.parameters(), lr=1e-3)
-    opt = Teleport(base, model, [Site(_wrong_rescaling(), ("0.weight", "0.bias", "2.weight"))], loss_fn=mse)
+    opt = Teleport(base, model, [Site(_wrong_rescaling(), ("0.weight", "0.bias", "2.weight"))], loss_fn=mse, schedule=Schedule())
     train(opt, model, x, y, 2)
     opt.zero_grad()
     mse(model(x), y).backward()
@@ -195,7 +195,7 @@ def _rolled_back_without_watch(monkeypatch, **kwargs):
     x, y = batch()
     base = torch.optim.Adam(model.parameters(), lr=1e-3)
     site = Site(_wrong_rescaling(), ("0.weight", "0.bias", "2.weight"))
-    opt = Teleport(base, model, [site], loss_fn=mse, safety=SafetyConfig(watch_steps=0), **kwargs)
+    opt = Teleport(base, model, [site], loss_fn=mse, safety=SafetyConfig(watch_steps=0), **kwargs, objective="grad_norm")
     train(opt, model, x, y, 2)
     opt.zero_grad()
     mse(model(x), y).backward()
@@ -279,6 +279,7 @@ def test_a_rollback_without_copies_rechecks_the_outputs(monkeypatch):
         [Site(_wrong_rescaling(), ("0.weight", "0.bias", "2.weight"))],
         loss_fn=mse,
         safety=SafetyConfig(watch_steps=0),
+        schedule=Schedule(),
     )
     train(opt, model, x, y, 2)
     opt.zero_grad()
@@ -434,7 +435,7 @@ def test_an_inverse_watch_moves_a_diverging_teleport_back_but_keeps_the_damage()
 def test_caps_decline_when_no_move_is_allowed():
     model = mlp()
     x, y = batch()
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, sites(), safety=SafetyConfig(max_gain=1.0))
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, sites(), safety=SafetyConfig(max_gain=1.0), schedule=Schedule())
     opt.zero_grad()
     mse(model(x), y).backward()
     before = copy.deepcopy(model.state_dict())
@@ -470,40 +471,40 @@ def test_state_dict_keeps_counters_and_loads_weights_only():
 def test_rejects_a_model_the_optimizer_does_not_update():
     model, other = mlp(), mlp()
     with pytest.raises(ValueError, match="does not update any parameter"):
-        Teleport(torch.optim.SGD(other.parameters(), lr=0.1), model, sites())
+        Teleport(torch.optim.SGD(other.parameters(), lr=0.1), model, sites(), schedule=Schedule())
 
 
 def test_rejects_sites_on_frozen_or_unoptimized_parameters():
     model = mlp()
     model[0].weight.requires_grad_(False)
     with pytest.raises(ValueError, match="frozen parameter '0.weight'"):
-        Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites())
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites(), schedule=Schedule())
     model = mlp()
     opt = torch.optim.SGD([p for n, p in model.named_parameters() if n != "4.weight"], lr=0.1)
     with pytest.raises(ValueError, match="'4.weight' is not updated by the optimizer"):
-        Teleport(opt, model, sites())
+        Teleport(opt, model, sites(), schedule=Schedule())
 
 
 def test_rejects_unknown_members_discrete_sites_and_bad_types():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="'9.weight' is not a parameter or buffer"):
-        Teleport(opt, model, [Site(LEAKY, ("9.weight", None, "2.weight"))])
+        Teleport(opt, model, [Site(LEAKY, ("9.weight", None, "2.weight"))], schedule=Schedule())
     perm = get_action("hidden_permutation")
     with pytest.raises(ValueError, match="discrete group"):
-        Teleport(opt, model, [Site(perm, ("0.weight", "0.bias", "2.weight"))])
+        Teleport(opt, model, [Site(perm, ("0.weight", "0.bias", "2.weight"))], schedule=Schedule())
     with pytest.raises(TypeError, match="list of Site"):
-        Teleport(opt, model, Site(LEAKY, ("0.weight", None, "2.weight")))
+        Teleport(opt, model, Site(LEAKY, ("0.weight", None, "2.weight")), schedule=Schedule())
     with pytest.raises(ValueError, match="unknown teleport objective"):
         Teleport(opt, model, sites(), objective="speed")
     with pytest.raises(ValueError, match="state_policy"):
-        Teleport(opt, model, sites(), state_policy="teleport")
+        Teleport(opt, model, sites(), state_policy="teleport", schedule=Schedule())
     with pytest.raises(ValueError, match="trust_region"):
-        Teleport(opt, model, sites(), search=SearchConfig(trust_region=-1.0))
+        Teleport(opt, model, sites(), search=SearchConfig(trust_region=-1.0), schedule=Schedule())
     with pytest.raises(ValueError, match="batches=2 needs batch_fn"):
         Teleport(opt, model, sites(), schedule=Schedule(every=1, batches=2))
     with pytest.raises(TypeError, match="nn.Module"):
-        Teleport(opt, "model", sites())
+        Teleport(opt, "model", sites(), schedule=Schedule())
     with pytest.raises(ValueError, match="max_gain"):
         SafetyConfig(max_gain=0.5)
     with pytest.raises(ValueError, match="watch_restore must be 'snapshot' or 'inverse', got 'auto'"):
@@ -514,11 +515,11 @@ def test_rejects_dtype_and_device_mixes():
     model = mlp()
     model[0].bias.data = model[0].bias.data.float()
     with pytest.raises(ValueError, match="mixes dtypes"):
-        Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites())
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites(), schedule=Schedule())
     model = mlp()
     model[2].weight = nn.Parameter(torch.empty(7, 6, dtype=torch.float64, device="meta"))
     with pytest.raises(ValueError, match="several devices"):
-        Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites())
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites(), schedule=Schedule())
 
 
 def test_objectives_that_need_a_batch_say_so():
@@ -532,13 +533,15 @@ def test_objectives_that_need_a_batch_say_so():
     dd = get_action("data_dependent_gl", activation="leaky_relu", negative_slope=0.1)
     site = Site(dd, ("0.weight", None, "2.weight"), data_input="0")
     model2 = mlp(bias=False)
-    opt2 = Teleport(torch.optim.SGD(model2.parameters(), lr=0.1), model2, [site], loss_fn=mse)
+    opt2 = Teleport(torch.optim.SGD(model2.parameters(), lr=0.1), model2, [site], loss_fn=mse, schedule=Schedule())
     with pytest.raises(ValueError, match="need.*teleport batch"):
         opt2.teleport()
     with pytest.raises(ValueError, match="names no data_input"):
-        Teleport(torch.optim.SGD(model2.parameters(), lr=0.1), model2, [Site(dd, ("0.weight", None, "2.weight"))])
+        Teleport(torch.optim.SGD(model2.parameters(), lr=0.1), model2, [Site(dd, ("0.weight", None, "2.weight"))], schedule=Schedule())
     with pytest.raises(ValueError, match="path='fast' is not possible"):
-        Teleport(torch.optim.SGD(model2.parameters(), lr=0.1), model2, [site], search=SearchConfig(path="fast")).teleport(batch=(x, y))
+        Teleport(
+            torch.optim.SGD(model2.parameters(), lr=0.1), model2, [site], search=SearchConfig(path="fast"), schedule=Schedule()
+        ).teleport(batch=(x, y))
 
 
 def test_unmodelled_optimizers_reject_objectives_that_need_their_update():
@@ -551,7 +554,7 @@ def test_unmodelled_optimizers_reject_objectives_that_need_their_update():
 def test_paper_compat_needs_gl_sites():
     model = mlp()
     with pytest.raises(ValueError, match="not a GL site"):
-        Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites(), search=SearchConfig(paper_compat=True))
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites(), search=SearchConfig(paper_compat=True), schedule=Schedule())
 
 
 def test_fused_base_under_grad_scaler_teleports_unscaled_gradients():

@@ -17,7 +17,7 @@ from torch.optim.optimizer import (
 
 from teleopt import Site, get_action
 from teleopt.syre import Syre
-from teleopt.teleport import SearchConfig, Teleport
+from teleopt.teleport import Schedule, SearchConfig, Teleport
 from teleopt.wrapper import OptimizerWrapper, no_grad_step
 
 
@@ -117,7 +117,7 @@ def test_step_needs_closure_reads_the_signature():
         lambda opt, model: Syre(opt, gamma=0.0, exclude_1d=True),
         lambda opt, model: Delegating(opt),
         lambda opt, model: Syre(Delegating(opt), gamma=0.0, exclude_1d=True),
-        lambda opt, model: Teleport(opt, model, []),
+        lambda opt, model: Teleport(opt, model, [], schedule=Schedule()),
     ],
     ids=["syre", "delegating", "syre_of_delegating", "teleport_not_due"],
 )

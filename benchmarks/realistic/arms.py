@@ -135,13 +135,21 @@ ARMS: dict[str, Callable[[ArmContext], Optimizer]] = {
         c.optimizer(), c.model, c.all_sites(), **c.teleport_kwargs(), schedule=Schedule(at=[c.teleport_step])
     ),
     "teleport_every200": lambda c: Teleport(c.optimizer(), c.model, "auto", every=200, **c.teleport_kwargs()),
-    # least weight norm on the orbit (closed form) on its default schedule, every 50 steps from step 50, with the
-    # baseline's weight decay
-    "balance_every": lambda c: Teleport(c.optimizer(), c.model, "auto", objective="balance", **c.teleport_kwargs()),
+    # least weight norm on the orbit (closed form) every 50 steps from step 50 (its default schedule until 2026-11-27),
+    # with the baseline's weight decay
+    "balance_every": lambda c: Teleport(
+        c.optimizer(), c.model, "auto", objective="balance", schedule=Schedule(every=50, warmup=50), **c.teleport_kwargs()
+    ),
     # the same, 4x less often: 10 teleports in 2000 steps, each costing ~10 iterations on the MLPs
     "balance_every200": lambda c: Teleport(c.optimizer(), c.model, "auto", objective="balance", every=200, **c.teleport_kwargs()),
+    # the same, every 200 steps from step 200 (after every configuration's lr warm-up; none at initialisation)
+    "balance_every200_from200": lambda c: Teleport(
+        c.optimizer(), c.model, "auto", objective="balance", schedule=Schedule(every=200, warmup=200), **c.teleport_kwargs()
+    ),
     # the same on every exact site, normalisation-affine rescalings included
-    "balance_every_allsites": lambda c: Teleport(c.optimizer(), c.model, c.all_sites(), objective="balance", **c.teleport_kwargs()),
+    "balance_every_allsites": lambda c: Teleport(
+        c.optimizer(), c.model, c.all_sites(), objective="balance", schedule=Schedule(every=50, warmup=50), **c.teleport_kwargs()
+    ),
     # the decay comparison (Ziyin et al. 2025): plain decay towards zero vs towards a random static anchor, same strength
     "weight_decay": lambda c: c.optimizer(weight_decay=c.decay),
     "syre_default": lambda c: c.syre(),

@@ -37,9 +37,11 @@ from teleopt.sharding import reshard, sharded_module, unsupported_layout
 from teleopt.site import Site
 from teleopt.teleport.check import KeywordCheck, OutputCapture, ProbeRecorder, seeded
 from teleopt.teleport.config import (
+    Shortcuts,
     checked_batch,
     reject_moved_keywords,
     resolve_data,
+    resolve_objective,
     resolve_safety,
     resolve_schedule,
     resolve_search,
@@ -112,16 +114,17 @@ class Teleport(OptimizerWrapper):
         (``requires_grad=False``) after the wrapper was built is left out of the
         teleports while it is frozen.
     objective:
-        ``"grad_norm"`` (default), ``"preconditioned_norm"``, ``"lookahead"``,
-        ``"sharpness"``, ``"curvature"``, ``"balance"`` (least weight norm on the orbit, in
-        closed form) or an :class:`~teleopt.teleport.objectives.Objective`.
+        ``"grad_norm"``, ``"preconditioned_norm"``, ``"lookahead"``, ``"sharpness"``,
+        ``"curvature"``, ``"balance"`` (least weight norm on the orbit, in closed form) or an
+        :class:`~teleopt.teleport.objectives.Objective`.  Default (``None``): ``"balance"``
+        on its default schedule when no schedule is given either, else ``"grad_norm"``.
     schedule:
         When to teleport (:class:`~teleopt.teleport.schedule.Schedule`: ``every``, ``at``,
-        ``when``, ``warmup``, ``batches``, ``max_teleports``).  Without ``every``/``at``/``when``
-        the objective's default applies: ``"balance"`` every 50 steps from step 50; every other
-        objective (the default ``"grad_norm"`` included) only when :meth:`teleport` is called (a
-        ``UserWarning`` says so; an explicit ``schedule=Schedule()`` chooses it without one).  No
-        default teleports at step 0.
+        ``when``, ``warmup``, ``batches``, ``max_teleports``).  Without a schedule or ``every``
+        the objective's default applies: ``"balance"`` every 200 steps from step 200; every
+        other objective only when :meth:`teleport` is called (a ``UserWarning`` says so; an
+        explicit ``schedule=Schedule()`` chooses it without one).  No default teleports at
+        step 0.
     every:
         Shortcut for ``schedule=Schedule(every=every)`` (not given with ``schedule``).
     search:
@@ -171,7 +174,7 @@ class Teleport(OptimizerWrapper):
         model: nn.Module,
         sites: str | Sequence[Site] = "auto",
         *,
-        objective: str | Objective = "grad_norm",
+        objective: str | Objective | None = None,
         schedule: Schedule | None = None,
         every: int | None = None,
         search: SearchConfig | None = None,
@@ -188,8 +191,9 @@ class Teleport(OptimizerWrapper):
         self._module = unwrap(model)
         self._hook_target = hook_target(model)
         check_model_matches_optimizer(self._module, self.param_groups)
-        self._objective = get_objective(objective)
-        self._schedule = resolve_schedule(schedule, {"every": every}, self._objective.default_schedule())
+        shortcut: Shortcuts = {"every": every}
+        self._objective = get_objective(resolve_objective(objective, schedule, shortcut, self._search.paper_compat))
+        self._schedule = resolve_schedule(schedule, shortcut, self._objective.default_schedule())
         warn_scale_free_objective(self._objective.name, self._schedule, self.innermost)
         self._policy = resolve_state_policy(state_policy)
         self._safety = resolve_safety(safety)

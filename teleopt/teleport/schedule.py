@@ -9,7 +9,7 @@ in Algorithm 1 (lines 2-6).  A schedule is one of
 * ``when=callable(t) -> bool``;
 * none of these: the objective's default schedule
   (:meth:`Objective.default_schedule <teleopt.teleport.objectives.Objective.default_schedule>`:
-  every 50 steps from step 50 for ``"balance"``), else only when
+  every 200 steps from step 200 for ``"balance"``), else only when
   ``Teleport.teleport()`` is called.  No default schedule fires at step 0.
 
 ``warmup`` skips every step before it, ``batches`` is the number of teleport
