@@ -564,7 +564,7 @@ def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRe
     if report.reason:
         report.time_s = time.perf_counter() - start
         return report
-    elements = [group.exp(xi) for group, xi in zip(plan.groups, coords)]  # as the engine's (exp_stacked: 1e-12 off)
+    elements = [group.exp(xi) for group, xi in zip(plan.groups, coords)]  # as the engine computes them
     writes, decisions = _moves(plan, elements, cfg.optimizer)
     grads = [p.grad for g in cfg.optimizer.param_groups for p in g["params"] if p.grad is not None]
     before, after = _grad_norms(grads, writes)
