@@ -328,12 +328,13 @@ class GeneralLinear(_MatrixGroup):
             return torch.zeros_like(ref)  # one side only: no minimiser
         A, B = _sym(A), _sym(B)
         eye = torch.eye(self.n, dtype=A.dtype, device=A.device).expand(A.shape)
-        ok = _well_conditioned(torch.linalg.eigvalsh(A), rcond) & _well_conditioned(torch.linalg.eigvalsh(B), rcond)
+        a, U = torch.linalg.eigh(A)  # its eigenvalues decide A's conditioning too (no separate eigvalsh)
+        ok = _well_conditioned(a, rcond) & _well_conditioned(torch.linalg.eigvalsh(B), rcond)
         if not bool(ok.any()):
             return torch.zeros_like(A)
         mask = ok[..., None, None]
-        A, B = torch.where(mask, A, eye), torch.where(mask, B, eye)  # the blocks left alone solve to the identity
-        a, U = torch.linalg.eigh(A)
+        B = torch.where(mask, B, eye)  # the blocks left alone solve to the identity
+        a, U = torch.where(ok[..., None], a, 1.0), torch.where(mask, U, eye)
         root = (U * a.sqrt().unsqueeze(-2)) @ U.mT
         inv_root = (U * a.rsqrt().unsqueeze(-2)) @ U.mT
         m, V = torch.linalg.eigh(_sym(root @ B @ root))

@@ -453,7 +453,11 @@ def _grad(param: Tensor) -> Tensor:
 def _matrix_lane(writes: _Writes, lane: _Lane, parts: list[Tensor], m: Tensor, power: float) -> Tensor:
     """The lane's parts moved by the stacked block matrices ``m`` (queued as copies); returns the stacked parts."""
     x = torch.stack(parts)
-    writes.copy(lane, parts, lane.back(m @ lane.columns(x), x).unbind(0), power)
+    if lane.blocks == 1 and x.ndim == 3:  # whole matrices (a LoRA factor): one batched product, no reshapes
+        y = m[:, 0] @ x if lane.slots[0].axis == 0 else x @ m[:, 0].mT
+    else:
+        y = lane.back(m @ lane.columns(x), x)
+    writes.copy(lane, parts, y.unbind(0), power)
     return x
 
 
