@@ -205,3 +205,21 @@ def test_a_copy_of_the_wrapper_builds_its_own_plan() -> None:
     assert BalanceCompanion.of(opt).plan is not None
     clone = copy.deepcopy(opt)
     assert BalanceCompanion.of(clone).plan is None and BalanceCompanion.of(clone).enabled
+
+
+def test_new_storage_for_a_member_drops_the_plan_and_the_engine_takes_that_teleport() -> None:
+    model, opt, step = wrapped(lora_like, lean=True)
+    for _ in range(4):
+        step()
+    companion = BalanceCompanion.of(opt)
+    builds = companion.builds
+    assert opt.reports[-1].check == "none"
+    with torch.no_grad():
+        model.A1.data = model.A1.data.clone()  # the plan's views are of the old storage
+    step()
+    assert opt.reports[-1].check != "none" and opt.reports[-1].accepted  # the engine moved the live tensors
+    step()  # replanned (the first teleport of the new plan is the engine's, checked)
+    assert companion.builds == builds + 1
+    for _ in range(2):
+        step()
+    assert opt.reports[-1].check == "none" and opt.reports[-1].accepted

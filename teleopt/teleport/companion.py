@@ -6,12 +6,14 @@ path here instead of :class:`~teleopt.teleport.engine.TeleportEngine` when the p
 * the **plan** is built once and cached on the wrapper (:class:`BalanceCompanion`): per site its group, trust
   radius and member views (the acted-on part of each parameter), per optimizer-state entry what the state
   policy does with it, and the sites bucketed by kind (group class, coordinate shape, radius).  It is rebuilt
-  when the sites list, a param group (identity, parameters, ``enabled``, trust region) or the caps' backoff changes;
+  when the sites list, a param group (identity, parameters, ``enabled``, trust region), the caps' backoff, a
+  member's storage or its state keys change;
 * each teleport reads the members' statistics, solves every bucket in one batched closed-form call
   (:meth:`Group.balance_many <teleopt.groups.Group.balance_many>`; ENorm, Stock et al. 2019; the balanced pair
-  A A^T = B^T B of a LoRA pair, BaLoRA, Castin et al. 2026), computes every moved parameter, gradient and moment
-  out of place, then writes them all with one ``torch._foreach_copy_`` per device.  No forward or backward
-  pass, no probe, no snapshot copies: the elements suffice to undo it.
+  A A^T = B^T B of a LoRA pair, BaLoRA, Castin et al. 2026), computes every write first (the moved parts of
+  matrix groups and every moved gradient out of place, the scalings' factors), then makes them with one
+  ``torch._foreach_copy_`` and one in-place ``torch._foreach_mul_``.  No forward or backward pass, no probe,
+  no snapshot copies: the elements suffice to undo it.
 
 It gives the engine's result (the same statistics, solve, elements and transport rules) where the engine's
 extra phases are no-ops: sites pairwise independent (disjoint slices of a tensor's one axis), each balanced
@@ -25,8 +27,10 @@ only after that teleport was accepted, and later teleports are not checked (thei
 closed form on the same certified sites; the watch still compares gradient norms each step).
 
 **All or nothing.** Every new value is computed before the first write, so an exception before it leaves
-everything bitwise as it was; the writes are one ``_foreach_copy_`` per device, and an exception escaping it
-moves the tensors it wrote back by the inverse elements (exact up to round-off: a product by g, then by g^-1).
+everything bitwise as it was; an exception after the copy (before the in-place products, which allocate
+nothing) moves the copied tensors back by the inverse elements (exact up to round-off: a product by g, then by
+g^-1); after the writes no torch function runs before the commit.  The plan is also dropped when a member's
+storage (``module.to``, ``p.data = ...``) or its optimizer-state keys changed since it was built.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class _Slot:
     axis: int
     power: float
     whole: bool  # a scaling on a whole axis (statistics in the tensor's precision, as the engine's)
+    storage: int = 0  # the parameter's data_ptr when planned (its views are of that storage)
 
 
 @dataclass(repr=False)
@@ -88,6 +93,7 @@ class BalancePlan:
     floors: list[float]  # per site: the move below which it stays (Balance.min_move or sqrt(eps))
     state: dict[tuple[int, str], str]  # (id of the parameter, state key) -> "covector" | "second_moment" | "keep"
     decisions: dict[tuple[int, str], str]  # the same entries as the report counts them
+    keys: dict[int, tuple[str, ...]] = field(default_factory=dict)  # per parameter (id): its state keys when planned
     traces: list[Tensor] = field(default_factory=list)  # scratch: per lane, the members' squared norm at w
     verified: bool = False  # the engine ran this plan's first teleport and it was accepted
     checked_at: int = -1
@@ -233,11 +239,16 @@ class BalanceCompanion:
             if self.plan is None and not all(state.get(p) for s in sites for p in s.tensors(owner._module) if p is not None):
                 self.key = None  # the base has not initialised its state yet: try again next time
         plan = self.plan
-        if plan is not None:
-            for s in plan.slots:  # frozen, gradient-free, sparse or graph-carrying members: the engine decides
-                grad = s.param.grad
-                if not s.param.requires_grad or grad is None or grad.is_sparse or grad.requires_grad:
-                    return None
+        if plan is None:
+            return None
+        state = engine.config.optimizer.state
+        for s in plan.slots:
+            if s.param.data_ptr() != s.storage or tuple(state.get(s.param, ())) != plan.keys[id(s.param)]:
+                self.key = None  # new storage (module.to, p.data = ...) or new state entries: planned again next time
+                return None
+            grad = s.param.grad  # frozen, gradient-free, sparse or graph-carrying members: the engine decides
+            if not s.param.requires_grad or grad is None or grad.is_sparse or grad.requires_grad:
+                return None
         return plan
 
 
@@ -260,7 +271,7 @@ def _slots(sites: Sequence[Site], groups: Sequence[Group], params: dict[str, nn.
             if found is None:
                 return None
             whole = group.diagonal and member.start is None and member.outer == 1 and member.inner == 1
-            slots.append(_Slot(i, params[name], member, found[0], found[1], float(member.power), whole))
+            slots.append(_Slot(i, params[name], member, found[0], found[1], float(member.power), whole, params[name].data_ptr()))
     return slots
 
 
@@ -306,9 +317,11 @@ def build_plan(engine: TeleportEngine, sites: list[Site], skipped: dict[str, str
     lanes = _lanes(slots, groups, bucket_of)
     if not _lanes_agree(lanes, states[0], cfg.optimizer):
         return None
-    return BalancePlan(
+    plan = BalancePlan(
         sites, dict(skipped), groups, radii, slots, list(buckets.values()), lanes, _floors(objective, sites, params), *states
     )
+    plan.keys = {id(s.param): tuple(cfg.optimizer.state[s.param]) for s in slots}
+    return plan
 
 
 class _Groups:
