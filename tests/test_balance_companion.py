@@ -127,6 +127,7 @@ def test_the_lean_path_moves_parameters_and_moments_as_the_engine_does(make) -> 
             lean, moved = lean + 1, max(moved, *a.coordinate_norms.values())
             assert a.state_decisions == b.state_decisions and a.coordinate_norms == pytest.approx(b.coordinate_norms, rel=1e-12)
             assert a.grad_norm_after == pytest.approx(b.grad_norm_after, rel=1e-12)
+            assert a.objective_after == pytest.approx(b.objective_after, rel=1e-12) and a.objective_after < a.objective_before
         for (name, p), q in zip(model.named_parameters(), twin.parameters()):
             assert _close(p.detach(), q.detach()) <= 1e-12, name
             for key, value in opt.state[p].items():

@@ -38,9 +38,9 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -52,15 +52,13 @@ from teleopt.site import Site
 from teleopt.teleport.balance import _admit
 from teleopt.teleport.coordinates import max_abs
 from teleopt.teleport.distributed import is_distributed
+from teleopt.teleport.engine import TeleportEngine, TeleportRequest
 from teleopt.teleport.objectives import Balance
 from teleopt.teleport.optimizer_model import state_role
 from teleopt.teleport.report import TeleportReport
 from teleopt.teleport.search import ClosedForm
 from teleopt.teleport.state_policy import restart_curvature_history
 from teleopt.teleport.watch import REFERENCE_STEPS, InverseMove, Watch, reference
-
-if TYPE_CHECKING:
-    from teleopt.teleport.engine import TeleportEngine, TeleportRequest
 
 __all__ = ["BalanceCompanion", "BalancePlan"]
 
@@ -93,6 +91,7 @@ class BalancePlan:
     floors: list[float]  # per site: the move below which it stays (Balance.min_move or sqrt(eps))
     state: dict[tuple[int, str], str]  # (id of the parameter, state key) -> "covector" | "second_moment" | "keep"
     decisions: dict[tuple[int, str], str]  # the same entries as the report counts them
+    units: dict[int, Tensor] = field(default_factory=dict)  # scratch: per scalings' lane, each unit's squared norm
     keys: dict[int, tuple[str, ...]] = field(default_factory=dict)  # per parameter (id): its state keys when planned
     traces: list[Tensor] = field(default_factory=list)  # scratch: per lane, the members' squared norm at w
     verified: bool = False  # the engine ran this plan's first teleport and it was accepted
@@ -209,7 +208,7 @@ class BalanceCompanion:
             isinstance(objective, Balance)
             and all(getattr(type(objective), m) is getattr(Balance, m) for m in ("prepare", "solve"))  # its closed form
             and objective.fraction == 1.0
-            and type(engine).run is _engine_run()
+            and type(engine).run is TeleportEngine.run
             and not cfg.sharded
             and cfg.safety.max_gain is None
             and cfg.search.path in ("auto", "fast")
@@ -250,12 +249,6 @@ class BalanceCompanion:
             if not s.param.requires_grad or grad is None or grad.is_sparse or grad.requires_grad:
                 return None
         return plan
-
-
-def _engine_run() -> Callable[..., Any]:
-    from teleopt.teleport.engine import TeleportEngine
-
-    return TeleportEngine.run
 
 
 def _slots(sites: Sequence[Site], groups: Sequence[Group], params: dict[str, nn.Parameter], left: dict[str, str]) -> list[_Slot] | None:
@@ -392,6 +385,7 @@ def _statistics(plan: BalancePlan) -> list[dict[float, Tensor]]:
             dims = lane.others
             # in the members' precision (float32 at least), as the engine's reduced terms: then float64
             values = torch.stack([s.view.square().sum(dims) if dims else s.view.square() for s in lane.slots]).to(torch.float64)
+            plan.units[id(lane)] = values  # for the squared norm after the move (objective_after)
             plan.traces.append(values.sum())
         for s, value in zip(lane.slots, values.reshape(len(lane.slots), *(plan.groups[first.site].coord_shape or ())).unbind(0)):
             into = stats[s.site]
@@ -439,6 +433,7 @@ class _Writes:
     factors: list[Tensor] = field(default_factory=list)
     grad_before: list[Tensor] = field(default_factory=list)  # the moved gradient parts, before and after
     grad_after: list[Tensor] = field(default_factory=list)
+    norm_after: list[Tensor] = field(default_factory=list)  # the members' squared norm after the move, per lane
 
     def copy(self, lane: _Lane, targets: list[Tensor], values: Sequence[Tensor], power: float) -> None:
         self.targets += targets
@@ -489,12 +484,15 @@ def _moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim
         covector = _factors(lane, plan, elements, -p, dtype)
         if lane.matrix:
             _matrix_lane(writes, lane, [s.view for s in lane.slots], _factors(lane, plan, elements, p, dtype), p)
+            writes.norm_after += [torch.stack(writes.values[-len(grads) :]).to(torch.float64).square().sum()]
             before = _matrix_lane(writes, lane, grads, covector, -p)
             writes.grad_before.append(before)
             writes.grad_after += writes.values[-len(grads) :]
         else:
             writes.scaled += [s.view for s in lane.slots]
             writes.factors += _factors(lane, plan, elements, p, dtype).unbind(0)
+            c = torch.stack([elements[s.site] for s in lane.slots]).reshape(plan.units[id(lane)].shape)
+            writes.norm_after.append((plan.units.pop(id(lane)) * c ** (2 * p)).sum())
             moved = torch._foreach_mul(grads, list(covector.unbind(0)))
             writes.grad_before += grads
             writes.grad_after += moved
@@ -586,6 +584,7 @@ def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRe
     grads = [p.grad for g in cfg.optimizer.param_groups for p in g["params"] if p.grad is not None]
     before, after = _grad_norms(grads, writes)
     report.grad_norm_before, report.grad_norm_after = math.sqrt(before), math.sqrt(after)
+    report.objective_after = float(torch.stack(writes.norm_after).sum()) if writes.norm_after else norm_start
     report.elements = {s.name: e.to(torch.float64) for s, e in zip(plan.sites, elements)}
     report.state_decisions = dict(decisions)
     report.accepted, report.reason = True, "accepted"
