@@ -88,6 +88,9 @@ pass and back to back (median and quartiles of the differences; goal <= 10 us).
 ``--search`` measures instead, for scaling sites, the default boundary step against 100 steps of
 projected ascent (gains and time of 5 consecutive teleports on the digits MLP, mlp-10M and resnet18).
 
+``--balance-run`` prints only the balance-every-step rows of the default table (the run-time growth, its
+median per iteration, and how many teleports ran on the lean path of ``teleopt.teleport.companion``).
+
 ``--balance`` measures instead one ``objective="balance"`` teleport (closed form)
 against one ``AdamW.step()`` and one training iteration on the realistic suite's
 MLP 64-256-256-10 and on ``mlp-10M``.
@@ -771,9 +774,42 @@ def measure_balance_run(
         "iteration_ms": 1e3 * statistics.median(times["bare"]),
         "balance_iteration_ms": 1e3 * statistics.median(times["balance"]),
         "growth_pct": 100 * (sum(times["balance"]) / sum(times["bare"]) - 1),
+        "growth_median_pct": 100 * (statistics.median(times["balance"]) / statistics.median(times["bare"]) - 1),
         "accepted": sum(r.accepted for r in reports),
         "teleports": len(reports),
+        "lean": sum(r.check == "none" for r in reports),  # run on the lean path (teleopt.teleport.companion)
     }
+
+
+def print_balance(balance: list[dict[str, Any]]) -> None:
+    """The balance-every-step table."""
+    head = (
+        f"{'balance every step':18} {'params':>9} {'sites':>5} {'iter ms':>8} {'with balance':>12} {'run time growth':>15} "
+        f"{'median growth':>13} {'accepted':>8} {'lean':>5}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in balance:
+        print(
+            f"{r['model']:18} {r['params']:>9} {r['sites']:>5} {r['iteration_ms']:>8.2f} {r['balance_iteration_ms']:>12.2f} "
+            f"{r['growth_pct']:>14.1f}% {r['growth_median_pct']:>12.1f}% {r['accepted']:>4}/{r['teleports']:<3} {r['lean']:>5}"
+        )
+    print("run time growth: total CPU time of the run with balance over the bare run's; lean: teleports on the lean path")
+
+
+def balance_run_main(args: argparse.Namespace) -> None:
+    """Only the balance-every-step rows of the default table (one thread)."""
+    torch.set_num_threads(1)
+    steps = 10 if args.quick else 40
+    balance = [measure_balance_run("lora llama-2L", *_llama(2, lora=True), lm_loss, steps)]
+    balance.append(measure_balance_run("llama-4L LM", *_llama(4, lora=False), lm_loss, steps))
+    print(f"Balance every step, {datetime.date.today()}, {machine()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+    print_balance(balance)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            record = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(), "torch": torch.__version__}
+            json.dump({**record, "balance": balance}, f, indent=1)
 
 
 def users_main(args: argparse.Namespace) -> None:
@@ -810,16 +846,7 @@ def users_main(args: argparse.Namespace) -> None:
     print("checked: teleport(batch=...) with loss_fn and batch_fn (caps, check and watch on); bare fast: teleport() (probe check, no caps)")
     print("peak extra: one checked teleport's peak of new tensor bytes (LiveBytes), in multiples of the trainable parameters' bytes")
     print("ckpt: growth of torch.save(state_dict()) after that teleport (the default watch), in % of the trainable parameters' bytes")
-    head = (
-        f"{'balance every step':18} {'params':>9} {'sites':>5} {'iter ms':>8} {'with balance':>12} {'run time growth':>15} {'accepted':>8}"
-    )
-    print(head)
-    print("-" * len(head))
-    for r in balance:
-        print(
-            f"{r['model']:18} {r['params']:>9} {r['sites']:>5} {r['iteration_ms']:>8.2f} {r['balance_iteration_ms']:>12.2f} "
-            f"{r['growth_pct']:>14.1f}% {r['accepted']:>4}/{r['teleports']:<3}"
-        )
+    print_balance(balance)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
@@ -843,6 +870,9 @@ def main() -> None:
         help="resnet18 with sites='auto' (under Adam it leaves out the BatchNorm gains: no sites)",
     )
     parser.add_argument("--balance", action="store_true", help="only: one balance teleport vs one step, MLP 64-256-256-10 and mlp-10M")
+    parser.add_argument(
+        "--balance-run", action="store_true", help="only: the balance-every-step rows of the default table (LoRA llama-2L, llama-4L LM)"
+    )
     parser.add_argument("--search", action="store_true", help="only: scaling sites, the default boundary step vs 100 ascent steps")
     parser.add_argument("--overhead", action="store_true", help="only: the step overhead on mlp-5678, thousands of paired repetitions")
     parser.add_argument(
@@ -864,6 +894,9 @@ def main() -> None:
     DEVICE = torch.device(args.device)
     if args.balance:
         balance_main(args)
+        return
+    if args.balance_run:
+        balance_run_main(args)
         return
     if args.search:
         search_main(args)

@@ -467,3 +467,69 @@ def test_a_fault_in_a_paper_compat_teleport_leaves_everything_bitwise_as_before(
         assert info.value is fault
         assert not differences(before, state_of(model, opt)), f"fault at op {at} of {len(counter.ops)}"
     assert opt.teleport(batch=(x, y)).accepted
+
+
+class _NamedFaults(Faults):
+    """:class:`Faults` that also records the name of every torch function it counts."""
+
+    names: list[str]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.phases.current in self.injectable:
+            self.names.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _near(a: Any, b: Any, rel: float, where: str = "") -> list[str]:
+    """:func:`differences`, with floating-point tensors equal when within ``rel`` of their largest entry."""
+    if isinstance(a, Tensor) and isinstance(b, Tensor) and a.is_floating_point() and a.shape == b.shape and a.dtype == b.dtype:
+        scale = max(float(a.abs().max()), float(b.abs().max())) if a.numel() else 0.0
+        return [] if float((a - b).abs().max() if a.numel() else 0.0) <= rel * scale else [where]
+    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
+        return [d for k in a for d in _near(a[k], b[k], rel, f"{where}/{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _near(x, y, rel, f"{where}[{i}]")]
+    return differences(a, b, where)
+
+
+def test_a_fault_in_a_lean_balance_teleport_leaves_everything_as_before() -> None:
+    # objective="balance", every=1 on LoRA pairs and a scaling: after its plan's checked teleport, a teleport runs
+    # on the lean path (teleopt.teleport.companion).  A fault before its writes leaves everything bitwise as it was;
+    # one after the copies and before the in-place products moves the copied tensors back by the inverse elements
+    # (to round-off); counters, reports and the watch are bitwise as before either way.
+    from test_balance_companion import lora_like, wrapped
+
+    model, opt, step = wrapped(lora_like, lean=True)
+    for _ in range(4):
+        step()
+    assert opt.reports[-1].check == "none", [(r.check, r.reason) for r in opt.reports]
+    _, _, x, y = lora_like()
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    phases = Phases()  # one phase, "wrapper": the whole teleport() call
+    counter = _NamedFaults(phases, ("wrapper",))
+    counter.names = []
+    twin = copy.deepcopy((model, opt))  # a copy builds its own plan: its first teleport is the engine's, checked
+    for p, q in zip(model.parameters(), twin[0].parameters()):
+        q.grad = None if p.grad is None else p.grad.clone()
+    assert twin[1].teleport().check != "none"
+    twin[1].innermost.step()  # off the balanced point again (the counted teleport moves)
+    with counter:
+        report = twin[1].teleport()
+    assert report.accepted and report.check == "none", report.reason
+    first_write = counter.names.index("_foreach_copy_")
+    # the writes are the teleport's last operations (then teleport()'s own no_grad exits, the report handed out)
+    assert counter.names[first_write + 1 :] == ["_foreach_mul_", "_set_grad_enabled"]
+    before = state_of(model, opt)
+    points = sorted({p for p in injection_points(counter.ops, 16) if p <= first_write + 1} | {first_write, first_write + 1})
+    for n, at in enumerate(points):
+        fault = _fault(n)
+        with pytest.raises(type(fault)) as info, Faults(phases, ("wrapper",), at, fault):
+            opt.teleport()
+        assert info.value is fault
+        after = state_of(model, opt)
+        if at <= first_write:
+            assert not differences(before, after), f"fault at op {at} ({counter.names[at]}): {differences(before, after)[:6]}"
+        else:
+            assert not _near(before, after, 1e-12), f"fault at op {at} ({counter.names[at]}): {_near(before, after, 1e-12)[:6]}"
+    assert opt.teleport().accepted

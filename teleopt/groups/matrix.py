@@ -328,12 +328,13 @@ class GeneralLinear(_MatrixGroup):
             return torch.zeros_like(ref)  # one side only: no minimiser
         A, B = _sym(A), _sym(B)
         eye = torch.eye(self.n, dtype=A.dtype, device=A.device).expand(A.shape)
-        ok = _well_conditioned(torch.linalg.eigvalsh(A), rcond) & _well_conditioned(torch.linalg.eigvalsh(B), rcond)
+        a, U = torch.linalg.eigh(A)  # its eigenvalues decide A's conditioning too (no separate eigvalsh)
+        ok = _well_conditioned(a, rcond) & _well_conditioned(torch.linalg.eigvalsh(B), rcond)
         if not bool(ok.any()):
             return torch.zeros_like(A)
         mask = ok[..., None, None]
-        A, B = torch.where(mask, A, eye), torch.where(mask, B, eye)  # the blocks left alone solve to the identity
-        a, U = torch.linalg.eigh(A)
+        B = torch.where(mask, B, eye)  # the blocks left alone solve to the identity
+        a, U = torch.where(ok[..., None], a, 1.0), torch.where(mask, U, eye)
         root = (U * a.sqrt().unsqueeze(-2)) @ U.mT
         inv_root = (U * a.rsqrt().unsqueeze(-2)) @ U.mT
         m, V = torch.linalg.eigh(_sym(root @ B @ root))
@@ -342,7 +343,11 @@ class GeneralLinear(_MatrixGroup):
         xi = 0.5 * torch.log(lam.clamp_min(torch.finfo(torch.float64).tiny))
         if radius is not None:
             xi = xi.clamp(-radius, radius)
-        return torch.where(mask, (W * xi.unsqueeze(-2)) @ W.mT, torch.zeros_like(A))
+        coords = torch.where(mask, (W * xi.unsqueeze(-2)) @ W.mT, torch.zeros_like(A))
+        cache = active_cache()
+        if cache is not None:  # exp(coords) then needs no matrix_exp (see exp); blocks left alone stay exactly I
+            cache.put("eigen", coords, id(coords), (torch.where(mask, W, eye), torch.where(ok[..., None], xi, 0.0)))
+        return coords
 
     def balance_many(
         self, stats: Sequence[Mapping[float, Tensor]], radius: float | None, rcond: float = BALANCE_RCOND
@@ -353,7 +358,14 @@ class GeneralLinear(_MatrixGroup):
         if len(stats) < 2 or not both or len({(s[1.0].shape, s[-1.0].shape, s[1.0].dtype) for s in stats}) != 1:
             return super().balance_many(stats, radius, rcond)
         A, B = (torch.stack([s[p] for s in stats]) for p in (1.0, -1.0))
-        return list(self.balance({1.0: A, -1.0: B}, radius, rcond).unbind(0))
+        coords = self.balance({1.0: A, -1.0: B}, radius, rcond)
+        sites = coords.unbind(0)
+        cache = active_cache()
+        eigen = None if cache is None else cache.get("eigen", coords, id(coords))
+        if cache is not None and eigen is not None:  # each site's coordinates keep their eigendecomposition (see exp)
+            for xi, U, lam in zip(sites, eigen[0].unbind(0), eigen[1].unbind(0)):
+                cache.put("eigen", xi, id(xi), (U, lam))
+        return list(sites)
 
     roundoff_growth: ClassVar[bool] = True
 

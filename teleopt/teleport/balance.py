@@ -89,7 +89,8 @@ def _commute(a: _Entry, b: _Entry, ndim: int) -> bool:
     (_, ma, ga), (_, mb, gb) = a, b
     if ma.axis % ndim != mb.axis % ndim or (_diagonal(ga) and _diagonal(gb)):
         return True
-    plain = all(m.outer == 1 and m.inner == 1 and m.groups == 1 and m.start is not None for m in (ma, mb))
+    # disjoint slices of the axis commute whatever their outer/inner layout (it stays inside each slice)
+    plain = all(m.groups == 1 and m.start is not None for m in (ma, mb))
     return plain and (ma.stop is not None and mb.stop is not None) and (ma.stop <= (mb.start or 0) or mb.stop <= (ma.start or 0))
 
 

@@ -36,6 +36,7 @@ from teleopt.groups import GroupCache
 from teleopt.sharding import reshard, sharded_module, unsupported_layout
 from teleopt.site import Site
 from teleopt.teleport.check import KeywordCheck, OutputCapture, ProbeRecorder, seeded
+from teleopt.teleport.companion import BalanceCompanion
 from teleopt.teleport.config import (
     Shortcuts,
     checked_batch,
@@ -503,6 +504,8 @@ class Teleport(OptimizerWrapper):
         return active, skipped
 
     def _teleport_now(self, request: TeleportRequest) -> tuple[TeleportReport, Any]:
+        if (lean := BalanceCompanion.of(self).teleport(self, request)) is not None:  # closed-form balance, no passes
+            return lean, request.loss
         if any(p.grad is not None and p.grad.requires_grad for p in self._param_list()):
             report = TeleportReport(step=self._record.step, path="none", objective=self._objective.name)
             report.reason = (

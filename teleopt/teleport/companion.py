@@ -1,0 +1,599 @@
+"""Balance as a per-step companion: the closed-form ``"balance"`` teleport without the engine's passes.
+
+A scheduled teleport whose objective is :class:`~teleopt.teleport.objectives.Balance` (defaults) runs a lean
+path here instead of :class:`~teleopt.teleport.engine.TeleportEngine` when the plan below applies:
+
+* the **plan** is built once and cached on the wrapper (:class:`BalanceCompanion`): per site its group, trust
+  radius and member views (the acted-on part of each parameter), per optimizer-state entry what the state
+  policy does with it, and the sites bucketed by kind (group class, coordinate shape, radius).  It is rebuilt
+  when the sites list, a param group (identity, parameters, ``enabled``, trust region), the caps' backoff, a
+  member's storage or its state keys change;
+* each teleport reads the members' statistics, solves every bucket in one batched closed-form call
+  (:meth:`Group.balance_many <teleopt.groups.Group.balance_many>`; ENorm, Stock et al. 2019; the balanced pair
+  A A^T = B^T B of a LoRA pair, BaLoRA, Castin et al. 2026), computes every write first (the moved parts of
+  matrix groups and every moved gradient out of place, the scalings' factors), then makes them with one
+  ``torch._foreach_copy_`` and one in-place ``torch._foreach_mul_``.  No forward or backward pass, no probe,
+  no snapshot copies: the elements suffice to undo it.
+
+It gives the engine's result (the same statistics, solve, elements and transport rules) where the engine's
+extra phases are no-ops: sites pairwise independent (disjoint slices of a tensor's one axis), each balanced
+point inside the trust region (then the round-off amplification of Zhao 2026's GL blocks is 1, the least on
+the orbit, so the per-dtype bound holds), float32/float64 members, no caps that read a loss, a state policy
+that transports or keeps every entry.  Anything else returns ``None`` and the engine runs.
+
+**The output check.** Balance on certified exact sites changes no output, so the companion checks once per plan:
+the first teleport after each (re)build goes through the engine with its full check; the lean path starts
+only after that teleport was accepted, and later teleports are not checked (their elements are the same
+closed form on the same certified sites; the watch still compares gradient norms each step).
+
+**All or nothing.** Every new value is computed before the first write, so an exception before it leaves
+everything bitwise as it was; an exception after the copy (before the in-place products, which allocate
+nothing) moves the copied tensors back by the inverse elements (exact up to round-off: a product by g, then by
+g^-1); after the writes no torch function runs before the commit.  The plan is also dropped when a member's
+storage (``module.to``, ``p.data = ...``) or its optimizer-state keys changed since it was built.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from teleopt.actions.axis import AxisAction, Member
+from teleopt.actions.base import GroupAction
+from teleopt.groups import Group, GroupCache
+from teleopt.site import Site
+from teleopt.teleport.balance import _admit
+from teleopt.teleport.coordinates import max_abs
+from teleopt.teleport.distributed import is_distributed
+from teleopt.teleport.engine import TeleportEngine, TeleportRequest
+from teleopt.teleport.objectives import Balance
+from teleopt.teleport.optimizer_model import state_role
+from teleopt.teleport.report import TeleportReport
+from teleopt.teleport.search import ClosedForm
+from teleopt.teleport.state_policy import restart_curvature_history
+from teleopt.teleport.watch import REFERENCE_STEPS, InverseMove, Watch, reference
+
+__all__ = ["BalanceCompanion", "BalancePlan"]
+
+
+@dataclass(repr=False)
+class _Slot:
+    """One member of one site: the live parameter, its acted-on part (a view) and how the site acts there."""
+
+    site: int
+    param: Tensor
+    member: Member
+    view: Tensor
+    axis: int
+    power: float
+    whole: bool  # a scaling on a whole axis (statistics in the tensor's precision, as the engine's)
+    storage: int = 0  # the parameter's data_ptr when planned (its views are of that storage)
+
+
+@dataclass(repr=False)
+class BalancePlan:
+    """What every lean teleport of one configuration shares (see module docs)."""
+
+    sites: list[Site]
+    skipped: dict[str, str]
+    groups: list[Group]
+    radii: list[float | None]
+    slots: list[_Slot]
+    buckets: list[list[int]]
+    lanes: list[_Lane]
+    floors: list[float]  # per site: the move below which it stays (Balance.min_move or sqrt(eps))
+    state: dict[tuple[int, str], str]  # (id of the parameter, state key) -> "covector" | "second_moment" | "keep"
+    decisions: dict[tuple[int, str], str]  # the same entries as the report counts them
+    units: dict[int, Tensor] = field(default_factory=dict)  # scratch: per scalings' lane, each unit's squared norm
+    keys: dict[int, tuple[str, ...]] = field(default_factory=dict)  # per parameter (id): its state keys when planned
+    traces: list[Tensor] = field(default_factory=list)  # scratch: per lane, the members' squared norm at w
+    verified: bool = False  # the engine ran this plan's first teleport and it was accepted
+    checked_at: int = -1
+
+
+def _view(param: Tensor, member: Member) -> tuple[Tensor, int] | None:
+    """The member's part of ``param`` as a view (``None`` where the layout needs a copy)."""
+    if member.groups != 1:
+        return None
+    view, axis = member.part_view(param)
+    return (view, axis) if view is param or view._is_view() else None
+
+
+def _independent(slots: Sequence[_Slot]) -> bool:
+    """Whether no two sites touch overlapping parts of a tensor (disjoint slices of one axis)."""
+    by_tensor: dict[int, list[_Slot]] = {}
+    for s in slots:
+        by_tensor.setdefault(id(s.param), []).append(s)
+    for parts in by_tensor.values():
+        for i, a in enumerate(parts):
+            for b in parts[i + 1 :]:
+                ma, mb = a.member, b.member
+                if a.site == b.site and ma.tensor_key == mb.tensor_key and ma.axis == mb.axis:
+                    continue  # parts of one tensor the action composes (checked disjoint by the action)
+                if ma.axis % a.param.ndim != mb.axis % b.param.ndim or ma.start is None or mb.start is None:
+                    return False
+                if not (ma.stop is not None and mb.stop is not None and (ma.stop <= mb.start or mb.stop <= ma.start)):
+                    return False
+    return True
+
+
+def _state_plan(engine: TeleportEngine, slots: Sequence[_Slot], groups: Sequence[Group]) -> tuple[dict, dict] | None:
+    """Per (parameter, state key): transported as a covector or second moment, or kept; ``None`` for a reset."""
+    opt, policy = engine.config.optimizer, engine.config.policy
+    how: dict[tuple[int, str], str] = {}
+    said: dict[tuple[int, str], str] = {}
+    for s in slots:
+        st = opt.state.get(s.param)
+        if not st:
+            return None  # no state yet (the base initialises it lazily): the engine takes this teleport
+        for key, value in st.items():
+            role = state_role(opt, key)
+            chosen = policy.resolve(key, role, opt)
+            shaped = isinstance(value, Tensor) and value.shape == s.param.shape
+            if chosen == "transport" and role == "first_moment" and shaped:
+                rule, say = "covector", "transport"
+            elif chosen == "transport" and role == "second_moment" and shaped and groups[s.site].second_moment_power(1.0) is not None:
+                rule, say = "second_moment", "transport"
+            elif chosen == "transport" and role in ("first_moment", "second_moment", "update", "unknown"):
+                fallback = policy.resolve_fallback(key, role)
+                rule, say = "keep", "fallback:" + fallback
+                if fallback != "keep":
+                    return None
+            elif chosen in ("transport", "keep"):
+                rule, say = "keep", "keep"
+            else:
+                return None
+            if how.get((id(s.param), key), rule) != rule:
+                return None  # one tensor, two rules (two sites' moments of one parameter): the engine decides
+            how[(id(s.param), key)], said[(id(s.param), key)] = rule, say
+    return how, said
+
+
+class BalanceCompanion:
+    """The cached plan and the lean teleport (module docs); one per ``Teleport``. ``enabled=False`` turns it off."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self.plan: BalancePlan | None = None
+        self.key: tuple[Any, ...] | None = None
+        self.builds = 0  # how many plans were built (tests read it)
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy rebuilds its plan (views of its own parameters)
+        return {"enabled": self.enabled, "plan": None, "key": None, "builds": 0}
+
+    @staticmethod
+    def of(owner: Any) -> BalanceCompanion:
+        """The companion cached on ``owner`` (a ``Teleport``), made on first use."""
+        companion = owner.__dict__.get("_balance_companion")
+        if companion is None:
+            companion = owner.__dict__["_balance_companion"] = BalanceCompanion()
+        return companion
+
+    def teleport(self, owner: Any, request: TeleportRequest) -> TeleportReport | None:
+        """Run ``owner``'s teleport on the lean path, call its hooks and return the report; ``None``: the engine's turn."""
+        engine = owner._engine
+        if not self.enabled or request.batch is not None or request.heldout is not None or request.closure is not None:
+            return None
+        plan = None if request.loss is not None else self._plan(owner, engine)  # a loss: the caps may read it
+        if plan is None:
+            return None
+        if not plan.verified:
+            last = owner.reports[-1] if owner.reports else None
+            if last is None or plan.checked_at != last.step or not last.accepted:
+                plan.checked_at = engine.record.step  # the engine checks this one; lean from the next if accepted
+                return None
+            plan.verified = True
+        with GroupCache().active():
+            report = lean_teleport(engine, plan, request)
+        if report is None:
+            return None
+        if report.accepted:
+            restart_curvature_history(owner.innermost)
+        owner._call_hooks(report)
+        return report
+
+    @staticmethod
+    def _eligible(owner: Any, engine: TeleportEngine) -> bool:
+        """Whether the wrapper's settings allow the lean path (read when a plan is built)."""
+        cfg = engine.config
+        objective = cfg.objective
+        return (
+            isinstance(objective, Balance)
+            and all(getattr(type(objective), m) is getattr(Balance, m) for m in ("prepare", "solve"))  # its closed form
+            and objective.fraction == 1.0
+            and type(engine).run is TeleportEngine.run
+            and not cfg.sharded
+            and cfg.safety.max_gain is None
+            and cfg.search.path in ("auto", "fast")
+            and isinstance(cfg.search.strategy_for(objective, None), ClosedForm)
+            and not owner._lookahead.is_lookahead
+            and not is_distributed()
+        )
+
+    def _plan(self, owner: Any, engine: TeleportEngine) -> BalancePlan | None:
+        trust = engine.config.trust_key
+        enabled = owner.prefix + "enabled"
+        groups = owner.param_groups
+        key = (
+            id(owner._sites),
+            len(owner._sites or ()),
+            engine.record.backoff,
+            tuple((id(g), id(g["params"]), len(g["params"]), g[enabled], g[trust]) for g in groups),
+        )
+        if key != self.key:
+            self.key, self.plan = key, None
+            if owner._sites is None or not self._eligible(owner, engine):
+                return None
+            sites, skipped = owner._active_sites(None)
+            self.plan = build_plan(engine, sites, skipped)
+            self.builds += 1
+            state = engine.config.optimizer.state
+            if self.plan is None and not all(state.get(p) for s in sites for p in s.tensors(owner._module) if p is not None):
+                self.key = None  # the base has not initialised its state yet: try again next time
+        plan = self.plan
+        if plan is None:
+            return None
+        state = engine.config.optimizer.state
+        for s in plan.slots:
+            if s.param.data_ptr() != s.storage or tuple(state.get(s.param, ())) != plan.keys[id(s.param)]:
+                self.key = None  # new storage (module.to, p.data = ...) or new state entries: planned again next time
+                return None
+            grad = s.param.grad  # frozen, gradient-free, sparse or graph-carrying members: the engine decides
+            if not s.param.requires_grad or grad is None or grad.is_sparse or grad.requires_grad:
+                return None
+        return plan
+
+
+def _slots(sites: Sequence[Site], groups: Sequence[Group], params: dict[str, nn.Parameter], left: dict[str, str]) -> list[_Slot] | None:
+    """The members of the admitted sites as views of their parameters (``None``: a layout without a view)."""
+    slots = []
+    for i, (site, group) in enumerate(zip(sites, groups)):
+        if site.name in left or not isinstance(site.action, AxisAction):
+            continue
+        for member, name in zip(site.action.members, site.members):
+            if name is None:
+                continue
+            found = _view(params[name].data, member)
+            if found is None:
+                return None
+            whole = group.diagonal and member.start is None and member.outer == 1 and member.inner == 1
+            slots.append(_Slot(i, params[name], member, found[0], found[1], float(member.power), whole, params[name].data_ptr()))
+    return slots
+
+
+def _floors(objective: Balance, sites: Sequence[Site], params: dict[str, nn.Parameter]) -> list[float]:
+    """Per site, the move below which it stays (:class:`Balance`'s ``min_move``, else sqrt(eps) of its dtype)."""
+    if objective.min_move is not None:
+        return [objective.min_move] * len(sites)
+    return [math.sqrt(torch.finfo(params[next(n for n in s.members if n is not None)].dtype).eps) for s in sites]
+
+
+def _lanes_agree(lanes: Sequence[_Lane], rules: dict[tuple[int, str], str], optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every lane's parameters have the same state keys under the same rules (one kernel per key)."""
+    for lane in lanes:
+        keys = {tuple((k, rules[(id(s.param), k)]) for k in optimizer.state[s.param]) for s in lane.slots}
+        if len(keys) != 1:
+            return False
+    return True
+
+
+def build_plan(engine: TeleportEngine, sites: list[Site], skipped: dict[str, str]) -> BalancePlan | None:
+    """The plan of ``sites`` (module docs), or ``None`` where the lean path does not give the engine's result."""
+    cfg = engine.config
+    objective = cfg.objective
+    assert isinstance(objective, Balance)
+    params = dict(cfg.module.named_parameters())
+    if not sites or any(not isinstance(s.action, AxisAction) or type(s.action).exp is not GroupAction.exp for s in sites):
+        return None
+    names = [n for s in sites for n in s.members if n is not None]
+    if any(n not in params or params[n].dtype not in (torch.float32, torch.float64) for n in names):
+        return None  # a buffer member (the engine moves it), or a 16-bit one (elements exact in its dtype)
+    groups = [s.action.group(tuple(None if n is None else params[n] for n in s.members)) for s in sites]
+    _, left = _admit(sites, groups, params, set(params))  # sites the closed form leaves at the identity, as the engine does
+    slots = _slots(sites, groups, params, left)
+    states = None if slots is None or not _independent(slots) else _state_plan(engine, slots, groups)
+    if slots is None or states is None:
+        return None
+    radii = [engine._trust_region(s, _Groups(cfg.optimizer, params)) for s in sites]  # type: ignore[arg-type]
+    buckets: dict[tuple[Any, ...], list[int]] = {}
+    for i, g in enumerate(groups):
+        if sites[i].name not in left:
+            buckets.setdefault((type(g), g.coord_shape, radii[i]), []).append(i)
+    bucket_of = {i: b for b, members in enumerate(buckets.values()) for i in members}
+    lanes = _lanes(slots, groups, bucket_of)
+    if not _lanes_agree(lanes, states[0], cfg.optimizer):
+        return None
+    plan = BalancePlan(
+        sites, dict(skipped), groups, radii, slots, list(buckets.values()), lanes, _floors(objective, sites, params), *states
+    )
+    plan.keys = {id(s.param): tuple(cfg.optimizer.state[s.param]) for s in slots}
+    return plan
+
+
+class _Groups:
+    """What :meth:`TeleportEngine._trust_region` reads of a context: each parameter's group by name."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter]) -> None:
+        by_id = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        self.groups = {n: by_id[id(p)] for n, p in params.items() if id(p) in by_id}
+
+
+@dataclass(repr=False)
+class _Lane:
+    """Slots of one bucket that stack: the same group kind, view shape, axis, power and dtype (one kernel each)."""
+
+    slots: list[_Slot]
+    blocks: int  # the acted-on axis viewed as (blocks, n): GL blocks, or one unit per "block" for scalings
+    n: int
+    matrix: bool  # block matrices (GL, stacked); else elementwise factors (scalings, in place)
+
+    @property
+    def others(self) -> tuple[int, ...]:
+        """The view's axes the group does not act on (a scaling's statistic sums over them)."""
+        first = self.slots[0]
+        return tuple(d for d in range(first.view.ndim) if d != first.axis)
+
+    @property
+    def broadcast(self) -> tuple[int, ...]:
+        """The shape a scaling's factors take to multiply a view (units on the acted-on axis)."""
+        first = self.slots[0]
+        return tuple(self.blocks if d == first.axis else 1 for d in range(first.view.ndim))
+
+    def columns(self, x: Tensor) -> Tensor:
+        """Stacked parts (S, *view) as (S, blocks, n, rest)."""
+        moved = x.movedim(self.slots[0].axis + 1, 1)
+        return moved.reshape(moved.shape[0], self.blocks, self.n, -1)
+
+    def back(self, y: Tensor, x: Tensor) -> Tensor:
+        """:meth:`columns` undone: ``y`` in the layout of the stacked parts ``x``."""
+        moved = x.movedim(self.slots[0].axis + 1, 1)
+        return y.reshape(moved.shape).movedim(1, self.slots[0].axis + 1)
+
+
+def _lanes(slots: Sequence[_Slot], groups: Sequence[Group], bucket_of: dict[int, int]) -> list[_Lane]:
+    lanes: dict[tuple[Any, ...], list[_Slot]] = {}
+    for s in slots:
+        key = (bucket_of[s.site], tuple(s.view.shape), s.axis, s.power, s.view.dtype, s.whole)
+        lanes.setdefault(key, []).append(s)
+    out = []
+    for members in lanes.values():
+        group = groups[members[0].site]
+        size = group.block_size
+        matrix = size is not None and not group.diagonal
+        out.append(_Lane(members, group.dim // size if matrix and size else group.dim, size if matrix and size else 1, matrix))
+    return out
+
+
+def _statistics(plan: BalancePlan) -> list[dict[float, Tensor]]:
+    """Per site, its members' norm statistics summed per power (what the engine's weight-norm model reads at w):
+    Gram matrices per block of each lane's stacked parts (GL), sums of squares per unit (scalings, per part)."""
+    stats: list[dict[float, Tensor]] = [{} for _ in plan.sites]
+    for lane in plan.lanes:
+        first = lane.slots[0]
+        if lane.matrix:
+            cols = lane.columns(torch.stack([s.view for s in lane.slots]).to(torch.float64))
+            values = cols @ cols.mT
+            plan.traces.append(values.diagonal(dim1=-2, dim2=-1).sum())
+        else:
+            dims = lane.others
+            # in the members' precision (float32 at least), as the engine's reduced terms: then float64
+            values = torch.stack([s.view.square().sum(dims) if dims else s.view.square() for s in lane.slots]).to(torch.float64)
+            plan.units[id(lane)] = values  # for the squared norm after the move (objective_after)
+            plan.traces.append(values.sum())
+        for s, value in zip(lane.slots, values.reshape(len(lane.slots), *(plan.groups[first.site].coord_shape or ())).unbind(0)):
+            into = stats[s.site]
+            into[s.power] = into[s.power] + value if s.power in into else value
+    return stats
+
+
+def solve(plan: BalancePlan, rcond: float) -> tuple[list[Tensor], list[float], float] | None:
+    """Coordinates of every site's balanced point (one batched call per bucket), their max abs (0 for a site
+    within its floor: it stays) and the summed squared norm of the members at w; ``None`` when a balanced
+    point lies on the trust region's edge (the round-off bound may then shrink it: the engine decides)."""
+    stats = _statistics(plan)
+    traces = [torch.stack(plan.traces).sum()] if plan.traces else [torch.zeros((), dtype=torch.float64)]
+    plan.traces = []
+    coords = [torch.zeros(g.coord_shape or (), dtype=torch.float64) for g in plan.groups]  # skipped sites: the identity
+    edges = []
+    for bucket in plan.buckets:
+        group, radius = plan.groups[bucket[0]], plan.radii[bucket[0]]
+        solved = group.balance_many([stats[i] for i in bucket], radius, rcond)
+        for i, xi in zip(bucket, solved):
+            assert xi is not None  # admitted sites have a closed form
+            coords[i] = xi
+        if radius is not None and group.roundoff_growth:
+            # ||xi||_F >= ||xi||_2: below the radius no eigenvalue was clipped and exp(xi) is the balanced point
+            # (round-off amplification 1, the least on the orbit: within every dtype's bound)
+            stacked = torch.stack([coords[i] for i in bucket])
+            edges.append(stacked.reshape(-1, *stacked.shape[-2:]).square().sum((-2, -1)).amax() >= (radius * (1 - 1e-9)) ** 2)
+    moves = max_abs(coords)
+    if edges and bool(torch.stack(edges).any()):
+        return None
+    kept = [m if m > floor else 0.0 for m, floor in zip(moves, plan.floors)]
+    return [xi if m else torch.zeros_like(xi) for xi, m in zip(coords, kept)], kept, float(traces[0])
+
+
+@dataclass
+class _Writes:
+    """One teleport's writes: new values to copy over their targets (GL parts, gradients), factors to multiply
+    targets by in place (scalings' parameters and moments), how to move each copy back (site, view axis, power),
+    and the gradients' squared norms before and after, per lane."""
+
+    targets: list[Tensor] = field(default_factory=list)
+    values: list[Tensor] = field(default_factory=list)
+    undo: list[tuple[int, int, float]] = field(default_factory=list)
+    scaled: list[Tensor] = field(default_factory=list)
+    factors: list[Tensor] = field(default_factory=list)
+    grad_before: list[Tensor] = field(default_factory=list)  # the moved gradient parts, before and after
+    grad_after: list[Tensor] = field(default_factory=list)
+    norm_after: list[Tensor] = field(default_factory=list)  # the members' squared norm after the move, per lane
+
+    def copy(self, lane: _Lane, targets: list[Tensor], values: Sequence[Tensor], power: float) -> None:
+        self.targets += targets
+        self.values += values
+        self.undo += [(s.site, s.axis, power) for s in lane.slots]
+
+
+def _factors(lane: _Lane, plan: BalancePlan, elements: Sequence[Tensor], power: float, dtype: torch.dtype) -> Tensor:
+    """rho(g)^power of each slot's site, stacked: (S, blocks, n, n) block matrices for GL (g, or g^-T for -1)
+    to multiply :meth:`_Lane.columns`; (S, *broadcast) factors c^power for scalings, as ``act_on_axis`` computes them."""
+    sites = [s.site for s in lane.slots]
+    if lane.matrix:
+        blocks = [plan.groups[i].block_matrices(elements[i], power) for i in sites]
+        return torch.stack([m.reshape(lane.blocks, lane.n, lane.n) for m in blocks if m is not None]).to(dtype)
+    g = torch.stack([elements[i] for i in sites]).to(dtype)
+    return (g if power == 1 else g**power).reshape(len(sites), *lane.broadcast)
+
+
+def _grad(param: Tensor) -> Tensor:
+    grad = param.grad
+    assert grad is not None  # the plan's guard: every member has a gradient
+    return grad
+
+
+def _matrix_lane(writes: _Writes, lane: _Lane, parts: list[Tensor], m: Tensor, power: float) -> Tensor:
+    """The lane's parts moved by the stacked block matrices ``m`` (queued as copies); returns the stacked parts."""
+    x = torch.stack(parts)
+    if lane.blocks == 1 and x.ndim == 3:  # whole matrices (a LoRA factor): one batched product, no reshapes
+        y = m[:, 0] @ x if lane.slots[0].axis == 0 else x @ m[:, 0].mT
+    else:
+        y = lane.back(m @ lane.columns(x), x)
+    writes.copy(lane, parts, y.unbind(0), power)
+    return x
+
+
+def _moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim.Optimizer) -> tuple[_Writes, Counter[str]]:
+    """Every write of the teleport, computed before any is made (module docs)."""
+    writes, decisions = _Writes(), Counter[str]()
+    for s in plan.slots:
+        for key in optimizer.state[s.param]:
+            decisions[plan.decisions[(id(s.param), key)]] += 1
+    for lane in plan.lanes:
+        first = lane.slots[0]
+        group, dtype, p = plan.groups[first.site], first.view.dtype, first.power
+        moments = [(key, plan.state[(id(first.param), key)]) for key in optimizer.state[first.param]]
+        parts = {key: [s.member.part_view(optimizer.state[s.param][key])[0] for s in lane.slots] for key, rule in moments if rule != "keep"}
+        grads = [s.member.part_view(_grad(s.param))[0] for s in lane.slots]
+        covector = _factors(lane, plan, elements, -p, dtype)
+        if lane.matrix:
+            _matrix_lane(writes, lane, [s.view for s in lane.slots], _factors(lane, plan, elements, p, dtype), p)
+            writes.norm_after += [torch.stack(writes.values[-len(grads) :]).to(torch.float64).square().sum()]
+            before = _matrix_lane(writes, lane, grads, covector, -p)
+            writes.grad_before.append(before)
+            writes.grad_after += writes.values[-len(grads) :]
+        else:
+            writes.scaled += [s.view for s in lane.slots]
+            writes.factors += _factors(lane, plan, elements, p, dtype).unbind(0)
+            c = torch.stack([elements[s.site] for s in lane.slots]).reshape(plan.units[id(lane)].shape)
+            writes.norm_after.append((plan.units.pop(id(lane)) * c ** (2 * p)).sum())
+            moved = torch._foreach_mul(grads, list(covector.unbind(0)))
+            writes.grad_before += grads
+            writes.grad_after += moved
+            writes.copy(lane, grads, moved, -p)
+        for key, rule in moments:
+            if rule == "keep":
+                continue
+            power = -p if rule == "covector" else group.second_moment_power(-p)
+            assert power is not None  # the plan admits second moments only where the rule exists
+            m = covector if rule == "covector" else _factors(lane, plan, elements, power, dtype)
+            if lane.matrix:
+                _matrix_lane(writes, lane, parts[key], m, power)
+            else:
+                writes.scaled += parts[key]
+                writes.factors += m.unbind(0)
+    return writes, decisions
+
+
+def _write(writes: _Writes, plan: BalancePlan, elements: Sequence[Tensor]) -> None:
+    """The writes: one ``_foreach_copy_``, then one in-place ``_foreach_mul_`` (it allocates nothing: nothing in it
+    can fail).  An exception before the multiplication moves what the copy wrote back by the inverse elements."""
+    try:
+        if writes.targets:
+            torch._foreach_copy_(writes.targets, writes.values)
+        if writes.scaled:
+            torch._foreach_mul_(writes.scaled, writes.factors)
+    except BaseException:
+        with torch.no_grad():
+            for target, value, (site, axis, power) in zip(writes.targets, writes.values, writes.undo):
+                if torch.equal(target, value):
+                    inverse = plan.sites[site].action.inverse(elements[site])
+                    target.copy_(plan.groups[site].act_on_axis(inverse, target, axis, power))
+        raise
+
+
+def _grad_norms(grads: list[Tensor], writes: _Writes) -> tuple[float, float]:
+    """||grad||^2 over all gradients before the teleport and after it (the moved parts replaced), one read."""
+    parts = [grads, writes.grad_before, writes.grad_after]
+    norms = torch._foreach_norm([t for part in parts for t in part])
+    squares = torch.stack(norms).to(torch.float64).square()
+    a, b = len(grads), len(grads) + len(writes.grad_before)
+    before, old, new = (float(v) for v in torch.stack([squares[:a].sum(), squares[a:b].sum(), squares[b:].sum()]))
+    return before, max(before - old + new, 0.0)
+
+
+def _report(engine: TeleportEngine, plan: BalancePlan, norms: list[float]) -> TeleportReport:
+    cfg, record = engine.config, engine.record
+    report = TeleportReport(step=record.step, path="fast", objective=cfg.objective.name, sites=list(plan.sites), skipped=dict(plan.skipped))
+    report.coordinate_norms = {s.name: v for s, v in zip(plan.sites, norms)}
+    report.check, report.check_detail = "none", f"lean balance: its plan's first teleport was checked (step {plan.checked_at})"
+    return report
+
+
+def _watch(engine: TeleportEngine, plan: BalancePlan, elements: Sequence[Tensor], report: TeleportReport) -> Watch | None:
+    """The watch of the accepted teleport (its inverse move), made before anything is written."""
+    cfg, record = engine.config, engine.record
+    if cfg.safety.watch_steps <= 0:
+        return None
+    first = {s.site: s.param.dtype for s in reversed(plan.slots)}
+    kept = [e.to(torch.promote_types(first[i], torch.float32)) for i, e in enumerate(elements)]
+    move = InverseMove(list(plan.sites), kept, cfg.module, cfg.optimizer, cfg.policy)
+    recent = [v for t, v in record.recent if record.step - REFERENCE_STEPS <= t < record.step]  # take_recent, unmutated
+    ref = reference(report.grad_norm_before, report.grad_norm_after, recent)
+    return Watch(move, record.step + cfg.safety.watch_steps, record.step, ref, None)
+
+
+def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRequest) -> TeleportReport | None:
+    """One balance teleport on ``plan`` (module docs); ``None`` where the engine must take it.  It reads and writes
+    ``.data`` views, outside autograd (``Teleport.step`` and ``teleport`` run it under ``no_grad``); after the
+    writes it runs no torch function, so nothing can fail between them and the commit."""
+    start, cfg, record = time.perf_counter(), engine.config, engine.record
+    objective = cfg.objective
+    assert isinstance(objective, Balance)
+    found = solve(plan, objective.rcond)
+    if found is None:
+        return None
+    coords, norms, norm_start = found
+    report = _report(engine, plan, norms)
+    report.objective_before = norm_start
+    if not all(math.isfinite(v) for v in norms):
+        report.reason = "declined: the search returned non-finite coordinates"
+    elif all(v == 0.0 for v in norms):
+        report.reason = "declined: no improvement found"
+    if report.reason:
+        report.time_s = time.perf_counter() - start
+        return report
+    elements = [group.exp(xi) for group, xi in zip(plan.groups, coords)]  # as the engine computes them
+    writes, decisions = _moves(plan, elements, cfg.optimizer)
+    grads = [p.grad for g in cfg.optimizer.param_groups for p in g["params"] if p.grad is not None]
+    before, after = _grad_norms(grads, writes)
+    report.grad_norm_before, report.grad_norm_after = math.sqrt(before), math.sqrt(after)
+    report.objective_after = float(torch.stack(writes.norm_after).sum()) if writes.norm_after else norm_start
+    report.elements = {s.name: e.to(torch.float64) for s, e in zip(plan.sites, elements)}
+    report.state_decisions = dict(decisions)
+    report.accepted, report.reason = True, "accepted"
+    watch = _watch(engine, plan, elements, report)
+    _write(writes, plan, elements)
+    # the commit: Python assignments only, after the writes
+    record.accepted += 1
+    if watch is not None:
+        record.recent = []
+        record.watch = watch
+    report.time_s = time.perf_counter() - start
+    return report
