@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import teleopt  # (1)
 from teleopt.datasets import Digits, load_digits
+from teleopt.teleport import Schedule
 
 
 def make_model() -> nn.Module:
@@ -90,8 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model,
         "auto",
         objective="balance",
-        every=50,  # every 50 steps from step 50: measured best on the SGD MLP (the default is every 200 from 200)
-        warmup=50,
+        schedule=Schedule(every=50, warmup=50),  # measured best on the SGD MLP (the default: every 200 from 200)
         example_inputs=data.x_train[:2],
         loss_fn=F.cross_entropy,
         batch_fn=lambda: next(iter(teleport_batches)),

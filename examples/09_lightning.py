@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import teleopt
 from teleopt.datasets import load_digits
+from teleopt.teleport import Schedule
 
 
 class DigitsClassifier(L.LightningModule):
@@ -58,7 +59,7 @@ class DigitsClassifier(L.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         base = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.0)
         # the default objective and schedule (balance, closed form); a given ``every`` balances that often instead
-        often = {} if self.every is None else {"objective": "balance", "every": self.every, "warmup": self.every}
+        often = {} if self.every is None else {"objective": "balance", "schedule": Schedule(every=self.every, warmup=self.every)}
         teleport = teleopt.Teleport(
             base, self, "auto", example_inputs=self.probe[0][:2], loss_fn=F.cross_entropy, batch_fn=lambda: self.probe, **often
         )
