@@ -165,3 +165,26 @@ def test_a_grad_norm_teleport_moves_the_rotation_and_leaves_autograds_gradients(
     moved = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     there = _gradients(model, model.training)
     assert max(relative_error(moved[n], there[n]) for n in there) <= RTOL
+
+
+def test_first_moments_move_as_gradients_at_the_point():
+    """SGD's momentum after one step with lr 0 is the gradient at w: the teleport moves it to autograd's at g . w;
+    Adam-style elementwise second moments have no exact rule under a rotation (the state policy's fallback)."""
+    model = causal("llama").double()
+    batch = {**_call(model), "labels": _ids()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tele = teleopt.Teleport(
+            opt, model, "auto", example_kwargs=_call(model), objective="grad_norm", batch_fn=lambda: batch, schedule=Schedule()
+        )
+    (site,) = [s for s in tele.sites if s.action.name == "residual_rotation"]
+    with keep_float64():
+        model(**batch).loss.backward()
+        tele.step()
+        report = tele.teleport()
+    assert report.accepted and report.path == "fast", report.reason
+    assert float((report.elements[site.name] - torch.eye(64, dtype=torch.float64)).norm()) > 1e-3
+    there = _gradients(model, model.training)
+    buffers = {n: opt.state[p]["momentum_buffer"] for n, p in model.named_parameters() if n in there}
+    assert max(relative_error(buffers[n], there[n]) for n in site.tensor_names if n in there) <= RTOL
