@@ -30,7 +30,7 @@ from teleopt.actions.residual import GainedResidualRotation  # noqa: E402
 from teleopt.detection.float64 import keep_float64  # noqa: E402
 from teleopt.numerics import relative_error  # noqa: E402
 from teleopt.site import Site  # noqa: E402
-from teleopt.teleport import Schedule  # noqa: E402
+from teleopt.teleport import Schedule, SearchConfig  # noqa: E402
 from teleopt.teleport.fast_path import fast_path_eligible  # noqa: E402
 from teleopt.teleport.sites import detect_sites  # noqa: E402
 from teleopt.teleport.transport import transport  # noqa: E402
@@ -38,6 +38,7 @@ from teleopt.teleport.transport import transport  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 RTOL = 1e-10
+FEW_STEPS = SearchConfig(steps=5)  # the search's length is not under test: the moved point is
 
 
 def phi_partial_rotary() -> nn.Module:
@@ -60,7 +61,22 @@ def phi_partial_rotary() -> nn.Module:
     return transformers.PhiForCausalLM(cfg).eval()
 
 
-BUILDS = {"llama (GQA, rotary)": lambda: causal("llama"), "gpt2 (LayerNorm)": gpt2, "phi (partial rotary)": phi_partial_rotary}
+def tied_llama() -> nn.Module:
+    """A tied head behind a frozen scalar final gain (one member that writes and reads the stream)."""
+    model = causal("llama", tie_word_embeddings=True)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(1.7)
+    model.model.norm.weight.requires_grad_(False)
+    return model
+
+
+BUILDS = {
+    "llama (GQA, rotary)": lambda: causal("llama"),
+    "gpt2 (LayerNorm)": gpt2,
+    "phi (partial rotary)": phi_partial_rotary,
+    "gemma (1 + w gains)": lambda: causal("gemma"),
+    "llama (tied head)": tied_llama,
+}
 
 
 def _gradients(model: nn.Module, train: bool) -> dict[str, torch.Tensor]:
@@ -86,9 +102,9 @@ def _moved(model: nn.Module, sites: list[Site], elements: list[torch.Tensor]) ->
     live = {n: t.detach() for n, t in model.state_dict(keep_vars=True).items()}
     params, _ = transport(sites, elements, live, live, "params")
     moved = copy.deepcopy(model)
-    with torch.no_grad():
-        for n, t in params.items():
-            moved.get_parameter(n).copy_(t)
+    with torch.no_grad():  # only the members: a tied head's second name holds the value before the move
+        for n in {n for s in sites for n in s.tensor_names}:
+            moved.get_parameter(n).copy_(params[n])
     return moved
 
 
@@ -120,10 +136,12 @@ def test_every_auto_site_is_on_the_fast_path_and_transports_gradients_as_autogra
         assert len(gqa) == 4  # one V/O site per KV head (2 per layer), each on the o columns of 2 query heads
     elif name.startswith("gpt2"):
         assert "residual_rotation" in kinds and "attention_qk_gl" in kinds
-    else:  # the rotated dimensions keep the pair scalings, the unrotated ones GL
+    elif name.startswith("phi"):  # the rotated dimensions keep the pair scalings, the unrotated ones GL
         rotary = [s for s in sites if s.action.name in ("attention_qk_rotary_scaling", "attention_qk_gl")]
         assert {s.action.name for s in rotary} == {"attention_qk_rotary_scaling", "attention_qk_gl"}
         assert all(s.info["rotary_dims"] == 8 for s in rotary)
+    else:
+        assert "residual_rotation" in kinds
     _assert_transport_is_autograd(model, sites, train)
 
 
@@ -153,7 +171,14 @@ def test_a_grad_norm_teleport_moves_the_rotation_and_leaves_autograds_gradients(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tele = teleopt.Teleport(
-            opt, model, "auto", example_kwargs=_call(model), objective="grad_norm", batch_fn=lambda: batch, schedule=Schedule()
+            opt,
+            model,
+            "auto",
+            example_kwargs=_call(model),
+            objective="grad_norm",
+            batch_fn=lambda: batch,
+            schedule=Schedule(),
+            search=FEW_STEPS,
         )
     (site,) = [s for s in tele.sites if s.action.name == "residual_rotation"]
     with keep_float64():
@@ -176,7 +201,14 @@ def test_first_moments_move_as_gradients_at_the_point():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tele = teleopt.Teleport(
-            opt, model, "auto", example_kwargs=_call(model), objective="grad_norm", batch_fn=lambda: batch, schedule=Schedule()
+            opt,
+            model,
+            "auto",
+            example_kwargs=_call(model),
+            objective="grad_norm",
+            batch_fn=lambda: batch,
+            schedule=Schedule(),
+            search=FEW_STEPS,
         )
     (site,) = [s for s in tele.sites if s.action.name == "residual_rotation"]
     with keep_float64():
