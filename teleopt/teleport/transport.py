@@ -72,7 +72,8 @@ def transport(
         names = site.members
         if _identity_matrix(g):
             continue
-        at = tuple(None if n is None else point.get(n, like[n]) for n in names) if read[i] or site.action.transport_reads_params else ()
+        reads = kind == "covector" and (bool(read[i]) or site.action.transport_reads_params)
+        at = tuple(None if n is None else point.get(n, like[n]) for n in names) if reads else ()
         if read[i]:
             point.update((n, v) for n, v in _merged(site, at, site.action.act(g, at)).items() if n in read[i])
         if not any(n is not None and n in out for n in names):
