@@ -235,40 +235,44 @@ def test_dropout_on_the_stream_is_left_out_with_the_reason():
     assert "Dropout (transformer.drop)" in _skipped(gpt2(dropout=0.1))
 
 
-def test_auto_teleport_on_a_llama_given_labels_is_accepted_and_leaves_the_function():
-    """The rotation behind trainable gains has no closed-form gradient transport: ``"auto"`` leaves it out with
-    the reason (its teleports take the general path, with a batch); the teleport along the other sites is
-    accepted, checked on the batch of ``batch_fn``."""
+def test_auto_teleport_on_a_llama_given_labels_keeps_the_rotation_and_is_accepted():
+    """The rotation behind trainable gains transports gradients in closed form at the point
+    (:meth:`GainedResidualRotation.transport_gradient_at`): ``"auto"`` keeps it on the fast path, with no
+    warning about it, and the forced teleport is accepted, checked on the batch of ``batch_fn``.  The default
+    objective (``"balance"``) leaves the rotation at the identity here; the other sites move."""
     model = causal("llama").float()
     batch = {"input_ids": _ids(), "labels": _ids(), "use_cache": False}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tele = teleopt.Teleport(opt, model, "auto", example_kwargs=batch, loss_fn=None, batch_fn=lambda: batch)
-    assert not [s for s in tele.sites if s.action.name == "residual_rotation"]
-    assert any("residual_rotation" in str(w.message) and "gradient transport" in str(w.message) for w in caught)
+    (site,) = [s for s in tele.sites if s.action.name == "residual_rotation"]
+    assert not any("residual_rotation" in str(w.message) for w in caught)
     before = _logits(model, False).float()
     model.train()
     model(**batch).loss.backward()
     report = tele.teleport()
-    assert report.accepted and report.check == "batch", report.reason
+    assert report.accepted and report.path == "fast" and report.check == "batch", report.reason
+    assert site.name in report.elements and site.name not in report.skipped
     assert relative_error(_logits(model, False).float(), before) <= 1e-5
 
 
+@pytest.mark.parametrize("path", ["fast", "general"])
 @pytest.mark.parametrize("frozen", [False, True], ids=["trainable gains", "frozen gains"])
-def test_an_explicit_teleport_along_the_rotation_takes_the_general_path_and_is_accepted(frozen):
+def test_an_explicit_teleport_along_the_rotation_is_accepted_on_either_path(frozen, path):
     model = causal("llama", attn_implementation="eager").float()
     for name, p in model.named_parameters():
         p.requires_grad_(not (frozen and "norm" in name))  # a frozen gain is read, never moved: the site stays usable
     site = _stream(model)
     batch = {"input_ids": _ids(), "labels": _ids(), "use_cache": False}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    tele = teleopt.Teleport(opt, model, [site], loss_fn=None, batch_fn=lambda: batch, search=SearchConfig(steps=2), schedule=Schedule())
+    search = SearchConfig(steps=2, path=path)
+    tele = teleopt.Teleport(opt, model, [site], loss_fn=None, batch_fn=lambda: batch, search=search, schedule=Schedule())
     before = _logits(model, False).float()
     model.train()
     model(**batch).loss.backward()
     report = tele.teleport()
-    assert report.accepted and report.path == "general" and report.check == "batch", report.reason
+    assert report.accepted and report.path == path and report.check == "batch", report.reason
     assert relative_error(_logits(model, False).float(), before) <= 1e-5
 
 

@@ -167,12 +167,12 @@ def test_gradient_transport_equals_autograd_at_the_moved_point(folded):
 
 
 def test_trainable_gains_are_read_not_folded():
-    """As built (no folding) the stream gets the gained rotation; ``"auto"`` leaves it out (no gradient transport)."""
+    """As built (no folding) the stream gets the gained rotation, on the fast path (its gradient rule reads the gains)."""
     model = build("llama")
     (site,) = find_residual_sites(model, (), _call()).sites
     assert isinstance(site.action, GainedResidualRotation)
     assert len(site.action.gains) == 2 * 5 + 1  # q, k, v, gate, up per layer and the head
-    assert not fast_path_eligible(site)
+    assert fast_path_eligible(site)
 
 
 def test_frozen_gains_other_than_one_are_read_too():

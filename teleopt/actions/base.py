@@ -215,6 +215,15 @@ class GroupAction(ABC):
             f"{'linear' if self.linear else 'non-linear'}): evaluate gradients at the new point instead"
         )
 
+    #: whether the covector rule depends on where the gradient is (the Jacobian of a non-linear action at w):
+    #: callers then use :meth:`transport_gradient_at` with the parameters' values
+    transport_reads_params: bool = False
+
+    def transport_gradient_at(self, g: Tensor, grads: Params, params: Params) -> Params:
+        """:meth:`transport_gradient` of gradients taken at ``params``: (J(w)^{-1})^T grad with J(w) the Jacobian
+        of w -> g . w there (Zhao 2026, eq. 4.19); the same for actions with a constant Jacobian."""
+        return self.transport_gradient(g, grads)
+
     def transport_second_moment(self, g: Tensor, moments: Params) -> Params | None:
         """Exact transport of elementwise second moments, or ``None`` when there is none."""
         return None

@@ -123,12 +123,15 @@ class GainedResidualRotation(GroupAction):
     fixing the all-ones vector (:class:`~teleopt.groups.OrthogonalFixingOnes`), which
     LayerNorm's mean subtraction commutes with.
 
-    The action is exact for every nonzero gain but not linear in (W, g) jointly: the gradient at
-    the moved point depends on the weights' and gains' values (the gains' gradients change too),
-    so there is no closed-form gradient transport and teleports along it take the general path.
+    The action is exact for every nonzero gain but not linear in (W, g) jointly, so its covector
+    rule reads the point (:meth:`transport_gradient_at`): for the gains fixed it is linear in the
+    moved members, whose gradients move by the contragredient (a reader's G -> G D^{-1} Q^T D, a
+    bias's G -> D^{-1} Q D G; writers' and embeddings' by Q as without gains), and a gain's
+    gradient at the moved point follows from the inverse transposed Jacobian (Zhao 2026, eq. 4.19).
     """
 
     exactness: Exactness = "exact"
+    transport_reads_params = True
 
     def __init__(
         self, members: Sequence[Member], gains: Mapping[str, tuple[str, float]], *, fixes_ones: bool = False, name: str = NAME
@@ -184,6 +187,44 @@ class GainedResidualRotation(GroupAction):
         if not is_validated(g):
             self.group(params).validate(g.detach())
         return self._apply(g, params, params, +1)
+
+    @property
+    def has_gradient_transport(self) -> bool:
+        """Closed form at a given point (:meth:`transport_gradient_at`)."""
+        return True
+
+    def transport_gradient(self, g: Tensor, grads: Params) -> Params:
+        raise TypeError(f"{self.name}: the gradient transport reads the gains: use transport_gradient_at(g, grads, params)")
+
+    def transport_gradient_at(self, g: Tensor, grads: Params, params: Params) -> Params:
+        """Gradients at g . w from the gradients ``grads`` at w = ``params``: (J^{-1})^T grad (Zhao 2026, eq. 4.19).
+
+        With the gains fixed, each moved member X -> X' = A X is linear, so G_X' = A^{-T} G_X (the
+        contragredient).  Differentiating L(A_d(X), d) = L(X, d) in the gain d (effective, g + offset) gives,
+        per gain, G_d' = G_d - sum_X p_X (s(X', G_X') - s(X, G_X)) / d, where s(X, G) sums X * G over every
+        axis but the stream's and p_X is the member's power (-1 readers, +1 LayerNorm biases).
+        """
+        grads, params = self.check_params(grads), self.check_params(params)
+        if not is_validated(g):
+            self.group(params).validate(g.detach())
+        moved = list(self._apply(g, grads, params, -1))
+        if not self.gains:
+            return tuple(moved)
+        there = self._apply(g, params, params, +1)
+        index = {n: i for i, n in enumerate(self.member_names)}
+        for i, m in enumerate(self.members):
+            if m.name not in self.gains or grads[i] is None:
+                continue
+            gain, offset = self.gains[m.name]
+            k = index[gain]
+            x, x2 = required(params[i], m.name), required(there[i], m.name)
+            g0, g2 = required(grads[i], m.name), required(moved[i], m.name)
+            axis = m.axis % x.ndim
+            others = [a for a in range(x.ndim) if a != axis]
+            change = (x2 * g2).sum(others) - (x * g0).sum(others) if others else x2 * g2 - x * g0
+            d = required(params[k], gain).to(change.dtype) + offset
+            moved[k] = required(moved[k], gain) - (m.power * change / d).to(required(moved[k], gain).dtype)
+        return tuple(moved)
 
     def _apply(self, g: Tensor, values: Params, params: Params, sign: int) -> Params:
         grp = self.group(params)

@@ -183,7 +183,8 @@ def assert_site_gradient_transport(
         return {n: torch.zeros_like(live[n]) if out.get(n) is None else out[n] for n in names}  # buffers: no gradient
 
     here = grads()
-    transported = site.action.transport_gradient(g, tuple(None if n is None else here[n] for n in site.members))
+    at = tuple(None if n is None else live[n].detach() for n in site.members)
+    transported = site.action.transport_gradient_at(g, tuple(None if n is None else here[n] for n in site.members), at)
     with _restored(model, list(live.values())):
         site.apply_(model, g)
         there = grads()

@@ -118,7 +118,7 @@ def _norm_gradient(site: Site, params: tuple[Tensor | None, ...], grads: Mapping
     )
     with torch.enable_grad():
         xi0 = torch.zeros(shape, dtype=ref.dtype, device=ref.device, requires_grad=True)
-        moved = site.action.transport_gradient(site.action.exp(xi0, params), grad)
+        moved = site.action.transport_gradient_at(site.action.exp(xi0, params), grad, params)
         squares = [(t**2).sum() for t in moved if t is not None]
         (feat,) = torch.autograd.grad(sum(squares[1:], squares[0]), xi0)
     return feat

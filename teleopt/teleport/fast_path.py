@@ -1,6 +1,7 @@
 """The fast path: teleport objectives over group coordinates with no pass of the model.
 
-For an exact site whose action has a constant Jacobian J (linear or affine), the
+For an exact site whose action has a closed-form Jacobian J (constant for linear or
+affine actions; read at w for the residual rotation behind trainable gains), the
 gradient at g . w is (J^{-1})^T times the gradient at w (Zhao 2026, Prop. 4.5.1,
 eq. 4.19).  The gradient of the current batch is already in ``.grad`` when the
 optimizer steps, so Algorithm 1's objective ||grad L(g . w)||^2 is a closed-form
@@ -36,7 +37,8 @@ __all__ = ["GradientNormModel", "FastEvaluator", "fast_path_eligible", "member_t
 
 
 def fast_path_eligible(site: Site) -> bool:
-    """Whether ``site`` can take the fast path: exact, data-independent, continuous, constant Jacobian."""
+    """Whether ``site`` can take the fast path: exact, data-independent, continuous, with a closed-form covector
+    rule (a constant Jacobian, or one read at the point: :meth:`~teleopt.actions.base.GroupAction.transport_gradient_at`)."""
     action = site.action
     return action.exactness == "exact" and not action.needs_data and action.continuous and bool(action.has_gradient_transport)
 

@@ -11,8 +11,9 @@ group's size (:class:`GradientNormModel`):
   that axis; then ||A G||^2 = tr(A K A^T) with A the contragredient
   representation of g (g^{-T} for writers, g for readers);
 * anything else (slices of fused tensors, two matrix groups on one tensor,
-  affine actions such as the Booth rotation): the tensors of its connected
-  component are transported explicitly with ``action.transport_gradient``.
+  affine actions such as the Booth rotation, the residual rotation conjugated by
+  trainable gains): the tensors of its connected component are transported
+  explicitly (:func:`~teleopt.teleport.transport.transport`).
 
 Each ascent step then costs O(h^2)-O(h^3) in the group size h, not O(#params).
 """
@@ -373,7 +374,8 @@ class GradientNormModel:
     grads:
         Gradient at w of every site member that has one (tensor name -> gradient).
     like:
-        Every site member (tensor name -> live tensor), for shapes.
+        Every site member (tensor name -> live tensor) at w: shapes, and the point that covector rules reading
+        it take (the residual rotation behind trainable gains, transported explicitly).
     host:
         Keep the search's small matrices (GL Gram blocks, identities) on the CPU when a site is not
         diagonal (:attr:`host` says whether it does).

@@ -190,7 +190,7 @@ def detect_sites(
     # exact sites only: an approximate site (BatchNorm input scaling, exact up to eps) would fail the
     # invariance post-condition; pass such sites explicitly with a loss tolerance
     skipped: dict[str, str] = {}
-    for s in found.sites:  # e.g. the residual rotation behind trainable norm gains (not linear in the gains)
+    for s in found.sites:  # an exact action with no closed-form covector rule (none at a point either)
         if s.action.exactness == "exact" and not s.action.has_gradient_transport:
             skipped[s.name] = "exact but no closed-form gradient transport: pass it explicitly, with a batch (the general path)"
     sites = validate_sites(

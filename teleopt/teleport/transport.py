@@ -52,8 +52,11 @@ def transport(
 ) -> tuple[dict[str, Tensor], set[str]]:
     """Move ``values`` (tensor name -> tensor) along ``sites`` in list order.
 
-    ``like`` maps every member name to a tensor of its shape (the live tensor) for
-    members absent from ``values``.  Only data-independent actions are moved here
+    ``like`` maps every member name to its tensor at the point the move starts from (the
+    live parameter), for the shapes of members absent from ``values`` and, for covectors, the
+    values that actions whose rule depends on the point read
+    (:meth:`~teleopt.actions.base.GroupAction.transport_gradient_at`; after earlier sites,
+    at the point those produced).  Only data-independent actions are moved here
     (data-dependent sites are applied by the general path, which computes each
     site's batch input at the parameters the sites before it produced).
 
@@ -63,9 +66,17 @@ def transport(
     """
     out = dict(values)
     no_rule: set[str] = set()
-    for site, g in zip(sites, elements):
+    read = _read_later(sites) if kind == "covector" else [set() for _ in sites]
+    point: dict[str, Tensor] = {}  # the parameters after the sites so far, where a later site's rule reads them
+    for i, (site, g) in enumerate(zip(sites, elements)):
         names = site.members
-        if not any(n is not None and n in out for n in names) or _identity_matrix(g):
+        if _identity_matrix(g):
+            continue
+        reads = kind == "covector" and (bool(read[i]) or site.action.transport_reads_params)
+        at = tuple(None if n is None else point.get(n, like[n]) for n in names) if reads else ()
+        if read[i]:
+            point.update((n, v) for n, v in _merged(site, at, site.action.act(g, at)).items() if n in read[i])
+        if not any(n is not None and n in out for n in names):
             continue
         vals = tuple(None if n is None else (out[n] if n in out else torch.zeros_like(like[n])) for n in names)
         if kind == "params":
@@ -74,7 +85,11 @@ def transport(
             if not site.action.has_gradient_transport:
                 no_rule.update(n for n in names if n is not None and n in values)
                 continue
-            new = site.action.transport_gradient(g, vals)
+            new = (
+                site.action.transport_gradient_at(g, vals, at)
+                if site.action.transport_reads_params
+                else site.action.transport_gradient(g, vals)
+            )
         else:
             moved = site.action.transport_second_moment(g, vals)
             if moved is None:
@@ -140,6 +155,19 @@ def transport_(
         if not group.act_on_axis_(g, part, axis, power):  # matrix groups: the moved part, written over it
             part.copy_(group.act_on_axis(g, part, axis, power))
     return True
+
+
+def _read_later(sites: Sequence[Site]) -> list[set[str]]:
+    """Per site, the tensors it moves that a later site's covector rule reads the values of
+    (:attr:`~teleopt.actions.base.GroupAction.transport_reads_params`)."""
+    out: list[set[str]] = [set() for _ in sites]
+    wanted: set[str] = set()
+    for i in range(len(sites) - 1, -1, -1):
+        names = {n for n in sites[i].members if n is not None}
+        out[i] = names & wanted
+        if sites[i].action.transport_reads_params:
+            wanted |= names
+    return out
 
 
 def _identity_matrix(g: Tensor) -> bool:

@@ -132,7 +132,7 @@ def assert_gradient_transport(
     grad_here = _gradients(loss_fn, params, data)
     moved = tuple(None if p is None else p.detach() for p in action.act(g, params, data))
     grad_there = _gradients(loss_fn, moved, data)
-    transported = action.transport_gradient(g, grad_here)
+    transported = action.transport_gradient_at(g, grad_here, params)
     return _assert_params_close(transported, grad_there, _rtol(rtol, params), f"{action.name}: gradient transport", action.member_names)
 
 
