@@ -163,6 +163,29 @@ def test_the_rule_needs_the_point():
         site.action.transport_gradient(g, site.tensors(model))
 
 
+def _auto_with_rotation(model: nn.Module) -> list:
+    """The sites ``"auto"`` keeps under the closed-form balance, the rotation among them; a searched objective
+    (``grad_norm``) keeps it only when it is passed explicitly (its transport reads the point)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sites = teleopt.Teleport(torch.optim.SGD(model.parameters(), lr=0.0), model, "auto", example_kwargs=_call(model)).sites
+    assert any(s.action.name == "residual_rotation" for s in sites)
+    return list(sites)
+
+
+def test_auto_leaves_the_rotation_out_under_a_searched_objective_and_says_why():
+    model = causal("llama").double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tele = teleopt.Teleport(
+            torch.optim.SGD(model.parameters(), lr=1e-2), model, "auto", example_kwargs=_call(model), objective="grad_norm"
+        )
+    assert not [s for s in tele.sites if s.action.name == "residual_rotation"]
+    skipped = tele.teleport().skipped  # declined (no gradients yet); the report names the sites left out
+    (reason,) = [r for n, r in skipped.items() if n.startswith("residual_rotation")]
+    assert "reads the point" in reason and "objective='balance'" in reason
+
+
 def test_a_grad_norm_teleport_moves_the_rotation_and_leaves_autograds_gradients():
     """The fast path's apply: after a teleport, ``.grad`` is the gradient at the new point."""
     model = causal("llama").double()
@@ -173,7 +196,7 @@ def test_a_grad_norm_teleport_moves_the_rotation_and_leaves_autograds_gradients(
         tele = teleopt.Teleport(
             opt,
             model,
-            "auto",
+            _auto_with_rotation(model),
             example_kwargs=_call(model),
             objective="grad_norm",
             batch_fn=lambda: batch,
@@ -203,7 +226,7 @@ def test_first_moments_move_as_gradients_at_the_point():
         tele = teleopt.Teleport(
             opt,
             model,
-            "auto",
+            _auto_with_rotation(model),
             example_kwargs=_call(model),
             objective="grad_norm",
             batch_fn=lambda: batch,

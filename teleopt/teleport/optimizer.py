@@ -308,7 +308,7 @@ class Teleport(OptimizerWrapper):
         module, groups = self._module, self.param_groups
         if self._sharded:  # detection traces the whole module: an unsharded twin, gathered once (same names)
             module, groups = unsharded_twin(module, groups)
-        found, skipped = detect_sites(module, groups, batch.inputs, batch.kwargs)
+        found, skipped = detect_sites(module, groups, batch.inputs, batch.kwargs, not self._objective.closed_form)
         if self._sharded:
             for site in [s for s in found if not fast_path_eligible(s)]:
                 skipped[site.name] = "not a fast-path site (an FSDP2 teleport takes the fast path only)"

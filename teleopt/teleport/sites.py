@@ -173,9 +173,14 @@ def detect_sites(
     param_groups: Sequence[dict[str, Any]],
     example_inputs: Any,
     example_kwargs: dict[str, Any] | None = None,
+    searched: bool = False,
 ) -> tuple[list[Site], dict[str, str]]:
     """The exact continuous sites ``teleopt.find_symmetries`` finds on ``module`` with ``example_inputs``
-    (and ``example_kwargs``) whose parameters the optimizer updates, and the others with the reason."""
+    (and ``example_kwargs``) whose parameters the optimizer updates, and the others with the reason.
+
+    ``searched``: the objective is searched by ascent (no closed form); sites whose gradient transport
+    reads the point (:attr:`GroupAction.transport_reads_params`, the gained residual rotation) are then
+    left out, since every ascent step would transport them and the sites sharing their axes under autograd."""
     try:
         from teleopt.detection import find_symmetries
     except ImportError as exc:  # pragma: no cover - depends on the install
@@ -193,8 +198,13 @@ def detect_sites(
     for s in found.sites:  # an exact action with no closed-form covector rule (none at a point either)
         if s.action.exactness == "exact" and not s.action.has_gradient_transport:
             skipped[s.name] = "exact but no closed-form gradient transport: pass it explicitly, with a batch (the general path)"
+        elif searched and s.action.transport_reads_params:
+            skipped[s.name] = (
+                "its gradient transport reads the point, so a searched objective would transport it and every site "
+                "sharing its axes under autograd at each ascent step: pass it explicitly, or use objective='balance'"
+            )
     sites = validate_sites(
-        [s for s in found.sites if s.action.exactness == "exact" and s.action.has_gradient_transport],
+        [s for s in found.sites if s.name not in skipped and s.action.exactness == "exact"],
         module,
         param_groups,
         given=False,
