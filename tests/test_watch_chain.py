@@ -97,6 +97,8 @@ def test_the_joined_watch_keeps_the_smallest_reference_and_the_strikes() -> None
     joined = second.stack(first, gain=4.0)
     assert joined.strikes == 2 and [w.teleport_step for w in joined.chain] == [2, 4]
     assert joined.earlier[0].grad_ref == 4.0 and first.grad_ref == 1.0  # scaled by the new gain; the open watch unchanged
+    for no_gain in (0.5, float("nan"), float("inf")):  # a teleport that shrank the gradient, or no gain known
+        assert second.stack(first, gain=no_gain).earlier[0].grad_ref == 1.0
     # 30x the squared reference (4.0: the first teleport's, scaled by the second's gain) is the third strike
     grads = [torch.tensor([math.sqrt(120.0)], dtype=torch.float64)]
     assert "for 3 step(s)" in (joined.alarm(grads, 2.5, 10.0, 3) or "")

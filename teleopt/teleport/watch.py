@@ -191,9 +191,7 @@ class Watch:
         """
         if open_watch is None:
             return self
-        if not (math.isfinite(gain) and gain > 0):
-            raise ValueError(f"gain must be a positive finite number, got {gain!r}")
-        scale = max(1.0, gain)
+        scale = gain if math.isfinite(gain) and gain > 1.0 else 1.0  # (no gain known: the references as they were)
         earlier = [replace(w, earlier=[], grad_ref=w.grad_ref * scale) for w in open_watch.chain]
         return replace(self, earlier=earlier, strikes=open_watch.strikes)
 
