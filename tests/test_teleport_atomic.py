@@ -12,6 +12,11 @@ wrapper's counters, generator, watch), its record, its list of reports and torch
 what they were.  A rollback that is right leaves the state the next injection starts from identical, so one wrapper
 serves all of them; at the end it must still teleport and step exactly as a wrapper that was never interrupted.
 :class:`DispatchFaults` does the same one level down, on ATen operations (inside autograd's backward too).
+
+A watch rollback is all or nothing too: the ``step()`` whose gradient sets the watch off is run with faults at
+points of its alarm ("wrapper") and of the rollback up to its report ("rollback"), for an inverse watch of one
+teleport and of two joined ones, a snapshot watch and Lookahead's slow weights; everything must be bitwise as
+before, and the rollback completed afterwards exactly the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -95,6 +100,10 @@ class PhasedTeleport(Teleport):
     def _call_hooks(self, report):
         self.phases.current = "done"
         super()._call_hooks(report)
+
+    def _rollback_watch(self, step):
+        self.phases.current = "rollback"  # a watch rollback: from here to its report
+        super()._rollback_watch(step)
 
 
 class _Injector:
@@ -281,10 +290,10 @@ def build(case: Case) -> tuple[nn.Module, PhasedTeleport, Callable[[], Any]]:
     return model, opt, (lambda: opt.teleport(closure)) if case.closure else opt.step
 
 
-def injection_points(ops: list[str], per_phase: int) -> list[int]:
+def injection_points(ops: list[str], per_phase: int, phases: tuple[str, ...] = PHASES) -> list[int]:
     """The first and last op of each phase and ``per_phase - 2`` evenly spaced between (all ops if fewer)."""
     points: list[int] = []
-    for phase in PHASES:
+    for phase in phases:
         index = [i for i, p in enumerate(ops) if p == phase]
         if len(index) <= per_phase:
             points += index
@@ -533,3 +542,82 @@ def test_a_fault_in_a_lean_balance_teleport_leaves_everything_as_before() -> Non
         else:
             assert not _near(before, after, 1e-12), f"fault at op {at} ({counter.names[at]}): {_near(before, after, 1e-12)[:6]}"
     assert opt.teleport().accepted
+
+
+# ---------------------------------------------------------------------------------------------------- watch rollbacks
+
+#: a watch rollback runs inside ``step()``: the alarm ("wrapper") and the rollback up to its report
+ROLLBACK_PHASES = ("wrapper", "rollback")
+
+ROLLBACK_CASES = [
+    Case("mlp scalings, inverse watch", mlp, (16, 5), 3, {"safety": SafetyConfig(watch_restore="inverse")}),
+    Case("mlp scalings, inverse watch of two teleports", mlp, (16, 5), 3, {"safety": SafetyConfig(watch_restore="inverse")}),
+    Case("attention GL and scalings, snapshot watch", Attention, (4, 3, 8), 4, {"safety": SafetyConfig(watch_restore="snapshot")}),
+    Case("mlp scalings, Lookahead(Adam), inverse watch", mlp, (16, 5), 3, {}, lookahead=True),
+]
+
+
+def build_rollback(case: Case) -> tuple[nn.Module, PhasedTeleport]:
+    """:func:`build`'s wrapper (two teleports under watch for "two teleports"), gradients 1000x their size in
+    ``.grad``: its next ``step()`` rolls the watch back (the squared norm beyond 100x its reference)."""
+    model, opt, step = build(case)
+    if "two teleports" in case.name:
+        step()  # the teleport at step 3 joins the watch of the one at step 2
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(*case.shape, generator=gen, dtype=torch.float64)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), torch.randn(case.shape[0], case.out, generator=gen, dtype=torch.float64)).backward()
+    assert opt.record.watch is not None and len(opt.record.watch.chain) == (2 if "two teleports" in case.name else 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.grad.mul_(1e3)
+    return model, opt
+
+
+def inject_rollback(case: Case, per_phase: int, mode: type[Faults] | type[DispatchFaults] = Faults) -> dict[str, int]:
+    """:func:`inject` for a watch rollback: faults at ``per_phase`` points of each of ``ROLLBACK_PHASES`` of the
+    ``step()`` that rolls back; returns the injection points tried per phase."""
+    model, opt = build_rollback(case)
+    twin_model, twin = build_rollback(case)
+    counter = mode(twin.phases, ROLLBACK_PHASES)
+    twin.phases.current = "wrapper"
+    with counter:
+        twin.step()
+    assert twin.reports[-1].path == "watch" and twin.record.watch is None, twin.reports[-1].reason
+    before = state_of(model, opt)
+    points = injection_points(counter.ops, per_phase, ROLLBACK_PHASES)
+    for n, at in enumerate(points):
+        fault = _fault(n)
+        opt.phases.current = "wrapper"
+        with pytest.raises(type(fault)) as info, mode(opt.phases, ROLLBACK_PHASES, at, fault):
+            opt.step()
+        assert info.value is fault, f"{case.name}, op {at}: another exception came out: {info.value!r}"
+        diff = differences(before, state_of(model, opt))
+        assert not diff, f"{case.name}, fault {type(fault).__name__} at op {at} ({counter.ops[at]}): changed {diff[:6]}"
+    opt.phases.current = "wrapper"
+    opt.step()  # the interrupted rollback, now whole: exactly the uninterrupted one
+    assert opt.reports[-1].reason == twin.reports[-1].reason
+    after, expected = state_of(model, opt), state_of(twin_model, twin)
+    after.pop("record"), expected.pop("record")
+    assert not differences(expected, after), differences(expected, after)[:6]
+    assert (opt.record.step, opt.record.rollbacks, opt.record.backoff) == (twin.record.step, twin.record.rollbacks, twin.record.backoff)
+    tried = {p: sum(counter.ops[i] == p for i in points) for p in ROLLBACK_PHASES}
+    print(f"{case.name}: ops per phase { {p: counter.ops.count(p) for p in ROLLBACK_PHASES} }, injection points {tried}")
+    return tried
+
+
+@pytest.mark.parametrize("case", ROLLBACK_CASES, ids=[c.name for c in ROLLBACK_CASES])
+def test_an_exception_anywhere_in_a_watch_rollback_leaves_everything_bitwise_as_before(case: Case) -> None:
+    tried = inject_rollback(case, 12)
+    assert tried["rollback"] >= 12 and tried["wrapper"] >= 2, tried
+
+
+def test_a_fault_inside_an_aten_operation_of_a_watch_rollback_leaves_everything_bitwise_as_before() -> None:
+    tried = inject_rollback(ROLLBACK_CASES[1], 8, DispatchFaults)
+    assert tried["rollback"] >= 8, tried
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ROLLBACK_CASES, ids=[c.name for c in ROLLBACK_CASES])
+def test_a_dense_sweep_of_faults_in_a_watch_rollback_leaves_everything_bitwise_as_before(case: Case) -> None:
+    inject_rollback(case, 10**6)  # every operation

@@ -49,7 +49,7 @@ from teleopt.teleport.search import SearchConfig, SearchProblem, SearchResult
 from teleopt.teleport.state_policy import StatePolicy
 from teleopt.teleport.transaction import Transaction
 from teleopt.teleport.verdict import Failure, loss_failures, non_finite_gradient, output_failures, restore_difference
-from teleopt.teleport.watch import InverseMove, TeleportRecord, Watch, keeps_snapshot, reference, watch_elements
+from teleopt.teleport.watch import InverseMove, TeleportRecord, keeps_snapshot, watch_elements
 from teleopt.wrapper import OptimizerWrapper
 
 __all__ = ["EngineConfig", "TeleportRequest", "Plan", "TeleportEngine"]
@@ -595,5 +595,4 @@ class TeleportEngine:
         report.reason = "accepted"
         record.accepted += 1
         if safety.watch_steps > 0:  # the teleport's elements (inverse move) or a full snapshot without gradients
-            grad_ref = reference(report.grad_norm_before, report.grad_norm_after, record.take_recent())
-            record.watch = Watch(self._undo(plan, snapshot), record.step + safety.watch_steps, record.step, grad_ref, report.loss_before)
+            record.open_watch(self._undo(plan, snapshot), safety.watch_steps, report)

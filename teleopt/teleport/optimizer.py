@@ -76,7 +76,7 @@ from teleopt.teleport.sites import (
 )
 from teleopt.teleport.state_policy import StatePolicy, restart_curvature_history
 from teleopt.teleport.transaction import Transaction
-from teleopt.teleport.watch import REFERENCE_STEPS, TeleportRecord
+from teleopt.teleport.watch import REFERENCE_STEPS, TeleportRecord, keeps_copies
 from teleopt.unwrap import hook_target, unwrap
 from teleopt.wrapper import OptimizerWrapper, no_grad_step, torch_initialising_step
 
@@ -452,10 +452,7 @@ class Teleport(OptimizerWrapper):
                 self._teleport_now(TeleportRequest(loss, None, batch, self._heldout, seed=self._check_seed()))
         loss = self._step_base(closure, loss)
         record.step += 1
-        if record.watch is not None and record.step > record.watch.until:
-            # a teleport that came through its watch undoes one backoff: a rollback is not permanent
-            record.watch = None
-            record.backoff = min(1.0, record.backoff / self._safety.backoff)
+        record.settle(self._safety.backoff)  # teleports that came through their watch window leave it
         return loss
 
     # ------------------------------------------------------------------ teleport
@@ -527,16 +524,19 @@ class Teleport(OptimizerWrapper):
         request = replace(request, probe=probe, probe_source=source, skipped=skipped, precision=self._precision.training())
         # all or nothing up to the report (teleport.transaction), hooks after; group caches live for this teleport;
         # autocast never computes a teleport
-        optimizers = (self._engine.config.optimizer, self.innermost, self._lookahead.slow_owner)
-        atomic = Transaction.of(self._module, optimizers, self._record, self._generator)
-        with self._probe.pause(), self._precision.pause(), full_precision(), GroupCache().active(), atomic as transaction:
-            transaction.keep(self._lookahead, "_before")
+        with self._probe.pause(), self._precision.pause(), full_precision(), GroupCache().active(), self._atomic() as transaction:
             report, loss = self._engine.run(movable, request, transaction)
             if report.accepted:
                 restart_curvature_history(self.innermost)
                 self._lookahead.follow(report, self._module)
         self._call_hooks(report)
         return report, loss
+
+    def _atomic(self) -> Transaction:
+        optimizers = (self._engine.config.optimizer, self.innermost, self._lookahead.slow_owner)
+        atomic = Transaction.of(self._module, optimizers, self._record, self._generator)
+        atomic.keep(self._lookahead, "_before")
+        return atomic
 
     def _call_hooks(self, report: TeleportReport) -> None:
         self.reports.append(report)
@@ -553,13 +553,13 @@ class Teleport(OptimizerWrapper):
         watch = record.watch
         assert watch is not None
         tol = self._safety.loss_tol if self._safety.loss_tol is not None else default_loss_tol(next(iter(self._param_list())).dtype)
-        how = watch.undo(self._probe_inputs()[0], self._check_seed(), tol)
-        self._lookahead.undo(self._module)
-        for p in self._param_list():
-            p.grad = None
-        record.watch = None
-        record.rollbacks += 1
-        record.backoff *= self._safety.backoff
+        with self._atomic() as transaction:  # all or nothing, as a teleport (teleopt.teleport.transaction)
+            transaction.protect(*watch.writes())
+            how = watch.undo(self._probe_inputs()[0], self._check_seed(), tol)
+            self._lookahead.undo(self._module)
+            for p in self._param_list():
+                p.grad = None
+            record.rolled_back(self._safety.backoff)
         report = TeleportReport(step=step, path="watch", objective=self._objective.name, sites=list(self._sites or []))
         report.reason = (
             f"rolled back after {step - watch.teleport_step} step(s): {watch.why}; parameters and optimizer state "
@@ -587,7 +587,7 @@ class Teleport(OptimizerWrapper):
 
     def _portable_state(self, top: dict[str, Any]) -> dict[str, Any]:
         # a snapshot watch (3x the parameters) stays out of the param group; the elements travel
-        return {k: v for k, v in top.items() if not (k == "watch" and "snapshot" in v)}
+        return {k: v for k, v in top.items() if not (k == "watch" and keeps_copies(v))}
 
     def _load_wrapper_state(self, per_param: dict[int, dict[str, Any]], top: dict[str, Any]) -> None:
         if "rng" in top:

@@ -4,10 +4,10 @@
 ``"teleopt_teleport"`` entry of ``state_dict``, or its serialised copy in the
 first param group) before the base optimizer or the wrapper changes: counters,
 the caps' backoff, the generator state and the watch (its sites and elements, or
-its snapshot) must be what :meth:`~teleopt.teleport.watch.TeleportRecord.to_state`
-writes.  A watch element must be a valid element of its site's group (shape,
-finite, positive scalings, nonsingular matrices: ``Group.validate``) with a finite
-inverse, since the rollback moves the weights by that inverse (Zhao 2026,
+its snapshot, and those of the earlier teleports it still watches) must be what
+:meth:`~teleopt.teleport.watch.TeleportRecord.to_state` writes.  A watch element
+must be a valid element of its site's group (shape, finite, positive scalings,
+nonsingular matrices: ``Group.validate``) with a finite inverse, since the rollback moves the weights by that inverse (Zhao 2026,
 Prop. 4.5.1).  Every failure is a ``ValueError`` naming the field.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -116,26 +116,53 @@ def _check_samples(top: Mapping[str, Any], f: _Fields) -> None:
 
 
 def _check_watch(watch: Any, f: _Fields, module: nn.Module, params: Sequence[Tensor], known: Sequence[Site]) -> None:
+    """The watch, and the earlier teleports it still watches (``"earlier"``, oldest first, each the same record
+    without ``strikes``), whose steps must come before the watch's own."""
+    target = _Target(module, params, known)
+    _check_link(watch, "['watch']", f, target)
+    earlier = watch.get("earlier", [])
+    if not isinstance(earlier, list):
+        f.fail("['watch']['earlier']", f"must be a list of watches, got {type(earlier).__name__}")
+    last = -1
+    for i, link in enumerate([*earlier, watch]):
+        here = f"['watch']['earlier'][{i}]" if i < len(earlier) else "['watch']"
+        if i < len(earlier):
+            _check_link(link, here, f, target)
+            if "earlier" in link or "strikes" in link:
+                f.fail(here, "must not have 'earlier' or 'strikes' of its own")
+        if link["teleport_step"] <= last:
+            f.fail(f"{here}['teleport_step']", f"({link['teleport_step']}) is not after the earlier teleport's ({last})")
+        last = link["teleport_step"]
+
+
+class _Target(NamedTuple):
+    """The model a record is loaded into: its module, the optimizer's parameters, the wrapper's sites."""
+
+    module: nn.Module
+    params: Sequence[Tensor]
+    known: Sequence[Site]
+
+
+def _check_link(watch: Any, field: str, f: _Fields, target: _Target) -> None:
     if not isinstance(watch, Mapping):
-        f.fail("['watch']", f"must be a dict, got {type(watch).__name__}")
+        f.fail(field, f"must be a dict, got {type(watch).__name__}")
     missing = [k for k in _WATCH_KEYS if k not in watch]
     kinds = [k for k in ("inverse", "snapshot") if k in watch]
     if missing or len(kinds) != 1:
-        f.fail("['watch']", f"must have the keys {list(_WATCH_KEYS)} and one of 'inverse', 'snapshot'; got {sorted(map(str, watch))}")
-    until, start = f.count(watch["until"], "['watch']['until']"), f.count(watch["teleport_step"], "['watch']['teleport_step']")
+        f.fail(field, f"must have the keys {list(_WATCH_KEYS)} and one of 'inverse', 'snapshot'; got {sorted(map(str, watch))}")
+    until, start = f.count(watch["until"], f"{field}['until']"), f.count(watch["teleport_step"], f"{field}['teleport_step']")
     if until < start:
-        f.fail("['watch']['until']", f"({until}) is before the teleport step ({start})")
-    f.number(watch["grad_ref"], "['watch']['grad_ref']")
-    f.number(watch["loss_ref"], "['watch']['loss_ref']", optional=True)
-    f.count(watch.get("strikes", 0), "['watch']['strikes']")
+        f.fail(f"{field}['until']", f"({until}) is before the teleport step ({start})")
+    f.number(watch["grad_ref"], f"{field}['grad_ref']")
+    f.number(watch["loss_ref"], f"{field}['loss_ref']", optional=True)
+    f.count(watch.get("strikes", 0), f"{field}['strikes']")
     if kinds[0] == "inverse":
-        _check_inverse(watch["inverse"], f, module, known)
+        _check_inverse(watch["inverse"], f"{field}['inverse']", f, target.module, target.known)
     else:
-        _check_snapshot(watch["snapshot"], f, module, params)
+        _check_snapshot(watch["snapshot"], f"{field}['snapshot']", f, target.module, target.params)
 
 
-def _check_inverse(data: Any, f: _Fields, module: nn.Module, known: Sequence[Site]) -> None:
-    field = "['watch']['inverse']"
+def _check_inverse(data: Any, field: str, f: _Fields, module: nn.Module, known: Sequence[Site]) -> None:
     if not isinstance(data, Mapping) or not isinstance(data.get("sites"), list) or not isinstance(data.get("elements"), list):
         f.fail(field, "must be a dict with the lists 'sites' and 'elements'")
     sites, elements = data["sites"], data["elements"]
@@ -162,8 +189,7 @@ def _check_inverse(data: Any, f: _Fields, module: nn.Module, known: Sequence[Sit
             f.fail(here, f"has no finite inverse in site {site.name!r}'s group (singular)")
 
 
-def _check_snapshot(data: Any, f: _Fields, module: nn.Module, params: Sequence[Tensor]) -> None:
-    field = "['watch']['snapshot']"
+def _check_snapshot(data: Any, field: str, f: _Fields, module: nn.Module, params: Sequence[Tensor]) -> None:
     if not isinstance(data, Mapping) or not isinstance(data.get("tensors"), Mapping) or not isinstance(data.get("state"), Mapping):
         f.fail(field, "must be a dict with the dicts 'tensors' and 'state'")
     for name, value in data["tensors"].items():

@@ -11,6 +11,14 @@ needs a blow-up that persists for ``SafetyConfig.watch_patience`` steps (or one
 beyond ``watch_factor**2``, or a non-finite value).  :class:`TeleportRecord`
 holds the step and teleport counters and the backoff of the caps.  Both serialise
 to plain data (tensors, ints, floats) for ``state_dict`` and back.
+
+A teleport accepted while an earlier one is still under watch joins that watch
+(:meth:`Watch.stack`) instead of replacing it: the strikes carry over, the
+references are the smallest of the teleports still in their windows (each earlier
+one scaled by the gradient gain of the teleports after it), and a rollback undoes
+every teleport still watched, the last first.  A teleport leaves the watch when
+its own window ends (:meth:`TeleportRecord.settle`).  So a blow-up that builds up
+over teleports closer together than ``watch_steps`` is still rolled back.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import math
 import statistics
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -33,11 +41,22 @@ from teleopt.site import Site, lookup_tensor
 from teleopt.teleport.check import forward
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.distributed import any_rank
+from teleopt.teleport.report import TeleportReport
 from teleopt.teleport.safety import Snapshot
 from teleopt.teleport.state_policy import StatePolicy
 from teleopt.teleport.transport import transport, transport_
 
-__all__ = ["InverseMove", "Watch", "TeleportRecord", "watch_elements", "keeps_snapshot", "REFERENCE_STEPS", "reference", "squared_norm"]
+__all__ = [
+    "InverseMove",
+    "Watch",
+    "TeleportRecord",
+    "watch_elements",
+    "keeps_snapshot",
+    "keeps_copies",
+    "REFERENCE_STEPS",
+    "reference",
+    "squared_norm",
+]
 
 
 def watch_elements(sites: Sequence[Site], elements: Mapping[str, Tensor], tensors: Mapping[str, Tensor]) -> list[Tensor]:
@@ -144,7 +163,8 @@ class Watch:
     rollback.  ``snapshot`` is what a rollback undoes the teleport with: its
     :class:`InverseMove` (the default) or a :class:`Snapshot`; ``state_dict`` saves
     exactly that, so a watch resumed from a checkpoint rolls back as the
-    uninterrupted run would, bit for bit.
+    uninterrupted run would, bit for bit.  ``earlier`` are the watches of earlier
+    teleports still in their windows (oldest first, see :meth:`stack`).
     """
 
     snapshot: Snapshot | InverseMove
@@ -154,6 +174,40 @@ class Watch:
     loss_ref: float | None
     why: str = ""
     strikes: int = 0
+    earlier: list[Watch] = field(default_factory=list)
+
+    @property
+    def chain(self) -> list[Watch]:
+        """The teleports this watch undoes, oldest first (``earlier``, then this one)."""
+        return [*self.earlier, self]
+
+    def stack(self, open_watch: Watch | None, gain: float = 1.0) -> Watch:
+        """This new teleport's watch joined to the ``open_watch`` of earlier teleports (``None``: alone).
+
+        The strikes carry over; each earlier reference is multiplied by ``gain`` (the new teleport's
+        ||g'||^2 / ||g||^2 where above 1), so the smallest reference in the chain (:meth:`alarm`) is what the
+        gradient would be had nothing blown up since the oldest teleport still watched.  Nothing is changed
+        in place: a teleport rolled back by its transaction puts the open watch back as it was.
+        """
+        if open_watch is None:
+            return self
+        scale = gain if math.isfinite(gain) and gain > 1.0 else 1.0  # (no gain known: the references as they were)
+        earlier = [replace(w, earlier=[], grad_ref=w.grad_ref * scale) for w in open_watch.chain]
+        return replace(self, earlier=earlier, strikes=open_watch.strikes)
+
+    def settle(self, step: int) -> tuple[Watch | None, int]:
+        """This watch at ``step`` without the teleports whose own window ended before it (``None`` when none is
+        left), and how many left it."""
+        alive = [w for w in self.chain if w.until >= step]
+        if len(alive) == len(self.chain):
+            return self, 0
+        return (None if not alive else replace(self, earlier=alive[:-1])), len(self.chain) - len(alive)
+
+    def _references(self) -> tuple[float, float | None]:
+        """The smallest squared-gradient and loss references of the teleports in the chain."""
+        grads = [w.grad_ref for w in self.chain if w.grad_ref > 0]
+        losses = [w.loss_ref for w in self.chain if w.loss_ref is not None]
+        return min(grads, default=0.0), min(losses, default=None)
 
     def alarm(self, grads: list[Tensor], loss: Any, factor: float, patience: int = 1) -> str | None:
         """Why this rank's gradients ``grads`` or ``loss`` call for a rollback (``None``: all well).
@@ -161,25 +215,27 @@ class Watch:
         A non-finite value, a ratio to the reference above ``max(factor, factor**2)``, or ratios above
         ``factor`` on ``patience`` consecutive calls (``strikes`` counts them) do.
         """
+        grad_ref, loss_ref = self._references()
         ratios: list[tuple[float, str]] = []
         if grads:
             sq = squared_norm(grads)
             if not math.isfinite(sq):
                 return "non-finite gradient"
-            if self.grad_ref > 0:
-                ratios.append((sq / self.grad_ref, "squared gradient norm"))
-        if loss is not None and self.loss_ref is not None:
+            if grad_ref > 0:
+                ratios.append((sq / grad_ref, "squared gradient norm"))
+        if loss is not None and loss_ref is not None:
             value = float(loss)
             if not math.isfinite(value):
                 return "non-finite loss"
-            if self.loss_ref > 0:
-                ratios.append((value / self.loss_ref, "loss"))
+            if loss_ref > 0:
+                ratios.append((value / loss_ref, "loss"))
         ratio, what = max(ratios, default=(0.0, ""))
-        self.strikes = self.strikes + 1 if ratio > factor else 0
+        strikes = self.strikes + 1 if ratio > factor else 0
         if ratio > max(factor, factor * factor):
             return f"{what} grew to {ratio:.1f}x its reference at the teleport"
-        if self.strikes >= patience:
-            return f"{what} above {factor:g}x its reference at the teleport for {self.strikes} step(s) (last {ratio:.1f}x)"
+        if strikes >= patience:  # (the count is kept only when all is well: an interrupted rollback leaves it as it was)
+            return f"{what} above {factor:g}x its reference at the teleport for {strikes} step(s) (last {ratio:.1f}x)"
+        self.strikes = strikes
         return None
 
     def triggered(self, grads: list[Tensor], loss: Any, factor: float, patience: int = 1) -> bool:
@@ -194,22 +250,43 @@ class Watch:
             self.why = why or "another rank's watch triggered"
         return fired
 
+    def writes(self) -> tuple[list[Tensor], list[Tensor]]:
+        """What :meth:`undo` writes in place: the tensors (parameters, buffers), and the parameters whose
+        ``.grad`` and optimizer state it writes (for :meth:`Transaction.protect
+        <teleopt.teleport.transaction.Transaction.protect>`, which makes a rollback all or nothing)."""
+        tensors: dict[int, Tensor] = {}
+        params: dict[int, Tensor] = {}
+        for w in self.chain:
+            undo = w.snapshot
+            if isinstance(undo, InverseMove):
+                live = [lookup_tensor(undo.module, n) for s in undo.sites for n in s.tensor_names]
+                tensors.update((id(t), t) for t in live)
+                params.update((id(t), t) for t in live if isinstance(t, nn.Parameter))
+            else:
+                tensors.update((id(t), t) for t in undo.live.values())
+                params.update((id(p), p) for p in undo.params)
+        return list(tensors.values()), list(params.values())
+
     def undo(self, probe: Batch | None, seed: int, tol: float) -> str:
-        """Undo the teleport (:class:`InverseMove` on ``probe``, checked against ``tol``, or the snapshot);
-        returns how, for the rollback report."""
+        """Undo the teleports of the chain, the last first (:class:`InverseMove` on ``probe``, checked against
+        ``tol``, or the snapshot); returns how, for the rollback report."""
+        return "; ".join(w._undo_one(probe, seed, tol) for w in reversed(self.chain))
+
+    def _undo_one(self, probe: Batch | None, seed: int, tol: float) -> str:
         if not isinstance(self.snapshot, InverseMove):
             self.snapshot.restore()
             return f"restored to before the teleport at step {self.teleport_step}"
         drift = self.snapshot.restore(probe, seed)
         how = f"moved back by the inverse elements of the teleport at step {self.teleport_step} (the steps since kept"
         if drift is not None and not drift <= tol:
-            warnings.warn(f"Teleport: the watch's inverse move changed the outputs by {drift:.2e} > {tol:.0e}", stacklevel=4)
+            warnings.warn(f"Teleport: the watch's inverse move changed the outputs by {drift:.2e} > {tol:.0e}", stacklevel=5)
         return how + (")" if drift is None else f"; outputs on the probe inputs changed by {drift:.1e})")
 
     def to_state(self) -> dict[str, Any]:
-        """Plain data for ``state_dict``: the rollback's elements or snapshot, the window and the references."""
+        """Plain data for ``state_dict``: the rollback's elements or snapshot, the window and the references
+        (and ``"earlier"``: the same for the earlier teleports still watched, oldest first)."""
         saved = self.snapshot
-        return {
+        data: dict[str, Any] = {
             ("inverse" if isinstance(saved, InverseMove) else "snapshot"): saved.to_state(),
             "until": self.until,
             "teleport_step": self.teleport_step,
@@ -217,6 +294,9 @@ class Watch:
             "loss_ref": self.loss_ref,
             "strikes": self.strikes,
         }
+        if self.earlier:
+            data["earlier"] = [{k: v for k, v in w.to_state().items() if k != "strikes"} for w in self.earlier]
+        return data
 
     @classmethod
     def from_state(
@@ -243,7 +323,13 @@ class Watch:
             grad_ref=float(data["grad_ref"]),
             loss_ref=None if data["loss_ref"] is None else float(data["loss_ref"]),
             strikes=int(data.get("strikes", 0)),
+            earlier=[cls.from_state(w, module, optimizer, params, policy, sites) for w in data.get("earlier", [])],
         )
+
+
+def keeps_copies(watch: Mapping[str, Any]) -> bool:
+    """Whether a saved watch (:meth:`Watch.to_state`) holds a snapshot for any of its teleports."""
+    return any("snapshot" in w for w in [watch, *watch.get("earlier", [])])
 
 
 @dataclass
@@ -257,6 +343,27 @@ class TeleportRecord:
     backoff: float = 1.0
     watch: Watch | None = None
     recent: list[tuple[int, float]] = field(default_factory=list)
+
+    def open_watch(self, undo: Snapshot | InverseMove, steps: int, report: TeleportReport) -> None:
+        """Watch the teleport of ``report``, accepted at this step, for ``steps`` steps (rolled back by ``undo``),
+        joined to the watch still open (:meth:`Watch.stack`)."""
+        before, after = report.grad_norm_before, report.grad_norm_after
+        watch = Watch(undo, self.step + steps, self.step, reference(before, after, self.take_recent()), report.loss_before)
+        gain = (after / before) ** 2 if before and after else 1.0
+        self.watch = watch.stack(self.watch, gain)
+
+    def settle(self, backoff: float) -> None:
+        """After a step: the teleports whose watch window ended came through it, each undoing one ``backoff`` of
+        the caps (a rollback is not permanent); the watch ends with the last of them."""
+        if self.watch is not None:
+            self.watch, passed = self.watch.settle(self.step)
+            self.backoff = min(1.0, self.backoff / backoff**passed)
+
+    def rolled_back(self, backoff: float) -> None:
+        """Count a watch rollback: the watch ends, the caps of later teleports are scaled by ``backoff``."""
+        self.watch = None
+        self.rollbacks += 1
+        self.backoff *= backoff
 
     def sample(self, grads: list[Tensor]) -> None:
         """Keep this step's ||grad||^2 for the next teleport's :func:`reference` (the last ``REFERENCE_STEPS``)."""
