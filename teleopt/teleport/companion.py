@@ -186,7 +186,7 @@ class BalanceCompanion:
             return None
         if not plan.verified:
             last = owner.reports[-1] if owner.reports else None
-            if last is None or plan.checked_at != last.step or not last.accepted:
+            if last is None or plan.checked_at != last.step or not last.accepted or last.shrink < 1.0:  # caps bound: check again
                 plan.checked_at = engine.record.step  # the engine checks this one; lean from the next if accepted
                 return None
             plan.verified = True
