@@ -278,3 +278,27 @@ def test_the_readme_configuration_runs_its_later_balance_teleports_lean_and_as_t
     assert len(checks) == 5 and checks[0] == "batch" and lean == 4, [(r.step, r.check, r.reason) for r in opt.reports]
     assert engine_calls == 5 and calls[0] == 1  # the engine's twin called batch_fn at every teleport, the lean run once
     assert moved > 1e-6
+
+
+def test_an_explicit_batch_or_a_closure_still_goes_through_the_engine_and_its_check() -> None:
+    model, sites, x, y = lora_like()
+    base = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    opt = Teleport(
+        base, model, sites, objective="balance", every=1, example_inputs=x[:2], loss_fn=nn.functional.mse_loss, batch_fn=lambda: (x, y)
+    )
+
+    def closure() -> Tensor:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(4):
+        closure()
+        opt.step()
+    assert opt.reports[-1].check == "none"  # scheduled, with batch_fn: lean once the plan was checked
+    opt.step(closure)
+    assert opt.reports[-1].check != "none" and opt.reports[-1].accepted  # a closure's loss: the engine decides
+    closure()
+    report = opt.teleport(batch=(x, y))
+    assert report.check == "batch" and report.accepted  # the user asked for a check on this batch
