@@ -224,3 +224,81 @@ def test_new_storage_for_a_member_drops_the_plan_and_the_engine_takes_that_telep
     for _ in range(2):
         step()
     assert opt.reports[-1].check == "none" and opt.reports[-1].accepted
+
+
+@pytest.mark.parametrize("make", [lora_like, attention], ids=["lora-like", "attention"])
+def test_the_readme_configuration_runs_its_later_balance_teleports_lean_and_as_the_engine(make) -> None:
+    # Teleport(opt, model, sites, example_inputs=..., loss_fn=..., batch_fn=...) with the default objective and
+    # schedule (balance every 200 steps from step 200): the plan's first teleport is checked by the engine on
+    # batch_fn's batch; the later ones need no batch (the closed form reads only the weights), so they run lean
+    # and batch_fn is not called for them.  Each teleport step is compared with a twin whose companion is off.
+    model, sites, x, y = make()
+    calls = [0]
+
+    def batch_fn() -> tuple[Tensor, Tensor]:
+        calls[0] += 1
+        return x, y
+
+    base = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sites left out of "auto" detection
+        opt = Teleport(base, model, sites, example_inputs=x[:2], loss_fn=nn.functional.mse_loss, batch_fn=batch_fn)
+    assert opt.objective.name == "balance"
+    lean, moved, engine_calls = 0, 0.0, 0
+    for _ in range(1001):
+        due = opt._schedule.due(opt._record.step, opt._record.accepted)
+        if due:
+            twin, engine_opt = copy.deepcopy((model, opt))
+            BalanceCompanion.of(engine_opt).enabled = False
+            before = calls[0]
+            engine_opt.zero_grad()
+            nn.functional.mse_loss(twin(x), y).backward()
+            engine_opt.step()
+            engine_calls += calls[0] - before
+            calls[0] = before
+        before = calls[0]
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if not due:
+            continue
+        a, b = opt.reports[-1], engine_opt.reports[-1]
+        assert b.check == "batch" and b.accepted and b.shrink == 1.0, (b.check, b.reason, b.shrink)
+        if a.check == "none":
+            lean, moved = lean + 1, max(moved, *a.coordinate_norms.values())
+            assert calls[0] == before  # a lean teleport needs no batch
+            assert a.state_decisions == b.state_decisions and a.coordinate_norms == pytest.approx(b.coordinate_norms, rel=1e-12)
+            assert a.grad_norm_after == pytest.approx(b.grad_norm_after, rel=1e-12)
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert _close(p.detach(), q.detach()) <= 1e-12, name
+            for key, value in opt.state[p].items():
+                if isinstance(value, Tensor):
+                    assert _close(value, engine_opt.state[q][key]) <= 1e-12, (name, key)
+    checks = [r.check for r in opt.reports]
+    assert len(checks) == 5 and checks[0] == "batch" and lean == 4, [(r.step, r.check, r.reason) for r in opt.reports]
+    assert engine_calls == 5 and calls[0] == 1  # the engine's twin called batch_fn at every teleport, the lean run once
+    assert moved > 1e-6
+
+
+def test_an_explicit_batch_or_a_closure_still_goes_through_the_engine_and_its_check() -> None:
+    model, sites, x, y = lora_like()
+    base = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    opt = Teleport(
+        base, model, sites, objective="balance", every=1, example_inputs=x[:2], loss_fn=nn.functional.mse_loss, batch_fn=lambda: (x, y)
+    )
+
+    def closure() -> Tensor:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(4):
+        closure()
+        opt.step()
+    assert opt.reports[-1].check == "none"  # scheduled, with batch_fn: lean once the plan was checked
+    opt.step(closure)
+    assert opt.reports[-1].check != "none" and opt.reports[-1].accepted  # a closure's loss: the engine decides
+    closure()
+    report = opt.teleport(batch=(x, y))
+    assert report.check == "batch" and report.accepted  # the user asked for a check on this batch

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -135,6 +135,24 @@ class PositiveScaling(Group):
             x = _newton_balance(terms, radius)
         x = torch.where(ok, x, torch.zeros_like(x))
         return x if radius is None else x.clamp(-radius, radius)
+
+    def balance_many(
+        self, stats: Sequence[Mapping[float, Tensor]], radius: float | None, rcond: float = BALANCE_RCOND
+    ) -> list[Tensor | None]:
+        """:meth:`balance` of several sites at once where each has one writer and one reader power, the same for
+        all: the masses stacked (sites, units), the same elementwise closed form, each site's ``rcond`` relative
+        to its own largest mass (so each row equals its own :meth:`balance` bit for bit)."""
+        keys = {tuple(sorted(s)) for s in stats}
+        key = next(iter(keys)) if len(keys) == 1 else ()
+        if len(stats) < 2 or len(key) != 2 or not key[0] < 0 < key[1] or len({s[key[0]].shape for s in stats}) != 1:
+            return super().balance_many(stats, radius, rcond)
+        q, p = -key[0], key[1]
+        a, b = (torch.stack([s[k] for s in stats]) for k in (p, -q))
+        ok = (a > rcond * a.amax(-1, keepdim=True)) & (b > rcond * b.amax(-1, keepdim=True))
+        one = torch.ones_like(a)
+        x = (torch.log(q * torch.where(ok, b, one)) - torch.log(p * torch.where(ok, a, one))) / (2 * (p + q))
+        x = torch.where(ok, x, torch.zeros_like(x))
+        return list((x if radius is None else x.clamp(-radius, radius)).unbind(0))
 
 
 class SignFlip(Group):

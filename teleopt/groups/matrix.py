@@ -328,17 +328,17 @@ class GeneralLinear(_MatrixGroup):
             return torch.zeros_like(ref)  # one side only: no minimiser
         A, B = _sym(A), _sym(B)
         eye = torch.eye(self.n, dtype=A.dtype, device=A.device).expand(A.shape)
-        a, U = torch.linalg.eigh(A)  # its eigenvalues decide A's conditioning too (no separate eigvalsh)
-        ok = _well_conditioned(a, rcond) & _well_conditioned(torch.linalg.eigvalsh(B), rcond)
+        ok = _well_conditioned(torch.linalg.eigvalsh(A), rcond) & _well_conditioned(torch.linalg.eigvalsh(B), rcond)
         if not bool(ok.any()):
             return torch.zeros_like(A)
         mask = ok[..., None, None]
-        B = torch.where(mask, B, eye)  # the blocks left alone solve to the identity
-        a, U = torch.where(ok[..., None], a, 1.0), torch.where(mask, U, eye)
-        root = (U * a.sqrt().unsqueeze(-2)) @ U.mT
-        inv_root = (U * a.rsqrt().unsqueeze(-2)) @ U.mT
-        m, V = torch.linalg.eigh(_sym(root @ B @ root))
-        P = _sym(inv_root @ ((V * m.clamp_min(0).sqrt().unsqueeze(-2)) @ V.mT) @ inv_root)
+        A, B = torch.where(mask, A, eye), torch.where(mask, B, eye)  # the blocks left alone solve to the identity
+        # the geometric mean is congruence-invariant: with A = L L^T, P = L^-T (L^T B L)^1/2 L^-1 (P A P = B), so
+        # a Cholesky factor and one eigendecomposition give P, where A^1/2 took a second one
+        L = torch.linalg.cholesky(A)
+        m, V = torch.linalg.eigh(_sym(L.mT @ B @ L))
+        inv = torch.linalg.solve_triangular(L, eye, upper=False)
+        P = _sym(inv.mT @ ((V * m.clamp_min(0).sqrt().unsqueeze(-2)) @ V.mT) @ inv)
         lam, W = torch.linalg.eigh(P)
         xi = 0.5 * torch.log(lam.clamp_min(torch.finfo(torch.float64).tiny))
         if radius is not None:

@@ -186,7 +186,7 @@ class BalanceCompanion:
             return None
         if not plan.verified:
             last = owner.reports[-1] if owner.reports else None
-            if last is None or plan.checked_at != last.step or not last.accepted:
+            if last is None or plan.checked_at != last.step or not last.accepted or last.shrink < 1.0:  # caps bound: check again
                 plan.checked_at = engine.record.step  # the engine checks this one; lean from the next if accepted
                 return None
             plan.verified = True
@@ -384,7 +384,8 @@ def _statistics(plan: BalancePlan) -> list[dict[float, Tensor]]:
         else:
             dims = lane.others
             # in the members' precision (float32 at least), as the engine's reduced terms: then float64
-            values = torch.stack([s.view.square().sum(dims) if dims else s.view.square() for s in lane.slots]).to(torch.float64)
+            squares = torch.stack([s.view for s in lane.slots]).square()  # one kernel per lane, not per member
+            values = (squares.sum(tuple(d + 1 for d in dims)) if dims else squares).to(torch.float64)
             plan.units[id(lane)] = values  # for the squared norm after the move (objective_after)
             plan.traces.append(values.sum())
         for s, value in zip(lane.slots, values.reshape(len(lane.slots), *(plan.groups[first.site].coord_shape or ())).unbind(0)):

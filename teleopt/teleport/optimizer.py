@@ -60,6 +60,7 @@ from teleopt.teleport.record_check import check_groups, check_record
 from teleopt.teleport.report import Tally, TeleportReport
 from teleopt.teleport.safety import SafetyConfig, default_loss_tol
 from teleopt.teleport.schedule import Schedule
+from teleopt.teleport.scheduled import scheduled_teleports
 from teleopt.teleport.search import SearchConfig
 from teleopt.teleport.sites import (
     check_model_matches_optimizer,
@@ -445,11 +446,8 @@ class Teleport(OptimizerWrapper):
                 self._rollback_watch(record.step)
             record.step += 1
             return loss
-        if due:
-            for _ in range(self._schedule.batches):
-                batch = None if self._batch_fn is None else checked_batch(self._batch_fn(), "the batch of batch_fn()")
-                # the closure already ran once (torch's contract: at most once per step)
-                self._teleport_now(TeleportRequest(loss, None, batch, self._heldout, seed=self._check_seed()))
+        if due:  # lean balance where it can be (no batch_fn call), else the engine on batch_fn's batch
+            scheduled_teleports(self, loss)
         loss = self._step_base(closure, loss)
         record.step += 1
         record.settle(self._safety.backoff)  # teleports that came through their watch window leave it
