@@ -302,3 +302,17 @@ def test_an_explicit_batch_or_a_closure_still_goes_through_the_engine_and_its_ch
     closure()
     report = opt.teleport(batch=(x, y))
     assert report.check == "batch" and report.accepted  # the user asked for a check on this batch
+
+
+def test_a_lean_teleport_joins_the_open_watch() -> None:
+    # every=1 with the default 10-step watch: each lean teleport arrives while the earlier ones are watched; it
+    # joins their watch (teleopt.teleport.watch.Watch.stack: a rollback undoes them all, newest first, and the
+    # strikes carry over) instead of replacing it
+    _, opt, step = wrapped(lora_like, lean=True)
+    for _ in range(6):
+        step()
+    assert [r.check for r in opt.reports].count("none") >= 3
+    watch = opt.record.watch
+    assert watch is not None and len(watch.chain) >= 4, None if watch is None else len(watch.chain)
+    step()
+    assert opt.reports[-1].check == "none" and len(opt.record.watch.chain) == len(watch.chain) + 1

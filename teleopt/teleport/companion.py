@@ -548,7 +548,7 @@ def _report(engine: TeleportEngine, plan: BalancePlan, norms: list[float]) -> Te
 
 
 def _watch(engine: TeleportEngine, plan: BalancePlan, elements: Sequence[Tensor], report: TeleportReport) -> Watch | None:
-    """The watch of the accepted teleport (its inverse move), made before anything is written."""
+    """The watch of the accepted teleport (its inverse move) joined to the open one, made before anything is written."""
     cfg, record = engine.config, engine.record
     if cfg.safety.watch_steps <= 0:
         return None
@@ -556,8 +556,9 @@ def _watch(engine: TeleportEngine, plan: BalancePlan, elements: Sequence[Tensor]
     kept = [e.to(torch.promote_types(first[i], torch.float32)) for i, e in enumerate(elements)]
     move = InverseMove(list(plan.sites), kept, cfg.module, cfg.optimizer, cfg.policy)
     recent = [v for t, v in record.recent if record.step - REFERENCE_STEPS <= t < record.step]  # take_recent, unmutated
-    ref = reference(report.grad_norm_before, report.grad_norm_after, recent)
-    return Watch(move, record.step + cfg.safety.watch_steps, record.step, ref, None)
+    before, after = report.grad_norm_before, report.grad_norm_after
+    gain = (after / before) ** 2 if before and after else 1.0
+    return Watch(move, record.step + cfg.safety.watch_steps, record.step, reference(before, after, recent), None).stack(record.watch, gain)
 
 
 def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRequest) -> TeleportReport | None:
@@ -594,7 +595,6 @@ def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRe
     # the commit: Python assignments only, after the writes
     record.accepted += 1
     if watch is not None:
-        record.recent = []
-        record.watch = watch
+        record.recent, record.watch = [], watch
     report.time_s = time.perf_counter() - start
     return report
