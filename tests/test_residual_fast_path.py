@@ -186,11 +186,9 @@ def test_auto_leaves_the_rotation_out_under_a_searched_objective_and_says_why():
     assert "reads the point" in reason and "objective='balance'" in reason
 
 
-def test_a_grad_norm_teleport_moves_the_rotation_and_leaves_autograds_gradients():
-    """The fast path's apply: after a teleport, ``.grad`` is the gradient at the new point."""
-    model = causal("llama").double()
-    batch = {**_call(model), "labels": _ids()}
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+def _grad_norm_teleport(model: nn.Module, opt: torch.optim.Optimizer, batch: dict) -> tuple[teleopt.Teleport, Site]:
+    """A manual grad-norm Teleport on the sites ``"auto"`` keeps under balance (the rotation passed explicitly),
+    and its residual rotation site."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tele = teleopt.Teleport(
@@ -204,6 +202,15 @@ def test_a_grad_norm_teleport_moves_the_rotation_and_leaves_autograds_gradients(
             search=FEW_STEPS,
         )
     (site,) = [s for s in tele.sites if s.action.name == "residual_rotation"]
+    return tele, site
+
+
+def test_a_grad_norm_teleport_moves_the_rotation_and_leaves_autograds_gradients():
+    """The fast path's apply: after a teleport, ``.grad`` is the gradient at the new point."""
+    model = causal("llama").double()
+    batch = {**_call(model), "labels": _ids()}
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    tele, site = _grad_norm_teleport(model, opt, batch)
     with keep_float64():
         model(**batch).loss.backward()
         report = tele.teleport()
@@ -221,19 +228,7 @@ def test_first_moments_move_as_gradients_at_the_point():
     model = causal("llama").double()
     batch = {**_call(model), "labels": _ids()}
     opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tele = teleopt.Teleport(
-            opt,
-            model,
-            _auto_with_rotation(model),
-            example_kwargs=_call(model),
-            objective="grad_norm",
-            batch_fn=lambda: batch,
-            schedule=Schedule(),
-            search=FEW_STEPS,
-        )
-    (site,) = [s for s in tele.sites if s.action.name == "residual_rotation"]
+    tele, site = _grad_norm_teleport(model, opt, batch)
     with keep_float64():
         model(**batch).loss.backward()
         tele.step()
