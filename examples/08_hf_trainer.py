@@ -15,7 +15,9 @@ permutation of the vocabulary).  teleopt needs no Trainer subclass or callback:
    the orbit, closed form, no extra forward or backward pass), transports ``.grad`` and Adam's ``exp_avg``
    and checks on a fixed probe batch from ``batch_fn`` (a dict, as the Trainer's
    collator makes it, with ``labels`` so the output's ``.loss`` is the loss) that
-   the loss did not change, in train mode with LoRA dropout (same masks);
+   the loss did not change, in train mode with LoRA dropout (same masks); once that
+   first teleport passed, later ones take the lean closed-form path, unchecked
+   (``docs/performance.md``), and print ``loss drift -``;
 4. ``Syre(AdamW(..., weight_decay=0.0), gamma=...)`` replaces AdamW's decay towards
    zero with decay towards a random anchor (Ziyin et al. 2025), the same way.
 

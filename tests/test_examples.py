@@ -206,8 +206,11 @@ def test_08_hf_trainer(capsys):
     assert teleport.record.step == 8
     # every 3 steps: at step 0 B = 0 (peft's init) has no balanced point (left alone); then two balance teleports
     assert [(r.step, r.accepted) for r in teleport.reports] == [(0, False), (3, True), (6, True)]
-    for r in teleport.reports[1:]:
-        assert r.loss_drift is not None and r.loss_drift <= 1e-5  # checked on the dict probe batch, train mode
+    checked, lean = teleport.reports[1:]
+    assert checked.loss_drift is not None and checked.loss_drift <= 1e-5  # checked on the dict probe batch, train mode
+    # the plan's first teleport passed its check: the next one takes the lean closed-form path, with no batch
+    assert lean.check == "none" and lean.loss_drift is None and "first teleport was checked" in lean.check_detail
+    for r in (checked, lean):
         assert {s.action.name for s in r.sites} == {"lora_gl"} and len(r.sites) == 14
         assert r.state_decisions["transport"] == 28  # exp_avg of every A and B, by the covector rule
     # the Trainer's scheduler drove the base optimizer's learning rate through both wrappers
