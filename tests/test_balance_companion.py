@@ -84,6 +84,32 @@ def attention() -> tuple[nn.Module, list[Site] | str, Tensor, Tensor]:
     return model, "auto", torch.randn(4, 5, 16, generator=gen, dtype=torch.float64), torch.randn(4, 4, generator=gen, dtype=torch.float64)
 
 
+class TinyLlama(nn.Module):
+    """A 1-layer Llama-architecture LM (transformers) returning its logits: ``"auto"`` finds rotary Q/K scalings,
+    V/O GL, an MLP rescaling and the gained residual rotation, which the closed form leaves at the identity."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.LlamaConfig(
+            vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+            intermediate_size=24, max_position_embeddings=16,
+        )  # fmt: skip
+        self.lm = transformers.LlamaForCausalLM(config)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.lm(ids, use_cache=False).logits
+
+
+def llama() -> tuple[nn.Module, list[Site] | str, Tensor, Tensor]:
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = TinyLlama().double()
+    gen = torch.Generator().manual_seed(1)
+    return model, "auto", torch.randint(0, 32, (3, 6), generator=gen), torch.randn(3, 6, 32, generator=gen, dtype=torch.float64)
+
+
 def wrapped(make: Callable[[], tuple[nn.Module, list[Site] | str, Tensor, Tensor]], lean: bool, **options: object):
     model, sites, x, y = make()
     groups = options.pop("groups", None)
@@ -106,7 +132,7 @@ def _close(a: Tensor, b: Tensor) -> float:
     return float((a - b).abs().max()) / scale
 
 
-@pytest.mark.parametrize("make", [lora_like, attention], ids=["lora-like", "attention"])
+@pytest.mark.parametrize("make", [lora_like, attention, llama], ids=["lora-like", "attention", "llama"])
 def test_the_lean_path_moves_parameters_and_moments_as_the_engine_does(make) -> None:
     # each step from one state twice: the lean wrapper, and a copy of it whose companion is off (the engine).
     # Compared step by step from a common state, not over a run: a parameter with a structurally zero gradient
@@ -125,7 +151,11 @@ def test_the_lean_path_moves_parameters_and_moments_as_the_engine_does(make) -> 
         assert b.check != "none" and a.accepted == b.accepted
         if a.check == "none":
             lean, moved = lean + 1, max(moved, *a.coordinate_norms.values())
-            assert a.state_decisions == b.state_decisions and a.coordinate_norms == pytest.approx(b.coordinate_norms, rel=1e-12)
+            # the engine also counts the state of the members it moves by the identity (sites the closed form leaves
+            # alone: the gained residual rotation); the lean path leaves those untouched
+            alone = any(not isinstance(site.action, AxisAction) for site in a.sites)
+            assert alone or a.state_decisions == b.state_decisions
+            assert a.coordinate_norms == pytest.approx(b.coordinate_norms, rel=1e-12)
             assert a.grad_norm_after == pytest.approx(b.grad_norm_after, rel=1e-12)
             assert a.objective_after == pytest.approx(b.objective_after, rel=1e-12) and a.objective_after < a.objective_before
         for (name, p), q in zip(model.named_parameters(), twin.parameters()):
