@@ -113,11 +113,13 @@ def llama() -> tuple[nn.Module, list[Site] | str, Tensor, Tensor]:
 def wrapped(make: Callable[[], tuple[nn.Module, list[Site] | str, Tensor, Tensor]], lean: bool, **options: object):
     model, sites, x, y = make()
     groups = options.pop("groups", None)
+    near = bool(options.pop("near", False))  # off: every lean teleport takes the closed form (the engine's result)
     base = torch.optim.AdamW(groups(model) if callable(groups) else [p for p in model.parameters() if p.requires_grad], lr=1e-2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # sites left out of "auto" detection
         opt = Teleport(base, model, sites, objective="balance", every=1, example_inputs=x[:2], **options)
     BalanceCompanion.of(opt).enabled = lean
+    BalanceCompanion.of(opt).near = near
 
     def step() -> None:
         opt.zero_grad()
@@ -346,3 +348,60 @@ def test_a_lean_teleport_joins_the_open_watch() -> None:
     assert watch is not None and len(watch.chain) >= 4, None if watch is None else len(watch.chain)
     step()
     assert opt.reports[-1].check == "none" and len(opt.record.watch.chain) == len(watch.chain) + 1
+
+
+def _imbalance(model: nn.Module) -> float:
+    """||A A^T - B^T B||_F / ||A A^T + B^T B||_F of the LoRA-like model's first pair (0 at its balanced point)."""
+    a, b = model.A1.detach(), model.B1.detach()
+    return float((a @ a.T - b.T @ b).norm() / (a @ a.T + b.T @ b).norm())
+
+
+def test_every_step_balance_takes_newton_steps_that_keep_the_loss_and_approach_the_balanced_set(monkeypatch) -> None:
+    # balance every step, then on a fixed model (AdamW with lr 0 moves nothing): once a lean teleport ran at the step
+    # before, GL sites take one Newton step (GeneralLinear.balance_near_many) instead of the closed form.  The
+    # first pair is put off balance by a group element (A1 -> g A1, B1 -> B1 g^-1: the loss stays); each Newton
+    # step must leave the loss unchanged to float64 round-off and shrink the imbalance (quadratically) to 0.
+    from teleopt.groups.matrix import GeneralLinear
+
+    model, opt, _ = wrapped(lora_like, lean=True, near=True)
+    _, _, x, y = lora_like()
+    near: list[bool] = []
+    original = GeneralLinear.balance_near_many
+
+    def spy(self, stats, limit):  # noqa: ANN001, ANN202
+        found = original(self, stats, limit)
+        near.append(found is not None)
+        return found
+
+    monkeypatch.setattr(GeneralLinear, "balance_near_many", spy)
+
+    def loss() -> float:
+        return float(nn.functional.mse_loss(model(x), y))
+
+    def step() -> None:
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    for _ in range(4):
+        step()
+    assert [r.check for r in opt.reports][-2:] == ["none", "none"] and all(r.accepted for r in opt.reports)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    gen = torch.Generator().manual_seed(2)
+    sym = torch.randn(3, 3, generator=gen, dtype=torch.float64)
+    g = torch.linalg.matrix_exp(0.03 * (sym + sym.T))
+    with torch.no_grad():
+        model.A1.copy_(g @ model.A1)
+        model.B1.copy_(torch.linalg.solve(g.T, model.B1.T).T)
+    imbalances, near = [_imbalance(model)], []
+    for _ in range(4):
+        before = loss()
+        step()
+        assert abs(loss() - before) <= 1e-13 * before  # float64 round-off of one exact teleport
+        imbalances.append(_imbalance(model))
+    assert near[:3] == [True] * 3, near  # the Newton step, not the closed form
+    assert imbalances[0] > 1e-2, imbalances
+    assert imbalances[1] < 0.05 * imbalances[0] and imbalances[2] < 0.05 * imbalances[1], imbalances
+    # down to Balance's floor: a site whose move is below sqrt(eps) = 1.5e-8 of float64 stays (about 2 x the move)
+    assert imbalances[-1] < 3e-8 and all(b <= a for a, b in zip(imbalances, imbalances[1:])), imbalances

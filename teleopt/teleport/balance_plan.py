@@ -63,6 +63,7 @@ class BalancePlan:
     traces: list[Tensor] = field(default_factory=list)  # scratch: per lane, the members' squared norm at w
     still: list[Tensor] = field(default_factory=list)  # trainable members of the sites that no slot moves (counted in N)
     verified: bool = False  # the engine ran this plan's first teleport and it was accepted
+    lean_step: int = -2  # the step of its last accepted lean teleport (the next step's point is near balance)
     checked_at: int = -1
 
 

@@ -57,7 +57,10 @@ from teleopt.teleport.search import ClosedForm
 from teleopt.teleport.state_policy import restart_curvature_history
 from teleopt.teleport.watch import REFERENCE_STEPS, InverseMove, Watch, reference
 
-__all__ = ["BalanceCompanion", "BalancePlan"]
+__all__ = ["NEAR_LIMIT", "BalanceCompanion", "BalancePlan"]
+
+#: the longest step towards balance (||S||_F per block) taken by the cheap near-balance step; longer: closed form
+NEAR_LIMIT = 0.1
 
 
 class BalanceCompanion:
@@ -65,12 +68,13 @@ class BalanceCompanion:
 
     def __init__(self) -> None:
         self.enabled = True
+        self.near = True  # the cheap near-balance step after a lean teleport at the step before (``solve``)
         self.plan: BalancePlan | None = None
         self.key: tuple[Any, ...] | None = None
         self.builds = 0  # how many plans were built (tests read it)
 
     def __getstate__(self) -> dict[str, Any]:  # a copy rebuilds its plan (views of its own parameters)
-        return {"enabled": self.enabled, "plan": None, "key": None, "builds": 0}
+        return {"enabled": self.enabled, "near": self.near, "plan": None, "key": None, "builds": 0}
 
     @staticmethod
     def of(owner: Any) -> BalanceCompanion:
@@ -95,7 +99,7 @@ class BalanceCompanion:
                 return None
             plan.verified = True
         with GroupCache().active():
-            report = lean_teleport(engine, plan, request)
+            report = lean_teleport(engine, plan, request, near=self.near)
         if report is None:
             return None
         if report.accepted:
@@ -178,10 +182,13 @@ def _statistics(plan: BalancePlan) -> list[dict[float, Tensor]]:
     return stats
 
 
-def solve(plan: BalancePlan, rcond: float) -> tuple[list[Tensor], list[float], float] | None:
+def solve(plan: BalancePlan, rcond: float, near: bool = False) -> tuple[list[Tensor], list[float], float] | None:
     """Coordinates of every site's balanced point (one batched call per bucket), their max abs (0 for a site
     within its floor: it stays) and the summed squared norm of the members at w; ``None`` when a balanced
-    point lies on the trust region's edge (the round-off bound may then shrink it: the engine decides)."""
+    point lies on the trust region's edge (the round-off bound may then shrink it: the engine decides).
+    ``near`` (the point was balanced at the step before): a bucket whose group has a cheap step towards
+    balance (:meth:`Group.balance_near_many <teleopt.groups.Group.balance_near_many>`) takes it when it is
+    shorter than ``NEAR_LIMIT`` (and half the trust radius), the closed form otherwise."""
     stats = _statistics(plan)
     traces = [torch.stack(plan.traces).sum()] if plan.traces else [torch.zeros((), dtype=torch.float64)]
     plan.traces = []
@@ -189,7 +196,9 @@ def solve(plan: BalancePlan, rcond: float) -> tuple[list[Tensor], list[float], f
     edges = []
     for bucket in plan.buckets:
         group, radius = plan.groups[bucket[0]], plan.radii[bucket[0]]
-        solved = group.balance_many([stats[i] for i in bucket], radius, rcond)
+        limit = NEAR_LIMIT if radius is None else min(NEAR_LIMIT, radius / 2)
+        stepped = group.balance_near_many([stats[i] for i in bucket], limit) if near else None
+        solved = list(stepped) if stepped is not None else group.balance_many([stats[i] for i in bucket], radius, rcond)
         for i, xi in zip(bucket, solved):
             assert xi is not None  # admitted sites have a closed form
             coords[i] = xi
@@ -347,14 +356,14 @@ def _watch(engine: TeleportEngine, plan: BalancePlan, elements: Sequence[Tensor]
     return Watch(move, record.step + cfg.safety.watch_steps, record.step, reference(before, after, recent), None).stack(record.watch, gain)
 
 
-def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRequest) -> TeleportReport | None:
+def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRequest, near: bool = True) -> TeleportReport | None:
     """One balance teleport on ``plan`` (module docs); ``None`` where the engine must take it.  It reads and writes
     ``.data`` views, outside autograd (``Teleport.step`` and ``teleport`` run it under ``no_grad``); after the
     writes it runs no torch function, so nothing can fail between them and the commit."""
     start, cfg, record = time.perf_counter(), engine.config, engine.record
     objective = cfg.objective
     assert isinstance(objective, Balance)
-    found = solve(plan, objective.rcond)
+    found = solve(plan, objective.rcond, near=near and plan.lean_step == record.step - 1)
     if found is None:
         return None
     coords, norms, norm_start = found
@@ -381,6 +390,7 @@ def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRe
     _write(writes, plan, elements)
     # the commit: Python assignments only, after the writes
     record.accepted += 1
+    plan.lean_step = record.step
     if watch is not None:
         record.recent, record.watch = [], watch
     report.time_s = time.perf_counter() - start
