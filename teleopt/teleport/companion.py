@@ -376,7 +376,8 @@ def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRe
     if report.reason:
         report.time_s = time.perf_counter() - start
         return report
-    elements = [group.exp(xi) for group, xi in zip(plan.groups, coords)]  # as the engine computes them
+    # as the engine computes them; a site that stays gets the identity (exp(0) is exactly I) without a matrix_exp
+    elements = [group.exp(xi) if m else group.identity() for group, xi, m in zip(plan.groups, coords, norms)]
     writes, decisions = _moves(plan, elements, cfg.optimizer)
     grads = [p.grad for g in cfg.optimizer.param_groups for p in g["params"] if p.grad is not None]
     before, after, kept = _grad_norms(grads, writes, plan.still)
