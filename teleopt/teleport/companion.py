@@ -48,7 +48,6 @@ from torch import Tensor
 
 from teleopt.groups import GroupCache
 from teleopt.teleport.balance_plan import BalancePlan, _Lane, build_plan
-from teleopt.teleport.coordinates import max_abs
 from teleopt.teleport.distributed import is_distributed
 from teleopt.teleport.engine import TeleportEngine, TeleportRequest
 from teleopt.teleport.objectives import Balance
@@ -193,7 +192,7 @@ def solve(plan: BalancePlan, rcond: float, near: bool = False) -> tuple[list[Ten
     traces = [torch.stack(plan.traces).sum()] if plan.traces else [torch.zeros((), dtype=torch.float64)]
     plan.traces = []
     coords = [torch.zeros(g.coord_shape or (), dtype=torch.float64) for g in plan.groups]  # skipped sites: the identity
-    edges = []
+    edges, peaks = [], []  # peaks: per bucket, each site's max |xi| (one reduction per bucket, not per site)
     for bucket in plan.buckets:
         group, radius = plan.groups[bucket[0]], plan.radii[bucket[0]]
         limit = NEAR_LIMIT if radius is None else min(NEAR_LIMIT, radius / 2)
@@ -202,16 +201,22 @@ def solve(plan: BalancePlan, rcond: float, near: bool = False) -> tuple[list[Ten
         for i, xi in zip(bucket, solved):
             assert xi is not None  # admitted sites have a closed form
             coords[i] = xi
+        stacked = torch.stack([coords[i] for i in bucket]).to(torch.float64)
+        peaks.append(stacked.reshape(len(bucket), -1).abs().amax(1) if stacked.numel() else stacked.new_zeros(len(bucket)))
         if radius is not None and group.roundoff_growth:
             # ||xi||_F >= ||xi||_2: below the radius no eigenvalue was clipped and exp(xi) is the balanced point
             # (round-off amplification 1, the least on the orbit: within every dtype's bound)
-            stacked = torch.stack([coords[i] for i in bucket])
             edges.append(stacked.reshape(-1, *stacked.shape[-2:]).square().sum((-2, -1)).amax() >= (radius * (1 - 1e-9)) ** 2)
-    moves = max_abs(coords)
-    if edges and bool(torch.stack(edges).any()):
+    flags = [torch.stack(edges).any().to(torch.float64).reshape(1)] if edges else []
+    values = torch.cat([*peaks, traces[0].reshape(1).to(torch.float64), *flags]).tolist()  # one read of the host
+    if flags and values[-1]:
         return None
+    moves = [0.0] * len(coords)
+    for i, v in zip((i for bucket in plan.buckets for i in bucket), values):
+        moves[i] = v
+    trace = values[sum(len(b) for b in plan.buckets)]
     kept = [m if m > floor else 0.0 for m, floor in zip(moves, plan.floors)]
-    return [xi if m else torch.zeros_like(xi) for xi, m in zip(coords, kept)], kept, float(traces[0])
+    return [xi if m else torch.zeros_like(xi) for xi, m in zip(coords, kept)], kept, trace
 
 
 @dataclass
