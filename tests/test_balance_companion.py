@@ -405,3 +405,24 @@ def test_every_step_balance_takes_newton_steps_that_keep_the_loss_and_approach_t
     assert imbalances[1] < 0.05 * imbalances[0] and imbalances[2] < 0.05 * imbalances[1], imbalances
     # down to Balance's floor: a site whose move is below sqrt(eps) = 1.5e-8 of float64 stays (about 2 x the move)
     assert imbalances[-1] < 3e-8 and all(b <= a for a, b in zip(imbalances, imbalances[1:])), imbalances
+
+
+def test_a_declined_lean_teleport_reports_the_engines_weight_norm() -> None:
+    # with lr 0 after a few steps, the point stays balanced: the lean teleport declines ("no improvement") and, as
+    # the engine, counts in objective_before the members of the site it leaves at the identity (the rotation)
+    model, opt, step = wrapped(llama, lean=True)
+    _, _, x, y = llama()
+    for _ in range(4):
+        step()
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    step()
+    twin, engine_opt = copy.deepcopy((model, opt))
+    BalanceCompanion.of(engine_opt).enabled = False
+    for m, o in ((model, opt), (twin, engine_opt)):
+        o.zero_grad()
+        nn.functional.mse_loss(m(x), y).backward()
+        o.step()
+    a, b = opt.reports[-1], engine_opt.reports[-1]
+    assert a.check == "none" and not a.accepted and "no improvement" in a.reason, (a.check, a.reason)
+    assert not b.accepted and a.objective_before == pytest.approx(b.objective_before, rel=1e-12)

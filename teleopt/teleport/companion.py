@@ -379,6 +379,8 @@ def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRe
     elif all(v == 0.0 for v in norms):
         report.reason = "declined: no improvement found"
     if report.reason:
+        if plan.still:  # N counts the members no slot moves, as when accepted (_grad_norms)
+            report.objective_before += float(torch.stack(torch._foreach_norm(plan.still)).to(torch.float64).square().sum())
         report.time_s = time.perf_counter() - start
         return report
     # as the engine computes them; a site that stays gets the identity (exp(0) is exactly I) without a matrix_exp
