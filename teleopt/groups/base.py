@@ -299,6 +299,13 @@ class Group(ABC):
         solve them in one."""
         return [self.balance(s, radius, rcond) for s in stats]
 
+    def balance_near_many(self, stats: Sequence[Mapping[float, Tensor]], limit: float) -> list[Tensor] | None:
+        """Coordinates of one cheap step towards the balanced point of each site (as :meth:`balance_many`), for
+        points already near it; ``None`` where this group has no such step or a step is longer than ``limit``
+        (then :meth:`balance_many` decides).  Any coordinates give an exact teleport; the step only has to
+        decrease the imbalance, and its repetition to approach the balanced set."""
+        return None
+
     def _check_axis(self, x: Tensor, axis: int) -> None:
         if x.shape[axis] != self.dim:
             raise ValueError(

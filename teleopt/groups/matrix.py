@@ -223,6 +223,10 @@ class GeneralLinear(_MatrixGroup):
             self._remember_contragredient(g, self._blocked(inverse.mT))
             return g
         cache = active_cache()
+        pair = None if cache is None or coords.requires_grad else cache.get("exp", coords, id(coords))
+        if pair is not None:  # computed with its inverse by balance_near_many
+            self._remember_contragredient(pair[0], self._blocked(pair[1].mT))
+            return pair[0]
         hit = None if cache is None or coords.requires_grad else cache.get("eigen", coords, id(coords))
         if hit is None:
             return torch.linalg.matrix_exp(coords)
@@ -366,6 +370,35 @@ class GeneralLinear(_MatrixGroup):
             for xi, U, lam in zip(sites, eigen[0].unbind(0), eigen[1].unbind(0)):
                 cache.put("eigen", xi, id(xi), (U, lam))
         return list(sites)
+
+    def balance_near_many(self, stats: Sequence[Mapping[float, Tensor]], limit: float) -> list[Tensor] | None:
+        """One Newton step of the balance equation from the identity, for points near balance (every-step balance).
+
+        With g = exp(S), S symmetric, g A g = g^-1 B g^-1 (:meth:`balance`'s P A P = B, P = g^2) is to first
+        order A - B + S C + C S = 0 with C = A + B: a Lyapunov equation, solved in the eigenbasis of C
+        (C = U diag(c) U^T: S = U [(U^T (B - A) U)_ij / (c_i + c_j)] U^T).  One ``eigh`` of C for all blocks of
+        all sites, where :meth:`balance` takes a Cholesky factor, two ``eigvalsh`` and two ``eigh``; the
+        imbalance A - B left is quadratic in the one before (Newton's method).  exp(S) and exp(-S) come from
+        matrix products (:func:`~teleopt.groups.expm.expm_pair`) and are remembered for :meth:`exp` and the
+        contragredient.  ``None`` (the closed form decides) where a site lacks a side, a block of C is
+        singular to ``BALANCE_RCOND``, or some ||S||_F exceeds ``limit`` (the point is not near balance)."""
+        if not stats or any(set(s) != {1.0, -1.0} for s in stats):
+            return None
+        A, B = (_sym(torch.stack([s[p] for s in stats])).reshape(-1, self.n, self.n) for p in (1.0, -1.0))
+        c, U = torch.linalg.eigh(A + B)
+        if not bool(_well_conditioned(c, BALANCE_RCOND).all()):
+            return None
+        S = _sym(U @ ((U.mT @ (B - A) @ U) / (c.unsqueeze(-1) + c.unsqueeze(-2))) @ U.mT)
+        if float(S.square().sum((-2, -1)).amax()) > limit**2:
+            return None
+        g, inverse = expm_pair(S)
+        shape = (len(stats), *(self.coord_shape or ()))
+        coords, g, inverse = S.reshape(shape).unbind(0), g.reshape(shape), inverse.reshape(shape)
+        cache = active_cache()
+        if cache is not None:
+            for xi, gi, hi in zip(coords, g.unbind(0), inverse.unbind(0)):
+                cache.put("exp", xi, id(xi), (gi, hi))
+        return list(coords)
 
     roundoff_growth: ClassVar[bool] = True
 

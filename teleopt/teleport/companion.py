@@ -3,7 +3,8 @@
 A scheduled teleport whose objective is :class:`~teleopt.teleport.objectives.Balance` (defaults) runs a lean
 path here instead of :class:`~teleopt.teleport.engine.TeleportEngine` when the plan below applies:
 
-* the **plan** is built once and cached on the wrapper (:class:`BalanceCompanion`): per site its group, trust
+* the **plan** (:mod:`teleopt.teleport.balance_plan`) is built once and cached on the wrapper
+  (:class:`BalanceCompanion`): per site its group, trust
   radius and member views (the acted-on part of each parameter), per optimizer-state entry what the state
   policy does with it, and the sites bucketed by kind (group class, coordinate shape, radius).  It is rebuilt
   when the sites list, a param group (identity, parameters, ``enabled``, trust region), the caps' backoff, a
@@ -43,117 +44,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from teleopt.actions.axis import AxisAction, Member
-from teleopt.actions.base import GroupAction
-from teleopt.groups import Group, GroupCache
-from teleopt.site import Site
-from teleopt.teleport.balance import _admit
-from teleopt.teleport.coordinates import max_abs
+from teleopt.groups import GroupCache
+from teleopt.teleport.balance_plan import BalancePlan, _Lane, build_plan
 from teleopt.teleport.distributed import is_distributed
 from teleopt.teleport.engine import TeleportEngine, TeleportRequest
 from teleopt.teleport.objectives import Balance
-from teleopt.teleport.optimizer_model import state_role
 from teleopt.teleport.report import TeleportReport
 from teleopt.teleport.search import ClosedForm
 from teleopt.teleport.state_policy import restart_curvature_history
 from teleopt.teleport.watch import REFERENCE_STEPS, InverseMove, Watch, reference
 
-__all__ = ["BalanceCompanion", "BalancePlan"]
+__all__ = ["NEAR_LIMIT", "BalanceCompanion", "BalancePlan"]
 
-
-@dataclass(repr=False)
-class _Slot:
-    """One member of one site: the live parameter, its acted-on part (a view) and how the site acts there."""
-
-    site: int
-    param: Tensor
-    member: Member
-    view: Tensor
-    axis: int
-    power: float
-    whole: bool  # a scaling on a whole axis (statistics in the tensor's precision, as the engine's)
-    storage: int = 0  # the parameter's data_ptr when planned (its views are of that storage)
-
-
-@dataclass(repr=False)
-class BalancePlan:
-    """What every lean teleport of one configuration shares (see module docs)."""
-
-    sites: list[Site]
-    skipped: dict[str, str]
-    groups: list[Group]
-    radii: list[float | None]
-    slots: list[_Slot]
-    buckets: list[list[int]]
-    lanes: list[_Lane]
-    floors: list[float]  # per site: the move below which it stays (Balance.min_move or sqrt(eps))
-    state: dict[tuple[int, str], str]  # (id of the parameter, state key) -> "covector" | "second_moment" | "keep"
-    decisions: dict[tuple[int, str], str]  # the same entries as the report counts them
-    units: dict[int, Tensor] = field(default_factory=dict)  # scratch: per scalings' lane, each unit's squared norm
-    keys: dict[int, tuple[str, ...]] = field(default_factory=dict)  # per parameter (id): its state keys when planned
-    traces: list[Tensor] = field(default_factory=list)  # scratch: per lane, the members' squared norm at w
-    verified: bool = False  # the engine ran this plan's first teleport and it was accepted
-    checked_at: int = -1
-
-
-def _view(param: Tensor, member: Member) -> tuple[Tensor, int] | None:
-    """The member's part of ``param`` as a view (``None`` where the layout needs a copy)."""
-    if member.groups != 1:
-        return None
-    view, axis = member.part_view(param)
-    return (view, axis) if view is param or view._is_view() else None
-
-
-def _independent(slots: Sequence[_Slot]) -> bool:
-    """Whether no two sites touch overlapping parts of a tensor (disjoint slices of one axis)."""
-    by_tensor: dict[int, list[_Slot]] = {}
-    for s in slots:
-        by_tensor.setdefault(id(s.param), []).append(s)
-    for parts in by_tensor.values():
-        for i, a in enumerate(parts):
-            for b in parts[i + 1 :]:
-                ma, mb = a.member, b.member
-                if a.site == b.site and ma.tensor_key == mb.tensor_key and ma.axis == mb.axis:
-                    continue  # parts of one tensor the action composes (checked disjoint by the action)
-                if ma.axis % a.param.ndim != mb.axis % b.param.ndim or ma.start is None or mb.start is None:
-                    return False
-                if not (ma.stop is not None and mb.stop is not None and (ma.stop <= mb.start or mb.stop <= ma.start)):
-                    return False
-    return True
-
-
-def _state_plan(engine: TeleportEngine, slots: Sequence[_Slot], groups: Sequence[Group]) -> tuple[dict, dict] | None:
-    """Per (parameter, state key): transported as a covector or second moment, or kept; ``None`` for a reset."""
-    opt, policy = engine.config.optimizer, engine.config.policy
-    how: dict[tuple[int, str], str] = {}
-    said: dict[tuple[int, str], str] = {}
-    for s in slots:
-        st = opt.state.get(s.param)
-        if not st:
-            return None  # no state yet (the base initialises it lazily): the engine takes this teleport
-        for key, value in st.items():
-            role = state_role(opt, key)
-            chosen = policy.resolve(key, role, opt)
-            shaped = isinstance(value, Tensor) and value.shape == s.param.shape
-            if chosen == "transport" and role == "first_moment" and shaped:
-                rule, say = "covector", "transport"
-            elif chosen == "transport" and role == "second_moment" and shaped and groups[s.site].second_moment_power(1.0) is not None:
-                rule, say = "second_moment", "transport"
-            elif chosen == "transport" and role in ("first_moment", "second_moment", "update", "unknown"):
-                fallback = policy.resolve_fallback(key, role)
-                rule, say = "keep", "fallback:" + fallback
-                if fallback != "keep":
-                    return None
-            elif chosen in ("transport", "keep"):
-                rule, say = "keep", "keep"
-            else:
-                return None
-            if how.get((id(s.param), key), rule) != rule:
-                return None  # one tensor, two rules (two sites' moments of one parameter): the engine decides
-            how[(id(s.param), key)], said[(id(s.param), key)] = rule, say
-    return how, said
+#: the longest step towards balance (||S||_F per block) taken by the cheap near-balance step; longer: closed form
+NEAR_LIMIT = 0.1
 
 
 class BalanceCompanion:
@@ -161,12 +67,13 @@ class BalanceCompanion:
 
     def __init__(self) -> None:
         self.enabled = True
+        self.near = True  # the cheap near-balance step after a lean teleport at the step before (``solve``)
         self.plan: BalancePlan | None = None
         self.key: tuple[Any, ...] | None = None
         self.builds = 0  # how many plans were built (tests read it)
 
     def __getstate__(self) -> dict[str, Any]:  # a copy rebuilds its plan (views of its own parameters)
-        return {"enabled": self.enabled, "plan": None, "key": None, "builds": 0}
+        return {"enabled": self.enabled, "near": self.near, "plan": None, "key": None, "builds": 0}
 
     @staticmethod
     def of(owner: Any) -> BalanceCompanion:
@@ -191,7 +98,7 @@ class BalanceCompanion:
                 return None
             plan.verified = True
         with GroupCache().active():
-            report = lean_teleport(engine, plan, request)
+            report = lean_teleport(engine, plan, request, near=self.near)
         if report is None:
             return None
         if report.accepted:
@@ -251,126 +158,6 @@ class BalanceCompanion:
         return plan
 
 
-def _slots(sites: Sequence[Site], groups: Sequence[Group], params: dict[str, nn.Parameter], left: dict[str, str]) -> list[_Slot] | None:
-    """The members of the admitted sites as views of their parameters (``None``: a layout without a view)."""
-    slots = []
-    for i, (site, group) in enumerate(zip(sites, groups)):
-        if site.name in left or not isinstance(site.action, AxisAction):
-            continue
-        for member, name in zip(site.action.members, site.members):
-            if name is None:
-                continue
-            found = _view(params[name].data, member)
-            if found is None:
-                return None
-            whole = group.diagonal and member.start is None and member.outer == 1 and member.inner == 1
-            slots.append(_Slot(i, params[name], member, found[0], found[1], float(member.power), whole, params[name].data_ptr()))
-    return slots
-
-
-def _floors(objective: Balance, sites: Sequence[Site], params: dict[str, nn.Parameter]) -> list[float]:
-    """Per site, the move below which it stays (:class:`Balance`'s ``min_move``, else sqrt(eps) of its dtype)."""
-    if objective.min_move is not None:
-        return [objective.min_move] * len(sites)
-    return [math.sqrt(torch.finfo(params[next(n for n in s.members if n is not None)].dtype).eps) for s in sites]
-
-
-def _lanes_agree(lanes: Sequence[_Lane], rules: dict[tuple[int, str], str], optimizer: torch.optim.Optimizer) -> bool:
-    """Whether every lane's parameters have the same state keys under the same rules (one kernel per key)."""
-    for lane in lanes:
-        keys = {tuple((k, rules[(id(s.param), k)]) for k in optimizer.state[s.param]) for s in lane.slots}
-        if len(keys) != 1:
-            return False
-    return True
-
-
-def build_plan(engine: TeleportEngine, sites: list[Site], skipped: dict[str, str]) -> BalancePlan | None:
-    """The plan of ``sites`` (module docs), or ``None`` where the lean path does not give the engine's result."""
-    cfg = engine.config
-    objective = cfg.objective
-    assert isinstance(objective, Balance)
-    params = dict(cfg.module.named_parameters())
-    if not sites or any(not isinstance(s.action, AxisAction) or type(s.action).exp is not GroupAction.exp for s in sites):
-        return None
-    names = [n for s in sites for n in s.members if n is not None]
-    if any(n not in params or params[n].dtype not in (torch.float32, torch.float64) for n in names):
-        return None  # a buffer member (the engine moves it), or a 16-bit one (elements exact in its dtype)
-    groups = [s.action.group(tuple(None if n is None else params[n] for n in s.members)) for s in sites]
-    _, left = _admit(sites, groups, params, set(params))  # sites the closed form leaves at the identity, as the engine does
-    slots = _slots(sites, groups, params, left)
-    states = None if slots is None or not _independent(slots) else _state_plan(engine, slots, groups)
-    if slots is None or states is None:
-        return None
-    radii = [engine._trust_region(s, _Groups(cfg.optimizer, params)) for s in sites]  # type: ignore[arg-type]
-    buckets: dict[tuple[Any, ...], list[int]] = {}
-    for i, g in enumerate(groups):
-        if sites[i].name not in left:
-            buckets.setdefault((type(g), g.coord_shape, radii[i]), []).append(i)
-    bucket_of = {i: b for b, members in enumerate(buckets.values()) for i in members}
-    lanes = _lanes(slots, groups, bucket_of)
-    if not _lanes_agree(lanes, states[0], cfg.optimizer):
-        return None
-    plan = BalancePlan(
-        sites, dict(skipped), groups, radii, slots, list(buckets.values()), lanes, _floors(objective, sites, params), *states
-    )
-    plan.keys = {id(s.param): tuple(cfg.optimizer.state[s.param]) for s in slots}
-    return plan
-
-
-class _Groups:
-    """What :meth:`TeleportEngine._trust_region` reads of a context: each parameter's group by name."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter]) -> None:
-        by_id = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        self.groups = {n: by_id[id(p)] for n, p in params.items() if id(p) in by_id}
-
-
-@dataclass(repr=False)
-class _Lane:
-    """Slots of one bucket that stack: the same group kind, view shape, axis, power and dtype (one kernel each)."""
-
-    slots: list[_Slot]
-    blocks: int  # the acted-on axis viewed as (blocks, n): GL blocks, or one unit per "block" for scalings
-    n: int
-    matrix: bool  # block matrices (GL, stacked); else elementwise factors (scalings, in place)
-
-    @property
-    def others(self) -> tuple[int, ...]:
-        """The view's axes the group does not act on (a scaling's statistic sums over them)."""
-        first = self.slots[0]
-        return tuple(d for d in range(first.view.ndim) if d != first.axis)
-
-    @property
-    def broadcast(self) -> tuple[int, ...]:
-        """The shape a scaling's factors take to multiply a view (units on the acted-on axis)."""
-        first = self.slots[0]
-        return tuple(self.blocks if d == first.axis else 1 for d in range(first.view.ndim))
-
-    def columns(self, x: Tensor) -> Tensor:
-        """Stacked parts (S, *view) as (S, blocks, n, rest)."""
-        moved = x.movedim(self.slots[0].axis + 1, 1)
-        return moved.reshape(moved.shape[0], self.blocks, self.n, -1)
-
-    def back(self, y: Tensor, x: Tensor) -> Tensor:
-        """:meth:`columns` undone: ``y`` in the layout of the stacked parts ``x``."""
-        moved = x.movedim(self.slots[0].axis + 1, 1)
-        return y.reshape(moved.shape).movedim(1, self.slots[0].axis + 1)
-
-
-def _lanes(slots: Sequence[_Slot], groups: Sequence[Group], bucket_of: dict[int, int]) -> list[_Lane]:
-    lanes: dict[tuple[Any, ...], list[_Slot]] = {}
-    for s in slots:
-        key = (bucket_of[s.site], tuple(s.view.shape), s.axis, s.power, s.view.dtype, s.whole)
-        lanes.setdefault(key, []).append(s)
-    out = []
-    for members in lanes.values():
-        group = groups[members[0].site]
-        size = group.block_size
-        matrix = size is not None and not group.diagonal
-        out.append(_Lane(members, group.dim // size if matrix and size else group.dim, size if matrix and size else 1, matrix))
-    return out
-
-
 def _statistics(plan: BalancePlan) -> list[dict[float, Tensor]]:
     """Per site, its members' norm statistics summed per power (what the engine's weight-norm model reads at w):
     Gram matrices per block of each lane's stacked parts (GL), sums of squares per unit (scalings, per part)."""
@@ -394,31 +181,42 @@ def _statistics(plan: BalancePlan) -> list[dict[float, Tensor]]:
     return stats
 
 
-def solve(plan: BalancePlan, rcond: float) -> tuple[list[Tensor], list[float], float] | None:
+def solve(plan: BalancePlan, rcond: float, near: bool = False) -> tuple[list[Tensor], list[float], float] | None:
     """Coordinates of every site's balanced point (one batched call per bucket), their max abs (0 for a site
     within its floor: it stays) and the summed squared norm of the members at w; ``None`` when a balanced
-    point lies on the trust region's edge (the round-off bound may then shrink it: the engine decides)."""
+    point lies on the trust region's edge (the round-off bound may then shrink it: the engine decides).
+    ``near`` (the point was balanced at the step before): a bucket whose group has a cheap step towards
+    balance (:meth:`Group.balance_near_many <teleopt.groups.Group.balance_near_many>`) takes it when it is
+    shorter than ``NEAR_LIMIT`` (and half the trust radius), the closed form otherwise."""
     stats = _statistics(plan)
     traces = [torch.stack(plan.traces).sum()] if plan.traces else [torch.zeros((), dtype=torch.float64)]
     plan.traces = []
     coords = [torch.zeros(g.coord_shape or (), dtype=torch.float64) for g in plan.groups]  # skipped sites: the identity
-    edges = []
+    edges, peaks = [], []  # peaks: per bucket, each site's max |xi| (one reduction per bucket, not per site)
     for bucket in plan.buckets:
         group, radius = plan.groups[bucket[0]], plan.radii[bucket[0]]
-        solved = group.balance_many([stats[i] for i in bucket], radius, rcond)
+        limit = NEAR_LIMIT if radius is None else min(NEAR_LIMIT, radius / 2)
+        stepped = group.balance_near_many([stats[i] for i in bucket], limit) if near else None
+        solved = list(stepped) if stepped is not None else group.balance_many([stats[i] for i in bucket], radius, rcond)
         for i, xi in zip(bucket, solved):
             assert xi is not None  # admitted sites have a closed form
             coords[i] = xi
+        stacked = torch.stack([coords[i] for i in bucket]).to(torch.float64)
+        peaks.append(stacked.reshape(len(bucket), -1).abs().amax(1) if stacked.numel() else stacked.new_zeros(len(bucket)))
         if radius is not None and group.roundoff_growth:
             # ||xi||_F >= ||xi||_2: below the radius no eigenvalue was clipped and exp(xi) is the balanced point
             # (round-off amplification 1, the least on the orbit: within every dtype's bound)
-            stacked = torch.stack([coords[i] for i in bucket])
             edges.append(stacked.reshape(-1, *stacked.shape[-2:]).square().sum((-2, -1)).amax() >= (radius * (1 - 1e-9)) ** 2)
-    moves = max_abs(coords)
-    if edges and bool(torch.stack(edges).any()):
+    flags = [torch.stack(edges).any().to(torch.float64).reshape(1)] if edges else []
+    values = torch.cat([*peaks, traces[0].reshape(1).to(torch.float64), *flags]).tolist()  # one read of the host
+    if flags and values[-1]:
         return None
+    moves = [0.0] * len(coords)
+    for i, v in zip((i for bucket in plan.buckets for i in bucket), values):
+        moves[i] = v
+    trace = values[sum(len(b) for b in plan.buckets)]
     kept = [m if m > floor else 0.0 for m, floor in zip(moves, plan.floors)]
-    return [xi if m else torch.zeros_like(xi) for xi, m in zip(coords, kept)], kept, float(traces[0])
+    return [xi if m else torch.zeros_like(xi) for xi, m in zip(coords, kept)], kept, trace
 
 
 @dataclass
@@ -529,14 +327,16 @@ def _write(writes: _Writes, plan: BalancePlan, elements: Sequence[Tensor]) -> No
         raise
 
 
-def _grad_norms(grads: list[Tensor], writes: _Writes) -> tuple[float, float]:
-    """||grad||^2 over all gradients before the teleport and after it (the moved parts replaced), one read."""
-    parts = [grads, writes.grad_before, writes.grad_after]
+def _grad_norms(grads: list[Tensor], writes: _Writes, still: list[Tensor]) -> tuple[float, float, float]:
+    """||grad||^2 over all gradients before the teleport and after it (the moved parts replaced), and the squared
+    norm of the ``still`` members, in one read."""
+    parts = [grads, writes.grad_before, writes.grad_after, still]
     norms = torch._foreach_norm([t for part in parts for t in part])
     squares = torch.stack(norms).to(torch.float64).square()
-    a, b = len(grads), len(grads) + len(writes.grad_before)
-    before, old, new = (float(v) for v in torch.stack([squares[:a].sum(), squares[a:b].sum(), squares[b:].sum()]))
-    return before, max(before - old + new, 0.0)
+    a, b, c = len(grads), len(grads) + len(writes.grad_before), len(squares) - len(still)
+    sums = torch.stack([squares[:a].sum(), squares[a:b].sum(), squares[b:c].sum(), squares[c:].sum()])
+    before, old, new, kept = (float(v) for v in sums)
+    return before, max(before - old + new, 0.0), kept
 
 
 def _report(engine: TeleportEngine, plan: BalancePlan, norms: list[float]) -> TeleportReport:
@@ -553,7 +353,7 @@ def _watch(engine: TeleportEngine, plan: BalancePlan, elements: Sequence[Tensor]
     if cfg.safety.watch_steps <= 0:
         return None
     first = {s.site: s.param.dtype for s in reversed(plan.slots)}
-    kept = [e.to(torch.promote_types(first[i], torch.float32)) for i, e in enumerate(elements)]
+    kept = [e.to(torch.promote_types(first.get(i, e.dtype), torch.float32)) for i, e in enumerate(elements)]
     move = InverseMove(list(plan.sites), kept, cfg.module, cfg.optimizer, cfg.policy)
     recent = [v for t, v in record.recent if record.step - REFERENCE_STEPS <= t < record.step]  # take_recent, unmutated
     before, after = report.grad_norm_before, report.grad_norm_after
@@ -561,14 +361,14 @@ def _watch(engine: TeleportEngine, plan: BalancePlan, elements: Sequence[Tensor]
     return Watch(move, record.step + cfg.safety.watch_steps, record.step, reference(before, after, recent), None).stack(record.watch, gain)
 
 
-def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRequest) -> TeleportReport | None:
+def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRequest, near: bool = True) -> TeleportReport | None:
     """One balance teleport on ``plan`` (module docs); ``None`` where the engine must take it.  It reads and writes
     ``.data`` views, outside autograd (``Teleport.step`` and ``teleport`` run it under ``no_grad``); after the
     writes it runs no torch function, so nothing can fail between them and the commit."""
     start, cfg, record = time.perf_counter(), engine.config, engine.record
     objective = cfg.objective
     assert isinstance(objective, Balance)
-    found = solve(plan, objective.rcond)
+    found = solve(plan, objective.rcond, near=near and plan.lean_step == record.step - 1)
     if found is None:
         return None
     coords, norms, norm_start = found
@@ -579,14 +379,18 @@ def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRe
     elif all(v == 0.0 for v in norms):
         report.reason = "declined: no improvement found"
     if report.reason:
+        if plan.still:  # N counts the members no slot moves, as when accepted (_grad_norms)
+            report.objective_before += float(torch.stack(torch._foreach_norm(plan.still)).to(torch.float64).square().sum())
         report.time_s = time.perf_counter() - start
         return report
-    elements = [group.exp(xi) for group, xi in zip(plan.groups, coords)]  # as the engine computes them
+    # as the engine computes them; a site that stays gets the identity (exp(0) is exactly I) without a matrix_exp
+    elements = [group.exp(xi) if m else group.identity() for group, xi, m in zip(plan.groups, coords, norms)]
     writes, decisions = _moves(plan, elements, cfg.optimizer)
     grads = [p.grad for g in cfg.optimizer.param_groups for p in g["params"] if p.grad is not None]
-    before, after = _grad_norms(grads, writes)
+    before, after, kept = _grad_norms(grads, writes, plan.still)
     report.grad_norm_before, report.grad_norm_after = math.sqrt(before), math.sqrt(after)
-    report.objective_after = float(torch.stack(writes.norm_after).sum()) if writes.norm_after else norm_start
+    report.objective_before = norm_start + kept
+    report.objective_after = kept + (float(torch.stack(writes.norm_after).sum()) if writes.norm_after else norm_start)
     report.elements = {s.name: e.to(torch.float64) for s, e in zip(plan.sites, elements)}
     report.state_decisions = dict(decisions)
     report.accepted, report.reason = True, "accepted"
@@ -594,6 +398,7 @@ def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRe
     _write(writes, plan, elements)
     # the commit: Python assignments only, after the writes
     record.accepted += 1
+    plan.lean_step = record.step
     if watch is not None:
         record.recent, record.watch = [], watch
     report.time_s = time.perf_counter() - start

@@ -1,0 +1,249 @@
+"""The lean balance path's plan: what every lean teleport of one configuration shares.
+
+Built once by :func:`build_plan` and cached by :class:`~teleopt.teleport.companion.BalanceCompanion`: per site its
+group, trust radius and member views (the acted-on part of each parameter, :class:`_Slot`), per optimizer-state entry
+what the state policy does with it, and the sites bucketed by kind (group class, coordinate shape, radius) and their
+members stacked in lanes (:class:`_Lane`: one kernel per lane).  ``None`` where the lean path would not give the
+engine's result (see the companion's module docs); sites that are not axis actions stay at the identity, as in the
+engine's closed form (:func:`~teleopt.teleport.balance._admit`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from teleopt.actions.axis import AxisAction, Member
+from teleopt.actions.base import GroupAction
+from teleopt.groups import Group
+from teleopt.site import Site
+from teleopt.teleport.balance import _admit
+from teleopt.teleport.engine import TeleportEngine
+from teleopt.teleport.objectives import Balance
+from teleopt.teleport.optimizer_model import state_role
+
+__all__ = ["BalancePlan", "build_plan"]
+
+
+@dataclass(repr=False)
+class _Slot:
+    """One member of one site: the live parameter, its acted-on part (a view) and how the site acts there."""
+
+    site: int
+    param: Tensor
+    member: Member
+    view: Tensor
+    axis: int
+    power: float
+    whole: bool  # a scaling on a whole axis (statistics in the tensor's precision, as the engine's)
+    storage: int = 0  # the parameter's data_ptr when planned (its views are of that storage)
+
+
+@dataclass(repr=False)
+class BalancePlan:
+    """What every lean teleport of one configuration shares (see module docs)."""
+
+    sites: list[Site]
+    skipped: dict[str, str]
+    groups: list[Group]
+    radii: list[float | None]
+    slots: list[_Slot]
+    buckets: list[list[int]]
+    lanes: list[_Lane]
+    floors: list[float]  # per site: the move below which it stays (Balance.min_move or sqrt(eps))
+    state: dict[tuple[int, str], str]  # (id of the parameter, state key) -> "covector" | "second_moment" | "keep"
+    decisions: dict[tuple[int, str], str]  # the same entries as the report counts them
+    units: dict[int, Tensor] = field(default_factory=dict)  # scratch: per scalings' lane, each unit's squared norm
+    keys: dict[int, tuple[str, ...]] = field(default_factory=dict)  # per parameter (id): its state keys when planned
+    traces: list[Tensor] = field(default_factory=list)  # scratch: per lane, the members' squared norm at w
+    still: list[Tensor] = field(default_factory=list)  # trainable members of the sites that no slot moves (counted in N)
+    verified: bool = False  # the engine ran this plan's first teleport and it was accepted
+    lean_step: int = -2  # the step of its last accepted lean teleport (the next step's point is near balance)
+    checked_at: int = -1
+
+
+def _view(param: Tensor, member: Member) -> tuple[Tensor, int] | None:
+    """The member's part of ``param`` as a view (``None`` where the layout needs a copy)."""
+    if member.groups != 1:
+        return None
+    view, axis = member.part_view(param)
+    return (view, axis) if view is param or view._is_view() else None
+
+
+def _independent(slots: Sequence[_Slot]) -> bool:
+    """Whether no two sites touch overlapping parts of a tensor (disjoint slices of one axis)."""
+    by_tensor: dict[int, list[_Slot]] = {}
+    for s in slots:
+        by_tensor.setdefault(id(s.param), []).append(s)
+    for parts in by_tensor.values():
+        for i, a in enumerate(parts):
+            for b in parts[i + 1 :]:
+                ma, mb = a.member, b.member
+                if a.site == b.site and ma.tensor_key == mb.tensor_key and ma.axis == mb.axis:
+                    continue  # parts of one tensor the action composes (checked disjoint by the action)
+                if ma.axis % a.param.ndim != mb.axis % b.param.ndim or ma.start is None or mb.start is None:
+                    return False
+                if not (ma.stop is not None and mb.stop is not None and (ma.stop <= mb.start or mb.stop <= ma.start)):
+                    return False
+    return True
+
+
+def _state_plan(engine: TeleportEngine, slots: Sequence[_Slot], groups: Sequence[Group]) -> tuple[dict, dict] | None:
+    """Per (parameter, state key): transported as a covector or second moment, or kept; ``None`` for a reset."""
+    opt, policy = engine.config.optimizer, engine.config.policy
+    how: dict[tuple[int, str], str] = {}
+    said: dict[tuple[int, str], str] = {}
+    for s in slots:
+        st = opt.state.get(s.param)
+        if not st:
+            return None  # no state yet (the base initialises it lazily): the engine takes this teleport
+        for key, value in st.items():
+            role = state_role(opt, key)
+            chosen = policy.resolve(key, role, opt)
+            shaped = isinstance(value, Tensor) and value.shape == s.param.shape
+            if chosen == "transport" and role == "first_moment" and shaped:
+                rule, say = "covector", "transport"
+            elif chosen == "transport" and role == "second_moment" and shaped and groups[s.site].second_moment_power(1.0) is not None:
+                rule, say = "second_moment", "transport"
+            elif chosen == "transport" and role in ("first_moment", "second_moment", "update", "unknown"):
+                fallback = policy.resolve_fallback(key, role)
+                rule, say = "keep", "fallback:" + fallback
+                if fallback != "keep":
+                    return None
+            elif chosen in ("transport", "keep"):
+                rule, say = "keep", "keep"
+            else:
+                return None
+            if how.get((id(s.param), key), rule) != rule:
+                return None  # one tensor, two rules (two sites' moments of one parameter): the engine decides
+            how[(id(s.param), key)], said[(id(s.param), key)] = rule, say
+    return how, said
+
+
+def _slots(sites: Sequence[Site], groups: Sequence[Group], params: dict[str, nn.Parameter], left: dict[str, str]) -> list[_Slot] | None:
+    """The members of the admitted sites as views of their parameters (``None``: a layout without a view)."""
+    slots = []
+    for i, (site, group) in enumerate(zip(sites, groups)):
+        if site.name in left or not isinstance(site.action, AxisAction):
+            continue
+        for member, name in zip(site.action.members, site.members):
+            if name is None:
+                continue
+            found = _view(params[name].data, member)
+            if found is None:
+                return None
+            whole = group.diagonal and member.start is None and member.outer == 1 and member.inner == 1
+            slots.append(_Slot(i, params[name], member, found[0], found[1], float(member.power), whole, params[name].data_ptr()))
+    return slots
+
+
+def _floors(objective: Balance, sites: Sequence[Site], params: dict[str, nn.Parameter]) -> list[float]:
+    """Per site, the move below which it stays (:class:`Balance`'s ``min_move``, else sqrt(eps) of its dtype)."""
+    if objective.min_move is not None:
+        return [objective.min_move] * len(sites)
+    return [math.sqrt(torch.finfo(params[next(n for n in s.members if n is not None)].dtype).eps) for s in sites]
+
+
+def _lanes_agree(lanes: Sequence[_Lane], rules: dict[tuple[int, str], str], optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every lane's parameters have the same state keys under the same rules (one kernel per key)."""
+    for lane in lanes:
+        keys = {tuple((k, rules[(id(s.param), k)]) for k in optimizer.state[s.param]) for s in lane.slots}
+        if len(keys) != 1:
+            return False
+    return True
+
+
+def build_plan(engine: TeleportEngine, sites: list[Site], skipped: dict[str, str]) -> BalancePlan | None:
+    """The plan of ``sites`` (module docs), or ``None`` where the lean path does not give the engine's result."""
+    cfg = engine.config
+    objective = cfg.objective
+    assert isinstance(objective, Balance)
+    params = dict(cfg.module.named_parameters())
+    if not sites or any(isinstance(s.action, AxisAction) and type(s.action).exp is not GroupAction.exp for s in sites):
+        return None  # other actions stay at the identity, as in the engine's closed form (``_admit``)
+    names = [n for s in sites for n in s.members if n is not None]
+    if any(n not in params or params[n].dtype not in (torch.float32, torch.float64) for n in names):
+        return None  # a buffer member (the engine moves it), or a 16-bit one (elements exact in its dtype)
+    groups = [s.action.group(tuple(None if n is None else params[n] for n in s.members)) for s in sites]
+    _, left = _admit(sites, groups, params, set(params))  # sites the closed form leaves at the identity, as the engine does
+    slots = _slots(sites, groups, params, left)
+    states = None if slots is None or not _independent(slots) else _state_plan(engine, slots, groups)
+    if slots is None or states is None:
+        return None
+    radii = [engine._trust_region(s, _Groups(cfg.optimizer, params)) for s in sites]  # type: ignore[arg-type]
+    buckets: dict[tuple[Any, ...], list[int]] = {}
+    for i, g in enumerate(groups):
+        if sites[i].name not in left:
+            buckets.setdefault((type(g), g.coord_shape, radii[i]), []).append(i)
+    bucket_of = {i: b for b, members in enumerate(buckets.values()) for i in members}
+    lanes = _lanes(slots, groups, bucket_of)
+    if not _lanes_agree(lanes, states[0], cfg.optimizer):
+        return None
+    plan = BalancePlan(
+        sites, dict(skipped), groups, radii, slots, list(buckets.values()), lanes, _floors(objective, sites, params), *states
+    )
+    plan.keys = {id(s.param): tuple(cfg.optimizer.state[s.param]) for s in slots}
+    trainable = {id(p) for g in cfg.optimizer.param_groups for p in g["params"] if p.requires_grad}
+    moved = {id(s.param) for s in slots}
+    still = {n for site in sites for n in site.tensor_names if n in params and id(params[n]) in trainable}
+    plan.still = [params[n].data for n in sorted(still) if id(params[n]) not in moved]  # as WeightNormModel.still
+    return plan
+
+
+class _Groups:
+    """What :meth:`TeleportEngine._trust_region` reads of a context: each parameter's group by name."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter]) -> None:
+        by_id = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        self.groups = {n: by_id[id(p)] for n, p in params.items() if id(p) in by_id}
+
+
+@dataclass(repr=False)
+class _Lane:
+    """Slots of one bucket that stack: the same group kind, view shape, axis, power and dtype (one kernel each)."""
+
+    slots: list[_Slot]
+    blocks: int  # the acted-on axis viewed as (blocks, n): GL blocks, or one unit per "block" for scalings
+    n: int
+    matrix: bool  # block matrices (GL, stacked); else elementwise factors (scalings, in place)
+
+    @property
+    def others(self) -> tuple[int, ...]:
+        """The view's axes the group does not act on (a scaling's statistic sums over them)."""
+        first = self.slots[0]
+        return tuple(d for d in range(first.view.ndim) if d != first.axis)
+
+    @property
+    def broadcast(self) -> tuple[int, ...]:
+        """The shape a scaling's factors take to multiply a view (units on the acted-on axis)."""
+        first = self.slots[0]
+        return tuple(self.blocks if d == first.axis else 1 for d in range(first.view.ndim))
+
+    def columns(self, x: Tensor) -> Tensor:
+        """Stacked parts (S, *view) as (S, blocks, n, rest)."""
+        moved = x.movedim(self.slots[0].axis + 1, 1)
+        return moved.reshape(moved.shape[0], self.blocks, self.n, -1)
+
+    def back(self, y: Tensor, x: Tensor) -> Tensor:
+        """:meth:`columns` undone: ``y`` in the layout of the stacked parts ``x``."""
+        moved = x.movedim(self.slots[0].axis + 1, 1)
+        return y.reshape(moved.shape).movedim(1, self.slots[0].axis + 1)
+
+
+def _lanes(slots: Sequence[_Slot], groups: Sequence[Group], bucket_of: dict[int, int]) -> list[_Lane]:
+    lanes: dict[tuple[Any, ...], list[_Slot]] = {}
+    for s in slots:
+        key = (bucket_of[s.site], tuple(s.view.shape), s.axis, s.power, s.view.dtype, s.whole)
+        lanes.setdefault(key, []).append(s)
+    out = []
+    for members in lanes.values():
+        group = groups[members[0].site]
+        size = group.block_size
+        matrix = size is not None and not group.diagonal
+        out.append(_Lane(members, group.dim // size if matrix and size else group.dim, size if matrix and size else 1, matrix))
+    return out
