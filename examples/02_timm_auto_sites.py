@@ -28,7 +28,7 @@ scikit-learn's 8x8 digits upsampled to 32x32 RGB images.  teleopt
 
 Needs: the ``timm`` and ``demo`` extras (timm; scikit-learn's digits): ``pip install -e ".[timm,demo]"``.
 
-Run: ``python examples/02_timm_auto_sites.py [--epochs N] [--model NAME] [--quick]``.
+Run: ``python examples/02_timm_auto_sites.py [--epochs N] [--model NAME] [--seed S] [--quick]``.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--size", type=int, default=32, help="image side")
+    parser.add_argument("--seed", type=int, default=0, help="initial weights and batch order (the same for both runs)")
     parser.add_argument("--quick", action="store_true", help="timm's tiny test_resnet, 2 x 4 steps (what the test suite runs)")
     args = parser.parse_args(argv)
     name = "test_resnet" if args.quick else args.model
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # the loss and unscales the gradients before Teleport sees them, also in float32 on the CPU)
     use_autocast = device.type == "cuda"
 
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     data = load_digits(seed=0)
     train_images, test_images = images(data.x_train, size), images(data.x_test, size)
     loader = DataLoader(TensorDataset(train_images, data.y_train), batch_size=32, shuffle=True)
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def train(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The training loop as it was: OneCycleLR, GradScaler (float16 autocast on CUDA); test accuracy per epoch."""
         model.load_state_dict(initial)  # both runs start from the same weights and see the same batches
-        torch.manual_seed(1)
+        torch.manual_seed(args.seed + 1)
         scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=epochs * steps_per_epoch)
         scaler = torch.amp.GradScaler(device.type)
         accuracies, seconds = [], 0.0

@@ -27,7 +27,7 @@ torch.optim's SGD, Adagrad, RMSprop, Adam and AdamW only.
 
 Needs: the ``demo`` extra and torch-optimizer: ``pip install -e ".[demo]" torch-optimizer``.
 
-Run: ``python examples/03_torch_optimizer.py [--quick]``.
+Run: ``python examples/03_torch_optimizer.py [--steps N] [--seed S] [--quick]``.
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ def batch_sampler(data, generator: torch.Generator):
     return batch_fn
 
 
-def build(name: str, data: Digits, batch_fn: Callable[[], Any]) -> tuple[nn.Module, teleopt.Syre, teleopt.Teleport]:
+def build(name: str, data: Digits, batch_fn: Callable[[], Any], seed: int = 0) -> tuple[nn.Module, teleopt.Syre, teleopt.Teleport]:
     """Model and ``Syre(Teleport(base))`` for one base optimizer (the same every time it is called)."""
-    model = digits_mlp((64, 64), seed=0, bias=True)
+    model = digits_mlp((64, 64), seed=seed, bias=True)
     base = BASES[name](model.parameters())
     teleport = teleopt.Teleport(
         base, model, hidden_rescaling_sites(model), objective="balance", every=50, loss_fn=F.cross_entropy, batch_fn=batch_fn
@@ -93,9 +93,9 @@ def evaluate(model: nn.Module, data: Digits) -> tuple[float, float]:
     return loss, accuracy
 
 
-def baseline(name: str, data: Digits, steps: int) -> tuple[float, float]:
+def baseline(name: str, data: Digits, steps: int, seed: int = 0) -> tuple[float, float]:
     """The same loop with the bare base optimizer (same weights, same batches): training loss, test accuracy."""
-    model = digits_mlp((64, 64), seed=0, bias=True)
+    model = digits_mlp((64, 64), seed=seed, bias=True)
     train(model, BASES[name](model.parameters()), data, range(steps), torch.Generator().manual_seed(2))
     return evaluate(model, data)
 
@@ -103,6 +103,7 @@ def baseline(name: str, data: Digits, steps: int) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--seed", type=int, default=0, help="the initial weights (the same for the baseline)")
     parser.add_argument("--quick", action="store_true", help="120 steps (what the test suite runs)")
     args = parser.parse_args(argv)
     steps = 120 if args.quick else args.steps
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         batch_fn = batch_sampler(data, teleport_rows)
 
-        model, optimizer, teleport = build(name, data, batch_fn)
+        model, optimizer, teleport = build(name, data, batch_fn, args.seed)
         order = torch.Generator().manual_seed(2)
         train(model, optimizer, data, range(half), order)
 
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         resumed_batch_fn = batch_sampler(data, resumed_rows)
 
-        resumed_model, resumed_optimizer, _ = build(name, data, resumed_batch_fn)
+        resumed_model, resumed_optimizer, _ = build(name, data, resumed_batch_fn, args.seed)
         resumed_model.load_state_dict(checkpoint["model"])
         resumed_optimizer.load_state_dict(checkpoint["optimizer"])
         resumed_order = torch.Generator()
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         identical = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), resumed_model.state_dict().values()))
 
         train_loss, accuracy = evaluate(model, data)
-        base_loss, base_accuracy = baseline(name, data, steps)
+        base_loss, base_accuracy = baseline(name, data, steps, args.seed)
         decisions: Counter[str] = Counter()
         for report in teleport.reports:
             decisions.update(report.state_decisions)

@@ -114,7 +114,7 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torc
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if dist.get_backend() == "nccl" else torch.device("cpu")
     x, y, x_test, y_test = digits(device)
-    model = make_model().to(device)
+    model = make_model(args.seed).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     model = shard(model, device)
     opt = make_optimizer(model, x[:4], args.every)
@@ -140,7 +140,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     path = args.checkpoint
     dcp.save({"model": get_model_state_dict(model), "optim": optimizer_state_dict(model, opt)}, checkpoint_id=path)
     final_loss = train(model, opt, x, y, range(half, args.steps), args.batch)
-    fresh = shard(make_model(seed=1).to(device), device)
+    fresh = shard(make_model(seed=args.seed + 1).to(device), device)
     resumed = make_optimizer(fresh, x[:4], args.every)
     state = {"model": get_model_state_dict(fresh), "optim": optimizer_state_dict(fresh, resumed)}
     dcp.load(state, checkpoint_id=path)
@@ -161,7 +161,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
     teleopt.sharding.reshard(model)
     # the baseline: the same loop with the bare AdamW from the same weights
-    plain = shard(make_model().to(device), device)
+    plain = shard(make_model(args.seed).to(device), device)
     baseline_loss = train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.0), x, y, range(args.steps), args.batch)
     with torch.no_grad():
         baseline_accuracy = float((plain(x_test).argmax(1) == y_test).float().mean())
@@ -173,6 +173,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         "summary": teleport.summary(),
         "sites": [s.name for s in teleport.sites],
         "teleports": [(r.step, r.accepted, r.reason) for r in reports],
+        "rolled_back": sum(1 for r in reports if r.path == "watch"),
         "extra_accepted": extra.accepted,
         "teleport_bytes": teleport_bytes.bytes - 2 * forward_bytes.bytes,
         "param_bytes": 4 * n_params,
@@ -202,6 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--every", type=int, default=None, help="balance every this many steps (default: Teleport's schedule)")
+    parser.add_argument("--seed", type=int, default=0, help="the initial weights (the same for the baseline)")
     parser.add_argument("--batch", type=int, default=32, help="examples per rank and step")
     parser.add_argument("--world", type=int, default=2, help="processes to start when not launched by torchrun")
     parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "teleopt_example_10"), help="DCP directory")
