@@ -132,6 +132,16 @@ def test_03_torch_optimizer(capsys):
     assert "baseline (Lamb alone)" in printed and "baseline (Yogi alone)" in printed and "rolled back" in printed
 
 
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="measured at seed 1, 400 steps: Lamb 0.944 vs 0.964, Yogi 0.962 vs 0.969")
+def test_03_full_run_is_no_worse_than_the_bare_optimizer_in_seed_1():
+    """The full run at a seed where the wrappers cost accuracy (the docstring's figures): this fails until they don't."""
+    pytest.importorskip("torch_optimizer")
+    for r in load("03_torch_optimizer.py").main(["--seed", "1"]).values():
+        assert_no_worse(r["accuracy"], r["baseline_accuracy"], higher_is_better=True)
+        assert_rollbacks_rare(r["reports"])
+
+
 def _pytest_example_4(tmp_path: Path, *select: str) -> int:
     """Run examples/04 with pytest in a fresh process, as a user's CI would; returns the number of passed tests."""
     # the checkout first on the path, as for an installed teleopt (also without `pip install -e .`)
