@@ -294,5 +294,19 @@ def test_10_fsdp2_under_torchrun(capsys):
     assert result["resumed_exactly"]  # DCP save, fresh model and optimizer, load: the same trajectory bitwise
     # channel rescalings stay on the shards: a teleport sends per-channel statistics, not the parameters
     assert 0 < result["teleport_bytes"] <= 0.25 * result["param_bytes"], result
-    assert result["accuracy"] > 0.9  # measured 0.949 (200 steps)
-    assert "ranks identical: True" in capsys.readouterr().out
+    assert result["accuracy"] > 0.9  # measured 0.943 (200 steps)
+    # no worse than the bare AdamW on the same shards, weights and batches; no teleport rolled back
+    assert_no_worse(result["accuracy"], result["baseline_accuracy"], higher_is_better=True)
+    assert_no_worse(result["test_loss"], result["baseline_test_loss"], higher_is_better=False)
+    accepted = sum(1 for _, ok, _ in result["teleports"] if ok)
+    assert accepted and result["rolled_back"] < 0.1 * accepted
+    printed = capsys.readouterr().out
+    assert "ranks identical: True" in printed and "baseline (AdamW alone)" in printed and "rolled back" in printed
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="measured at seed 0, 400 steps: test accuracy 0.960 vs 0.966 (2 digits of 297)")
+def test_10_full_run_is_no_worse_than_adamw_alone():
+    """The full run, which loses 2 test digits to the bare AdamW (the docstring's figures): this fails until it doesn't."""
+    result = load("10_fsdp2.py").main([])
+    assert_no_worse(result["accuracy"], result["baseline_accuracy"], higher_is_better=True)
