@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"  ({len(caught)} warning(s) said so)")
     sites = [s for s in report.sites if s.name in q]
 
-    # 2. the drift of Q under three optimizers
+    # 2. the drift of Q under three optimizers and Teleport(SGD); plain SGD is the baseline of Teleport(SGD)
     drifts: dict[str, dict[str, float]] = {}
     losses: dict[str, float] = {}
     jumps, summary, reports = 0, "", []
