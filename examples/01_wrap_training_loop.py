@@ -26,7 +26,7 @@ small and can go either way; the suite's figures are medians over seeds.
 
 Needs: the ``demo`` extra (scikit-learn's bundled digits): ``pip install -e ".[demo]"``.
 
-Run: ``python examples/01_wrap_training_loop.py [--epochs N] [--quick]``.
+Run: ``python examples/01_wrap_training_loop.py [--epochs N] [--seed S] [--quick]``.
 """
 
 from __future__ import annotations
@@ -45,14 +45,15 @@ from teleopt.datasets import Digits, load_digits
 from teleopt.teleport import Schedule
 
 
-def make_model() -> nn.Module:
-    torch.manual_seed(0)  # the same initial weights for both runs
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)  # the same initial weights for both runs
     return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: Digits, epochs: int) -> dict[str, Any]:
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: Digits, epochs: int, seed: int = 0) -> dict[str, Any]:
     """Your existing loop, unchanged: returns test (loss, accuracy) after every epoch and the training seconds."""
-    loader = DataLoader(TensorDataset(data.x_train, data.y_train), batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
+    order = torch.Generator().manual_seed(seed)
+    loader = DataLoader(TensorDataset(data.x_train, data.y_train), batch_size=64, shuffle=True, generator=order)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs * len(loader))
     history, seconds = [], 0.0
     for _ in range(epochs):
@@ -72,6 +73,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: Digits, epoc
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0, help="initial weights and batch order (the same for both runs)")
     parser.add_argument("--quick", action="store_true", help="three epochs (what the test suite runs)")
     args = parser.parse_args(argv)
     epochs = 3 if args.quick else args.epochs
@@ -80,10 +82,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def sgd(model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
 
-    baseline_model = make_model()
-    baseline = train(baseline_model, sgd(baseline_model), data, epochs)
+    baseline_model = make_model(args.seed)
+    baseline = train(baseline_model, sgd(baseline_model), data, epochs, args.seed)
 
-    model = make_model()
+    model = make_model(args.seed)
     print(teleopt.find_symmetries(model, data.x_train[:2]).summary())  # (2)
     teleport_batches = DataLoader(TensorDataset(data.x_train, data.y_train), batch_size=256, shuffle=True)
     optimizer = teleopt.Teleport(
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         loss_fn=F.cross_entropy,
         batch_fn=lambda: next(iter(teleport_batches)),
     )  # (3)
-    teleported = train(model, optimizer, data, epochs)
+    teleported = train(model, optimizer, data, epochs, args.seed)
 
     print(f"{'epoch':>5}  {'baseline test loss / acc':>24}  {'teleopt test loss / acc':>23}")
     for epoch, ((bl, ba), (tl, ta)) in enumerate(zip(baseline["history"], teleported["history"]), 1):

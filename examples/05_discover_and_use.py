@@ -18,7 +18,7 @@ script
 
 Needs: nothing beyond teleopt itself (``pip install -e .``).
 
-Run: ``python examples/05_discover_and_use.py [--steps N] [--quick]``.
+Run: ``python examples/05_discover_and_use.py [--steps N] [--seed S] [--quick]``.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class Model(nn.Module):
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000, help="discovery steps")
+    parser.add_argument("--seed", type=int, default=0, help="the larger model's initial weights and data (both runs)")
     parser.add_argument("--quick", action="store_true", help="200 discovery steps, one teleport (what the test suite runs)")
     args = parser.parse_args(argv)
     steps = 200 if args.quick else args.steps
@@ -80,12 +81,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"registered: {registered.name} ({registered.exactness}, {registered.group_name})")
 
         # 4. bind it to the block of a larger model and teleport along it while training
-        torch.manual_seed(0)
+        torch.manual_seed(args.seed)
         model = Model().double()
         baseline_model = Model().double()
         baseline_model.load_state_dict(model.state_dict())  # the baseline: the same loop without teleopt
         site = bind(registered, model, ["block1.weight", "block2.weight"], data_input="block1")
-        gen = torch.Generator().manual_seed(1)
+        gen = torch.Generator().manual_seed(args.seed + 1)
         x = torch.randn(64, 3, generator=gen, dtype=torch.float64)
         y = torch.randn(64, 2, generator=gen, dtype=torch.float64)
         loss_fn = nn.functional.mse_loss

@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--every", type=int, default=25, help="balance teleport every k steps")
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--quick", action="store_true", help="8 steps, teleport every 3, no AdamW baseline (what the test suite runs)")
+    parser.add_argument("--seed", type=int, default=0, help="the initial weights and the data (the same for every arm)")
+    parser.add_argument("--quick", action="store_true", help="8 steps, teleport every 3 (what the test suite runs)")
     args = parser.parse_args(argv)
     steps, every = (8, 3) if args.quick else (args.steps, args.every)
     probe = {k: torch.stack([r[k] for r in permutation_task(16, seed=7)]) for k in ("input_ids", "labels")}
@@ -145,9 +146,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        arms = [("AdamW", adamw)] * (not args.quick) + [("Teleport(AdamW) balance", balance), ("Syre(AdamW)", syre)]
+        arms = [("AdamW (baseline)", adamw), ("Teleport(AdamW) balance", balance), ("Syre(AdamW)", syre)]
         for name, make in arms:
-            results[name] = train(make, steps, os.path.join(tmp, name.split("(")[0]), args.lr)
+            results[name] = train(make, steps, os.path.join(tmp, name.split("(")[0].strip()), args.lr, args.seed)
     print(f"{'optimizer':<26} {'train loss':>10} {'held-out loss':>14}")
     for name, r in results.items():
         print(f"{name:<26} {r['train_loss']:>10.4f} {r['eval_loss']:>14.4f}")
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     teleport = results["Teleport(AdamW) balance"]["optimizer"]
     trainer = results["Teleport(AdamW) balance"]["trainer"]
     print(f"Trainer.optimizer is a {type(trainer.optimizer).__name__} around {type(teleport).__name__}({type(teleport.base).__name__})")
+    print(teleport.summary())
     for report in teleport.reports:
         drift = "-" if report.loss_drift is None else f"{report.loss_drift:.1e}"
         print(f"step {report.step}: {report.reason}, {len(report.sites)} LoRA sites, loss drift {drift}, {report.state_decisions}")

@@ -15,9 +15,10 @@ norm on the orbit, closed form, every 200 steps from step 200), and the static
 random-anchor decay of Ziyin et al. 2025 acts around the whole stack.  The same module
 trained with the bare AdamW is the baseline.  10 epochs (220 steps, one teleport, at
 step 200, accepted) print test accuracy 0.960 against the baseline's 0.962 (one test
-digit of 450); ``--quick`` (a balance teleport every 10 steps) 0.838 against 0.836.
+digit of 450); seeds 1 and 2 (``--seed``) 0.951 against 0.949 and 0.960 against 0.962;
+``--quick`` (a balance teleport every 10 steps) 0.838 against 0.836.
 
-Run: ``python examples/09_lightning.py [--epochs N] [--quick]``.
+Run: ``python examples/09_lightning.py [--epochs N] [--seed S] [--quick]``.
 
 Needs: the ``lightning`` and ``demo`` extras: ``pip install -e ".[lightning,demo]"``.
 """
@@ -96,11 +97,12 @@ def fit(model: DigitsClassifier, loader: DataLoader, epochs: int, root: str, ckp
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0, help="initial weights and batch order (the same for both runs)")
     parser.add_argument("--quick", action="store_true", help="two epochs, a teleport every 10 steps (what the test suite runs)")
     args = parser.parse_args(argv)
     epochs, every = (2, 10) if args.quick else (args.epochs, None)
 
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     data = load_digits(seed=0)
     loader = DataLoader(TensorDataset(data.x_train, data.y_train), batch_size=64, shuffle=True)
     probe = (data.x_train[:128], data.y_train[:128])
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"resumed at step {steps_before}, ended at step {resumed.teleport.record.step}; test accuracy {accuracy:.3f}")
     print(resumed.teleport.summary())
     # the baseline: the same module, data and epochs with the bare AdamW, from the same initial weights
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     load_digits(seed=0)
     plain = Baseline(probe)
     with tempfile.TemporaryDirectory() as tmp:

@@ -29,6 +29,29 @@ def load(name: str) -> ModuleType:
     return module
 
 
+# "No worse than the baseline" (the same loop without teleopt, same weights, batches and budget), with the
+# margins the realistic suite allows for seed noise: test accuracy at most 0.5 percentage point lower (2 test
+# digits of 450 in the digits split), a loss at most 5% higher (1% on language models).
+ACCURACY_MARGIN = 0.005
+LOSS_RATIO = 1.05
+LM_LOSS_RATIO = 1.01
+
+
+def assert_no_worse(final: float, baseline: float, *, higher_is_better: bool, ratio: float = LOSS_RATIO) -> None:
+    if higher_is_better:
+        assert final >= baseline - ACCURACY_MARGIN, f"ended at {final:.4f}, the baseline at {baseline:.4f}"
+    else:
+        assert final <= ratio * baseline, f"ended at {final:.4f}, the baseline at {baseline:.4f} (allowed: x{ratio})"
+
+
+def assert_rollbacks_rare(reports: list) -> None:
+    """Fewer than 10% of the accepted teleports were rolled back by the watch (a rollback is no new teleport)."""
+    accepted = sum(1 for r in reports if r.accepted and r.path != "watch")
+    rolled_back = sum(1 for r in reports if r.path == "watch")
+    assert accepted > 0, "no teleport was accepted"
+    assert rolled_back < 0.1 * accepted, f"{rolled_back} of {accepted} accepted teleports rolled back"
+
+
 def test_every_example_is_tested():
     tested = {
         "01_wrap_training_loop.py",
@@ -60,12 +83,11 @@ def test_01_wrap_training_loop(capsys):
     # the baseline ran beside it from the same weights and batches: equal until the first teleport (step 50)
     assert result["baseline_history"][0] == result["history"][0]
     assert result["accuracy"] > 0.85 and result["baseline_accuracy"] > 0.85
-    # no worse than the same loop without teleopt
-    assert result["accuracy"] >= result["baseline_accuracy"] - 0.005
-    assert result["history"][-1][0] <= 1.05 * result["baseline_history"][-1][0]
-    assert not any(r.path == "watch" for r in result["reports"])  # no rollbacks
+    assert_no_worse(result["accuracy"], result["baseline_accuracy"], higher_is_better=True)
+    assert_no_worse(result["history"][-1][0], result["baseline_history"][-1][0], higher_is_better=False)
+    assert_rollbacks_rare(result["reports"])
     printed = capsys.readouterr().out
-    assert "baseline test loss / acc" in printed and "accepted" in printed
+    assert "baseline test loss / acc" in printed and "accepted" in printed and "rolled back" in printed
 
 
 def test_02_timm_auto_sites(capsys):
@@ -85,11 +107,12 @@ def test_02_timm_auto_sites(capsys):
     printed = capsys.readouterr().out
     assert "coverage" in printed and "positive_rescaling" in printed and "baseline test acc" in printed
     assert all(r.objective == "balance" for r in accepted) and 0 <= result["baseline_accuracy"] <= 1
-    assert result["accuracy"] >= result["baseline_accuracy"] - 0.005  # no worse than the loop without teleopt
-    assert not any(r.path == "watch" for r in optimizer.reports)
+    assert_no_worse(result["accuracy"], result["baseline_accuracy"], higher_is_better=True)
+    assert_rollbacks_rare(optimizer.reports)
+    assert "rolled back" in printed
 
 
-def test_03_torch_optimizer():
+def test_03_torch_optimizer(capsys):
     pytest.importorskip("torch_optimizer")
     results = load("03_torch_optimizer.py").main(["--quick"])
     assert set(results) == {"Lamb", "Yogi"}
@@ -102,9 +125,21 @@ def test_03_torch_optimizer():
         assert r["accuracy"] > 0.8
         assert r["penalty"] > 0  # Syre's decay term towards the anchor is live
         # no worse than the bare base optimizer on the same weights and batches
-        assert r["accuracy"] >= r["baseline_accuracy"] - 0.005
-        assert r["train_loss"] <= 1.05 * r["baseline_train_loss"]
-        assert not any(x.path == "watch" for x in r["reports"])  # no rollbacks
+        assert_no_worse(r["accuracy"], r["baseline_accuracy"], higher_is_better=True)
+        assert_no_worse(r["train_loss"], r["baseline_train_loss"], higher_is_better=False)
+        assert_rollbacks_rare(r["reports"])
+    printed = capsys.readouterr().out
+    assert "baseline (Lamb alone)" in printed and "baseline (Yogi alone)" in printed and "rolled back" in printed
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="measured at seed 1, 400 steps: Lamb 0.944 vs 0.964, Yogi 0.962 vs 0.969")
+def test_03_full_run_is_no_worse_than_the_bare_optimizer_in_seed_1():
+    """The full run at a seed where the wrappers cost accuracy (the docstring's figures): this fails until they don't."""
+    pytest.importorskip("torch_optimizer")
+    for r in load("03_torch_optimizer.py").main(["--seed", "1"]).values():
+        assert_no_worse(r["accuracy"], r["baseline_accuracy"], higher_is_better=True)
+        assert_rollbacks_rare(r["reports"])
 
 
 def _pytest_example_4(tmp_path: Path, *select: str) -> int:
@@ -161,11 +196,13 @@ def test_05_discover_and_use(capsys):
     accepted = [r for r in result["reports"] if r.accepted]
     assert accepted, "the learned site was never teleported along"
     assert all(r.path == "general" and r.loss_drift <= module.LOSS_TOL for r in accepted)
-    assert result["loss"] <= 1.05 * result["baseline_loss"]  # no worse than the same SGD loop without teleopt
+    assert_no_worse(result["loss"], result["baseline_loss"], higher_is_better=False)  # the same SGD loop without teleopt
+    assert_rollbacks_rare(result["reports"])
     import teleopt
 
     assert "learned_block" not in {row["name"] for row in teleopt.list_actions()}  # the example unregisters it again
-    assert "registered: learned_block" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "registered: learned_block" in printed and "baseline" in printed and "rolled back" in printed
 
 
 def test_06_conserved_quantities(capsys):
@@ -183,7 +220,11 @@ def test_06_conserved_quantities(capsys):
     # an exact orbit: same function (float64 round-off), different Q
     assert result["output_change"] < 1e-12
     assert max(result["q_along"]) > 2 * min(result["q_along"])
-    assert "no Q for hidden_permutation" in capsys.readouterr().out
+    # Teleport(SGD) against plain SGD from the same weights: no worse, and its teleports stayed
+    assert_no_worse(result["losses"]["Teleport(SGD)"], result["losses"]["SGD"], higher_is_better=False)
+    assert_rollbacks_rare(result["reports"])
+    printed = capsys.readouterr().out
+    assert "no Q for hidden_permutation" in printed and "SGD (baseline)" in printed and "rolled back" in printed
 
 
 def test_07_learn_to_teleport(capsys):
@@ -193,7 +234,7 @@ def test_07_learn_to_teleport(capsys):
     assert result["after"] < result["before"]
     assert result["teleport_drift"] <= 1e-10  # exact in float64 (measured ~1e-16)
     assert result["losses"][-1] < result["losses"][0]
-    assert "held-out loss" in capsys.readouterr().out
+    assert "untrained policy (= GD)" in capsys.readouterr().out  # the baseline: gradient descent, printed beside it
 
 
 def test_08_hf_trainer(capsys):
@@ -217,7 +258,13 @@ def test_08_hf_trainer(capsys):
     assert teleport.base.param_groups[0]["lr"] == pytest.approx(trainer.lr_scheduler.get_last_lr()[0])
     assert result["syre"].penalty() > 0
     assert all(r["train_loss"] == r["train_loss"] for r in result["results"].values())  # finite, not NaN
-    assert "AcceleratedOptimizer around Teleport(AdamW)" in capsys.readouterr().out
+    # no worse than the bare AdamW in the same Trainer, same weights and data
+    baseline = result["results"]["AdamW (baseline)"]
+    for name in ("Teleport(AdamW) balance", "Syre(AdamW)"):
+        assert_no_worse(result["results"][name]["eval_loss"], baseline["eval_loss"], higher_is_better=False, ratio=LM_LOSS_RATIO)
+    assert_rollbacks_rare(teleport.reports)
+    printed = capsys.readouterr().out
+    assert "AcceleratedOptimizer around Teleport(AdamW)" in printed and "AdamW (baseline)" in printed and "rolled back" in printed
 
 
 def test_09_lightning(capsys):
@@ -232,9 +279,10 @@ def test_09_lightning(capsys):
     assert accepted and all(r.loss_drift is not None and r.loss_drift <= 1e-5 for r in accepted)
     assert resumed.syre.penalty() > 0
     assert result["accuracy"] > 0.5
-    assert result["accuracy"] >= result["baseline_accuracy"] - 0.005  # no worse than the bare AdamW (0.838 vs 0.836)
+    assert_no_worse(result["accuracy"], result["baseline_accuracy"], higher_is_better=True)  # the bare AdamW
+    assert_rollbacks_rare(result["reports"])
     printed = capsys.readouterr().out
-    assert "resumed at step" in printed and "baseline (AdamW alone" in printed
+    assert "resumed at step" in printed and "baseline (AdamW alone" in printed and "rolled back" in printed
 
 
 def test_10_fsdp2_under_torchrun(capsys):
@@ -246,5 +294,19 @@ def test_10_fsdp2_under_torchrun(capsys):
     assert result["resumed_exactly"]  # DCP save, fresh model and optimizer, load: the same trajectory bitwise
     # channel rescalings stay on the shards: a teleport sends per-channel statistics, not the parameters
     assert 0 < result["teleport_bytes"] <= 0.25 * result["param_bytes"], result
-    assert result["accuracy"] > 0.9  # measured 0.949 (200 steps)
-    assert "ranks identical: True" in capsys.readouterr().out
+    assert result["accuracy"] > 0.9  # measured 0.943 (200 steps)
+    # no worse than the bare AdamW on the same shards, weights and batches; no teleport rolled back
+    assert_no_worse(result["accuracy"], result["baseline_accuracy"], higher_is_better=True)
+    assert_no_worse(result["test_loss"], result["baseline_test_loss"], higher_is_better=False)
+    accepted = sum(1 for _, ok, _ in result["teleports"] if ok)
+    assert accepted and result["rolled_back"] < 0.1 * accepted
+    printed = capsys.readouterr().out
+    assert "ranks identical: True" in printed and "baseline (AdamW alone)" in printed and "rolled back" in printed
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="measured at seed 0, 400 steps: test accuracy 0.960 vs 0.966 (2 digits of 297)")
+def test_10_full_run_is_no_worse_than_adamw_alone():
+    """The full run, which loses 2 test digits to the bare AdamW (the docstring's figures): this fails until it doesn't."""
+    result = load("10_fsdp2.py").main([])
+    assert_no_worse(result["accuracy"], result["baseline_accuracy"], higher_is_better=True)
