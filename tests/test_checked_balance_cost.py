@@ -1,0 +1,74 @@
+"""The checked balance teleport (the README configuration's first) does only what a closed form needs.
+
+``"balance"`` reads no gradient, so the checked teleport on the engine reads ||grad|| for its report and
+watch off ``.grad`` before and after, as the lean path does, and never builds the gradient norm's reduced
+model (GL Gram matrices, per-entry squared gradients between two sites); under Adam the predicted-decrease
+cap's bound does not read that model either.  Float64, so the norms agree to round-off.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from teleopt.teleport import Teleport, fast_path
+
+F64 = torch.float64
+
+
+def _setup(base: str) -> tuple[nn.Module, Teleport, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)).to(F64)
+    with torch.no_grad():  # unbalanced layers: the balanced point is a real move
+        model[0].weight.mul_(4.0)
+        model[2].weight.mul_(0.5)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 6, generator=g, dtype=F64), torch.randn(32, 3, generator=g, dtype=F64)
+    opt_cls = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-3), "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9)}[base]
+    opt = Teleport(
+        opt_cls(model.parameters()), model, "auto", example_inputs=x[:4], loss_fn=nn.functional.mse_loss, batch_fn=lambda: (x, y)
+    )
+    for _ in range(3):  # optimizer state exists, then the gradient the teleport reads
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    return model, opt, x, y
+
+
+def _grad_norm(model: nn.Module) -> float:
+    return math.sqrt(sum(float(p.grad.to(F64).square().sum()) for p in model.parameters() if p.grad is not None))
+
+
+def test_a_checked_balance_teleport_under_adam_never_builds_the_gradient_norm_model(monkeypatch):
+    model, opt, x, y = _setup("adam")
+    assert opt.objective.name == "balance"
+    before = _grad_norm(model)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the gradient norm's model was built for a balance teleport")
+
+    monkeypatch.setattr(fast_path.GradientNormModel, "__init__", refuse)
+    report = opt.teleport(batch=(x, y))
+    assert report.accepted and report.check == "batch" and report.path == "fast", report.reason
+    assert report.objective_after < report.objective_before  # it moved to a smaller weight norm
+    # the report's norms are the gradients' own, before and after (transported in place by the apply)
+    assert report.grad_norm_before == pytest.approx(before, rel=1e-12)
+    assert report.grad_norm_after == pytest.approx(_grad_norm(model), rel=1e-12)
+    assert report.grad_norm_after != pytest.approx(before, rel=1e-6)  # the move changed the gradient
+
+
+def test_the_grad_norm_objective_still_reads_the_model_and_agrees_with_the_gradients():
+    """The gradient-norm objective keeps its model (it searches on it); its predicted norm after the move
+    is the transported gradients' norm, the same quantity the balance teleport measures directly."""
+    model, opt, x, y = _setup("sgd")
+    opt_grad = Teleport(opt.base, model, opt.sites, objective="grad_norm", loss_fn=nn.functional.mse_loss, every=10**9)
+    before = _grad_norm(model)
+    report = opt_grad.teleport(batch=(x, y))
+    assert report.accepted, report.reason
+    assert report.grad_norm_before == pytest.approx(before, rel=1e-10)
+    assert report.grad_norm_after == pytest.approx(_grad_norm(model), rel=1e-10)
