@@ -217,9 +217,10 @@ class FastEvaluator:
 
     def end_search(self) -> None:
         """Free the gradient norm's reduced terms (GL Gram matrices, large, alive
-        at the apply's peak otherwise) and the value memos; :meth:`grad_norm_sq` raises afterwards."""
+        at the apply's peak otherwise), the decrease bound and the value memos; :meth:`grad_norm_sq` raises afterwards."""
         if "norm_model" in self.__dict__:  # made (a cached property)
             self.norm_model.release()
+        self.__dict__.pop("_bound", None)  # the decrease cap's weights (per entry between two sites): the caps are done
         self.__dict__.pop("_norm_memo", None)
         self.__dict__.pop("_elements_memo", None)
 
