@@ -98,3 +98,42 @@ def test_the_decrease_caps_weights_are_freed_before_the_apply():
     assert report.accepted and report.shrink == 1.0, report.reason
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert counter.peak / param_bytes <= 4.3, counter.peak / param_bytes
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_the_simulated_decrease_transports_the_parameters_only_for_weight_decay(monkeypatch, weight_decay):
+    """GL sites under Adam have no decrease bound: the cap simulates the next update at the balanced point.
+    Adam's update reads the parameters only through weight decay, so without it their transport (most of
+    the simulation's time on a ViT's attention sites) is skipped; with it they are transported."""
+    from teleopt import Site, get_action
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4, bias=False), nn.Linear(4, 5)).to(F64)
+    with torch.no_grad():
+        model[0].weight.mul_(3.0)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(16, 6, generator=g, dtype=F64), torch.randn(16, 5, generator=g, dtype=F64)
+    base = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=weight_decay)
+    site = Site(get_action("gl_linear"), ("0.weight", None, "1.weight"))
+    opt = Teleport(base, model, [site], objective="balance", loss_fn=nn.functional.mse_loss, batch_fn=lambda: (x, y))
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if _ < 2:
+            opt.step()
+    calls = {"decrease": 0, "params": 0}
+    decrease, params = fast_path.FastEvaluator.first_order_decrease, fast_path.FastEvaluator.site_params
+
+    def counted(name, fn):
+        def run(self, *args):
+            calls[name] += 1
+            return fn(self, *args)
+
+        return run
+
+    monkeypatch.setattr(fast_path.FastEvaluator, "first_order_decrease", counted("decrease", decrease))
+    monkeypatch.setattr(fast_path.FastEvaluator, "site_params", counted("params", params))
+    report = opt.teleport(batch=(x, y))
+    assert report.accepted, report.reason
+    assert calls["decrease"] >= 1  # the cap ran on the simulated decrease
+    assert (calls["params"] > 0) == (weight_decay > 0), calls

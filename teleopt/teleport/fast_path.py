@@ -416,7 +416,9 @@ class FastEvaluator:
         if lrs is not None:
             return self.norm_model.value(elements, lrs) + self.other_decrease
         grads = self.transported_grads(elements)
-        params = self.site_params(elements)
+        # the modelled updates read the parameters' values only through weight decay (else their shapes)
+        decays = any(float(ctx.groups[n].get("weight_decay", 0.0)) for n in grads)
+        params = self.site_params(elements) if decays else self.like
         states = {n: self.states[n] for n in grads if n in self.states}
         moved = ctx.policy.move(ctx.optimizer, self.sites, self._placed(elements), states, self.like, ctx.groups)
         total = torch.zeros((), dtype=torch.float64) + self.other_decrease
