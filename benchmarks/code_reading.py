@@ -1,11 +1,17 @@
 """How much code a reader goes through for one teleporting ``step()`` on the default fast path.
 
 Builds a small ReLU MLP (float32, batch 16) under a base optimizer (AdamW by
-default), wraps it in ``Teleport`` with the library's defaults except the
+default).  **By default** it wraps it in the README's configuration,
+``Teleport(base, model, "auto", example_inputs=x[:4], loss_fn=..., batch_fn=...)``
+and nothing else (objective ``"balance"`` every 200 steps from step 200), trains
+to step 200 and traces its first teleporting step (checked on ``batch_fn``'s batch
+on the engine), then trains on and traces the next one (step 400: on the lean
+path of ``teleopt.teleport.companion`` where it applies), and prints both counts.
+With ``--grad-norm`` it wraps the MLP with the library's defaults except the
 schedule (``sites="auto"`` found on example inputs, objective ``"grad_norm"``,
 default search, safety and state policy, ``every=1``), runs one teleporting step
-to warm up (lazy imports, first-call set-up), then traces a second one with
-``sys.setprofile`` from ``Teleport.step`` down.  Every Python function executed
+to warm up (lazy imports, first-call set-up), then traces a second one.  Each
+trace runs ``sys.setprofile`` from ``Teleport.step`` down.  Every Python function executed
 whose code lies in ``teleopt/`` is collected; a function's lines are its source
 span (``def`` line, decorators included, to its last line, as ``ast`` gives it).
 Per file the spans are united, so a nested function, lambda or comprehension
@@ -16,7 +22,7 @@ counts once.  Reported:
 * ``code``: the same lines without blank lines, comments and docstrings;
 * ``functions`` and ``files``: how many distinct ones ran.
 
-Run: ``python benchmarks/code_reading.py [--base adamw|sgd] [--json out.json] [--top N]`` (it counts
+Run: ``python benchmarks/code_reading.py [--grad-norm] [--base adamw|sgd] [--json out.json] [--top N]`` (it counts
 the ``teleopt/`` beside it, whatever is installed).
 """
 
@@ -64,7 +70,7 @@ class FileCount:
 class Reading:
     """The whole count: totals and one :class:`FileCount` per file, largest first."""
 
-    base: str
+    base: str  # the base optimizer, and for the README configuration which teleport was traced
     lines: int
     code: int
     functions: int
@@ -169,6 +175,42 @@ def teleporting_step(base: str = "adamw", seed: int = 0) -> Reading:
     return count(seen, base)
 
 
+def _mlp(seed: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    return model, torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
+
+
+def readme_steps(base: str = "adamw", seed: int = 0) -> tuple[Reading, Reading]:
+    """The README configuration's first teleporting ``step()`` (the checked one) and its second, each traced
+    (the steps between them run untraced); ``base`` of each reading names the teleport and the path it took."""
+    model, x, y = _mlp(seed)
+    opt = Teleport(
+        BASES[base](model.parameters()),
+        model,
+        "auto",
+        example_inputs=x[:4],
+        loss_fn=nn.functional.mse_loss,
+        batch_fn=lambda: (x, y),
+    )
+    readings = []
+    while len(readings) < 2:
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if not opt.schedule.due(opt.record.step, opt.record.accepted):
+            opt.step()
+            continue
+        with _traced() as seen:
+            opt.step()
+        report = opt.reports[-1]
+        if not report.accepted:
+            raise RuntimeError(f"the traced teleport at step {report.step} was not accepted: {report.reason}")
+        how = "checked" if report.check != "none" else "lean"
+        readings.append(count(seen, f"{base}, {report.objective} teleport at step {report.step}, {report.path} path, {how}"))
+    return readings[0], readings[1]
+
+
 def table(reading: Reading, top: int) -> str:
     rows = [f"{'file':<44} {'lines':>6} {'code':>6} {'funcs':>6}"]
     for f in reading.files[:top]:
@@ -186,15 +228,26 @@ def main(argv: list[str] | None = None) -> Reading:
     parser.add_argument("--base", choices=sorted(BASES), default="adamw", help="the base optimizer")
     parser.add_argument("--json", type=Path, default=None, help="write the count (with every function) as JSON")
     parser.add_argument("--top", type=int, default=40, help="files shown in the table")
+    parser.add_argument(
+        "--grad-norm",
+        action="store_true",
+        help='the earlier count: objective "grad_norm", every=1, no loss_fn (not the README configuration)',
+    )
     args = parser.parse_args(argv)
-    reading = teleporting_step(args.base)
-    print(f"one teleporting step() on the default fast path, base {args.base}, torch {torch.__version__}")
-    print(table(reading, args.top))
+    if args.grad_norm:
+        readings = [teleporting_step(args.base)]
+        titles = [f"one teleporting step() on the default fast path, grad_norm every=1, base {args.base}"]
+    else:
+        readings = list(readme_steps(args.base))
+        titles = [f"the README configuration's {which} teleporting step(): {r.base}" for which, r in zip(("first", "second"), readings)]
+    for title, reading in zip(titles, readings):
+        print(f"{title}, torch {torch.__version__}")
+        print(table(reading, args.top))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(asdict(reading), indent=1))
+        args.json.write_text(json.dumps([asdict(r) for r in readings], indent=1))
         print(f"wrote {args.json}")
-    return reading
+    return readings[0]
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@ fast path and memory.
 
 **The default table** times the README's configuration, ``Teleport(base, model, sites,
 example_inputs=x[:2], loss_fn=..., batch_fn=...)`` with the library's defaults (the
-predicted-decrease cap, the output check on the teleport batch and the watch on), one
+predicted-decrease cap, the output check on the teleport batch and the watch on), for
+its default objective (``"balance"``: the README configuration as written, whose first
+scheduled teleport is the checked one timed here) and for ``"grad_norm"`` (the same with
+``schedule=Schedule()``), one
 thread, CPU process time: one ``teleport(batch=...)`` right after a backward, and next
 to it the bare fast path ``teleport()`` (probe check, no caps), each paired with a bare
 ``step()`` and a training iteration from the same start point, interleaved (medians of
@@ -77,7 +80,9 @@ alternating the order cancel most of the drift):
    teleport's elements, in the checkpoint too), and with ``watch_restore="snapshot"``
    (a copy of every parameter and optimizer state entry); goal <= 1x.  ``kept`` is what stays allocated after the teleport.
 
-Run: ``python benchmarks/teleport_cost.py [--quick] [--bare] [--json out.json] [--device cuda]``.  With
+Run: ``python benchmarks/teleport_cost.py [--quick] [--bare] [--json out.json] [--device cuda]``
+(default table: ``[--objective balance|grad_norm|both] [--rows mlp-10M ...] [--checked]``, the last
+leaving out the balance-every-step rows).  With
 ``--device cuda`` models, batches and optimizer state live on the GPU and every timed interval
 waits for the device's queued kernels (``torch.cuda.synchronize``) at both ends.
 
@@ -663,18 +668,30 @@ def cpu_timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def measure_checked(
-    name: str, model: nn.Module, sites: Any, batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable, optimizer: Callable, reps: int
+    name: str,
+    model: nn.Module,
+    sites: Any,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    loss_fn: Callable,
+    optimizer: Callable,
+    reps: int,
+    objective: str = "balance",
 ) -> dict[str, Any]:
     """The README's configuration, ``Teleport(base, model, sites, example_inputs=x[:2], loss_fn, batch_fn)`` with
     the library's defaults (caps, check and watch on): one ``teleport(batch=...)`` right after a backward (checked
-    and capped), and next to it ``teleport()`` (the bare fast path: checked on the probe inputs, no caps), each
-    paired with a bare ``step()`` and a training iteration from the same start point, interleaved; and the peak
-    extra memory of one checked teleport (:class:`LiveBytes`, in multiples of the parameters' bytes) and the growth
-    of the saved ``state_dict()`` it leaves (the same multiple)."""
+    and capped), and next to it ``teleport()`` (without a batch argument), each paired with a bare ``step()`` and a
+    training iteration from the same start point, interleaved; and the peak extra memory of one checked teleport
+    (:class:`LiveBytes`, in multiples of the parameters' bytes) and the growth of the saved ``state_dict()`` it
+    leaves (the same multiple).  ``objective="balance"`` is the README configuration as written (nothing else
+    given: the default objective, whose first scheduled teleport is this checked one); ``"grad_norm"`` adds
+    ``schedule=Schedule()`` (manual), which makes the gradient norm the objective."""
     model = model.to(DEVICE)
     x, y = (t.to(DEVICE) for t in batch)
     base = optimizer([p for p in model.parameters() if p.requires_grad])
-    wrapper = Teleport(base, model, sites, example_inputs=(x[:2],), loss_fn=loss_fn, batch_fn=lambda: (x, y), schedule=Schedule())
+    extra = {} if objective == "balance" else {"schedule": Schedule(), "objective": objective}
+    wrapper = Teleport(base, model, sites, example_inputs=(x[:2],), loss_fn=loss_fn, batch_fn=lambda: (x, y), **extra)
+    if wrapper.objective.name != objective:
+        raise RuntimeError(f"the {objective} row runs objective {wrapper.objective.name!r}")
 
     def iteration() -> None:
         base.zero_grad()
@@ -716,6 +733,7 @@ def measure_checked(
     growth = saved_bytes(wrapper.state_dict()) - before
     return {
         "model": name,
+        "objective": objective,
         "params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "sites": len(wrapper.sites or []),
         "optimizer": type(base).__name__,
@@ -813,45 +831,72 @@ def balance_run_main(args: argparse.Namespace) -> None:
 
 
 def users_main(args: argparse.Namespace) -> None:
-    """The default table: the README's configuration on five models and balance every step on two."""
+    """The default table: the README's configuration on four models (its default objective, balance, and the
+    gradient norm), and balance every step on two."""
     import timm  # noqa: F401  (the image rows)
 
     reps = 3 if args.quick else 7
-    rows = []
+    objectives = ("balance", "grad_norm") if args.objective == "both" else (args.objective,)
     adam = lambda ps: torch.optim.Adam(ps, lr=1e-4)  # noqa: E731
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)  # noqa: E731
-    model, _, batch = mlp_10m(16 if args.quick else 64)
-    rows.append(measure_checked("mlp-10M", model, "auto", (batch[0], batch[1].argmax(1)), nn.functional.cross_entropy, adam, reps))
-    model, _, batch, _ = resnet18(8, 64, auto=True)
-    rows.append(measure_checked("resnet18", model, "auto", batch, nn.functional.cross_entropy, sgd, reps))
-    model, sites, batch = _vit_8(8)
-    rows.append(measure_checked("vit_tiny", model, sites, batch, nn.functional.cross_entropy, adam, reps))
-    model, sites, batch = _llama(4, lora=False)
-    rows.append(measure_checked("llama-4L", model, sites, batch, lm_loss, adam, reps))
+
+    def mlp() -> tuple[nn.Module, str, tuple[torch.Tensor, torch.Tensor]]:
+        model, _, batch = mlp_10m(16 if args.quick else 64)
+        return model, "auto", (batch[0], batch[1].argmax(1))
+
+    problems: list[tuple[str, Callable[[], tuple[nn.Module, Any, tuple[torch.Tensor, torch.Tensor]]], Callable, Callable]] = [
+        ("mlp-10M", mlp, nn.functional.cross_entropy, adam),
+        ("resnet18", lambda: resnet18(8, 64, auto=True)[:3], nn.functional.cross_entropy, sgd),
+        ("vit_tiny", lambda: _vit_8(8), nn.functional.cross_entropy, adam),
+        ("llama-4L", lambda: _llama(4, lora=False), lm_loss, adam),
+    ]
+    rows = [
+        measure_checked(name, *make(), loss_fn, optimizer, reps, objective)
+        for name, make, loss_fn, optimizer in problems
+        if args.rows is None or name in args.rows
+        for objective in objectives
+    ]
     steps = 10 if args.quick else 40
-    balance = [measure_balance_run("lora llama-2L", *_llama(2, lora=True), lm_loss, steps)]
-    balance.append(measure_balance_run("llama-4L LM", *_llama(4, lora=False), lm_loss, steps))
+    balance = []
+    if not args.checked:
+        balance = [measure_balance_run("lora llama-2L", *_llama(2, lora=True), lm_loss, steps)]
+        balance.append(measure_balance_run("llama-4L LM", *_llama(4, lora=False), lm_loss, steps))
     print(
         f"Teleport cost, the README configuration, {datetime.date.today()}, {machine()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)"
     )
-    head = f"{'model':9} {'optimizer':9} {'params':>9} {'sites':>5} {'step ms':>8} {'iter ms':>8} {'checked ms':>10} {'/step':>6} {'/iter':>6} {'bare fast ms':>12} {'/step':>6} {'accepted':>8} {'shrink':>6} {'peak extra':>10} {'ckpt':>6}"
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(
-            f"{r['model']:9} {r['optimizer']:9} {r['params']:>9} {r['sites']:>5} {r['step_ms']:>8.2f} {r['iteration_ms']:>8.2f} {r['checked_ms']:>10.2f} "
-            f"{r['checked_over_step']:>6.2f} {r['checked_over_iteration']:>6.2f} {r['fast_ms']:>12.2f} {r['fast_over_step']:>6.2f} "
-            f"{r['accepted']:>4}/{r['teleports']:<3} {r['shrink']:>6.3f} {r['peak_extra']:>9.2f}x {100 * r['state_dict_growth']:>5.1f}%"
-        )
-    print("checked: teleport(batch=...) with loss_fn and batch_fn (caps, check and watch on); bare fast: teleport() (probe check, no caps)")
-    print("peak extra: one checked teleport's peak of new tensor bytes (LiveBytes), in multiples of the trainable parameters' bytes")
-    print("ckpt: growth of torch.save(state_dict()) after that teleport (the default watch), in % of the trainable parameters' bytes")
-    print_balance(balance)
+    print_checked(rows)
+    if balance:
+        print_balance(balance)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             record = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(), "torch": torch.__version__}
             json.dump({**record, "rows": rows, "balance": balance}, f, indent=1)
+
+
+def print_checked(rows: list[dict[str, Any]]) -> None:
+    """The checked-teleport table, one row per model and objective."""
+    head = (
+        f"{'model':9} {'objective':17} {'optimizer':9} {'params':>9} {'sites':>5} {'step ms':>8} {'iter ms':>8} {'checked ms':>10} "
+        f"{'/step':>6} {'/iter':>6} {'no-arg ms':>9} {'/step':>6} {'accepted':>8} {'shrink':>6} {'peak extra':>10} {'ckpt':>6}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        label = "balance (default)" if r["objective"] == "balance" else r["objective"]
+        print(
+            f"{r['model']:9} {label:17} {r['optimizer']:9} {r['params']:>9} {r['sites']:>5} {r['step_ms']:>8.2f} {r['iteration_ms']:>8.2f} "
+            f"{r['checked_ms']:>10.2f} {r['checked_over_step']:>6.2f} {r['checked_over_iteration']:>6.2f} {r['fast_ms']:>9.2f} "
+            f"{r['fast_over_step']:>6.2f} {r['accepted']:>4}/{r['teleports']:<3} {r['shrink']:>6.3f} {r['peak_extra']:>9.2f}x "
+            f"{100 * r['state_dict_growth']:>5.1f}%"
+        )
+    print(
+        "checked: teleport(batch=...) with loss_fn and batch_fn (caps, check and watch on); balance (default): the README "
+        "configuration as written (its first scheduled teleport is this one); grad_norm: with schedule=Schedule()"
+    )
+    print("no-arg: teleport() without a batch argument (it draws batch_fn's batch: checked and capped too)")
+    print("peak extra: one checked teleport's peak of new tensor bytes (LiveBytes), in multiples of the trainable parameters' bytes")
+    print("ckpt: growth of torch.save(state_dict()) after that teleport (the default watch), in % of the trainable parameters' bytes")
 
 
 def machine() -> str:
@@ -888,6 +933,14 @@ def main() -> None:
         help="batch of the resnet18 and vit_tiny rows (default 8, --quick 4): the output check runs on up to 8 rows "
         "whatever the batch, so at small batches its two forwards are most of a teleport",
     )
+    parser.add_argument(
+        "--objective",
+        choices=("balance", "grad_norm", "both"),
+        default="both",
+        help="the checked rows' objective: balance (the README configuration's default), grad_norm, or both (default)",
+    )
+    parser.add_argument("--rows", nargs="+", default=None, help="only these checked rows (mlp-10M resnet18 vit_tiny llama-4L)")
+    parser.add_argument("--checked", action="store_true", help="only the checked rows of the default table (no balance-every-step run)")
     parser.add_argument("--device", default="cpu", help="where models, batches and optimizer state live (e.g. cuda); default cpu")
     args = parser.parse_args()
     global DEVICE

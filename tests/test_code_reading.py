@@ -59,3 +59,15 @@ def test_nested_functions_count_their_lines_once():
     alone, both = bench.count({outer.__code__}, "none"), bench.count({outer.__code__, inner}, "none")
     assert (alone.lines, alone.functions, len(alone.files)) == (2, 1, 1)
     assert (both.lines, both.functions, len(both.files)) == (2, 2, 1)
+
+
+def test_the_default_mode_traces_the_readme_configurations_first_and_second_teleports():
+    """The README configuration (``loss_fn`` and ``batch_fn``, nothing else) teleports with ``"balance"`` at steps
+    200 and 400; the first is checked on the engine and both counts include ``Teleport.step``."""
+    first, second = load_benchmark("code_reading").readme_steps("adamw")
+    assert "balance teleport at step 200" in first.base and first.base.endswith("checked")
+    assert "balance teleport at step 400" in second.base
+    for reading in (first, second):
+        by_path = {f.path: f for f in reading.files}
+        assert any(name.startswith("step:") for name in by_path["teleopt/teleport/optimizer.py"].functions)
+        assert reading.lines == sum(f.lines for f in reading.files) > 0

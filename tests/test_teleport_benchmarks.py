@@ -153,3 +153,15 @@ def test_a_fast_gl_teleport_of_a_vit_holds_less_than_the_parameters():
     model, sites, batch = bench.vit_tiny(2, 32)
     memory = bench.peak_extra_memory(model, sites, batch, torch.nn.functional.cross_entropy, watch=0)
     assert memory["peak"] <= 1.7, memory
+
+
+@pytest.mark.parametrize("objective", ["balance", "grad_norm"])
+def test_the_checked_rows_time_the_readme_configuration_and_its_objective(objective):
+    """The default table's checked rows: the README configuration as written runs the default objective
+    (balance), the grad-norm row its objective; every timed teleport is checked on the batch and accepted."""
+    bench = load_benchmark("teleport_cost")
+    model, _, (x, y) = bench.mlp_10m(8, widths=[16, 32, 32, 24, 4])
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-4)  # noqa: E731
+    row = bench.measure_checked("mlp", model, "auto", (x, y.argmax(1)), torch.nn.functional.cross_entropy, adam, 2, objective)
+    assert row["objective"] == objective and row["accepted"] == row["teleports"] == 2, row
+    assert row["checked_ms"] > 0 and row["peak_accepted"] and row["state_dict_growth"] >= 0

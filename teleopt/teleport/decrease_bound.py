@@ -162,7 +162,7 @@ class DecreaseBound:
     sqrt(sum_n w_n ||grad'_n||^2 * sum_n v_n ||b'_n||^2) (matrix groups under SGD momentum); see module docs.
     ``at_identity()`` is the exact decrease at the identity."""
 
-    grads: GradientNormModel
+    grads: GradientNormModel | None  # the reduced gradient norm (SGD's squared and Cauchy-Schwarz terms); None for Adam
     constant: float
     at_identity: Callable[[], float]
     squared: dict[str, float] = field(default_factory=dict)
@@ -178,8 +178,10 @@ class DecreaseBound:
         """The bound at ``elements`` (``inf`` outside the factors it was built for)."""
         total = self.constant
         if any(self.squared.values()):
+            assert self.grads is not None  # given with squared terms
             total += float(self.grads.value(elements, self.squared))
         if self.cross is not None:
+            assert self.grads is not None  # given with the cross term
             weights, partner, partner_weights = self.cross
             first, second = float(self.grads.value(elements, weights)), float(partner.value(elements, partner_weights))
             total += math.sqrt(max(first, 0.0) * max(second, 0.0))
@@ -192,11 +194,12 @@ def decrease_bound(
     sites: Sequence[Site],
     groups: Sequence[Group],
     ctx: TeleportContext,
-    norm: GradientNormModel,
+    norm: Callable[[], GradientNormModel],
     grads: Mapping[str, Tensor],
     elements: Sequence[Tensor],
 ) -> DecreaseBound | None:
-    """The bound for these fast-path sites (``grads``: their members' gradients, ``norm`` their reduced norm)
+    """The bound for these fast-path sites (``grads``: their members' gradients, ``norm()`` their reduced norm, asked
+    for only by SGD's bound: Adam's reads no squared gradient norm)
     at ``elements`` and any candidate closer to the identity, or ``None`` where the module docs give none.
     Reads each site tensor's gradient and moments once."""
     family, names = ctx.model.family, list(grads)
@@ -218,7 +221,7 @@ def decrease_bound(
     # Adam: m' / sqrt(v') keeps its size only where the second moment has the squared rule (scalings)
     if not diagonal or not _transported(ctx, names, ("first_moment", "second_moment")):
         return None
-    return _adam(ctx, norm, grads, entries, elements)
+    return _adam(ctx, grads, entries, elements)
 
 
 def _whole_axes(entries: _Entries, ndim: int) -> bool:
@@ -243,7 +246,11 @@ def _dots(pairs: Mapping[str, tuple[Tensor, Tensor]], coefficient: Mapping[str, 
 
 
 def _sgd(
-    sites: Sequence[Site], ctx: TeleportContext, norm: GradientNormModel, grads: Mapping[str, Tensor], entries: dict[str, _Entries] | None
+    sites: Sequence[Site],
+    ctx: TeleportContext,
+    norm: Callable[[], GradientNormModel],
+    grads: Mapping[str, Tensor],
+    entries: dict[str, _Entries] | None,
 ) -> DecreaseBound | None:
     """SGD's decrease: exact for scalings (``entries`` given), Cauchy-Schwarz on the momentum for matrix groups."""
     squared: dict[str, float] = {}
@@ -270,7 +277,8 @@ def _sgd(
     squares = _dots({n: (g, g) for n, g in grads.items()}, squared)
     pairs = {n: (grads[n], b) for n, b in buffers.items()}
     exact = constant + squares + _dots(pairs, cross)
-    bound = DecreaseBound(norm, constant, lambda: exact, squared)
+    model = norm()
+    bound = DecreaseBound(model, constant, lambda: exact, squared)
     if not buffers:
         return bound
     if entries is not None:  # grad_e b_e moves by f_e^2: exact
@@ -291,7 +299,7 @@ def _sgd(
         use = cross[n] > 0 and g_norm > 0 and b_norm > 0
         weights[n] = cross[n] * b_norm / g_norm if use else 0.0
         partner_weights[n] = cross[n] * g_norm / b_norm if use else 0.0
-    bound.cross = (weights, GradientNormModel(sites, buffers, norm.like), partner_weights)
+    bound.cross = (weights, GradientNormModel(sites, buffers, model.like), partner_weights)
     return bound
 
 
@@ -301,7 +309,7 @@ def _norms(tensors: Mapping[str, Tensor]) -> dict[str, float]:
 
 
 def _adam(
-    ctx: TeleportContext, norm: GradientNormModel, grads: Mapping[str, Tensor], entries: dict[str, _Entries], elements: Sequence[Tensor]
+    ctx: TeleportContext, grads: Mapping[str, Tensor], entries: dict[str, _Entries], elements: Sequence[Tensor]
 ) -> DecreaseBound | None:
     decay: dict[str, float] = {}
     terms: list[_Linear] = []
@@ -323,7 +331,7 @@ def _adam(
             for W in chunks
         )
 
-    return DecreaseBound(norm, constant, at_identity, linear=terms)
+    return DecreaseBound(None, constant, at_identity, linear=terms)
 
 
 @torch.no_grad()

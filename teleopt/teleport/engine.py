@@ -59,10 +59,9 @@ __all__ = ["EngineConfig", "TeleportRequest", "Plan", "TeleportEngine"]
 class EngineConfig:
     """What every teleport of one ``Teleport`` shares: the model, the base optimizer and the settings.
 
-    ``trust_key`` is the param-group key of the trust-region radius; ``generator`` draws the objectives'
-    random directions, ``seed`` seeds the stability cap's. ``sharded``: the module's parameters are FSDP2
-    ``DTensor``s (fast path only; see :mod:`~teleopt.teleport.distributed`).
-    """
+    ``trust_key`` is the param-group key of the trust-region radius; ``generator`` draws the objectives' random
+    directions, ``seed`` seeds the stability cap's. ``sharded``: the module's parameters are FSDP2 ``DTensor``s (fast
+    path only; see :mod:`~teleopt.teleport.distributed`)."""
 
     module: nn.Module
     optimizer: Optimizer
@@ -80,10 +79,10 @@ class EngineConfig:
 
 @dataclass
 class TeleportRequest:
-    """One call for a teleport: the loss at w (from the closure, if any), the closure to re-run
-    after it, the teleport batch and the held-out batch; for the check (:mod:`~teleopt.teleport.check`)
-    the probe inputs and where they came from, the RNG seed of its forwards and the closure's
-    output leaves at w; the sites left out and why; the precision the model trains in."""
+    """One call for a teleport: the loss at w (from the closure, if any), the closure to re-run after it, the teleport
+    batch and the held-out batch; for the check (:mod:`~teleopt.teleport.check`) the probe inputs and where they came
+    from, the RNG seed of its forwards and the closure's output leaves at w; the sites left out and why; the precision
+    the model trains in."""
 
     loss: Any
     closure: Callable[[], Any] | None
@@ -238,9 +237,8 @@ class TeleportEngine:
             return f"declined: non-finite gradient ({bad})"
         if check is None:
             return (
-                "declined: nothing to check the teleport on (no teleport batch, closure, example_inputs or earlier "
-                "forward of the model): pass teleport(batch=...) or a closure, Teleport(..., batch_fn=... or "
-                "example_inputs=...), or run the model once"
+                "declined: nothing to check the teleport on (no teleport batch, closure, example_inputs or earlier forward of the "
+                "model): pass teleport(batch=...) or a closure, Teleport(..., batch_fn=... or example_inputs=...), or run the model once"
             )
         return None
 
@@ -352,12 +350,17 @@ class TeleportEngine:
         coords0 = [zero_coordinates(s, g, device) for s, g in zip(sites, groups)]
         prepared = self.config.objective.prepare(evaluator, self.config.generator)
         identity = coords0  # read only: every strategy copies its start (a coordinate set can be large)
-        with torch.enable_grad():
-            n0 = float(evaluator.grad_norm_sq(evaluator.elements(identity)).detach())
+        with torch.enable_grad():  # off .grad where the objective reads none: the gradient norm's model is never made
+            off = self._norms_off_grads(plan) and [p.grad for p in ctx.trainable.values() if p.grad is not None]
+            n0 = square_sum(off) if off else float(evaluator.grad_norm_sq(evaluator.elements(identity)).detach())
         plan.report.grad_norm_before = math.sqrt(n0)
         trust = [self._trust_region(s, ctx) for s in sites]
         problem = SearchProblem(sites, groups, evaluator, self.config.objective, prepared, coords0, trust)
         return _Start(problem, n0, identity)
+
+    def _norms_off_grads(self, plan: Plan) -> bool:  # ||grad|| read off .grad before and after (reads_gradients)
+        cfg = self.config
+        return plan.path == "fast" and not cfg.sharded and not cfg.objective.reads_gradients and cfg.safety.max_gain is None
 
     def _objective_before(self, start: _Start, result: SearchResult) -> float:
         problem = start.problem
@@ -396,7 +399,7 @@ class TeleportEngine:
             # the memo's tensors themselves where they carry no graph: actions remember per element (GL contragredients)
             elements = [e.detach() if e.requires_grad else e for e in evaluator.elements(coords)]
             report.objective_after = float(problem.objective.value(evaluator, elements, problem.prepared).detach())
-            if evaluator.moves_gradients:
+            if evaluator.moves_gradients and not self._norms_off_grads(plan):
                 report.grad_norm_after = math.sqrt(float(evaluator.grad_norm_sq(elements).detach()))
                 report.site_gains = evaluator.site_gains(elements, start.n0)
                 plan.grads_finite = isinstance(evaluator, FastEvaluator) and evaluator.gradients_finite_after(report.grad_norm_after)
@@ -525,10 +528,8 @@ class TeleportEngine:
             reshard(self.config.module)
 
     def check_forward(self, check: OutputCheck, reference: bool = False) -> Any:
-        """The model output on the check's inputs (recorded as the outputs before with ``reference``).
-
-        A sharded (FSDP2) model runs the pass collectively on every rank and is resharded afterwards.
-        """
+        """The model output on the check's inputs (recorded as the outputs before with ``reference``); a sharded
+        (FSDP2) model runs the pass collectively on every rank and is resharded afterwards."""
         try:
             return check.reference(self.config.module) if reference else check.run(self.config.module)
         finally:

@@ -12,6 +12,7 @@ The objective's reduced form is :class:`~teleopt.teleport.gradient_norm.Gradient
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
@@ -109,11 +110,18 @@ class FastEvaluator:
         # GL sites' search (Gram matrices, exp, solves, SVDs of n x n blocks) runs on the host for an accelerator
         # model: there each is a kernel launch, most synchronise.  Not when sharded (its collectives need the device).
         host = device.type != "cpu" and not self.on_shards and not is_distributed()
-        self.norm_model = GradientNormModel(self.sites, self.grads, self.like, host)
-        self.search_device = torch.device("cpu") if self.norm_model.host else device
-        self.groups = self.norm_model.groups
+        self.groups = [site.action.group(member_tensors(site, self.like)) for site in self.sites]
+        self._host = host and not all(_diagonal(g) for g in self.groups)
+        self.search_device = torch.device("cpu") if self._host else device
         self._own_exp = [type(site.action).exp is not GroupAction.exp for site in self.sites]
         self.other_sq, self.other_decrease = ctx.constant_terms(set(names), with_decrease)
+
+    @functools.cached_property
+    def norm_model(self) -> GradientNormModel:
+        """The gradient norm's reduced terms (GL Gram matrices, per-unit sums), made on first use: an objective
+        that reads no gradient (``Balance``) with ``max_gain`` off never needs them (the engine then reads
+        ||grad|| off the gradients before and after, as the lean balance path does)."""
+        return GradientNormModel(self.sites, self.grads, self.like, self._host, self.groups)
 
     def _plain_sgd_lrs(self) -> dict[str, float] | None:
         """Learning rate per site tensor if every site parameter is updated by plain SGD, else None."""
@@ -209,8 +217,10 @@ class FastEvaluator:
 
     def end_search(self) -> None:
         """Free the gradient norm's reduced terms (GL Gram matrices, large, alive
-        at the apply's peak otherwise) and the value memos; :meth:`grad_norm_sq` raises afterwards."""
-        self.norm_model.release()
+        at the apply's peak otherwise), the decrease bound and the value memos; :meth:`grad_norm_sq` raises afterwards."""
+        if "norm_model" in self.__dict__:  # made (a cached property)
+            self.norm_model.release()
+        self.__dict__.pop("_bound", None)  # the decrease cap's weights (per entry between two sites): the caps are done
         self.__dict__.pop("_norm_memo", None)
         self.__dict__.pop("_elements_memo", None)
 
@@ -366,13 +376,15 @@ class FastEvaluator:
         identity, as the caps' bisection asks: made again for elements farther out), or ``None`` where there is
         none."""
         if "_bound" not in self.__dict__:
-            self.__dict__["_bound"] = decrease_bound(self.sites, self.groups, self.ctx, self.norm_model, self.grads, elements)
+            self.__dict__["_bound"] = decrease_bound(self.sites, self.groups, self.ctx, lambda: self.norm_model, self.grads, elements)
         bound = self.__dict__["_bound"]
         if bound is None:
             return None
         value = bound(elements)
         if value == math.inf:  # a factor below those the weights were made for (or an underflowing gradient)
-            self.__dict__["_bound"] = bound = decrease_bound(self.sites, self.groups, self.ctx, self.norm_model, self.grads, elements)
+            self.__dict__["_bound"] = bound = decrease_bound(
+                self.sites, self.groups, self.ctx, lambda: self.norm_model, self.grads, elements
+            )
             value = math.inf if bound is None else bound(elements)
         return value + float(self.other_decrease)
 
@@ -404,7 +416,9 @@ class FastEvaluator:
         if lrs is not None:
             return self.norm_model.value(elements, lrs) + self.other_decrease
         grads = self.transported_grads(elements)
-        params = self.site_params(elements)
+        # the modelled updates read the parameters' values only through weight decay (else their shapes)
+        decays = any(float(ctx.groups[n].get("weight_decay", 0.0)) for n in grads)
+        params = self.site_params(elements) if decays else self.like
         states = {n: self.states[n] for n in grads if n in self.states}
         moved = ctx.policy.move(ctx.optimizer, self.sites, self._placed(elements), states, self.like, ctx.groups)
         total = torch.zeros((), dtype=torch.float64) + self.other_decrease

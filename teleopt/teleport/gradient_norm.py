@@ -379,11 +379,20 @@ class GradientNormModel:
     host:
         Keep the search's small matrices (GL Gram blocks, identities) on the CPU when a site is not
         diagonal (:attr:`host` says whether it does).
+    groups:
+        The sites' groups when the caller made them already (else made here from ``like``).
     """
 
-    def __init__(self, sites: Sequence[Site], grads: Mapping[str, Tensor], like: Mapping[str, Tensor], host: bool = False) -> None:
+    def __init__(
+        self,
+        sites: Sequence[Site],
+        grads: Mapping[str, Tensor],
+        like: Mapping[str, Tensor],
+        host: bool = False,
+        groups: Sequence[Group] | None = None,
+    ) -> None:
         self.sites = list(sites)
-        self.groups = [site.action.group(member_tensors(site, like)) for site in self.sites]
+        self.groups = list(groups) if groups is not None else [site.action.group(member_tensors(site, like)) for site in self.sites]
         self.host = host and not all(_diagonal(g) for g in self.groups)
         self.reduced: list[_Reduced] = []
         self.explicit: list[tuple[list[int], dict[str, Tensor]]] = []

@@ -93,6 +93,9 @@ class Objective(ABC):
     needs_optimizer_model: bool = False
     direction: Direction = "increase"
     closed_form: bool = False  #: whether :meth:`solve` gives the optimum (then no ascent runs by default)
+    #: whether :meth:`value` (or :meth:`solve`) reads the gradients; when not, a teleport measures ||grad|| for its
+    #: report and watch off ``.grad`` before and after, and never builds the gradient norm's model
+    reads_gradients: bool = True
     #: whether the value depends on the transported gradients through their Euclidean norm only, so that it
     #: is the same all along the orbit of an isometric site (:attr:`GroupAction.isometric`) acting alone
     isometry_invariant: bool = False
@@ -347,6 +350,7 @@ class Balance(Objective):
     name = "balance"
     direction: Direction = "decrease"
     closed_form = True
+    reads_gradients = False
 
     def __init__(
         self,
