@@ -75,7 +75,13 @@ def squared_norm(grads: list[Tensor]) -> float:
     if any(is_sharded(g) for g in grads):  # FSDP2: the norm of the whole gradients, summed over ranks
         return square_sum(grads)
     dense = [g.coalesce().values() if g.is_sparse else g for g in grads]  # a sparse gradient's norm is its values'
-    return float(torch.stack([n.to(torch.float64).cpu() for n in torch._foreach_norm(dense)]).square().sum())
+    if not dense:
+        return 0.0
+    norms = torch._foreach_norm(dense)
+    if any(n.device != norms[0].device for n in norms):  # gradients on several devices: one read per norm
+        return sum(n.item() ** 2 for n in norms)
+    # one device-to-host read for all the norms (a read per norm is a host sync per norm), squared in float64 here
+    return sum(v * v for v in torch.stack(norms).tolist())
 
 
 def reference(before: float | None, after: float | None, recent: Sequence[float] = ()) -> float:
