@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_balance_companion import lora_like
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -126,3 +127,68 @@ def test_a_reference_sampling_step_reads_the_gradient_norm_in_the_same_few_opera
         counts[hidden] = _own_ops(model, wrapper, batch)
         assert len(wrapper.record.recent) == 1
     assert counts[1] == counts[6] and sum(counts[6].values()) <= 3, counts
+
+
+class _NormReads(TorchDispatchMode):
+    """Counts the ``_foreach_norm`` calls whose inputs include every tensor of ``watched`` (a full ||grad|| read)."""
+
+    def __init__(self, watched: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.watched = {id(t) for t in watched}
+        self.full_reads = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.overloadpacket is torch.ops.aten._foreach_norm and self.watched <= {id(t) for t in args[0]}:
+            self.full_reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _mse_backward(model: nn.Module, wrapper: Teleport, x: torch.Tensor, y: torch.Tensor) -> None:
+    wrapper.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+
+
+def test_balance_every_step_reads_the_full_gradient_norm_once_per_step() -> None:
+    """With ``every=1`` the watch of the last teleport is open on every step: its read of ||grad||^2 is the lean
+    balance's ||grad||^2 before its move (not read a second time); the report and the watch reference agree."""
+    model, sites, x, y = lora_like()  # LoRA-like pairs and a ReLU head: the lean path's sites
+    base = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    wrapper = Teleport(base, model, sites, objective="balance", every=1, example_inputs=x[:2])
+    for _ in range(3):  # the plan's first teleport is the engine's (checked); the next ones are lean
+        _mse_backward(model, wrapper, x, y)
+        wrapper.step()
+    assert wrapper.record.watch is not None and wrapper.reports[-1].check == "none"
+    _mse_backward(model, wrapper, x, y)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    expected = sum(float(g.double().square().sum()) for g in grads)  # type: ignore[union-attr]
+    reads = _NormReads(grads)  # type: ignore[arg-type]
+    with reads:
+        wrapper.step()
+    report = wrapper.reports[-1]
+    assert report.accepted and report.check == "none" and reads.full_reads == 1
+    assert report.grad_norm_before**2 == pytest.approx(expected, rel=1e-12)  # float64 model: round-off only
+    assert wrapper.record.read is None  # cleared before the base's update: no later step or teleport reuses it
+
+
+def test_a_second_teleport_in_the_same_step_reads_the_moved_gradients_again() -> None:
+    """With ``batches=2`` the second lean balance of a step starts from the first one's transported gradients: its
+    ||grad|| before is the first's after, not the watch's read from before both."""
+    model, sites, x, y = lora_like()
+    base = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    wrapper = Teleport(
+        base,
+        model,
+        sites,
+        objective="balance",
+        schedule=Schedule(every=1, batches=2),
+        example_inputs=x[:2],
+        batch_fn=lambda: (x, y),
+        loss_fn=nn.functional.mse_loss,
+    )
+    for _ in range(4):
+        _mse_backward(model, wrapper, x, y)
+        wrapper.step()
+    first, second = wrapper.reports[-2:]
+    assert first.step == second.step and first.accepted and second.accepted and second.check == "none"
+    assert first.grad_norm_after != first.grad_norm_before  # the first move changed the gradients
+    assert second.grad_norm_before == pytest.approx(first.grad_norm_after, rel=1e-10)
