@@ -90,6 +90,12 @@ waits for the device's queued kernels (``torch.cuda.synchronize``) at both ends.
 paired repetitions of a bare Adam step and a ``Teleport`` step without teleport, right after a backward
 pass and back to back (median and quartiles of the differences; goal <= 10 us).
 
+It then prints the README configuration's step overhead by phase (:func:`measure_phases`: before the first
+teleport, the reference-sampling steps before it, a step in the watch window after it, and after the window) on
+the realistic suite's MLP 64-256-256-10 (batch 64, SGD momentum and AdamW) and a 2-layer Llama LM (AdamW);
+300 (``--quick``; else 2000) paired repetitions per phase on the MLP, a tenth (at least 40) on the LM; goal <= 1%
+of an iteration.
+
 ``--search`` measures instead, for scaling sites, the default boundary step against 100 steps of
 projected ascent (gains and time of 5 consecutive teleports on the digits MLP, mlp-10M and resnet18).
 
@@ -105,6 +111,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime
 import io
 import json
@@ -579,9 +586,111 @@ def overhead_main(args: argparse.Namespace) -> None:
     print("-" * len(head))
     for r in rows:
         print(f"{r['case']:15} {r['bare_step_us']:>12.1f} {r['overhead_us']:>11.1f} {r['q1_us']:>7.1f} - {r['q3_us']:<6.1f}")
+    print()
+    phases = phases_main(args)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(), "rows": rows}, f, indent=1)
+            record = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine()}
+            json.dump({**record, "rows": rows, "phases": phases}, f, indent=1)
+
+
+def _mlp_64(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """The realistic suite's mlp_sgd / mlp_adamw model: ReLU MLP 64-256-256-10, a batch of 64, class labels."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    gen = torch.Generator().manual_seed(seed + 1)
+    return model, (torch.randn(64, 64, generator=gen), torch.randint(0, 10, (64,), generator=gen))
+
+
+def measure_phases(
+    name: str, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable, optimizer: Callable, reps: int
+) -> list[dict[str, Any]]:
+    """The non-teleport ``step()`` overhead of the README's configuration (``Teleport(base, model, "auto",
+    example_inputs=x[:2], loss_fn=..., batch_fn=...)``, default objective and schedule) against the bare optimizer
+    on a copy of the model, in four phases of a run: ``before`` the first teleport, ``sampling`` (the
+    ``REFERENCE_STEPS`` steps before a scheduled teleport, which read the gradient norm), ``watch`` (a step in the
+    watch window after an accepted teleport) and ``after`` it.  Each repetition runs a backward and a ``step()``
+    of each optimizer, alternating which goes first, and keeps the difference of the two steps' times; the wrapper's
+    step counter (and watch) is set to the phase before each of its steps, so every phase gets ``reps`` steps.
+    Medians; ``of iter``: the overhead over the bare iteration (backward and step); ``passes_us``: the same
+    difference for the forward and backward passes (the wrapper's forward pre-hooks run there)."""
+    x, y = (t.to(DEVICE) for t in batch)
+    models = {"bare": model.to(DEVICE), "wrapped": copy.deepcopy(model).to(DEVICE)}
+    opts = {k: optimizer([p for p in m.parameters() if p.requires_grad]) for k, m in models.items()}
+    wrapper = Teleport(opts["wrapped"], models["wrapped"], "auto", example_inputs=(x[:2],), loss_fn=loss_fn, batch_fn=lambda: (x, y))
+    opts["wrapped"] = wrapper
+
+    def backward(kind: str) -> None:
+        opts[kind].zero_grad()
+        loss_fn(models[kind](x), y).backward()
+
+    for kind in opts:
+        backward(kind)
+        opts[kind].step()
+    record, first = wrapper.record, wrapper.schedule.warmup
+    record.step = first  # one scheduled teleport (the engine's checked one, the first of its balance plan)
+    backward("wrapped")
+    wrapper.step()
+    watch = record.watch
+    if watch is None:
+        raise RuntimeError(f"{name}: the scheduled teleport opened no watch ({wrapper.reports[-1].reason})")
+
+    def at(phase: str) -> None:
+        record.step = {"before": first // 2, "sampling": first - 2, "watch": watch.teleport_step + 1, "after": first + first // 2}[phase]
+        record.watch = dataclasses.replace(watch, strikes=0) if phase == "watch" else None
+
+    rows = []
+    for phase in ("before", "sampling", "watch", "after"):
+        diffs, iters, passes = [], [], []
+        for rep in range(reps):
+            step: dict[str, float] = {}
+            seconds: dict[str, float] = {}
+            for kind in ("bare", "wrapped") if rep % 2 else ("wrapped", "bare"):
+                if kind == "wrapped":
+                    at(phase)
+                seconds[kind] = timed(lambda kind=kind: backward(kind))
+                step[kind] = timed(opts[kind].step)
+            diffs.append(step["wrapped"] - step["bare"])
+            passes.append(seconds["wrapped"] - seconds["bare"])
+            iters.append(seconds["bare"] + step["bare"])
+        if record.rollbacks:
+            raise RuntimeError(f"{name}: the watch rolled back in the {phase} phase; its steps are not a watched step's")
+        overhead, iteration = statistics.median(diffs), statistics.median(iters)
+        rows.append(
+            {
+                "model": name,
+                "phase": phase,
+                "iteration_ms": 1e3 * iteration,
+                "overhead_us": 1e6 * overhead,
+                "overhead_pct_of_iteration": 100 * overhead / iteration,
+                "passes_us": 1e6 * statistics.median(passes),
+            }
+        )
+    return rows
+
+
+def phases_main(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The README configuration's step overhead by phase, on the 64-256-256-10 MLP (SGD momentum, AdamW) and on a
+    2-layer Llama LM (AdamW); one thread."""
+    torch.set_num_threads(1)
+    reps = 300 if args.quick else 2000
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    rows = measure_phases("mlp_sgd", *_mlp_64(), nn.functional.cross_entropy, sgd, reps)
+    rows += measure_phases("mlp_adamw", *_mlp_64(), nn.functional.cross_entropy, adamw, reps)
+    model, _, batch = _llama(2, lora=False)
+    rows += measure_phases("llama-2L LM", model, batch, lm_loss, adamw, max(reps // 10, 40))
+    print(f"Step overhead of the README configuration by phase, {torch.get_num_threads()} thread(s)")
+    head = f"{'model':12} {'phase':9} {'iter ms':>8} {'overhead us':>11} {'of iter':>8} {'fwd+bwd us':>10}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['model']:12} {r['phase']:9} {r['iteration_ms']:>8.3f} {r['overhead_us']:>11.1f} {r['overhead_pct_of_iteration']:>7.2f}% {r['passes_us']:>10.1f}"
+        )
+    print("overhead: median of paired differences of Teleport.step() and the bare step() after a backward each; goal <= 1% of iter")
+    print("fwd+bwd: the same for the forward and backward passes (the wrapper's forward pre-hooks: probe inputs, precision)")
+    return rows
 
 
 def balance_main(args: argparse.Namespace) -> None:

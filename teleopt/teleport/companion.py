@@ -327,15 +327,18 @@ def _write(writes: _Writes, plan: BalancePlan, elements: Sequence[Tensor]) -> No
         raise
 
 
-def _grad_norms(grads: list[Tensor], writes: _Writes, still: list[Tensor]) -> tuple[float, float, float]:
+def _grad_norms(grads: list[Tensor], writes: _Writes, still: list[Tensor], known: float | None = None) -> tuple[float, float, float]:
     """||grad||^2 over all gradients before the teleport and after it (the moved parts replaced), and the squared
-    norm of the ``still`` members, in one read."""
+    norm of the ``still`` members, in one read; ``known``: ||grad||^2 before, as this step's watch read it."""
+    reuse = known is not None and math.isfinite(known)
+    grads = [] if reuse else grads
     parts = [grads, writes.grad_before, writes.grad_after, still]
     norms = torch._foreach_norm([t for part in parts for t in part])
     squares = torch.stack(norms).to(torch.float64).square()
     a, b, c = len(grads), len(grads) + len(writes.grad_before), len(squares) - len(still)
     sums = torch.stack([squares[:a].sum(), squares[a:b].sum(), squares[b:c].sum(), squares[c:].sum()])
     before, old, new, kept = (float(v) for v in sums)
+    before = known if reuse and known is not None else before
     return before, max(before - old + new, 0.0), kept
 
 
@@ -387,7 +390,7 @@ def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRe
     elements = [group.exp(xi) if m else group.identity() for group, xi, m in zip(plan.groups, coords, norms)]
     writes, decisions = _moves(plan, elements, cfg.optimizer)
     grads = [p.grad for g in cfg.optimizer.param_groups for p in g["params"] if p.grad is not None]
-    before, after, kept = _grad_norms(grads, writes, plan.still)
+    before, after, kept = _grad_norms(grads, writes, plan.still, record.read)
     report.grad_norm_before, report.grad_norm_after = math.sqrt(before), math.sqrt(after)
     report.objective_before = norm_start + kept
     report.objective_after = kept + (float(torch.stack(writes.norm_after).sum()) if writes.norm_after else norm_start)

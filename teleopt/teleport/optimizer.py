@@ -428,10 +428,8 @@ class Teleport(OptimizerWrapper):
 
     @no_grad_step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Teleport if scheduled (or roll back a teleport that went wrong), then step the base optimizer.
-
-        A base that evaluates the closure itself (``LBFGS``) gets it; when a teleport is due, the closure
-        runs once more beforehand so the teleport sees fresh gradients."""
+        """Teleport if scheduled (or roll back a teleport that went wrong), then step the base optimizer.  A base
+        that evaluates the closure itself (``LBFGS``) gets it; a due teleport runs it once more for fresh gradients."""
         if torch_initialising_step(self):  # torch's lr-0 step creating the state: not a training step
             return self._step_base(closure, self._closure_before_step(closure))
         loss = self._closure_before_step(closure)  # None when the base evaluates the closure
@@ -439,15 +437,18 @@ class Teleport(OptimizerWrapper):
         due = self._enabled() and self._schedule.due(record.step, record.accepted)
         if self.base_needs_closure and (due or record.watch is not None):
             loss = self._run_closure(closure)
-        if record.watch is None and self._schedule.soon(record.step, record.accepted, REFERENCE_STEPS):
-            record.sample(self._grads())  # the watch's reference for the next teleport
-        elif record.watch is not None and record.watch.triggered(self._grads(), loss, *self._watch_limits):
-            with full_precision():
-                self._rollback_watch(record.step)
-            record.step += 1
-            return loss
-        if due:  # lean balance where it can be (no batch_fn call), else the engine on batch_fn's batch
-            scheduled_teleports(self, loss)
+        try:  # ||grad||^2 is read once: the lean balance takes the watch's or the sample's (record.read)
+            if record.watch is None and self._schedule.soon(record.step, record.accepted, REFERENCE_STEPS):
+                record.sample(self._grads())  # the watch's reference for the next teleport
+            elif record.watch is not None and record.watch_fired(self._grads(), loss, *self._watch_limits):
+                with full_precision():
+                    self._rollback_watch(record.step)
+                record.step += 1
+                return loss
+            if due:  # lean balance where it can be (no batch_fn call), else the engine on batch_fn's batch
+                scheduled_teleports(self, loss)
+        finally:
+            record.read = None
         loss = self._step_base(closure, loss)
         record.step += 1
         record.settle(self._safety.backoff)  # teleports that came through their watch window leave it

@@ -75,7 +75,13 @@ def squared_norm(grads: list[Tensor]) -> float:
     if any(is_sharded(g) for g in grads):  # FSDP2: the norm of the whole gradients, summed over ranks
         return square_sum(grads)
     dense = [g.coalesce().values() if g.is_sparse else g for g in grads]  # a sparse gradient's norm is its values'
-    return float(torch.stack([n.to(torch.float64).cpu() for n in torch._foreach_norm(dense)]).square().sum())
+    if not dense:
+        return 0.0
+    norms = torch._foreach_norm(dense)
+    if any(n.device != norms[0].device for n in norms):  # gradients on several devices: one read per norm
+        return sum(n.item() ** 2 for n in norms)
+    # one device-to-host read for all the norms (a read per norm is a host sync per norm), squared in float64 here
+    return sum(v * v for v in torch.stack(norms).tolist())
 
 
 def reference(before: float | None, after: float | None, recent: Sequence[float] = ()) -> float:
@@ -209,16 +215,17 @@ class Watch:
         losses = [w.loss_ref for w in self.chain if w.loss_ref is not None]
         return min(grads, default=0.0), min(losses, default=None)
 
-    def alarm(self, grads: list[Tensor], loss: Any, factor: float, patience: int = 1) -> str | None:
+    def alarm(self, grads: list[Tensor], loss: Any, factor: float, patience: int = 1, squared: float | None = None) -> str | None:
         """Why this rank's gradients ``grads`` or ``loss`` call for a rollback (``None``: all well).
 
         A non-finite value, a ratio to the reference above ``max(factor, factor**2)``, or ratios above
-        ``factor`` on ``patience`` consecutive calls (``strikes`` counts them) do.
+        ``factor`` on ``patience`` consecutive calls (``strikes`` counts them) do.  ``squared``: ||grads||^2
+        when already read (:meth:`TeleportRecord.read_grads`), else it is read here.
         """
         grad_ref, loss_ref = self._references()
         ratios: list[tuple[float, str]] = []
         if grads:
-            sq = squared_norm(grads)
+            sq = squared_norm(grads) if squared is None else squared
             if not math.isfinite(sq):
                 return "non-finite gradient"
             if grad_ref > 0:
@@ -238,9 +245,9 @@ class Watch:
         self.strikes = strikes
         return None
 
-    def triggered(self, grads: list[Tensor], loss: Any, factor: float, patience: int = 1) -> bool:
+    def triggered(self, grads: list[Tensor], loss: Any, factor: float, patience: int = 1, squared: float | None = None) -> bool:
         """Whether any rank's :meth:`alarm` went off (then ``why`` says why)."""
-        why = self.alarm(grads, loss, factor, patience)
+        why = self.alarm(grads, loss, factor, patience, squared)
         device = local(grads[0]).device if grads else None
         fired = any_rank(
             why is not None,
@@ -343,6 +350,19 @@ class TeleportRecord:
     backoff: float = 1.0
     watch: Watch | None = None
     recent: list[tuple[int, float]] = field(default_factory=list)
+    #: ||grad||^2 as this step's watch or reference sample read it (:meth:`read_grads`), for the lean balance's
+    #: ||g||^2 before its move; ``Teleport.step`` clears it before the base's update (never saved)
+    read: float | None = field(default=None, compare=False, repr=False)
+
+    def watch_fired(self, grads: list[Tensor], loss: Any, factor: float, patience: int) -> bool:
+        """Whether the open watch calls for a rollback on this step's ``grads`` and ``loss`` (:meth:`Watch.triggered`;
+        ||grads||^2 read by :meth:`read_grads`)."""
+        return self.watch is not None and self.watch.triggered(grads, loss, factor, patience, self.read_grads(grads))
+
+    def read_grads(self, grads: list[Tensor]) -> float:
+        """||grads||^2 (:func:`squared_norm`; ``nan`` without gradients), kept in :attr:`read` for this step."""
+        self.read = squared_norm(grads) if grads else math.nan
+        return self.read
 
     def open_watch(self, undo: Snapshot | InverseMove, steps: int, report: TeleportReport) -> None:
         """Watch the teleport of ``report``, accepted at this step, for ``steps`` steps (rolled back by ``undo``),
@@ -367,7 +387,7 @@ class TeleportRecord:
 
     def sample(self, grads: list[Tensor]) -> None:
         """Keep this step's ||grad||^2 for the next teleport's :func:`reference` (the last ``REFERENCE_STEPS``)."""
-        value = squared_norm(grads) if grads else math.nan
+        value = self.read_grads(grads)
         if math.isfinite(value):  # a non-finite step is no reference
             self.recent = [*self.recent[-(REFERENCE_STEPS - 1) :], (self.step, value)]
 
