@@ -1,7 +1,8 @@
 """Teleport's default balance against the bare base optimizer, paired over seeds, per base optimizer.
 
 Setting: the loops of ``examples/03_torch_optimizer.py`` (digits MLP 64-64-64-10
-with biases, LeakyReLU, batches of 32, lr 1e-2) and of ``examples/10_fsdp2.py`` run
+with biases, LeakyReLU, batches of 32, lr 1e-2; ``Yogi-lr5e-3`` halves Yogi's,
+``AdamW-wd`` adds AdamW's default decoupled weight decay 1e-2) and of ``examples/10_fsdp2.py`` run
 in one process (the small CNN, AdamW, windows of 64), 400 steps, no Syre.  Each seed
 runs the baseline and every arm from the same initial weights on the same batches;
 the table gives the paired difference arm - baseline of the test accuracy (points)
@@ -58,8 +59,10 @@ def _bases() -> dict[str, Callable[[Any], torch.optim.Optimizer]]:
 
     return {
         "Yogi": lambda p: torch_optimizer.Yogi(p, lr=1e-2),
+        "Yogi-lr5e-3": lambda p: torch_optimizer.Yogi(p, lr=5e-3),
         "Lamb": lambda p: torch_optimizer.Lamb(p, lr=1e-2),
         "AdamW": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.0),
+        "AdamW-wd": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=1e-2),
         "SGD": lambda p: torch.optim.SGD(p, lr=5e-2, momentum=0.9),
         "cnn-AdamW": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.0),
     }
