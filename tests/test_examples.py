@@ -114,31 +114,61 @@ def test_02_timm_auto_sites(capsys):
 
 def test_03_torch_optimizer(capsys):
     pytest.importorskip("torch_optimizer")
-    results = load("03_torch_optimizer.py").main(["--quick"])
+    module = load("03_torch_optimizer.py")
+    results = module.main(["--quick"])
     assert set(results) == {"Lamb", "Yogi"}
     for name, r in results.items():
         assert r["identical"], f"{name}: the run resumed from the checkpoint diverged"
+        assert r["lr"] == module.TUNED[120][name]  # both runs at the bare optimizer's tuned learning rate
         accepted = [x for x in r["reports"] if x.accepted]
         assert accepted, f"{name}: no teleport accepted"
         # exp_avg and exp_avg_sq have exact rules under positive rescalings: they were transported
         assert r["decisions"].get("transport", 0) > 0
         assert r["accuracy"] > 0.8
         assert r["penalty"] > 0  # Syre's decay term towards the anchor is live
-        # no worse than the bare base optimizer on the same weights and batches
+        # no worse than the bare base optimizer on the same weights and batches; the held-out loss, not the
+        # training loss, since Syre's decay towards the anchor is a regulariser (measured: test loss x0.97, x0.96)
         assert_no_worse(r["accuracy"], r["baseline_accuracy"], higher_is_better=True)
-        assert_no_worse(r["train_loss"], r["baseline_train_loss"], higher_is_better=False)
+        assert_no_worse(r["test_loss"], r["baseline_test_loss"], higher_is_better=False)
         assert_rollbacks_rare(r["reports"])
     printed = capsys.readouterr().out
-    assert "baseline (Lamb alone)" in printed and "baseline (Yogi alone)" in printed and "rolled back" in printed
+    assert "baseline (Lamb alone" in printed and "baseline (Yogi alone" in printed and "rolled back" in printed
+
+
+def test_03_tuned_learning_rates_are_what_the_validation_grid_selects(capsys):
+    """``--tune`` at the quick budget picks the table's learning rates from the validation split alone."""
+    pytest.importorskip("torch_optimizer")
+    module = load("03_torch_optimizer.py")
+    from teleopt.datasets import load_digits
+
+    data = load_digits(seed=0)
+    held_out = data.x_test.clone()
+    data.x_test.fill_(float("nan"))  # the test rows must not enter the choice
+    assert module.tune(data, 120) == module.TUNED[120]
+    assert torch.isnan(data.x_test).all() and held_out.isfinite().all()
+    assert "tune Yogi lr 2e-02: validation loss" in capsys.readouterr().out
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="measured at seed 1, 400 steps: Lamb 0.944 vs 0.964, Yogi 0.962 vs 0.969")
-def test_03_full_run_is_no_worse_than_the_bare_optimizer_in_seed_1():
-    """The full run at a seed where the wrappers cost accuracy (the docstring's figures): this fails until they don't."""
+def test_03_tuned_learning_rates_at_the_full_budget():
+    pytest.importorskip("torch_optimizer")
+    module = load("03_torch_optimizer.py")
+    from teleopt.datasets import load_digits
+
+    assert module.tune(load_digits(seed=0), 400) == module.TUNED[400]
+
+
+@pytest.mark.slow
+def test_03_full_run_is_no_worse_than_the_tuned_bare_optimizer_in_seed_1():
+    """The full run at the seed where the untuned learning rate cost 2.0 (Lamb) and 0.7 points (Yogi).
+
+    Measured at the tuned learning rates: Lamb 0.971 vs 0.971, Yogi 0.969 vs 0.969, no rollback. Seed 0 under Lamb
+    still misses (0.956 vs 0.962), as the example's docstring says.
+    """
     pytest.importorskip("torch_optimizer")
     for r in load("03_torch_optimizer.py").main(["--seed", "1"]).values():
         assert_no_worse(r["accuracy"], r["baseline_accuracy"], higher_is_better=True)
+        assert_no_worse(r["test_loss"], r["baseline_test_loss"], higher_is_better=False)
         assert_rollbacks_rare(r["reports"])
 
 
