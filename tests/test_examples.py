@@ -324,19 +324,28 @@ def test_10_fsdp2_under_torchrun(capsys):
     assert result["resumed_exactly"]  # DCP save, fresh model and optimizer, load: the same trajectory bitwise
     # channel rescalings stay on the shards: a teleport sends per-channel statistics, not the parameters
     assert 0 < result["teleport_bytes"] <= 0.25 * result["param_bytes"], result
-    assert result["accuracy"] > 0.9  # measured 0.943 (200 steps)
+    assert result["lr"] == load("10_fsdp2.py").TUNED[200]  # both runs at the bare AdamW's tuned learning rate
+    assert result["accuracy"] > 0.9  # measured 0.912 (200 steps)
     # no worse than the bare AdamW on the same shards, weights and batches; no teleport rolled back
     assert_no_worse(result["accuracy"], result["baseline_accuracy"], higher_is_better=True)
     assert_no_worse(result["test_loss"], result["baseline_test_loss"], higher_is_better=False)
     accepted = sum(1 for _, ok, _ in result["teleports"] if ok)
     assert accepted and result["rolled_back"] < 0.1 * accepted
     printed = capsys.readouterr().out
-    assert "ranks identical: True" in printed and "baseline (AdamW alone)" in printed and "rolled back" in printed
+    assert "ranks identical: True" in printed and "baseline (AdamW alone, lr" in printed and "rolled back" in printed
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="measured at seed 0, 400 steps: test accuracy 0.960 vs 0.966 (2 digits of 297)")
-def test_10_full_run_is_no_worse_than_adamw_alone():
-    """The full run, which loses 2 test digits to the bare AdamW (the docstring's figures): this fails until it doesn't."""
-    result = load("10_fsdp2.py").main([])
+def test_10_full_run_is_no_worse_than_the_tuned_adamw_alone_in_seed_0():
+    """The full run at the tuned learning rate (measured: 0.953 vs 0.949, test loss x0.968; at lr 1e-2 it lost)."""
+    result = load("10_fsdp2.py").main(["--seed", "0"])
+    assert_no_worse(result["accuracy"], result["baseline_accuracy"], higher_is_better=True)
+    assert_no_worse(result["test_loss"], result["baseline_test_loss"], higher_is_better=False)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="measured at seed 2, 400 steps: test accuracy 0.949 vs 0.963 (4 digits of 297)")
+def test_10_full_run_is_no_worse_than_the_tuned_adamw_alone_in_seed_2():
+    """The seed the tuned run still loses in (the docstring's figures): this fails until it doesn't."""
+    result = load("10_fsdp2.py").main(["--seed", "2"])
     assert_no_worse(result["accuracy"], result["baseline_accuracy"], higher_is_better=True)
