@@ -114,31 +114,61 @@ def test_02_timm_auto_sites(capsys):
 
 def test_03_torch_optimizer(capsys):
     pytest.importorskip("torch_optimizer")
-    results = load("03_torch_optimizer.py").main(["--quick"])
+    module = load("03_torch_optimizer.py")
+    results = module.main(["--quick"])
     assert set(results) == {"Lamb", "Yogi"}
     for name, r in results.items():
         assert r["identical"], f"{name}: the run resumed from the checkpoint diverged"
+        assert r["lr"] == module.TUNED[120][name]  # both runs at the bare optimizer's tuned learning rate
         accepted = [x for x in r["reports"] if x.accepted]
         assert accepted, f"{name}: no teleport accepted"
         # exp_avg and exp_avg_sq have exact rules under positive rescalings: they were transported
         assert r["decisions"].get("transport", 0) > 0
         assert r["accuracy"] > 0.8
         assert r["penalty"] > 0  # Syre's decay term towards the anchor is live
-        # no worse than the bare base optimizer on the same weights and batches
+        # no worse than the bare base optimizer on the same weights and batches; the held-out loss, not the
+        # training loss, since Syre's decay towards the anchor is a regulariser (measured: test loss x0.97, x0.96)
         assert_no_worse(r["accuracy"], r["baseline_accuracy"], higher_is_better=True)
-        assert_no_worse(r["train_loss"], r["baseline_train_loss"], higher_is_better=False)
+        assert_no_worse(r["test_loss"], r["baseline_test_loss"], higher_is_better=False)
         assert_rollbacks_rare(r["reports"])
     printed = capsys.readouterr().out
-    assert "baseline (Lamb alone)" in printed and "baseline (Yogi alone)" in printed and "rolled back" in printed
+    assert "baseline (Lamb alone" in printed and "baseline (Yogi alone" in printed and "rolled back" in printed
+
+
+def test_03_tuned_learning_rates_are_what_the_validation_grid_selects(capsys):
+    """``--tune`` at the quick budget picks the table's learning rates from the validation split alone."""
+    pytest.importorskip("torch_optimizer")
+    module = load("03_torch_optimizer.py")
+    from teleopt.datasets import load_digits
+
+    data = load_digits(seed=0)
+    held_out = data.x_test.clone()
+    data.x_test.fill_(float("nan"))  # the test rows must not enter the choice
+    assert module.tune(data, 120) == module.TUNED[120]
+    assert torch.isnan(data.x_test).all() and held_out.isfinite().all()
+    assert "tune Yogi lr 2e-02: validation loss" in capsys.readouterr().out
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="measured at seed 1, 400 steps: Lamb 0.944 vs 0.964, Yogi 0.962 vs 0.969")
-def test_03_full_run_is_no_worse_than_the_bare_optimizer_in_seed_1():
-    """The full run at a seed where the wrappers cost accuracy (the docstring's figures): this fails until they don't."""
+def test_03_tuned_learning_rates_at_the_full_budget():
+    pytest.importorskip("torch_optimizer")
+    module = load("03_torch_optimizer.py")
+    from teleopt.datasets import load_digits
+
+    assert module.tune(load_digits(seed=0), 400) == module.TUNED[400]
+
+
+@pytest.mark.slow
+def test_03_full_run_is_no_worse_than_the_tuned_bare_optimizer_in_seed_1():
+    """The full run at the seed where the untuned learning rate cost 2.0 (Lamb) and 0.7 points (Yogi).
+
+    Measured at the tuned learning rates: Lamb 0.971 vs 0.971, Yogi 0.969 vs 0.969, no rollback. Seed 0 under Lamb
+    still misses (0.956 vs 0.962), as the example's docstring says.
+    """
     pytest.importorskip("torch_optimizer")
     for r in load("03_torch_optimizer.py").main(["--seed", "1"]).values():
         assert_no_worse(r["accuracy"], r["baseline_accuracy"], higher_is_better=True)
+        assert_no_worse(r["test_loss"], r["baseline_test_loss"], higher_is_better=False)
         assert_rollbacks_rare(r["reports"])
 
 
@@ -294,19 +324,28 @@ def test_10_fsdp2_under_torchrun(capsys):
     assert result["resumed_exactly"]  # DCP save, fresh model and optimizer, load: the same trajectory bitwise
     # channel rescalings stay on the shards: a teleport sends per-channel statistics, not the parameters
     assert 0 < result["teleport_bytes"] <= 0.25 * result["param_bytes"], result
-    assert result["accuracy"] > 0.9  # measured 0.943 (200 steps)
+    assert result["lr"] == load("10_fsdp2.py").TUNED[200]  # both runs at the bare AdamW's tuned learning rate
+    assert result["accuracy"] > 0.9  # measured 0.912 (200 steps)
     # no worse than the bare AdamW on the same shards, weights and batches; no teleport rolled back
     assert_no_worse(result["accuracy"], result["baseline_accuracy"], higher_is_better=True)
     assert_no_worse(result["test_loss"], result["baseline_test_loss"], higher_is_better=False)
     accepted = sum(1 for _, ok, _ in result["teleports"] if ok)
     assert accepted and result["rolled_back"] < 0.1 * accepted
     printed = capsys.readouterr().out
-    assert "ranks identical: True" in printed and "baseline (AdamW alone)" in printed and "rolled back" in printed
+    assert "ranks identical: True" in printed and "baseline (AdamW alone, lr" in printed and "rolled back" in printed
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="measured at seed 0, 400 steps: test accuracy 0.960 vs 0.966 (2 digits of 297)")
-def test_10_full_run_is_no_worse_than_adamw_alone():
-    """The full run, which loses 2 test digits to the bare AdamW (the docstring's figures): this fails until it doesn't."""
-    result = load("10_fsdp2.py").main([])
+def test_10_full_run_is_no_worse_than_the_tuned_adamw_alone_in_seed_0():
+    """The full run at the tuned learning rate (measured: 0.953 vs 0.949, test loss x0.968; at lr 1e-2 it lost)."""
+    result = load("10_fsdp2.py").main(["--seed", "0"])
+    assert_no_worse(result["accuracy"], result["baseline_accuracy"], higher_is_better=True)
+    assert_no_worse(result["test_loss"], result["baseline_test_loss"], higher_is_better=False)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="measured at seed 2, 400 steps: test accuracy 0.949 vs 0.963 (4 digits of 297)")
+def test_10_full_run_is_no_worse_than_the_tuned_adamw_alone_in_seed_2():
+    """The seed the tuned run still loses in (the docstring's figures): this fails until it doesn't."""
+    result = load("10_fsdp2.py").main(["--seed", "2"])
     assert_no_worse(result["accuracy"], result["baseline_accuracy"], higher_is_better=True)
