@@ -134,6 +134,17 @@ def _close(a: Tensor, b: Tensor) -> float:
     return float((a - b).abs().max()) / scale
 
 
+def _step_with_engine_twin(model: nn.Module, opt: Teleport, x: Tensor, y: Tensor) -> tuple[nn.Module, Teleport]:
+    """One step of the lean wrapper and of a copy of it (taken before the step) whose companion is off: the engine."""
+    twin, engine_opt = copy.deepcopy((model, opt))
+    BalanceCompanion.of(engine_opt).enabled = False
+    for m, o in ((model, opt), (twin, engine_opt)):
+        o.zero_grad()
+        nn.functional.mse_loss(m(x), y).backward()
+        o.step()
+    return twin, engine_opt
+
+
 @pytest.mark.parametrize("make", [lora_like, attention, llama], ids=["lora-like", "attention", "llama"])
 def test_the_lean_path_moves_parameters_and_moments_as_the_engine_does(make) -> None:
     # each step from one state twice: the lean wrapper, and a copy of it whose companion is off (the engine).
@@ -143,12 +154,7 @@ def test_the_lean_path_moves_parameters_and_moments_as_the_engine_does(make) -> 
     _, _, x, y = make()
     lean, moved = 0, 0.0
     for _ in range(7):
-        twin, engine_opt = copy.deepcopy((model, opt))
-        BalanceCompanion.of(engine_opt).enabled = False
-        for m, o in ((model, opt), (twin, engine_opt)):
-            o.zero_grad()
-            nn.functional.mse_loss(m(x), y).backward()
-            o.step()
+        twin, engine_opt = _step_with_engine_twin(model, opt, x, y)
         a, b = opt.reports[-1], engine_opt.reports[-1]
         assert b.check != "none" and a.accepted == b.accepted
         if a.check == "none":
@@ -417,12 +423,7 @@ def test_a_declined_lean_teleport_reports_the_engines_weight_norm() -> None:
     for group in opt.param_groups:
         group["lr"] = 0.0
     step()
-    twin, engine_opt = copy.deepcopy((model, opt))
-    BalanceCompanion.of(engine_opt).enabled = False
-    for m, o in ((model, opt), (twin, engine_opt)):
-        o.zero_grad()
-        nn.functional.mse_loss(m(x), y).backward()
-        o.step()
+    _, engine_opt = _step_with_engine_twin(model, opt, x, y)
     a, b = opt.reports[-1], engine_opt.reports[-1]
     assert a.check == "none" and not a.accepted and "no improvement" in a.reason, (a.check, a.reason)
     assert not b.accepted and a.objective_before == pytest.approx(b.objective_before, rel=1e-12)
