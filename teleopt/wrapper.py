@@ -128,6 +128,10 @@ def _step_without_global_hooks(optimizer: Optimizer, args: tuple[Any, ...]) -> A
 
 def _between_instance_hooks(optimizer: Optimizer, raw: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     """``raw(optimizer, *args)`` between ``optimizer``'s instance step pre- and post-hooks, as torch's patch runs it."""
+    if not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks:  # most steps: no hooks
+        out = raw(optimizer, *args)
+        optimizer._optimizer_step_code()
+        return out
     kwargs: dict[str, Any] = {}
     call_args: tuple[Any, ...] = (optimizer, *args)
     for pre_hook in optimizer._optimizer_step_pre_hooks.values():
@@ -243,9 +247,9 @@ class OptimizerWrapper(Optimizer):
         """The wrapped optimizer."""
         return self._base
 
-    @property
+    @functools.cached_property
     def innermost(self) -> Optimizer:
-        """The real optimizer at the bottom of a stack of wrappers."""
+        """The real optimizer at the bottom of a stack of wrappers (fixed at construction: read once)."""
         inner = self._base
         while isinstance(inner, OptimizerWrapper):
             inner = inner.base
