@@ -8,8 +8,8 @@ shard.  They accept the wrappers as they are, and so does torch's
 FSDP2 take): the wrappers are real ``Optimizer``s sharing ``param_groups`` and
 ``state`` with their base; :class:`~teleopt.Syre`'s anchors are per-parameter
 state; ``Teleport``'s record (step and teleport counters, the caps' backoff, its
-generator state and the watch in progress) travels serialised in the first param
-group (``"teleopt_teleport_state"``, one string that ``dcp.load`` reads whole),
+generator state and the watch in progress) travels in the first param group
+(``"teleopt_teleport_state"``, a one-element tuple: one leaf that ``dcp.load`` reads whole),
 since torch drops top-level entries; and torch's initialising step (an optimizer
 without state is stepped once with zero gradients at learning rate 0) is not a
 training step: ``Teleport`` neither teleports nor counts in it

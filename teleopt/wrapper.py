@@ -128,6 +128,10 @@ def _step_without_global_hooks(optimizer: Optimizer, args: tuple[Any, ...]) -> A
 
 def _between_instance_hooks(optimizer: Optimizer, raw: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     """``raw(optimizer, *args)`` between ``optimizer``'s instance step pre- and post-hooks, as torch's patch runs it."""
+    if not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks:  # most steps: no hooks
+        out = raw(optimizer, *args)
+        optimizer._optimizer_step_code()
+        return out
     kwargs: dict[str, Any] = {}
     call_args: tuple[Any, ...] = (optimizer, *args)
     for pre_hook in optimizer._optimizer_step_pre_hooks.values():
@@ -143,23 +147,27 @@ def _between_instance_hooks(optimizer: Optimizer, raw: Callable[..., Any], args:
     return out
 
 
-def encode_record(top: dict[str, Any]) -> str:
-    """A wrapper's top-level state as one string (``torch.save``, base64) for a param group.
+def encode_record(top: dict[str, Any]) -> tuple[dict[str, Any]]:
+    """A wrapper's top-level record as the one-element tuple a param group carries it in.
 
-    torch's ``get_optimizer_state_dict`` keeps only ``"state"`` and ``"param_groups"``, and
-    ``dcp.load`` reads only the leaves the loading side already has: one string leaf travels whole.
+    torch's ``get_optimizer_state_dict`` keeps only ``"state"`` and ``"param_groups"``, and ``dcp.load`` reads
+    only the leaves the loading side already has: the record must travel as one leaf.  ``dcp`` walks into
+    dicts and lists but keeps a tuple whole (``torch.distributed.checkpoint._traverse``) and saves it with
+    ``torch.save``, tensors as raw storage; in a plain ``torch.save(opt.state_dict())`` the tuple holds the very
+    objects of the top-level record, which pickle and ``torch.save`` write once.
     """
-    buf = io.BytesIO()
-    torch.save(top, buf)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    return (top,)
 
 
-def decode_record(text: Any, field: str) -> Any:
-    """What :func:`encode_record` wrote (``torch.load(weights_only=True)``); ``ValueError`` naming ``field``."""
-    if not isinstance(text, str):
-        raise ValueError(f"{field} must be the string state_dict() wrote, got {type(text).__name__}")
+def decode_record(value: Any, field: str) -> Any:
+    """The record :func:`encode_record` wrapped, or one an older teleopt wrote as a base64 string of its
+    ``torch.save`` (read with ``weights_only=True``); ``ValueError`` naming ``field``."""
+    if isinstance(value, tuple) and len(value) == 1:
+        return value[0]
+    if not isinstance(value, str):
+        raise ValueError(f"{field} must be the record state_dict() wrote, got {type(value).__name__}")
     try:
-        return torch.load(io.BytesIO(base64.b64decode(text.encode("ascii"), validate=True)), weights_only=True)
+        return torch.load(io.BytesIO(base64.b64decode(value.encode("ascii"), validate=True)), weights_only=True)
     except Exception as e:  # noqa: BLE001 - any decoding failure is a damaged field
         raise ValueError(f"{field} cannot be read ({type(e).__name__}: {e})") from None
 
@@ -239,9 +247,9 @@ class OptimizerWrapper(Optimizer):
         """The wrapped optimizer."""
         return self._base
 
-    @property
+    @functools.cached_property
     def innermost(self) -> Optimizer:
-        """The real optimizer at the bottom of a stack of wrappers."""
+        """The real optimizer at the bottom of a stack of wrappers (fixed at construction: read once)."""
         inner = self._base
         while isinstance(inner, OptimizerWrapper):
             inner = inner.base
@@ -339,7 +347,7 @@ class OptimizerWrapper(Optimizer):
 
     @property
     def _group_key(self) -> str:
-        """The first param group's key holding the top-level record serialised (:func:`encode_record`).
+        """The first param group's key holding the top-level record (:func:`encode_record`: one leaf for ``dcp``).
 
         A wrapper with a top-level record also keeps the key, empty, in its live groups (a default ``state=""``):
         torch's ``flatten_optimizer_state_dict`` option restores only the group keys the live groups have."""
@@ -360,7 +368,7 @@ class OptimizerWrapper(Optimizer):
         sd = {**sd, "state": state}
         if top:
             sd[self._top_key] = top
-            # torch's get_optimizer_state_dict keeps "state" and "param_groups" only: the same record, serialised
+            # torch's get_optimizer_state_dict keeps "state" and "param_groups" only: the same record's objects
             groups = [dict(group) for group in sd["param_groups"]]
             groups[0][self._group_key] = encode_record(self._portable_state(top))
             sd["param_groups"] = groups

@@ -6,12 +6,15 @@ between ``step()`` being called and the base's update, and after it (the base's 
 count).  A quiet step (no teleport due, none watched, no reference sampled) runs none; a step in the watch
 window after a teleport, or a reference-sampling step before one, reads the gradient norm with a fixed number of
 operations, however many parameter tensors the model has (one fused ``_foreach_norm``, one stack, no host sync
-through the dispatcher: the norms come back in one ``tolist``).
+through the dispatcher: the norms come back in one ``tolist``).  A quiet step's Python is counted too: the
+calls into teleopt's own functions, which on a quiet step only hand the update to the base.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +23,7 @@ from test_balance_companion import lora_like
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import teleopt
 from teleopt.teleport import Schedule, Teleport
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -104,6 +108,40 @@ def test_a_quiet_step_runs_no_tensor_operation_outside_the_base_update(optimizer
     wrapper.record.step = wrapper.record.watch.until + 1  # type: ignore[union-attr]
     wrapper.record.watch = None  # after the window
     assert _own_ops(model, wrapper, batch) == Counter()
+
+
+def _own_python_calls(model: nn.Module, wrapper: Teleport, batch: tuple[torch.Tensor, torch.Tensor]) -> list[str]:
+    """The teleopt functions one ``wrapper.step()`` calls (after a backward), in order, by name."""
+    _backward(model, wrapper, batch)
+    package = str(Path(teleopt.__file__).parent)
+    calls: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        wrapper.step()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_quiet_step_asks_the_schedule_once_and_hands_the_update_to_the_base(optimizer: str) -> None:
+    """Past the first step of a quiet stretch (which finds where it ends), a quiet step is the ``no_grad`` wrapper,
+    ``step``, one ``Schedule.quiet`` (two integer comparisons) and the base's update: no ``due``/``soon``/group
+    scan per step (15 teleopt calls before the quiet path, 6 with it)."""
+    model = _mlp(3)
+    wrapper, batch = _wrapper(model, optimizer)
+    wrapper.record.step = 100
+    _own_python_calls(model, wrapper, batch)  # the first: the base creates its state (the slow path: torch's own?)
+    assert "_open_window" in _own_python_calls(model, wrapper, batch)  # the second finds the quiet stretch (to 195)
+    for _ in range(3):
+        calls = _own_python_calls(model, wrapper, batch)
+        assert calls == ["without_grad", "step", "quiet", "_step_base", "_step_without_global_hooks", "_between_instance_hooks"], calls
+    assert wrapper.record.step == 105
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])

@@ -58,7 +58,8 @@ from teleopt.teleport.paper_compat import PaperCompatEngine, check_paper_compat_
 from teleopt.teleport.precision import PrecisionRecorder, full_precision
 from teleopt.teleport.record_check import check_groups, check_record
 from teleopt.teleport.report import Tally, TeleportReport
-from teleopt.teleport.safety import SafetyConfig, default_loss_tol
+from teleopt.teleport.rollback import rollback_watch
+from teleopt.teleport.safety import SafetyConfig
 from teleopt.teleport.schedule import Schedule
 from teleopt.teleport.scheduled import scheduled_teleports
 from teleopt.teleport.search import SearchConfig
@@ -430,10 +431,17 @@ class Teleport(OptimizerWrapper):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Teleport if scheduled (or roll back a teleport that went wrong), then step the base optimizer.  A base
         that evaluates the closure itself (``LBFGS``) gets it; a due teleport runs it once more for fresh gradients."""
+        record = self._record
+        # a quiet step (nothing to read, check or teleport; the base has state: not torch's initialising step)
+        if closure is None and record.watch is None and not self.base_needs_closure and self.innermost.state:
+            if self._schedule.quiet(record.step, record.accepted, REFERENCE_STEPS):  # two int comparisons, mostly
+                record.read = None
+                self._step_base()
+                record.step += 1
+                return None
         if torch_initialising_step(self):  # torch's lr-0 step creating the state: not a training step
             return self._step_base(closure, self._closure_before_step(closure))
         loss = self._closure_before_step(closure)  # None when the base evaluates the closure
-        record = self._record
         due = self._enabled() and self._schedule.due(record.step, record.accepted)
         if self.base_needs_closure and (due or record.watch is not None):
             loss = self._run_closure(closure)
@@ -548,23 +556,7 @@ class Teleport(OptimizerWrapper):
         return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
 
     def _rollback_watch(self, step: int) -> None:
-        record = self._record
-        watch = record.watch
-        assert watch is not None
-        tol = self._safety.loss_tol if self._safety.loss_tol is not None else default_loss_tol(next(iter(self._param_list())).dtype)
-        with self._atomic() as transaction:  # all or nothing, as a teleport (teleopt.teleport.transaction)
-            transaction.protect(*watch.writes())
-            how = watch.undo(self._probe_inputs()[0], self._check_seed(), tol)
-            self._lookahead.undo(self._module)
-            for p in self._param_list():
-                p.grad = None
-            record.rolled_back(self._safety.backoff)
-        report = TeleportReport(step=step, path="watch", objective=self._objective.name, sites=list(self._sites or []))
-        report.reason = (
-            f"rolled back after {step - watch.teleport_step} step(s): {watch.why}; parameters and optimizer state "
-            f"{how}, caps scaled by {record.backoff:g}"
-        )
-        self._call_hooks(report)
+        rollback_watch(self, step)
 
     # ------------------------------------------------------------------ state
     def _param_list(self) -> list[Tensor]:

@@ -20,7 +20,9 @@ teleporting after that many accepted ones.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 __all__ = ["Schedule"]
 
@@ -71,6 +73,14 @@ class Schedule:
         self.batches = _int(batches, "batches", 1)
         self.max_teleports = None if max_teleports is None else _int(max_teleports, "max_teleports", 1)
 
+    #: The quiet steps found last (:meth:`quiet`): steps in [lo, hi) at ``accepted`` teleports with ``within``.
+    _window: tuple[int, float, int, int] = (0, 0.0, -1, -1)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name != "_window":  # a changed schedule has other quiet steps
+            super().__setattr__("_window", Schedule._window)
+
     @property
     def manual(self) -> bool:
         """True when teleports happen only on request."""
@@ -99,6 +109,30 @@ class Schedule:
             first = max(step + 1, self.warmup)
             return first + (-(first - self.warmup)) % self.every <= step + within
         return self.at is not None and any(step + j in self.at for j in range(1, within + 1))
+
+    def quiet(self, step: int, accepted: int, within: int) -> bool:
+        """``not due(step, accepted) and not soon(step, accepted, within)``, for a step that must cost little.
+
+        ``every`` and manual schedules (and one whose ``max_teleports`` are used up) answer from the window of
+        quiet steps found last, two integer comparisons; ``at`` and ``when`` schedules answer ``False`` (the
+        caller asks :meth:`due` and :meth:`soon`: a ``when`` callable is called once per step, by them)."""
+        lo, hi, known, near = self._window
+        if lo <= step < hi and known == accepted and near == within:
+            return True
+        return self._open_window(step, accepted, within)
+
+    def _open_window(self, step: int, accepted: int, within: int) -> bool:
+        """:meth:`quiet` without the window; opens the window of quiet steps from ``step`` where there is one."""
+        if self.when is not None or self.at is not None:
+            return False
+        hi: float = math.inf
+        if self.every is not None and (self.max_teleports is None or accepted < self.max_teleports):
+            due = self.warmup if step <= self.warmup else step + (-(step - self.warmup)) % self.every  # the next due
+            hi = due - within  # from there on a teleport is due within `within` steps (soon) or now (due)
+        if step >= hi:
+            return False
+        self._window = (step, hi, accepted, within)
+        return True
 
     def __repr__(self) -> str:
         if self.every is not None:
