@@ -48,7 +48,7 @@ class _Slot:
 @dataclass(frozen=True, repr=False)
 class Chain:
     """What the engine's weight-norm model (:class:`~teleopt.teleport.balance.WeightNormModel`) reads for a plan
-    whose sites share tensors: every parameter by name (detached views of the live tensors) and the trainable ones."""
+    whose sites share tensors: the sites' parameters by name (detached views of the live tensors) and the trainable ones."""
 
     tensors: dict[str, Tensor]
     counted: set[str]
@@ -211,7 +211,8 @@ def build_plan(engine: TeleportEngine, sites: list[Site], skipped: dict[str, str
     plan.keys = {id(s.param): tuple(cfg.optimizer.state[s.param]) for s in slots}
     trainable = {id(p) for g in cfg.optimizer.param_groups for p in g["params"] if p.requires_grad}
     if coupled:  # what the engine's weight-norm model reads: the live tensors and the trainable names
-        plan.chain = Chain({n: p.detach() for n, p in params.items()}, {n for n, p in params.items() if id(p) in trainable})
+        tensors = {n: params[n].detach() for site in sites for n in site.tensor_names if n in params}
+        plan.chain = Chain(tensors, {n for n in tensors if id(params[n]) in trainable})
     moved = {id(s.param) for s in slots}
     still = {n for site in sites for n in site.tensor_names if n in params and id(params[n]) in trainable}
     plan.still = [params[n].data for n in sorted(still) if id(params[n]) not in moved]  # as WeightNormModel.still
