@@ -57,10 +57,8 @@ import torch
 from torch import Tensor
 
 from teleopt.groups import GroupCache
-from teleopt.numerics import read_together
 from teleopt.teleport.balance import WeightNormModel
 from teleopt.teleport.balance_plan import BalancePlan, _Lane, build_plan
-from teleopt.teleport.coordinates import zero_coordinates
 from teleopt.teleport.distributed import is_distributed
 from teleopt.teleport.engine import TeleportEngine, TeleportRequest
 from teleopt.teleport.objectives import Balance
@@ -241,10 +239,11 @@ def solve_chain(plan: BalancePlan, objective: Balance) -> tuple[list[Tensor], li
     assert chain is not None
     model = WeightNormModel(plan.sites, plan.groups, chain.tensors, chain.counted)
     device = next(iter(chain.tensors.values())).device
-    start = [zero_coordinates(s, g, device) for s, g in zip(plan.sites, plan.groups)]
+    start = [torch.zeros(g.coord_shape or (), dtype=torch.float64, device=device) for g in plan.groups]  # the identity
     coords, before = objective.solve(model, plan.radii, start)
     after = model.value([g.exp(c) for g, c in zip(plan.groups, coords)])
-    values = read_together([*(c.abs().amax() if c.numel() else c.new_zeros(()) for c in coords), after])
+    peaks = [c.abs().amax() if c.numel() else c.new_zeros(()) for c in coords]
+    values = torch.stack([*peaks, after]).to(torch.float64).tolist()  # one read of the host
     return coords, values[:-1], before, values[-1]
 
 
