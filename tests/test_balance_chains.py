@@ -191,3 +191,39 @@ def test_an_exception_during_the_writes_of_a_chain_teleport_moves_the_gradients_
         assert torch.equal(p.detach(), old)
         assert p.grad is not None and _close(p.grad, g) <= 1e-14
         assert all(torch.equal(opt.state[p][k], v) for k, v in st.items())
+
+
+class PairAndChain(nn.Module):
+    """A low-rank pair B A on a frozen layer (a GL site) feeding a ReLU MLP whose two scaling sites share fc2."""
+
+    def __init__(self, d: int = 8, r: int = 2) -> None:
+        super().__init__()
+        self.base = nn.Linear(d, d).requires_grad_(False)
+        self.A, self.B = nn.Parameter(torch.randn(r, d) / d**0.5), nn.Parameter(torch.randn(d, r) / r**0.5)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(d, 10), nn.Linear(10, 9), nn.Linear(9, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.base(x) + x @ self.A.T @ self.B.T)
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(h)))))
+
+
+def test_a_chain_beside_a_gl_site_is_left_to_the_engine() -> None:
+    # the lean path solves chains only when every site is a scaling: the engine takes (and checks) every teleport
+    from test_balance_companion import LORA, RELU
+
+    def make() -> Made:
+        torch.manual_seed(0)
+        sites = [
+            Site(LORA, ("B", "A")),
+            Site(RELU, ("fc1.weight", "fc1.bias", "fc2.weight")),
+            Site(RELU, ("fc2.weight", "fc2.bias", "fc3.weight")),
+        ]
+        gen = torch.Generator().manual_seed(1)
+        x, y = torch.randn(16, 8, generator=gen, dtype=torch.float64), torch.randn(16, 3, generator=gen, dtype=torch.float64)
+        return PairAndChain().double(), sites, x, y
+
+    _, opt, step = wrapped(make, lean=True)
+    for _ in range(5):
+        step()
+    assert all(r.check != "none" and r.accepted for r in opt.reports), [(r.check, r.reason) for r in opt.reports]
+    assert BalanceCompanion.of(opt).plan is None
