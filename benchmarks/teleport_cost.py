@@ -99,6 +99,11 @@ of an iteration.
 ``--search`` measures instead, for scaling sites, the default boundary step against 100 steps of
 projected ascent (gains and time of 5 consecutive teleports on the digits MLP, mlp-10M and resnet18).
 
+``--scheduled`` measures instead the README configuration's *scheduled* balance teleports through ``step()``
+(:func:`measure_scheduled`), on the default table's four rows (``--rows`` picks some): the first teleport of a
+balance plan (the engine, checked on ``batch_fn``'s batch) and a later one (the lean path of
+``teleopt.teleport.companion`` where it applies), each in bare steps and iterations, with its peak extra memory.
+
 ``--balance-run`` prints only the balance-every-step rows of the default table (the run-time growth, its
 median per iteration, and how many teleports ran on the lean path of ``teleopt.teleport.companion``).
 
@@ -863,6 +868,163 @@ def measure_checked(
     }
 
 
+def measure_scheduled(
+    name: str,
+    model: nn.Module,
+    sites: Any,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    loss_fn: Callable,
+    optimizer: Callable,
+    reps: int,
+) -> dict[str, Any]:
+    """The README configuration's *scheduled* balance teleports as users run them: ``step()`` at a due step of
+    ``Teleport(base, model, sites, example_inputs=x[:2], loss_fn=..., batch_fn=...)`` (defaults: balance every
+    200 steps from step 200), trained from initialisation to step 400.  ``first``: the teleport at step 200,
+    from the point before it (the companion's plan dropped before each, so it is built again and the engine
+    checks the teleport on ``batch_fn``'s batch); ``later``: the one at step 400, from the point before it
+    (200 steps after the first: lean where the plan applies, else the engine again).  Each is timed as the
+    whole ``step()``, paired with a bare ``base.step()`` and an iteration (from the second point), in
+    alternating order; its cost is the paired difference (the teleport's share of the step), in bare steps
+    and iterations (medians).  Peak extra memory: the teleport part of ``step()`` (``scheduled_teleports``) under
+    :class:`LiveBytes`, in multiples of the trainable parameters' bytes."""
+    from teleopt.teleport.companion import BalanceCompanion
+    from teleopt.teleport.scheduled import scheduled_teleports
+
+    model = model.to(DEVICE)
+    x, y = (t.to(DEVICE) for t in batch)
+    base = optimizer([p for p in model.parameters() if p.requires_grad])
+    wrapper = Teleport(base, model, sites, example_inputs=(x[:2],), loss_fn=loss_fn, batch_fn=lambda: (x, y))
+    schedule, record, companion = wrapper.schedule, wrapper.record, BalanceCompanion.of(wrapper)
+    due = {"first": schedule.warmup, "later": schedule.warmup + schedule.every}
+    if wrapper.objective.name != "balance":
+        raise RuntimeError(f"{name}: the README configuration runs objective {wrapper.objective.name!r}")
+
+    # the run as users have it: trained through the first scheduled teleport (the engine's, checked) to the second
+    points: dict[str, dict[int, torch.Tensor]] = {}
+    while record.step < due["later"]:
+        if record.step == due["first"]:
+            points["first"] = _saved(model, base)
+        base.zero_grad()
+        loss_fn(model(x), y).backward()
+        wrapper.step()
+    points["later"] = _saved(model, base)
+
+    def iteration() -> None:
+        base.zero_grad()
+        loss_fn(model(x), y).backward()
+        base.step()
+
+    def restart(kind: str) -> None:
+        """Back to the point before the first or the second scheduled teleport (the bare rows: the second), in
+        place (``Optimizer.load_state_dict`` would make new param groups, and the plan would be built anew)."""
+        with torch.no_grad():
+            point = points.get(kind, points["later"])
+            for t in _state_tensors(model, base):
+                t.copy_(point[id(t)])
+        record.watch, record.step = None, due.get(kind, due["later"])
+        if kind == "first":  # a new plan: its first teleport is the engine's, checked
+            companion.plan, companion.key = None, None
+        if kind != "iteration":
+            base.zero_grad()
+            loss_fn(model(x), y).backward()
+
+    times: dict[str, list[float]] = {"first": [], "later": [], "step": [], "iteration": []}
+    checks: dict[str, list[str]] = {"first": [], "later": []}
+    for rep in range(reps):
+        for kind in ("first", "later", "step", "iteration") if rep % 2 else ("step", "iteration", "first", "later"):
+            restart(kind)
+            count = len(wrapper.reports)
+            times[kind].append(cpu_timed(wrapper.step if kind in checks else base.step if kind == "step" else iteration)[0])
+            if kind in checks:
+                report = wrapper.reports[-1] if len(wrapper.reports) > count else None
+                checks[kind].append("no teleport" if report is None else f"{report.check}, {report.reason}")
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    peaks = {}
+    for kind in ("first", "later"):
+        restart(kind)
+        counter = LiveBytes()
+        with counter, torch.no_grad():
+            scheduled_teleports(wrapper, None)
+        peaks[kind] = counter.peak / param_bytes
+    out: dict[str, Any] = {
+        "model": name,
+        "optimizer": type(base).__name__,
+        "params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "sites": len(wrapper.sites or []),
+        "reps": reps,
+        "step_ms": 1e3 * statistics.median(times["step"]),
+        "iteration_ms": 1e3 * statistics.median(times["iteration"]),
+    }
+    for kind in ("first", "later"):
+        extra = [t - s for t, s in zip(times[kind], times["step"])]
+        out |= {
+            f"{kind}_ms": 1e3 * statistics.median(extra),
+            f"{kind}_over_step": statistics.median(e / s for e, s in zip(extra, times["step"])),
+            f"{kind}_over_iteration": statistics.median(e / i for e, i in zip(extra, times["iteration"])),
+            f"{kind}_lean": sum(c.startswith("none,") for c in checks[kind]),
+            f"{kind}_accepted": sum(c.endswith(", accepted") for c in checks[kind]),
+            f"{kind}_reports": sorted(set(checks[kind])),
+            f"{kind}_peak_extra": peaks[kind],
+        }
+    return out
+
+
+def _saved(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
+    """Copies of :func:`_state_tensors` by the id of the live tensor."""
+    return {id(t): t.detach().clone() for t in _state_tensors(model, optimizer)}
+
+
+def _state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The model's parameters and buffers and the optimizer's state tensors (what a training step changes)."""
+    state = [v for p in model.parameters() for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    return [*model.parameters(), *model.buffers(), *state]
+
+
+def print_scheduled(rows: list[dict[str, Any]]) -> None:
+    """The scheduled-teleport table: the first teleport of a plan and a later one, per model."""
+    head = (
+        f"{'model':9} {'optimizer':9} {'params':>9} {'sites':>5} {'step ms':>8} {'iter ms':>8} {'first ms':>9} {'/step':>6} "
+        f"{'/iter':>6} {'peak':>6} {'later ms':>9} {'/step':>6} {'/iter':>6} {'peak':>6} {'lean':>5} {'accepted':>8}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['model']:9} {r['optimizer']:9} {r['params']:>9} {r['sites']:>5} {r['step_ms']:>8.2f} {r['iteration_ms']:>8.2f} "
+            f"{r['first_ms']:>9.2f} {r['first_over_step']:>6.2f} {r['first_over_iteration']:>6.2f} {r['first_peak_extra']:>5.2f}x "
+            f"{r['later_ms']:>9.2f} {r['later_over_step']:>6.2f} {r['later_over_iteration']:>6.2f} {r['later_peak_extra']:>5.2f}x "
+            f"{r['later_lean']:>2}/{r['reps']:<2} {r['first_accepted'] + r['later_accepted']:>4}/{2 * r['reps']:<3}"
+        )
+    print(
+        "first: step() at the first due step of a balance plan (the engine, checked on batch_fn's batch); later: the next "
+        "scheduled one (lean: check 'none'); ms: the step's time minus a paired bare base.step() (CPU process time, medians)"
+    )
+    print("peak: the teleport part of step() (scheduled_teleports) under LiveBytes, in multiples of the trainable parameters' bytes")
+    for r in rows:
+        print(f"  {r['model']}: first {r['first_reports']}; later {r['later_reports']}")
+
+
+def scheduled_main(args: argparse.Namespace) -> None:
+    """Only the scheduled-teleport rows (one thread): the README configuration's first and later balance teleports
+    through ``step()`` on the default table's four models."""
+    torch.set_num_threads(1)
+    reps = 3 if args.quick else 7
+    rows = [
+        measure_scheduled(name, *make(), loss_fn, optimizer, reps)
+        for name, make, loss_fn, optimizer in _problems(args.quick)
+        if args.rows is None or name in args.rows
+    ]
+    print(
+        f"Scheduled balance teleports, the README configuration, {datetime.date.today()}, {machine()}, torch {torch.__version__}, 1 thread"
+    )
+    print_scheduled(rows)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            record = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(), "torch": torch.__version__}
+            json.dump({**record, "scheduled": rows}, f, indent=1)
+
+
 def saved_bytes(state: dict[str, Any]) -> int:
     """Bytes of ``torch.save(state)``: what a checkpoint of this state dict writes."""
     buf = io.BytesIO()
@@ -939,6 +1101,26 @@ def balance_run_main(args: argparse.Namespace) -> None:
             json.dump({**record, "balance": balance}, f, indent=1)
 
 
+Problem = tuple[str, Callable[[], tuple[nn.Module, Any, tuple[torch.Tensor, torch.Tensor]]], Callable, Callable]
+
+
+def _problems(quick: bool) -> list[Problem]:
+    """The default table's rows: name, builder (model, sites, batch), loss and base optimizer."""
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-4)  # noqa: E731
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)  # noqa: E731
+
+    def mlp() -> tuple[nn.Module, str, tuple[torch.Tensor, torch.Tensor]]:
+        model, _, batch = mlp_10m(16 if quick else 64)
+        return model, "auto", (batch[0], batch[1].argmax(1))
+
+    return [
+        ("mlp-10M", mlp, nn.functional.cross_entropy, adam),
+        ("resnet18", lambda: resnet18(8, 64, auto=True)[:3], nn.functional.cross_entropy, sgd),
+        ("vit_tiny", lambda: _vit_8(8), nn.functional.cross_entropy, adam),
+        ("llama-4L", lambda: _llama(4, lora=False), lm_loss, adam),
+    ]
+
+
 def users_main(args: argparse.Namespace) -> None:
     """The default table: the README's configuration on four models (its default objective, balance, and the
     gradient norm), and balance every step on two."""
@@ -946,22 +1128,9 @@ def users_main(args: argparse.Namespace) -> None:
 
     reps = 3 if args.quick else 7
     objectives = ("balance", "grad_norm") if args.objective == "both" else (args.objective,)
-    adam = lambda ps: torch.optim.Adam(ps, lr=1e-4)  # noqa: E731
-    sgd = lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)  # noqa: E731
-
-    def mlp() -> tuple[nn.Module, str, tuple[torch.Tensor, torch.Tensor]]:
-        model, _, batch = mlp_10m(16 if args.quick else 64)
-        return model, "auto", (batch[0], batch[1].argmax(1))
-
-    problems: list[tuple[str, Callable[[], tuple[nn.Module, Any, tuple[torch.Tensor, torch.Tensor]]], Callable, Callable]] = [
-        ("mlp-10M", mlp, nn.functional.cross_entropy, adam),
-        ("resnet18", lambda: resnet18(8, 64, auto=True)[:3], nn.functional.cross_entropy, sgd),
-        ("vit_tiny", lambda: _vit_8(8), nn.functional.cross_entropy, adam),
-        ("llama-4L", lambda: _llama(4, lora=False), lm_loss, adam),
-    ]
     rows = [
         measure_checked(name, *make(), loss_fn, optimizer, reps, objective)
-        for name, make, loss_fn, optimizer in problems
+        for name, make, loss_fn, optimizer in _problems(args.quick)
         if args.rows is None or name in args.rows
         for objective in objectives
     ]
@@ -1027,6 +1196,11 @@ def main() -> None:
     parser.add_argument(
         "--balance-run", action="store_true", help="only: the balance-every-step rows of the default table (LoRA llama-2L, llama-4L LM)"
     )
+    parser.add_argument(
+        "--scheduled",
+        action="store_true",
+        help="only: the README configuration's scheduled balance teleports through step(), the first of a plan (engine) and a later one (lean)",
+    )
     parser.add_argument("--search", action="store_true", help="only: scaling sites, the default boundary step vs 100 ascent steps")
     parser.add_argument("--overhead", action="store_true", help="only: the step overhead on mlp-5678, thousands of paired repetitions")
     parser.add_argument(
@@ -1059,6 +1233,9 @@ def main() -> None:
         return
     if args.balance_run:
         balance_run_main(args)
+        return
+    if args.scheduled:
+        scheduled_main(args)
         return
     if args.search:
         search_main(args)

@@ -114,7 +114,9 @@ def wrapped(make: Callable[[], tuple[nn.Module, list[Site] | str, Tensor, Tensor
     model, sites, x, y = make()
     groups = options.pop("groups", None)
     near = bool(options.pop("near", False))  # off: every lean teleport takes the closed form (the engine's result)
-    base = torch.optim.AdamW(groups(model) if callable(groups) else [p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    make_base = options.pop("base", lambda params: torch.optim.AdamW(params, lr=1e-2))
+    assert callable(make_base)
+    base = make_base(groups(model) if callable(groups) else [p for p in model.parameters() if p.requires_grad])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # sites left out of "auto" detection
         opt = Teleport(base, model, sites, objective="balance", every=1, example_inputs=x[:2], **options)

@@ -3,7 +3,8 @@
 Built once by :func:`build_plan` and cached by :class:`~teleopt.teleport.companion.BalanceCompanion`: per site its
 group, trust radius and member views (the acted-on part of each parameter, :class:`_Slot`), per optimizer-state entry
 what the state policy does with it, and the sites bucketed by kind (group class, coordinate shape, radius) and their
-members stacked in lanes (:class:`_Lane`: one kernel per lane).  ``None`` where the lean path would not give the
+members stacked in lanes (:class:`_Lane`: one kernel per lane); for sites that share tensors (a chain of scalings),
+what the engine's weight-norm model reads (:class:`Chain`).  ``None`` where the lean path would not give the
 engine's result (see the companion's module docs); sites that are not axis actions stay at the identity, as in the
 engine's closed form (:func:`~teleopt.teleport.balance._admit`).
 """
@@ -27,7 +28,7 @@ from teleopt.teleport.engine import TeleportEngine
 from teleopt.teleport.objectives import Balance
 from teleopt.teleport.optimizer_model import state_role
 
-__all__ = ["BalancePlan", "build_plan"]
+__all__ = ["BalancePlan", "Chain", "build_plan"]
 
 
 @dataclass(repr=False)
@@ -42,6 +43,15 @@ class _Slot:
     power: float
     whole: bool  # a scaling on a whole axis (statistics in the tensor's precision, as the engine's)
     storage: int = 0  # the parameter's data_ptr when planned (its views are of that storage)
+
+
+@dataclass(frozen=True, repr=False)
+class Chain:
+    """What the engine's weight-norm model (:class:`~teleopt.teleport.balance.WeightNormModel`) reads for a plan
+    whose sites share tensors: the sites' parameters by name (detached views of the live tensors) and the trainable ones."""
+
+    tensors: dict[str, Tensor]
+    counted: set[str]
 
 
 @dataclass(repr=False)
@@ -62,6 +72,7 @@ class BalancePlan:
     keys: dict[int, tuple[str, ...]] = field(default_factory=dict)  # per parameter (id): its state keys when planned
     traces: list[Tensor] = field(default_factory=list)  # scratch: per lane, the members' squared norm at w
     still: list[Tensor] = field(default_factory=list)  # trainable members of the sites that no slot moves (counted in N)
+    chain: Chain | None = None  # sites that share tensors (a chain of scalings): solved together, as the engine
     verified: bool = False  # the engine ran this plan's first teleport and it was accepted
     lean_step: int = -2  # the step of its last accepted lean teleport (the next step's point is near balance)
     checked_at: int = -1
@@ -75,22 +86,29 @@ def _view(param: Tensor, member: Member) -> tuple[Tensor, int] | None:
     return (view, axis) if view is param or view._is_view() else None
 
 
-def _independent(slots: Sequence[_Slot]) -> bool:
-    """Whether no two sites touch overlapping parts of a tensor (disjoint slices of one axis)."""
+def _overlaps(slots: Sequence[_Slot]) -> bool | None:
+    """Whether sites share a tensor: ``False`` where no two touch overlapping parts of one (disjoint slices of
+    an axis), ``True`` where those that do are scalings of whole, distinct axes (a chain: their factors compose
+    and the sites are solved together), ``None`` for any other overlap (the engine decides)."""
     by_tensor: dict[int, list[_Slot]] = {}
     for s in slots:
         by_tensor.setdefault(id(s.param), []).append(s)
+    shared = False
     for parts in by_tensor.values():
         for i, a in enumerate(parts):
             for b in parts[i + 1 :]:
                 ma, mb = a.member, b.member
                 if a.site == b.site and ma.tensor_key == mb.tensor_key and ma.axis == mb.axis:
                     continue  # parts of one tensor the action composes (checked disjoint by the action)
-                if ma.axis % a.param.ndim != mb.axis % b.param.ndim or ma.start is None or mb.start is None:
-                    return False
+                same_axis = ma.axis % a.param.ndim == mb.axis % b.param.ndim
+                if not same_axis and a.whole and b.whole:
+                    shared = True  # a row factor and a column factor: they commute and compose
+                    continue
+                if not same_axis or ma.start is None or mb.start is None:
+                    return None
                 if not (ma.stop is not None and mb.stop is not None and (ma.stop <= mb.start or mb.stop <= ma.start)):
-                    return False
-    return True
+                    return None
+    return shared
 
 
 def _state_plan(engine: TeleportEngine, slots: Sequence[_Slot], groups: Sequence[Group]) -> tuple[dict, dict] | None:
@@ -172,7 +190,10 @@ def build_plan(engine: TeleportEngine, sites: list[Site], skipped: dict[str, str
     groups = [s.action.group(tuple(None if n is None else params[n] for n in s.members)) for s in sites]
     _, left = _admit(sites, groups, params, set(params))  # sites the closed form leaves at the identity, as the engine does
     slots = _slots(sites, groups, params, left)
-    states = None if slots is None or not _independent(slots) else _state_plan(engine, slots, groups)
+    coupled = None if slots is None else _overlaps(slots)
+    if coupled and any(not g.diagonal for s, g in zip(sites, groups) if s.name not in left):
+        coupled = None  # a chain of scalings beside other groups: the engine decides
+    states = None if slots is None or coupled is None else _state_plan(engine, slots, groups)
     if slots is None or states is None:
         return None
     radii = [engine._trust_region(s, _Groups(cfg.optimizer, params)) for s in sites]  # type: ignore[arg-type]
@@ -189,6 +210,9 @@ def build_plan(engine: TeleportEngine, sites: list[Site], skipped: dict[str, str
     )
     plan.keys = {id(s.param): tuple(cfg.optimizer.state[s.param]) for s in slots}
     trainable = {id(p) for g in cfg.optimizer.param_groups for p in g["params"] if p.requires_grad}
+    if coupled:  # what the engine's weight-norm model reads: the live tensors and the trainable names
+        tensors = {n: params[n].detach() for site in sites for n in site.tensor_names if n in params}
+        plan.chain = Chain(tensors, {n for n in tensors if id(params[n]) in trainable})
     moved = {id(s.param) for s in slots}
     still = {n for site in sites for n in site.tensor_names if n in params and id(params[n]) in trainable}
     plan.still = [params[n].data for n in sorted(still) if id(params[n]) not in moved]  # as WeightNormModel.still

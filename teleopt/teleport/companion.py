@@ -16,11 +16,21 @@ path here instead of :class:`~teleopt.teleport.engine.TeleportEngine` when the p
   ``torch._foreach_copy_`` and one in-place ``torch._foreach_mul_``.  No forward or backward pass, no probe,
   no snapshot copies: the elements suffice to undo it.
 
+**Chains.**  In a ReLU MLP or a conv chain the hidden layers' scaling sites share tensors (a layer's rows
+belong to one site, its columns to the next).  Where every such overlap is between positive scalings of whole,
+distinct axes, the plan holds a :class:`~teleopt.teleport.balance_plan.Chain` and the sites are solved together
+by the engine's own solver (:func:`solve_chain`: the weight-norm model's block-coordinate sweeps,
+:meth:`WeightNormModel.solve <teleopt.teleport.balance.WeightNormModel.solve>`); the factors on a shared tensor
+compose (rows times columns): parameters and moments are multiplied in place by each, a gradient is moved once
+by all of its factors, and the undo and the watch's :class:`~teleopt.teleport.watch.InverseMove` apply every
+site's inverse.
+
 It gives the engine's result (the same statistics, solve, elements and transport rules) where the engine's
-extra phases are no-ops: sites pairwise independent (disjoint slices of a tensor's one axis), each balanced
-point inside the trust region (then the round-off amplification of Zhao 2026's GL blocks is 1, the least on
-the orbit, so the per-dtype bound holds), float32/float64 members, no caps that read a loss, a state policy
-that transports or keeps every entry.  Anything else returns ``None`` and the engine runs.
+extra phases are no-ops: sites pairwise independent (disjoint slices of a tensor's one axis) or a chain of
+scalings as above, each balanced point inside the trust region (then the round-off amplification of Zhao
+2026's GL blocks is 1, the least on the orbit, so the per-dtype bound holds), float32/float64 members, no caps
+that read a loss, a state policy that transports or keeps every entry.  Anything else (a chain beside GL sites,
+overlapping slices) returns ``None`` and the engine runs.
 
 **The output check.** Balance on certified exact sites changes no output, so the companion checks once per plan:
 the first teleport after each (re)build goes through the engine with its full check; the lean path starts
@@ -47,6 +57,7 @@ import torch
 from torch import Tensor
 
 from teleopt.groups import GroupCache
+from teleopt.teleport.balance import WeightNormModel
 from teleopt.teleport.balance_plan import BalancePlan, _Lane, build_plan
 from teleopt.teleport.distributed import is_distributed
 from teleopt.teleport.engine import TeleportEngine, TeleportRequest
@@ -181,7 +192,7 @@ def _statistics(plan: BalancePlan) -> list[dict[float, Tensor]]:
     return stats
 
 
-def solve(plan: BalancePlan, rcond: float, near: bool = False) -> tuple[list[Tensor], list[float], float] | None:
+def solve(plan: BalancePlan, rcond: float, near: bool = False) -> tuple[list[Tensor], list[float], float, None] | None:
     """Coordinates of every site's balanced point (one batched call per bucket), their max abs (0 for a site
     within its floor: it stays) and the summed squared norm of the members at w; ``None`` when a balanced
     point lies on the trust region's edge (the round-off bound may then shrink it: the engine decides).
@@ -216,7 +227,24 @@ def solve(plan: BalancePlan, rcond: float, near: bool = False) -> tuple[list[Ten
         moves[i] = v
     trace = values[sum(len(b) for b in plan.buckets)]
     kept = [m if m > floor else 0.0 for m, floor in zip(moves, plan.floors)]
-    return [xi if m else torch.zeros_like(xi) for xi, m in zip(coords, kept)], kept, trace
+    return [xi if m else torch.zeros_like(xi) for xi, m in zip(coords, kept)], kept, trace, None
+
+
+def solve_chain(plan: BalancePlan, objective: Balance) -> tuple[list[Tensor], list[float], float, float]:
+    """Coordinates of a chain's sites (:attr:`BalancePlan.chain`: sites sharing tensors) as the engine finds them:
+    its weight-norm model solved by :meth:`Balance.solve <teleopt.teleport.objectives.Balance.solve>` (block-
+    coordinate sweeps, :meth:`WeightNormModel.solve <teleopt.teleport.balance.WeightNormModel.solve>`), each
+    site's max abs, and N before and after (every counted member of the sites)."""
+    chain = plan.chain
+    assert chain is not None
+    model = WeightNormModel(plan.sites, plan.groups, chain.tensors, chain.counted)
+    device = next(iter(chain.tensors.values())).device
+    start = [torch.zeros(g.coord_shape or (), dtype=torch.float64, device=device) for g in plan.groups]  # the identity
+    coords, before = objective.solve(model, plan.radii, start)
+    after = model.value([g.exp(c) for g, c in zip(plan.groups, coords)])
+    peaks = [c.abs().amax() if c.numel() else c.new_zeros(()) for c in coords]
+    values = torch.stack([*peaks, after]).to(torch.float64).tolist()  # one read of the host
+    return coords, values[:-1], before, values[-1]
 
 
 @dataclass
@@ -227,7 +255,8 @@ class _Writes:
 
     targets: list[Tensor] = field(default_factory=list)
     values: list[Tensor] = field(default_factory=list)
-    undo: list[tuple[int, int, float]] = field(default_factory=list)
+    undo: list[list[tuple[int, int, float]]] = field(default_factory=list)  # per copy: every site that moved it
+    whole: dict[int, int] = field(default_factory=dict)  # id of a parameter -> its whole gradient's copy (a chain's)
     scaled: list[Tensor] = field(default_factory=list)
     factors: list[Tensor] = field(default_factory=list)
     grad_before: list[Tensor] = field(default_factory=list)  # the moved gradient parts, before and after
@@ -237,7 +266,7 @@ class _Writes:
     def copy(self, lane: _Lane, targets: list[Tensor], values: Sequence[Tensor], power: float) -> None:
         self.targets += targets
         self.values += values
-        self.undo += [(s.site, s.axis, power) for s in lane.slots]
+        self.undo += [[(s.site, s.axis, power)] for s in lane.slots]
 
 
 def _factors(lane: _Lane, plan: BalancePlan, elements: Sequence[Tensor], power: float, dtype: torch.dtype) -> Tensor:
@@ -271,9 +300,9 @@ def _matrix_lane(writes: _Writes, lane: _Lane, parts: list[Tensor], m: Tensor, p
 def _moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim.Optimizer) -> tuple[_Writes, Counter[str]]:
     """Every write of the teleport, computed before any is made (module docs)."""
     writes, decisions = _Writes(), Counter[str]()
-    for s in plan.slots:
-        for key in optimizer.state[s.param]:
-            decisions[plan.decisions[(id(s.param), key)]] += 1
+    for param in {id(s.param): s.param for s in plan.slots}.values():  # per parameter, as the engine counts
+        for key in optimizer.state[param]:
+            decisions[plan.decisions[(id(param), key)]] += 1
     for lane in plan.lanes:
         first = lane.slots[0]
         group, dtype, p = plan.groups[first.site], first.view.dtype, first.power
@@ -290,12 +319,10 @@ def _moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim
         else:
             writes.scaled += [s.view for s in lane.slots]
             writes.factors += _factors(lane, plan, elements, p, dtype).unbind(0)
-            c = torch.stack([elements[s.site] for s in lane.slots]).reshape(plan.units[id(lane)].shape)
-            writes.norm_after.append((plan.units.pop(id(lane)) * c ** (2 * p)).sum())
-            moved = torch._foreach_mul(grads, list(covector.unbind(0)))
-            writes.grad_before += grads
-            writes.grad_after += moved
-            writes.copy(lane, grads, moved, -p)
+            if id(lane) in plan.units:  # a chain's N after the move comes from its weight-norm model
+                c = torch.stack([elements[s.site] for s in lane.slots]).reshape(plan.units[id(lane)].shape)
+                writes.norm_after.append((plan.units.pop(id(lane)) * c ** (2 * p)).sum())
+            _scaled_grads(writes, lane, grads, list(covector.unbind(0)), -p)
         for key, rule in moments:
             if rule == "keep":
                 continue
@@ -310,20 +337,61 @@ def _moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim
     return writes, decisions
 
 
+def _scaled_grads(writes: _Writes, lane: _Lane, grads: list[Tensor], factors: list[Tensor], power: float) -> None:
+    """A scalings' lane's gradient parts times their factors, queued as copies.  A whole gradient that an earlier
+    site of a chain already moved (its rows, say; this site its columns) is multiplied again in its queued copy:
+    the factors compose, and the gradient is copied (and counted in the norms) once."""
+    fresh = [k for k, s in enumerate(lane.slots) if not (s.whole and id(s.param) in writes.whole)]
+    again = [k for k in range(len(lane.slots)) if k not in fresh]
+    if again:
+        at = [writes.whole[id(lane.slots[k].param)] for k in again]
+        torch._foreach_mul_([writes.values[i] for i in at], [factors[k] for k in again])  # queued copies, not live
+        for i, k in zip(at, again):
+            writes.undo[i].append((lane.slots[k].site, lane.slots[k].axis, power))
+    moved = torch._foreach_mul([grads[k] for k in fresh], [factors[k] for k in fresh]) if fresh else []
+    for k, value in zip(fresh, moved):
+        s = lane.slots[k]
+        if s.whole:
+            writes.whole[id(s.param)] = len(writes.targets)
+        writes.targets.append(grads[k])
+        writes.values.append(value)
+        writes.undo.append([(s.site, s.axis, power)])
+    writes.grad_before += [grads[k] for k in fresh]
+    writes.grad_after += moved
+
+
+def _rounds(targets: list[Tensor], factors: list[Tensor]) -> list[tuple[list[Tensor], list[Tensor]]]:
+    """The in-place products split into calls in which each tensor appears once (a chain's shared tensor is
+    scaled by several sites: one factor per call)."""
+    rounds: list[tuple[set[int], list[Tensor], list[Tensor]]] = []
+    for t, f in zip(targets, factors):
+        free = next((r for r in rounds if t.data_ptr() not in r[0]), None)
+        if free is None:
+            free = (set(), [], [])
+            rounds.append(free)
+        free[0].add(t.data_ptr())
+        free[1].append(t)
+        free[2].append(f)
+    return [(r[1], r[2]) for r in rounds]
+
+
 def _write(writes: _Writes, plan: BalancePlan, elements: Sequence[Tensor]) -> None:
-    """The writes: one ``_foreach_copy_``, then one in-place ``_foreach_mul_`` (it allocates nothing: nothing in it
-    can fail).  An exception before the multiplication moves what the copy wrote back by the inverse elements."""
+    """The writes: one ``_foreach_copy_``, then in-place ``_foreach_mul_`` (one per factor a tensor takes; they
+    allocate nothing: nothing in them can fail).  An exception before the multiplications moves what the copy
+    wrote back by the inverse elements (of every site that moved it)."""
+    rounds = _rounds(writes.scaled, writes.factors)
     try:
         if writes.targets:
             torch._foreach_copy_(writes.targets, writes.values)
-        if writes.scaled:
-            torch._foreach_mul_(writes.scaled, writes.factors)
+        for scaled, factors in rounds:
+            torch._foreach_mul_(scaled, factors)
     except BaseException:
         with torch.no_grad():
-            for target, value, (site, axis, power) in zip(writes.targets, writes.values, writes.undo):
+            for target, value, undo in zip(writes.targets, writes.values, writes.undo):
                 if torch.equal(target, value):
-                    inverse = plan.sites[site].action.inverse(elements[site])
-                    target.copy_(plan.groups[site].act_on_axis(inverse, target, axis, power))
+                    for site, axis, power in reversed(undo):
+                        inverse = plan.sites[site].action.inverse(elements[site])
+                        target.copy_(plan.groups[site].act_on_axis(inverse, target, axis, power))
         raise
 
 
@@ -371,10 +439,12 @@ def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRe
     start, cfg, record = time.perf_counter(), engine.config, engine.record
     objective = cfg.objective
     assert isinstance(objective, Balance)
-    found = solve(plan, objective.rcond, near=near and plan.lean_step == record.step - 1)
+    near = near and plan.lean_step == record.step - 1
+    found = solve_chain(plan, objective) if plan.chain else solve(plan, objective.rcond, near=near)
     if found is None:
         return None
-    coords, norms, norm_start = found
+    coords, norms, norm_start, norm_after = found  # a chain's N counts every member (no still members to add)
+    still = plan.still if plan.chain is None else []
     report = _report(engine, plan, norms)
     report.objective_before = norm_start
     if not all(math.isfinite(v) for v in norms):
@@ -382,18 +452,20 @@ def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRe
     elif all(v == 0.0 for v in norms):
         report.reason = "declined: no improvement found"
     if report.reason:
-        if plan.still:  # N counts the members no slot moves, as when accepted (_grad_norms)
-            report.objective_before += float(torch.stack(torch._foreach_norm(plan.still)).to(torch.float64).square().sum())
+        if still:  # N counts the members no slot moves, as when accepted (_grad_norms)
+            report.objective_before += float(torch.stack(torch._foreach_norm(still)).to(torch.float64).square().sum())
         report.time_s = time.perf_counter() - start
         return report
     # as the engine computes them; a site that stays gets the identity (exp(0) is exactly I) without a matrix_exp
     elements = [group.exp(xi) if m else group.identity() for group, xi, m in zip(plan.groups, coords, norms)]
     writes, decisions = _moves(plan, elements, cfg.optimizer)
     grads = [p.grad for g in cfg.optimizer.param_groups for p in g["params"] if p.grad is not None]
-    before, after, kept = _grad_norms(grads, writes, plan.still, record.read)
+    before, after, kept = _grad_norms(grads, writes, still, record.read)
     report.grad_norm_before, report.grad_norm_after = math.sqrt(before), math.sqrt(after)
     report.objective_before = norm_start + kept
-    report.objective_after = kept + (float(torch.stack(writes.norm_after).sum()) if writes.norm_after else norm_start)
+    if norm_after is None:
+        norm_after = kept + (float(torch.stack(writes.norm_after).sum()) if writes.norm_after else norm_start)
+    report.objective_after = norm_after
     report.elements = {s.name: e.to(torch.float64) for s, e in zip(plan.sites, elements)}
     report.state_decisions = dict(decisions)
     report.accepted, report.reason = True, "accepted"
