@@ -96,3 +96,13 @@ def test_cli_compares_arms_run_everywhere_and_writes_finite_json(tmp_path, capsy
 def test_a_workload_without_baseline_is_an_error():
     with pytest.raises(ValueError, match="no baseline"):
         workload_times(_config("c", [_run("fast", 0, [1.0])]))
+
+
+def test_rename_compares_one_configuration_run_under_two_names(tmp_path, capsys):
+    path = tmp_path / "one.json"
+    runs = [_run("baseline", s, [1.0, 0.5]) for s in range(3)] + [_run("same_as_default", s, [0.5, 0.5]) for s in range(3)]
+    path.write_text(json.dumps({"configs": [_config("a", runs)]}))
+    assert main([str(path), "--rename", "same_as_default=default"]) == 0
+    assert "  default " in capsys.readouterr().out
+    with pytest.raises(ValueError, match="OLD=NEW"):
+        main([str(path), "--rename", "nonsense"])

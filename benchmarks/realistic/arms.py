@@ -130,6 +130,8 @@ ARMS: dict[str, Callable[[ArmContext], Optimizer]] = {
     "teleport_default": lambda c: Teleport(
         c.optimizer(), c.model, "auto", example_inputs=c.example_inputs, loss_fn=c.loss_fn, batch_fn=c.batch_fn
     ),
+    # the default on every exact continuous site (normalisation-affine rescalings too, which "auto" leaves out under AdamW)
+    "teleport_default_allsites": lambda c: Teleport(c.optimizer(), c.model, c.all_sites(), **c.teleport_kwargs()),
     "teleport_once": lambda c: Teleport(c.optimizer(), c.model, "auto", **c.teleport_kwargs(), schedule=Schedule(at=[c.teleport_step])),
     "teleport_once_allsites": lambda c: Teleport(
         c.optimizer(), c.model, c.all_sites(), **c.teleport_kwargs(), schedule=Schedule(at=[c.teleport_step])

@@ -20,7 +20,7 @@ rho_a has the same denominator.
 
 Run (from the repository root)::
 
-    python -m benchmarks.realistic.profiles results/a.json results/b.json [--arms A B] \\
+    python -m benchmarks.realistic.profiles results/a.json results/b.json [--arms A B] [--rename OLD=NEW] \\
         [--tau-max 4] [--json out.json] [--plot out.png]
 """
 
@@ -171,11 +171,14 @@ def plot(workloads: Sequence[WorkloadTimes], arms: Sequence[str], tau_max: float
     plt.close(fig)
 
 
-def load(paths: Sequence[Path]) -> list[WorkloadTimes]:
-    """Every configuration of the suite JSONs at ``paths``; a workload named twice is an error."""
+def load(paths: Sequence[Path], rename: dict[str, str] | None = None) -> list[WorkloadTimes]:
+    """Every configuration of the suite JSONs at ``paths``; a workload named twice is an error.  ``rename``
+    maps an arm's name in the files to the name it is compared under (one configuration run as two arms)."""
     workloads: dict[str, WorkloadTimes] = {}
     for path in paths:
         for config in json.loads(Path(path).read_text())["configs"]:
+            if rename:
+                config = {**config, "runs": [{**r, "arm": rename.get(r["arm"], r["arm"])} for r in config["runs"]]}
             if config["config"] in workloads:
                 raise ValueError(f"workload {config['config']!r} appears twice (in {path}); merge the runs first (--merge)")
             workloads[config["config"]] = workload_times(config)
@@ -199,11 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.realistic.profiles", description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="+", type=Path, help="suite JSON files (python -m benchmarks.realistic --json ...)")
     p.add_argument("--arms", nargs="+", help="arms to compare (default: every arm run on every workload)")
+    p.add_argument("--rename", nargs="+", default=[], metavar="OLD=NEW", help="compare arm OLD of the files as NEW")
     p.add_argument("--tau-max", type=float, default=TAU_MAX)
     p.add_argument("--json", type=Path, help="write the times, profiles and scores here")
     p.add_argument("--plot", type=Path, help="write the profiles' plot (PNG) here")
     args = p.parse_args(argv)
-    workloads = load(args.results)
+    pairs = [r.split("=", 1) for r in args.rename]
+    if any(len(p) != 2 or not all(p) for p in pairs):
+        raise ValueError(f"--rename takes OLD=NEW pairs, got {args.rename!r}")
+    workloads = load(args.results, dict(pairs))
     arms, left = _common_arms(workloads, args.arms)
     workloads = [w.only(arms) for w in workloads]
     print(table(workloads, arms, args.tau_max))
