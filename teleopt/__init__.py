@@ -35,6 +35,7 @@ _LAZY = {
     "SymmetryReport": "teleopt.detection",
     "register_op_rule": "teleopt.detection",
     "lora_sites": "teleopt.integrations.peft",
+    "qk_head_scalings": "teleopt.integrations.qk_clip",
     "discover": "teleopt.discovery",
     "LearnedAction": "teleopt.discovery",
     "conserved_quantities": "teleopt.analysis.conserved",
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
     from teleopt.detection import SymmetryReport, find_symmetries, register_op_rule
     from teleopt.discovery import LearnedAction, discover
     from teleopt.integrations.peft import lora_sites
+    from teleopt.integrations.qk_clip import qk_head_scalings
     from teleopt.learned_teleport import TeleportPolicy, meta_train
     from teleopt.registry import get_action, list_actions, register_action, unregister_action
     from teleopt.site import Site

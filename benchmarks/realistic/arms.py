@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from teleopt.detection import find_symmetries
+from teleopt.integrations.qk_clip import qk_head_scalings
 from teleopt.site import Site
 from teleopt.syre import Syre
 from teleopt.teleport import Schedule, Teleport
@@ -162,6 +163,18 @@ ARMS: dict[str, Callable[[ArmContext], Optimizer]] = {
     "balora": lambda c: c.balora(),
     # teleopt's balance on every step
     "balance_every1": lambda c: Teleport(c.optimizer(), c.model, "auto", objective="balance", every=1, **c.teleport_kwargs()),
+    # QK-clip's invariant half (Kimi K2): per key/value group, ||W_Q|| = ||W_K|| by c W_Q, W_K / c, on attention only
+    "qk_balance_every1": lambda c: Teleport(
+        c.optimizer(), c.model, qk_head_scalings(c.model), objective="balance", every=1, **c.teleport_kwargs()
+    ),
+    "qk_balance_every50": lambda c: Teleport(
+        c.optimizer(),
+        c.model,
+        qk_head_scalings(c.model),
+        objective="balance",
+        schedule=Schedule(every=50, warmup=50),
+        **c.teleport_kwargs(),
+    ),
 }
 """Arm name -> optimizer factory.  Order is the default run order (rotated per seed)."""
 

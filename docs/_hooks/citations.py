@@ -43,6 +43,7 @@ CITATIONS: dict[str, str] = {
     "Mishkin et al. 2024": "mishkin-et-al-2024",
     "Wu et al. 2025": "wu-et-al-2025",
     "Heo et al. 2021": "heo-et-al-2021",
+    "Kimi Team 2025": "kimi-team-2025",
 }
 
 #: the identifiers the code cites (``papers/00N``) -> name in the docs

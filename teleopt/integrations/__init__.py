@@ -2,6 +2,8 @@
 
 * :mod:`teleopt.integrations.peft`: peft LoRA adapters as ``lora_gl`` sites
   (``lora_sites``), which ``teleopt.find_symmetries`` also adds.
+* :mod:`teleopt.integrations.qk_clip`: per-head query/key rescalings of Hugging Face
+  attention, QK-clip's invariant half (``qk_head_scalings``).
 
 How to use ``Teleport`` and ``Syre`` from the transformers ``Trainer`` and from
 Lightning is shown in ``examples/08_hf_trainer.py`` and the README; it needs no
@@ -9,5 +11,6 @@ code here (both wrappers are real ``torch.optim.Optimizer`` subclasses).
 """
 
 from teleopt.integrations.peft import LoRASites, is_lora_layer, lora_sites
+from teleopt.integrations.qk_clip import qk_head_scalings
 
-__all__ = ["LoRASites", "is_lora_layer", "lora_sites"]
+__all__ = ["LoRASites", "is_lora_layer", "lora_sites", "qk_head_scalings"]
