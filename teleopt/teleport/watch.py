@@ -7,8 +7,9 @@ gradient or the loss blows up in that window, the teleport is undone (see
 :mod:`teleopt.teleport.safety`).  The gradient scale is robust to minibatch noise
 (:func:`reference`): the squared norms of the ``REFERENCE_STEPS`` steps before a
 scheduled teleport are sampled (only those steps pay for a norm), and a rollback
-needs a blow-up that persists for ``SafetyConfig.watch_patience`` steps (or one
-beyond ``watch_factor**2``, or a non-finite value).  :class:`TeleportRecord`
+needs a blow-up that persists for ``SafetyConfig.watch_patience`` steps with the
+loss not below the loss at the teleport where both are known (or one beyond
+``watch_factor**2``, or a non-finite value).  :class:`TeleportRecord`
 holds the step and teleport counters and the backoff of the caps.  Both serialise
 to plain data (tensors, ints, floats) for ``state_dict`` and back.
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 import math
 import statistics
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,7 +36,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from teleopt.detection.certify import output_error, output_leaves
-from teleopt.functional import Batch
+from teleopt.functional import Batch, FunctionalModel, as_batch
 from teleopt.sharding import full, is_sharded, local, square_sum, write_
 from teleopt.site import Site, lookup_tensor
 from teleopt.teleport.check import forward
@@ -56,6 +57,7 @@ __all__ = [
     "REFERENCE_STEPS",
     "reference",
     "squared_norm",
+    "batch_loss",
 ]
 
 
@@ -82,6 +84,20 @@ def squared_norm(grads: list[Tensor]) -> float:
         return sum(n.item() ** 2 for n in norms)
     # one device-to-host read for all the norms (a read per norm is a host sync per norm), squared in float64 here
     return sum(v * v for v in torch.stack(norms).tolist())
+
+
+def _loss_now(loss: Any, measure: Callable[[], float | None] | None) -> float | None:
+    """This step's loss: ``loss`` where the step has one, else ``measure()`` (``None`` without either)."""
+    if loss is not None:
+        return float(loss)
+    return None if measure is None else measure()
+
+
+def batch_loss(module: nn.Module, loss_fn: Any, batch_fn: Callable[[], Any], seed: int) -> float:
+    """The loss at the live parameters on a fresh ``batch_fn()`` batch (buffers restored, RNG seeded): what the
+    watch's patience rule compares with the loss at the teleport (:meth:`Watch.alarm`) when a step has no loss."""
+    batch = as_batch(batch_fn())
+    return float(FunctionalModel(module, loss_fn).loss_of(forward(module, batch, None, seed), batch.target))
 
 
 def reference(before: float | None, after: float | None, recent: Sequence[float] = ()) -> float:
@@ -215,12 +231,24 @@ class Watch:
         losses = [w.loss_ref for w in self.chain if w.loss_ref is not None]
         return min(grads, default=0.0), min(losses, default=None)
 
-    def alarm(self, grads: list[Tensor], loss: Any, factor: float, patience: int = 1, squared: float | None = None) -> str | None:
+    def alarm(
+        self,
+        grads: list[Tensor],
+        loss: Any,
+        factor: float,
+        patience: int = 1,
+        squared: float | None = None,
+        measure: Callable[[], float | None] | None = None,
+    ) -> str | None:
         """Why this rank's gradients ``grads`` or ``loss`` call for a rollback (``None``: all well).
 
-        A non-finite value, a ratio to the reference above ``max(factor, factor**2)``, or ratios above
-        ``factor`` on ``patience`` consecutive calls (``strikes`` counts them) do.  ``squared``: ||grads||^2
-        when already read (:meth:`TeleportRecord.read_grads`), else it is read here.
+        A non-finite value or a ratio to the reference above ``max(factor, factor**2)`` does at once.  Ratios above
+        ``factor`` on ``patience`` consecutive calls (``strikes`` counts them) do unless the gradient's is the largest
+        and the loss at the last call is below the loss reference: then the gradient grew while the loss fell (a
+        teleport's changed per-element learning rates can do that), which costs the run nothing.  That loss is
+        ``loss``, else ``measure()`` (read only there: a loss on a fresh batch); without either, or without a loss
+        reference, the gradient alone decides.  ``squared``: ||grads||^2 when already read
+        (:meth:`TeleportRecord.read_grads`), else it is read here.
         """
         grad_ref, loss_ref = self._references()
         ratios: list[tuple[float, str]] = []
@@ -241,13 +269,25 @@ class Watch:
         if ratio > max(factor, factor * factor):
             return f"{what} grew to {ratio:.1f}x its reference at the teleport"
         if strikes >= patience:  # (the count is kept only when all is well: an interrupted rollback leaves it as it was)
-            return f"{what} above {factor:g}x its reference at the teleport for {strikes} step(s) (last {ratio:.1f}x)"
+            why = f"{what} above {factor:g}x its reference at the teleport for {strikes} step(s) (last {ratio:.1f}x)"
+            if loss_ref is None or what == "loss" or (now := _loss_now(loss, measure)) is None:
+                return why
+            if not now < loss_ref:  # (a non-finite loss is not below)
+                return f"{why}, the loss {now:.4g} not below its {loss_ref:.4g} at the teleport"
         self.strikes = strikes
         return None
 
-    def triggered(self, grads: list[Tensor], loss: Any, factor: float, patience: int = 1, squared: float | None = None) -> bool:
+    def triggered(
+        self,
+        grads: list[Tensor],
+        loss: Any,
+        factor: float,
+        patience: int = 1,
+        squared: float | None = None,
+        measure: Callable[[], float | None] | None = None,
+    ) -> bool:
         """Whether any rank's :meth:`alarm` went off (then ``why`` says why)."""
-        why = self.alarm(grads, loss, factor, patience, squared)
+        why = self.alarm(grads, loss, factor, patience, squared, measure)
         device = local(grads[0]).device if grads else None
         fired = any_rank(
             why is not None,
@@ -354,10 +394,12 @@ class TeleportRecord:
     #: ||g||^2 before its move; ``Teleport.step`` clears it before the base's update (never saved)
     read: float | None = field(default=None, compare=False, repr=False)
 
-    def watch_fired(self, grads: list[Tensor], loss: Any, factor: float, patience: int) -> bool:
+    def watch_fired(
+        self, grads: list[Tensor], loss: Any, factor: float, patience: int, measure: Callable[[], float | None] | None = None
+    ) -> bool:
         """Whether the open watch calls for a rollback on this step's ``grads`` and ``loss`` (:meth:`Watch.triggered`;
-        ||grads||^2 read by :meth:`read_grads`)."""
-        return self.watch is not None and self.watch.triggered(grads, loss, factor, patience, self.read_grads(grads))
+        ||grads||^2 read by :meth:`read_grads`; ``measure``: the loss on a fresh batch, read only where it decides)."""
+        return self.watch is not None and self.watch.triggered(grads, loss, factor, patience, self.read_grads(grads), measure)
 
     def read_grads(self, grads: list[Tensor]) -> float:
         """||grads||^2 (:func:`squared_norm`; ``nan`` without gradients), kept in :attr:`read` for this step."""

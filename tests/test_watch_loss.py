@@ -1,0 +1,130 @@
+"""The watch's patience rule asks the loss: a gradient that grows while the loss falls is no blow-up.
+
+A balance teleport on exact sites changes no output; with the optimizer state transported it changes
+the per-element learning rates, and the gradient norm may rise for a few steps while the loss keeps
+falling (a 4-layer Llama under Adam: 18.7x its reference for 3 steps, the loss below the twin run's
+by under 1%).  Gradients above ``watch_factor`` times their reference for ``watch_patience`` steps
+roll the teleport back only when the loss at the last of them (the step's, else one measured on a
+``batch_fn`` batch) is not below the loss at the teleport.  A blow-up beyond ``watch_factor**2``, a
+non-finite value, and a persistent rise with the loss rising too are still rolled back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from teleopt import find_symmetries
+from teleopt.teleport import Teleport
+from teleopt.teleport.schedule import Schedule
+from teleopt.teleport.watch import Watch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _grads(sq: float) -> list[torch.Tensor]:
+    return [torch.tensor([math.sqrt(sq)], dtype=torch.float64)]
+
+
+class _Measured:
+    """A loss measurement that counts its calls."""
+
+    def __init__(self, value: float) -> None:
+        self.value, self.calls = value, 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        return self.value
+
+
+def _watch(loss_ref: float | None = 1.0) -> Watch:
+    return Watch(snapshot=None, until=10, teleport_step=0, grad_ref=1.0, loss_ref=loss_ref)  # type: ignore[arg-type]
+
+
+def test_a_persistent_gradient_rise_with_a_falling_loss_does_not_alarm_and_measures_only_at_the_decision():
+    watch, measure = _watch(), _Measured(0.5)
+    assert [watch.alarm(_grads(sq), None, 10.0, 3, measure=measure) for sq in (20.0, 30.0, 40.0, 50.0)] == [None] * 4
+    assert measure.calls == 2  # steps 3 and 4 reached the patience; steps 1 and 2 read no loss
+
+
+def test_a_persistent_gradient_rise_with_the_loss_not_below_its_reference_alarms():
+    watch, measure = _watch(), _Measured(1.0)
+    results = [watch.alarm(_grads(sq), None, 10.0, 3, measure=measure) for sq in (20.0, 30.0, 40.0)]
+    assert results[:2] == [None, None]
+    assert results[2] is not None and "for 3 step(s)" in results[2] and "loss 1" in results[2]
+    # the step's own loss (a closure's) is used before any measurement
+    watch, measure = _watch(), _Measured(0.5)
+    assert [watch.alarm(_grads(sq), 2.0, 10.0, 3, measure=measure) for sq in (20.0, 30.0, 40.0)][2] is not None
+    assert measure.calls == 0
+
+
+def test_without_a_loss_reference_or_a_loss_the_gradient_alone_decides():
+    assert [_watch(None).alarm(_grads(sq), None, 10.0, 3, measure=_Measured(0.5)) for sq in (20.0,)] == [None]
+    watch = _watch(None)
+    assert [watch.alarm(_grads(sq), None, 10.0, 3, measure=_Measured(0.5)) for sq in (20.0, 30.0, 40.0)][2] is not None
+    watch = _watch()
+    assert [watch.alarm(_grads(sq), None, 10.0, 3) for sq in (20.0, 30.0, 40.0)][2] is not None  # no measurement
+
+
+def test_a_blow_up_beyond_the_square_of_the_factor_alarms_at_once_whatever_the_loss():
+    measure = _Measured(0.5)
+    assert "grew to 101.0x" in (_watch().alarm(_grads(101.0), None, 10.0, 3, measure=measure) or "")
+    assert _watch().alarm(_grads(float("inf")), None, 10.0, 3, measure=measure) == "non-finite gradient"
+    assert measure.calls == 0
+
+
+def _run(multipliers: dict[int, float], lr_at: dict[int, float] | None = None, steps: int = 20):
+    """A float64 MLP under SGD(lr 1e-3), balance teleport at step 10 checked on ``batch_fn``'s batch (the loss at
+    the teleport known), ``opt.step()`` without a closure; the gradient of step t is scaled by
+    ``multipliers.get(t, 1)`` and the learning rate set to ``lr_at[t]`` from step t.  Returns the wrapper and the
+    losses per step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)).double()
+    x, y = torch.randn(16, 4, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
+    with torch.no_grad():
+        model[0].weight.mul_(3.0)  # unbalanced: the balance teleport moves
+    sites = find_symmetries(model, x).continuous_sites
+    loss_fn = nn.functional.mse_loss
+    schedule = Schedule(every=10, warmup=10, max_teleports=1)
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=1e-3), model, sites, objective="balance", loss_fn=loss_fn, batch_fn=lambda: (x, y), schedule=schedule)  # fmt: skip
+    losses = []
+    for t in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = (lr_at or {}).get(t, group["lr"])
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        for p in model.parameters():
+            p.grad.mul_(multipliers.get(t, 1.0))
+        opt.step()
+    return opt, losses
+
+
+def test_a_gradient_rise_after_a_teleport_while_the_loss_falls_is_not_rolled_back():
+    # steps 12..19: ||g||^2 25x its reference (above the factor 10, below its square), the update 5x longer downhill
+    opt, losses = _run({t: 5.0 for t in range(12, 20)})
+    assert opt.reports[0].accepted and opt.reports[0].loss_before is not None  # the engine's, checked on the batch
+    assert all(b < a for a, b in zip(losses[10:], losses[11:]))  # the loss fell at every step after the teleport
+    # (on a watch that reads only the gradient, steps 12, 13, 14 roll the teleport back and skip step 14's update)
+    assert opt.record.rollbacks == 0 and [r.path for r in opt.reports] == [opt.reports[0].path]
+
+
+def test_a_gradient_rise_after_a_teleport_with_a_rising_loss_is_rolled_back_after_patience_steps():
+    # steps 12..19: the same gradient size, but the update goes uphill: the loss rises above the teleport's
+    opt, losses = _run({t: -5.0 for t in range(12, 20)})
+    rollbacks = [r for r in opt.reports if r.path == "watch"]
+    assert len(rollbacks) == 1 and rollbacks[0].step == 14  # steps 12, 13, 14 above 10x, the loss above its reference
+    assert "for 3 step(s)" in rollbacks[0].reason and "not below" in rollbacks[0].reason
+    assert losses[14] > losses[10]
+
+
+def test_a_real_divergence_after_a_teleport_is_rolled_back_within_two_steps():
+    # from step 12 the learning rate is 5000x: SGD diverges, the loss and the gradient grow every step
+    opt, losses = _run({}, lr_at={12: 5.0})
+    rollbacks = [r for r in opt.reports if r.path == "watch"]
+    assert len(rollbacks) == 1 and 13 <= rollbacks[0].step <= 14 and "grew to" in rollbacks[0].reason
+    assert losses[13] > 2 * losses[10]  # (the divergence is real: the loss rose after the first large step)
