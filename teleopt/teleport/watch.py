@@ -37,7 +37,7 @@ from torch.optim import Optimizer
 
 from teleopt.detection.certify import output_error, output_leaves
 from teleopt.functional import Batch, FunctionalModel, as_batch
-from teleopt.sharding import full, is_sharded, local, square_sum, write_
+from teleopt.sharding import full, is_sharded, local, reshard, square_sum, write_
 from teleopt.site import Site, lookup_tensor
 from teleopt.teleport.check import forward
 from teleopt.teleport.context import TeleportContext
@@ -97,7 +97,11 @@ def batch_loss(module: nn.Module, loss_fn: Any, batch_fn: Callable[[], Any], see
     """The loss at the live parameters on a fresh ``batch_fn()`` batch (buffers restored, RNG seeded): what the
     watch's patience rule compares with the loss at the teleport (:meth:`Watch.alarm`) when a step has no loss."""
     batch = as_batch(batch_fn())
-    return float(FunctionalModel(module, loss_fn).loss_of(forward(module, batch, None, seed), batch.target))
+    try:
+        out = forward(module, batch, None, seed)
+    finally:
+        reshard(module)  # FSDP2 leaves the root unsharded after a pass without backward (no-op elsewhere)
+    return float(FunctionalModel(module, loss_fn).loss_of(out, batch.target))
 
 
 def reference(before: float | None, after: float | None, recent: Sequence[float] = ()) -> float:
