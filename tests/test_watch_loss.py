@@ -20,7 +20,8 @@ from torch import nn
 from teleopt import find_symmetries
 from teleopt.teleport import Teleport
 from teleopt.teleport.schedule import Schedule
-from teleopt.teleport.watch import Watch
+from teleopt.teleport.state_policy import StatePolicy
+from teleopt.teleport.watch import InverseMove, Watch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -61,12 +62,50 @@ def test_a_persistent_gradient_rise_with_the_loss_not_below_its_reference_alarms
     assert measure.calls == 0
 
 
-def test_without_a_loss_reference_or_a_loss_the_gradient_alone_decides():
-    assert [_watch(None).alarm(_grads(sq), None, 10.0, 3, measure=_Measured(0.5)) for sq in (20.0,)] == [None]
-    watch = _watch(None)
-    assert [watch.alarm(_grads(sq), None, 10.0, 3, measure=_Measured(0.5)) for sq in (20.0, 30.0, 40.0)][2] is not None
+class _Losses:
+    """Loss measurements read in turn, counting the calls."""
+
+    def __init__(self, *values: float) -> None:
+        self.values, self.calls = list(values), 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        return self.values.pop(0)
+
+
+def test_without_a_loss_at_the_teleport_the_loss_at_the_first_strike_is_the_reference():
+    # a lean teleport keeps no loss: the first strike reads one, the decision compares with it
+    watch, measure = _watch(None), _Losses(1.0, 0.9)
+    assert [watch.alarm(_grads(sq), None, 10.0, 3, measure=measure) for sq in (20.0, 30.0, 40.0)] == [None] * 3
+    assert measure.calls == 2 and watch.strike_loss == 1.0
+    watch, measure = _watch(None), _Losses(1.0, 1.1)
+    result = [watch.alarm(_grads(sq), None, 10.0, 3, measure=measure) for sq in (20.0, 30.0, 40.0)][2]
+    assert result is not None and "not below its 1 at the first step above the factor" in result
+    # a step below the factor ends the strikes and forgets their loss
+    watch, measure = _watch(None), _Losses(1.0, 5.0, 4.0)
+    assert [watch.alarm(_grads(sq), None, 10.0, 3, measure=measure) for sq in (20.0, 1.0, 20.0, 30.0, 40.0)] == [None] * 5
+    assert measure.calls == 3 and watch.strike_loss == 5.0
+
+
+def test_without_a_loss_or_with_patience_one_and_no_loss_reference_the_gradient_alone_decides():
     watch = _watch()
     assert [watch.alarm(_grads(sq), None, 10.0, 3) for sq in (20.0, 30.0, 40.0)][2] is not None  # no measurement
+    measure = _Measured(0.5)
+    assert _watch(None).alarm(_grads(20.0), None, 10.0, 1, measure=measure) is not None
+    assert measure.calls == 0
+
+
+def test_the_strike_loss_survives_a_state_dict_round_trip_and_joins_a_later_watch():
+    model = nn.Linear(2, 2)
+    optimizer, policy = torch.optim.SGD(model.parameters(), lr=0.1), StatePolicy()
+    watch = Watch(InverseMove([], [], model, optimizer, policy), until=10, teleport_step=0, grad_ref=1.0, loss_ref=None)
+    watch.alarm(_grads(20.0), None, 10.0, 3, measure=_Measured(1.25))
+    assert watch.strikes == 1 and watch.strike_loss == 1.25
+    resumed = Watch.from_state(watch.to_state(), model, optimizer, list(model.parameters()), policy)
+    assert resumed.strikes == 1 and resumed.strike_loss == 1.25
+    joined = Watch(InverseMove([], [], model, optimizer, policy), until=12, teleport_step=2, grad_ref=1.0, loss_ref=None).stack(watch)
+    assert joined.strikes == 1 and joined.strike_loss == 1.25
+    assert "strike_loss" not in joined.to_state()["earlier"][0]
 
 
 def test_a_blow_up_beyond_the_square_of_the_factor_alarms_at_once_whatever_the_loss():

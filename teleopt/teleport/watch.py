@@ -8,8 +8,9 @@ gradient or the loss blows up in that window, the teleport is undone (see
 (:func:`reference`): the squared norms of the ``REFERENCE_STEPS`` steps before a
 scheduled teleport are sampled (only those steps pay for a norm), and a rollback
 needs a blow-up that persists for ``SafetyConfig.watch_patience`` steps with the
-loss not below the loss at the teleport where both are known (or one beyond
-``watch_factor**2``, or a non-finite value).  :class:`TeleportRecord`
+loss not below the loss at the teleport (or, without one, at the first of those
+steps) where a loss is known (or one beyond ``watch_factor**2``, or a non-finite
+value).  :class:`TeleportRecord`
 holds the step and teleport counters and the backoff of the caps.  Both serialise
 to plain data (tensors, ints, floats) for ``state_dict`` and back.
 
@@ -201,6 +202,8 @@ class Watch:
     why: str = ""
     strikes: int = 0
     earlier: list[Watch] = field(default_factory=list)
+    #: without a ``loss_ref``: the loss at the first of the current strikes (``None``: not read), see :meth:`alarm`
+    strike_loss: float | None = None
 
     @property
     def chain(self) -> list[Watch]:
@@ -219,7 +222,7 @@ class Watch:
             return self
         scale = gain if math.isfinite(gain) and gain > 1.0 else 1.0  # (no gain known: the references as they were)
         earlier = [replace(w, earlier=[], grad_ref=w.grad_ref * scale) for w in open_watch.chain]
-        return replace(self, earlier=earlier, strikes=open_watch.strikes)
+        return replace(self, earlier=earlier, strikes=open_watch.strikes, strike_loss=open_watch.strike_loss)
 
     def settle(self, step: int) -> tuple[Watch | None, int]:
         """This watch at ``step`` without the teleports whose own window ended before it (``None`` when none is
@@ -248,10 +251,11 @@ class Watch:
 
         A non-finite value or a ratio to the reference above ``max(factor, factor**2)`` does at once.  Ratios above
         ``factor`` on ``patience`` consecutive calls (``strikes`` counts them) do unless the gradient's is the largest
-        and the loss at the last call is below the loss reference: then the gradient grew while the loss fell (a
-        teleport's changed per-element learning rates can do that), which costs the run nothing.  That loss is
-        ``loss``, else ``measure()`` (read only there: a loss on a fresh batch); without either, or without a loss
-        reference, the gradient alone decides.  ``squared``: ||grads||^2 when already read
+        and the loss at the last call is below the loss at the teleport (``loss_ref``; without one, the loss at the
+        first of the strikes, ``strike_loss``): then the gradient grew while the loss fell (a teleport's changed
+        per-element learning rates can do that), which costs the run nothing.  A loss is ``loss``, else
+        ``measure()`` (a loss on a fresh batch, read only at those two calls); without one, or with
+        ``patience=1`` and no ``loss_ref``, the gradient alone decides.  ``squared``: ||grads||^2 when already read
         (:meth:`TeleportRecord.read_grads`), else it is read here.
         """
         grad_ref, loss_ref = self._references()
@@ -272,13 +276,18 @@ class Watch:
         strikes = self.strikes + 1 if ratio > factor else 0
         if ratio > max(factor, factor * factor):
             return f"{what} grew to {ratio:.1f}x its reference at the teleport"
+        strike_loss = self.strike_loss if strikes > 1 else None
+        if strikes == 1 < patience and loss_ref is None:  # no loss at the teleport: the loss at the first strike
+            strike_loss = _loss_now(loss, measure)
         if strikes >= patience:  # (the count is kept only when all is well: an interrupted rollback leaves it as it was)
             why = f"{what} above {factor:g}x its reference at the teleport for {strikes} step(s) (last {ratio:.1f}x)"
-            if loss_ref is None or what == "loss" or (now := _loss_now(loss, measure)) is None:
+            reference_loss = loss_ref if loss_ref is not None else strike_loss
+            if reference_loss is None or what == "loss" or (now := _loss_now(loss, measure)) is None:
                 return why
-            if not now < loss_ref:  # (a non-finite loss is not below)
-                return f"{why}, the loss {now:.4g} not below its {loss_ref:.4g} at the teleport"
-        self.strikes = strikes
+            if not now < reference_loss:  # (a non-finite loss is not below)
+                since = "at the teleport" if loss_ref is not None else "at the first step above the factor"
+                return f"{why}, the loss {now:.4g} not below its {reference_loss:.4g} {since}"
+        self.strikes, self.strike_loss = strikes, strike_loss
         return None
 
     def triggered(
@@ -345,8 +354,10 @@ class Watch:
             "loss_ref": self.loss_ref,
             "strikes": self.strikes,
         }
+        if self.strike_loss is not None:
+            data["strike_loss"] = self.strike_loss
         if self.earlier:
-            data["earlier"] = [{k: v for k, v in w.to_state().items() if k != "strikes"} for w in self.earlier]
+            data["earlier"] = [{k: v for k, v in w.to_state().items() if k not in ("strikes", "strike_loss")} for w in self.earlier]
         return data
 
     @classmethod
@@ -374,6 +385,7 @@ class Watch:
             grad_ref=float(data["grad_ref"]),
             loss_ref=None if data["loss_ref"] is None else float(data["loss_ref"]),
             strikes=int(data.get("strikes", 0)),
+            strike_loss=None if data.get("strike_loss") is None else float(data["strike_loss"]),
             earlier=[cls.from_state(w, module, optimizer, params, policy, sites) for w in data.get("earlier", [])],
         )
 
