@@ -60,7 +60,11 @@ by large factors from step to step late in training, so a single value is a
 noisy yardstick.  If within that window a gradient or the loss is non-finite, or
 the squared gradient norm (or the loss, against its pre-teleport value) exceeds
 ``watch_factor**2`` times its reference once or ``watch_factor`` times it on
-``watch_patience`` consecutive steps, that step's update is skipped, the teleport is undone, the
+``watch_patience`` consecutive steps (for the gradient, with the loss at the last of
+them not below the loss at the teleport, or without one (a lean teleport) at the
+first of them: the step's loss, else one measured on a ``batch_fn`` batch; a gradient
+that grows while the loss falls costs the run nothing), that step's update is skipped,
+the teleport is undone, the
 trust region and caps are multiplied by ``backoff`` for later teleports, and a
 rollback report is issued.  How it is undone (``watch_restore``):
 

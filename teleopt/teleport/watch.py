@@ -7,8 +7,10 @@ gradient or the loss blows up in that window, the teleport is undone (see
 :mod:`teleopt.teleport.safety`).  The gradient scale is robust to minibatch noise
 (:func:`reference`): the squared norms of the ``REFERENCE_STEPS`` steps before a
 scheduled teleport are sampled (only those steps pay for a norm), and a rollback
-needs a blow-up that persists for ``SafetyConfig.watch_patience`` steps (or one
-beyond ``watch_factor**2``, or a non-finite value).  :class:`TeleportRecord`
+needs a blow-up that persists for ``SafetyConfig.watch_patience`` steps with the
+loss not below the loss at the teleport (or, without one, at the first of those
+steps) where a loss is known (or one beyond ``watch_factor**2``, or a non-finite
+value).  :class:`TeleportRecord`
 holds the step and teleport counters and the backoff of the caps.  Both serialise
 to plain data (tensors, ints, floats) for ``state_dict`` and back.
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 import math
 import statistics
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,8 +37,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from teleopt.detection.certify import output_error, output_leaves
-from teleopt.functional import Batch
-from teleopt.sharding import full, is_sharded, local, square_sum, write_
+from teleopt.functional import Batch, FunctionalModel, as_batch
+from teleopt.sharding import full, is_sharded, local, reshard, square_sum, write_
 from teleopt.site import Site, lookup_tensor
 from teleopt.teleport.check import forward
 from teleopt.teleport.context import TeleportContext
@@ -56,6 +58,7 @@ __all__ = [
     "REFERENCE_STEPS",
     "reference",
     "squared_norm",
+    "batch_loss",
 ]
 
 
@@ -82,6 +85,24 @@ def squared_norm(grads: list[Tensor]) -> float:
         return sum(n.item() ** 2 for n in norms)
     # one device-to-host read for all the norms (a read per norm is a host sync per norm), squared in float64 here
     return sum(v * v for v in torch.stack(norms).tolist())
+
+
+def _loss_now(loss: Any, measure: Callable[[], float | None] | None) -> float | None:
+    """This step's loss: ``loss`` where the step has one, else ``measure()`` (``None`` without either)."""
+    if loss is not None:
+        return float(loss)
+    return None if measure is None else measure()
+
+
+def batch_loss(module: nn.Module, loss_fn: Any, batch_fn: Callable[[], Any], seed: int) -> float:
+    """The loss at the live parameters on a fresh ``batch_fn()`` batch (buffers restored, RNG seeded): what the
+    watch's patience rule compares with the loss at the teleport (:meth:`Watch.alarm`) when a step has no loss."""
+    batch = as_batch(batch_fn())
+    try:
+        out = forward(module, batch, None, seed)
+    finally:
+        reshard(module)  # FSDP2 leaves the root unsharded after a pass without backward (no-op elsewhere)
+    return float(FunctionalModel(module, loss_fn).loss_of(out, batch.target))
 
 
 def reference(before: float | None, after: float | None, recent: Sequence[float] = ()) -> float:
@@ -181,6 +202,8 @@ class Watch:
     why: str = ""
     strikes: int = 0
     earlier: list[Watch] = field(default_factory=list)
+    #: without a ``loss_ref``: the loss at the first of the current strikes (``None``: not read), see :meth:`alarm`
+    strike_loss: float | None = None
 
     @property
     def chain(self) -> list[Watch]:
@@ -199,7 +222,7 @@ class Watch:
             return self
         scale = gain if math.isfinite(gain) and gain > 1.0 else 1.0  # (no gain known: the references as they were)
         earlier = [replace(w, earlier=[], grad_ref=w.grad_ref * scale) for w in open_watch.chain]
-        return replace(self, earlier=earlier, strikes=open_watch.strikes)
+        return replace(self, earlier=earlier, strikes=open_watch.strikes, strike_loss=open_watch.strike_loss)
 
     def settle(self, step: int) -> tuple[Watch | None, int]:
         """This watch at ``step`` without the teleports whose own window ended before it (``None`` when none is
@@ -215,12 +238,25 @@ class Watch:
         losses = [w.loss_ref for w in self.chain if w.loss_ref is not None]
         return min(grads, default=0.0), min(losses, default=None)
 
-    def alarm(self, grads: list[Tensor], loss: Any, factor: float, patience: int = 1, squared: float | None = None) -> str | None:
+    def alarm(
+        self,
+        grads: list[Tensor],
+        loss: Any,
+        factor: float,
+        patience: int = 1,
+        squared: float | None = None,
+        measure: Callable[[], float | None] | None = None,
+    ) -> str | None:
         """Why this rank's gradients ``grads`` or ``loss`` call for a rollback (``None``: all well).
 
-        A non-finite value, a ratio to the reference above ``max(factor, factor**2)``, or ratios above
-        ``factor`` on ``patience`` consecutive calls (``strikes`` counts them) do.  ``squared``: ||grads||^2
-        when already read (:meth:`TeleportRecord.read_grads`), else it is read here.
+        A non-finite value or a ratio to the reference above ``max(factor, factor**2)`` does at once.  Ratios above
+        ``factor`` on ``patience`` consecutive calls (``strikes`` counts them) do unless the gradient's is the largest
+        and the loss at the last call is below the loss at the teleport (``loss_ref``; without one, the loss at the
+        first of the strikes, ``strike_loss``): then the gradient grew while the loss fell (a teleport's changed
+        per-element learning rates can do that), which costs the run nothing.  A loss is ``loss``, else
+        ``measure()`` (a loss on a fresh batch, read only at those two calls); without one, or with
+        ``patience=1`` and no ``loss_ref``, the gradient alone decides.  ``squared``: ||grads||^2 when already read
+        (:meth:`TeleportRecord.read_grads`), else it is read here.
         """
         grad_ref, loss_ref = self._references()
         ratios: list[tuple[float, str]] = []
@@ -240,14 +276,31 @@ class Watch:
         strikes = self.strikes + 1 if ratio > factor else 0
         if ratio > max(factor, factor * factor):
             return f"{what} grew to {ratio:.1f}x its reference at the teleport"
+        strike_loss = self.strike_loss if strikes > 1 else None
+        if strikes == 1 < patience and loss_ref is None:  # no loss at the teleport: the loss at the first strike
+            strike_loss = _loss_now(loss, measure)
         if strikes >= patience:  # (the count is kept only when all is well: an interrupted rollback leaves it as it was)
-            return f"{what} above {factor:g}x its reference at the teleport for {strikes} step(s) (last {ratio:.1f}x)"
-        self.strikes = strikes
+            why = f"{what} above {factor:g}x its reference at the teleport for {strikes} step(s) (last {ratio:.1f}x)"
+            reference_loss = loss_ref if loss_ref is not None else strike_loss
+            if reference_loss is None or what == "loss" or (now := _loss_now(loss, measure)) is None:
+                return why
+            if not now < reference_loss:  # (a non-finite loss is not below)
+                since = "at the teleport" if loss_ref is not None else "at the first step above the factor"
+                return f"{why}, the loss {now:.4g} not below its {reference_loss:.4g} {since}"
+        self.strikes, self.strike_loss = strikes, strike_loss
         return None
 
-    def triggered(self, grads: list[Tensor], loss: Any, factor: float, patience: int = 1, squared: float | None = None) -> bool:
+    def triggered(
+        self,
+        grads: list[Tensor],
+        loss: Any,
+        factor: float,
+        patience: int = 1,
+        squared: float | None = None,
+        measure: Callable[[], float | None] | None = None,
+    ) -> bool:
         """Whether any rank's :meth:`alarm` went off (then ``why`` says why)."""
-        why = self.alarm(grads, loss, factor, patience, squared)
+        why = self.alarm(grads, loss, factor, patience, squared, measure)
         device = local(grads[0]).device if grads else None
         fired = any_rank(
             why is not None,
@@ -301,8 +354,10 @@ class Watch:
             "loss_ref": self.loss_ref,
             "strikes": self.strikes,
         }
+        if self.strike_loss is not None:
+            data["strike_loss"] = self.strike_loss
         if self.earlier:
-            data["earlier"] = [{k: v for k, v in w.to_state().items() if k != "strikes"} for w in self.earlier]
+            data["earlier"] = [{k: v for k, v in w.to_state().items() if k not in ("strikes", "strike_loss")} for w in self.earlier]
         return data
 
     @classmethod
@@ -330,6 +385,7 @@ class Watch:
             grad_ref=float(data["grad_ref"]),
             loss_ref=None if data["loss_ref"] is None else float(data["loss_ref"]),
             strikes=int(data.get("strikes", 0)),
+            strike_loss=None if data.get("strike_loss") is None else float(data["strike_loss"]),
             earlier=[cls.from_state(w, module, optimizer, params, policy, sites) for w in data.get("earlier", [])],
         )
 
@@ -354,10 +410,12 @@ class TeleportRecord:
     #: ||g||^2 before its move; ``Teleport.step`` clears it before the base's update (never saved)
     read: float | None = field(default=None, compare=False, repr=False)
 
-    def watch_fired(self, grads: list[Tensor], loss: Any, factor: float, patience: int) -> bool:
+    def watch_fired(
+        self, grads: list[Tensor], loss: Any, factor: float, patience: int, measure: Callable[[], float | None] | None = None
+    ) -> bool:
         """Whether the open watch calls for a rollback on this step's ``grads`` and ``loss`` (:meth:`Watch.triggered`;
-        ||grads||^2 read by :meth:`read_grads`)."""
-        return self.watch is not None and self.watch.triggered(grads, loss, factor, patience, self.read_grads(grads))
+        ||grads||^2 read by :meth:`read_grads`; ``measure``: the loss on a fresh batch, read only where it decides)."""
+        return self.watch is not None and self.watch.triggered(grads, loss, factor, patience, self.read_grads(grads), measure)
 
     def read_grads(self, grads: list[Tensor]) -> float:
         """||grads||^2 (:func:`squared_norm`; ``nan`` without gradients), kept in :attr:`read` for this step."""
