@@ -77,6 +77,11 @@ class BalancePlan:
     lean_step: int = -2  # the step of its last accepted lean teleport (the next step's point is near balance)
     checked_at: int = -1
 
+    @property
+    def signature(self) -> tuple[str, ...]:
+        """The plan's sites by name: with the caps' backoff, what identifies it across a checkpoint."""
+        return tuple(s.name for s in self.sites)
+
 
 def _view(param: Tensor, member: Member) -> tuple[Tensor, int] | None:
     """The member's part of ``param`` as a view (``None`` where the layout needs a copy)."""

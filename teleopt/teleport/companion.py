@@ -102,12 +102,15 @@ class BalanceCompanion:
         plan = None if request.loss is not None else self._plan(owner, engine)  # a loss: the caps may read it
         if plan is None:
             return None
+        record = engine.record
         if not plan.verified:
-            last = owner.reports[-1] if owner.reports else None
-            if last is None or plan.checked_at != last.step or not last.accepted or last.shrink < 1.0:  # caps bound: check again
-                plan.checked_at = engine.record.step  # the engine checks this one; lean from the next if accepted
+            last = record.last  # (step, accepted, whole move) of the last report, saved with the record
+            if last is None or plan.checked_at != last[0] or not last[1] or not last[2]:  # caps bound: check again
+                plan.checked_at = record.step  # the engine checks this one; lean from the next if accepted
+                record.lean_check = (plan.signature, record.backoff, plan.checked_at, False, plan.lean_step)
                 return None
             plan.verified = True
+            record.lean_check = (plan.signature, record.backoff, plan.checked_at, True, plan.lean_step)
         with GroupCache().active():
             report = lean_teleport(engine, plan, request, near=self.near)
         if report is None:
@@ -152,6 +155,11 @@ class BalanceCompanion:
             sites, skipped = owner._active_sites(None)
             self.plan = build_plan(engine, sites, skipped)
             self.builds += 1
+            record = engine.record
+            if self.plan is not None and record.loaded_check is not None:  # the first plan after a load: as saved
+                loaded, record.loaded_check = record.loaded_check, None
+                if loaded[:2] == (self.plan.signature, record.backoff):
+                    self.plan.checked_at, self.plan.verified, self.plan.lean_step = loaded[2:]
             state = engine.config.optimizer.state
             if self.plan is None and not all(state.get(p) for s in sites for p in s.tensors(owner._module) if p is not None):
                 self.key = None  # the base has not initialised its state yet: try again next time
@@ -474,6 +482,7 @@ def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRe
     # the commit: Python assignments only, after the writes
     record.accepted += 1
     plan.lean_step = record.step
+    record.lean_check = (plan.signature, record.backoff, plan.checked_at, True, record.step)
     if watch is not None:
         record.recent, record.watch = [], watch
     report.time_s = time.perf_counter() - start

@@ -549,6 +549,7 @@ class Teleport(OptimizerWrapper):
 
     def _call_hooks(self, report: TeleportReport) -> None:
         self.reports.append(report)
+        self._record.last = (report.step, report.accepted, report.shrink >= 1.0)
         self._tally.count(report)
         for hook in list(self._hooks.values()):
             hook(self, report)

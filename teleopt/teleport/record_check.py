@@ -25,7 +25,7 @@ from teleopt.site import Site, lookup_tensor
 
 __all__ = ["check_groups", "check_record"]
 
-_TOP_KEYS = ("step", "accepted", "rollbacks", "backoff", "rng", "watch", "recent", "tally")
+_TOP_KEYS = ("step", "accepted", "rollbacks", "backoff", "rng", "watch", "recent", "tally", "last", "lean_check")
 _WATCH_KEYS = ("until", "teleport_step", "grad_ref", "loss_ref")
 
 
@@ -96,8 +96,32 @@ def check_record(top: Any, module: nn.Module, params: Sequence[Tensor], known: S
         except Exception as e:  # noqa: BLE001 - whatever torch refuses
             f.fail("['rng']", f"is not a CPU generator state ({type(e).__name__}: {e})")
     _check_samples(top, f)
+    _check_lean(top, f)
     if top.get("watch") is not None:
         _check_watch(top["watch"], f, module, params, known)
+
+
+def _check_lean(top: Mapping[str, Any], f: _Fields) -> None:
+    """The last report's [step, accepted, whole move] and the lean balance's check (``TeleportRecord``)."""
+    last = top.get("last")
+    if last is not None:
+        if not isinstance(last, (list, tuple)) or len(last) != 3 or not all(isinstance(v, bool) for v in last[1:]):
+            f.fail("['last']", f"must be [step, accepted, whole move], got {last!r}")
+        f.count(last[0], "['last'][0]")
+    lean = top.get("lean_check")
+    if lean is None:
+        return
+    keys = {"sites", "backoff", "checked_at", "verified", "lean_step"}
+    if not isinstance(lean, Mapping) or set(lean) != keys:
+        f.fail("['lean_check']", f"must be a dict with the keys {sorted(keys)}, got {lean!r}")
+    if not isinstance(lean["sites"], (list, tuple)) or not all(isinstance(n, str) for n in lean["sites"]):
+        f.fail("['lean_check']['sites']", f"must be a list of site names, got {lean['sites']!r}")
+    f.number(lean["backoff"], "['lean_check']['backoff']")
+    for key in ("checked_at", "lean_step"):
+        if isinstance(lean[key], bool) or not isinstance(lean[key], int) or lean[key] < -2:
+            f.fail(f"['lean_check'][{key!r}]", f"must be a step (an int >= -2), got {lean[key]!r}")
+    if not isinstance(lean["verified"], bool):
+        f.fail("['lean_check']['verified']", f"must be a bool, got {lean['verified']!r}")
 
 
 def _check_samples(top: Mapping[str, Any], f: _Fields) -> None:

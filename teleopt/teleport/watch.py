@@ -409,6 +409,14 @@ class TeleportRecord:
     #: ||grad||^2 as this step's watch or reference sample read it (:meth:`read_grads`), for the lean balance's
     #: ||g||^2 before its move; ``Teleport.step`` clears it before the base's update (never saved)
     read: float | None = field(default=None, compare=False, repr=False)
+    #: the last report's step, acceptance and whether its caps took the whole move (``Teleport._call_hooks``)
+    last: tuple[int, bool, bool] | None = None
+    #: the lean balance's check (:mod:`~teleopt.teleport.companion`): its plan's sites and caps' backoff, the step
+    #: the engine checked its first teleport, whether the lean path started and the step of its last lean teleport;
+    #: saved, so that a resumed run takes the lean path (and its near-balance step) where the uninterrupted run does
+    lean_check: tuple[tuple[str, ...], float, int, bool, int] | None = None
+    #: ``lean_check`` as loaded from a checkpoint, for the first plan built after the load only (never saved)
+    loaded_check: tuple[tuple[str, ...], float, int, bool, int] | None = field(default=None, compare=False, repr=False)
 
     def watch_fired(
         self, grads: list[Tensor], loss: Any, factor: float, patience: int, measure: Callable[[], float | None] | None = None
@@ -468,6 +476,17 @@ class TeleportRecord:
             top["recent"] = [[t, v] for t, v in self.recent]
         if self.watch is not None:
             top["watch"] = self.watch.to_state()
+        if self.last is not None:
+            top["last"] = list(self.last)
+        if self.lean_check is not None:
+            sites, backoff, checked_at, verified, lean_step = self.lean_check
+            top["lean_check"] = {
+                "sites": list(sites),
+                "backoff": backoff,
+                "checked_at": checked_at,
+                "verified": verified,
+                "lean_step": lean_step,
+            }
         return top
 
     def load_state(
@@ -485,6 +504,20 @@ class TeleportRecord:
         self.rollbacks = int(top.get("rollbacks", 0))
         self.backoff = float(top.get("backoff", 1.0))
         self.recent = [(int(t), float(v)) for t, v in top.get("recent", [])]
+        last = top.get("last")
+        self.last = None if last is None else (int(last[0]), bool(last[1]), bool(last[2]))
+        lean = top.get("lean_check")
+        self.lean_check = self.loaded_check = (
+            None
+            if lean is None
+            else (
+                tuple(str(n) for n in lean["sites"]),
+                float(lean["backoff"]),
+                int(lean["checked_at"]),
+                bool(lean["verified"]),
+                int(lean["lean_step"]),
+            )
+        )
         watch = top.get("watch")
         self.watch = None if watch is None else Watch.from_state(watch, module, optimizer, params, policy, sites)
 
