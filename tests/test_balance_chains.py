@@ -227,3 +227,36 @@ def test_a_chain_beside_a_gl_site_is_left_to_the_engine() -> None:
         step()
     assert all(r.check != "none" and r.accepted for r in opt.reports), [(r.check, r.reason) for r in opt.reports]
     assert BalanceCompanion.of(opt).plan is None
+
+
+def test_an_interrupt_between_the_products_of_a_chain_teleport_divides_them_out(monkeypatch) -> None:
+    # a shared tensor takes one factor per in-place product: an interrupt after the first leaves rows scaled and
+    # columns not, a changed model, unless the products made are divided out again (a few ulps)
+    model, opt, step = wrapped(mlp, lean=True)
+    for _ in range(3):
+        step()
+    assert opt.reports[-1].check == "none"
+    _, _, x, y = mlp()
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+    real, calls = torch._foreach_mul_, []
+
+    def once_then_interrupt(*args: object, **kwargs: object) -> None:  # the writes' first product, then an interrupt
+        import inspect
+
+        caller = inspect.stack()[1].function
+        calls.append(caller)
+        if caller == "_write" and calls.count("_write") > 1:
+            raise KeyboardInterrupt
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_mul_", once_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    monkeypatch.undo()
+    assert calls.count("_write") == 2  # the first product was made
+    for p, old, st in zip(model.parameters(), params, state):
+        assert _close(p.detach(), old) <= 1e-14
+        assert all(_close(opt.state[p][k], v) <= 1e-14 for k, v in st.items() if v.ndim)

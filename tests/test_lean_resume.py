@@ -92,3 +92,11 @@ def test_a_damaged_lean_check_is_refused_by_name():
     fresh, fresh_opt, _, _ = _build()
     with pytest.raises(ValueError, match="lean_check"):
         fresh_opt.load_state_dict(state)
+    # the watch opened at step 200 is saved; a damaged loss of its first strike is refused before anything loads
+    state = opt.state_dict()
+    assert "watch" in state["teleopt_teleport"]
+    state["teleopt_teleport"]["watch"]["strike_loss"] = float("nan")
+    before = fresh_opt.state_dict()
+    with pytest.raises(ValueError, match="strike_loss"):
+        fresh_opt.load_state_dict(state)
+    assert fresh_opt.record.step == before["teleopt_teleport"]["step"]

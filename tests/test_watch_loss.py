@@ -47,8 +47,10 @@ def _watch(loss_ref: float | None = 1.0) -> Watch:
 
 def test_a_persistent_gradient_rise_with_a_falling_loss_does_not_alarm_and_measures_only_at_the_decision():
     watch, measure = _watch(), _Measured(0.5)
-    assert [watch.alarm(_grads(sq), None, 10.0, 3, measure=measure) for sq in (20.0, 30.0, 40.0, 50.0)] == [None] * 4
-    assert measure.calls == 2  # steps 3 and 4 reached the patience; steps 1 and 2 read no loss
+    rises = (20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0)
+    assert [watch.alarm(_grads(sq), None, 10.0, 3, measure=measure) for sq in rises] == [None] * 7
+    # steps 3 and 6 reached the patience; a decision that keeps the teleport starts the count again
+    assert measure.calls == 2 and watch.strikes == 1
 
 
 def test_a_persistent_gradient_rise_with_the_loss_not_below_its_reference_alarms():
@@ -77,14 +79,14 @@ def test_without_a_loss_at_the_teleport_the_loss_at_the_first_strike_is_the_refe
     # a lean teleport keeps no loss: the first strike reads one, the decision compares with it
     watch, measure = _watch(None), _Losses(1.0, 0.9)
     assert [watch.alarm(_grads(sq), None, 10.0, 3, measure=measure) for sq in (20.0, 30.0, 40.0)] == [None] * 3
-    assert measure.calls == 2 and watch.strike_loss == 1.0
+    assert measure.calls == 2 and watch.strikes == 0 and watch.strike_loss is None  # kept: counted afresh
     watch, measure = _watch(None), _Losses(1.0, 1.1)
     result = [watch.alarm(_grads(sq), None, 10.0, 3, measure=measure) for sq in (20.0, 30.0, 40.0)][2]
     assert result is not None and "not below its 1 at the first step above the factor" in result
     # a step below the factor ends the strikes and forgets their loss
     watch, measure = _watch(None), _Losses(1.0, 5.0, 4.0)
     assert [watch.alarm(_grads(sq), None, 10.0, 3, measure=measure) for sq in (20.0, 1.0, 20.0, 30.0, 40.0)] == [None] * 5
-    assert measure.calls == 3 and watch.strike_loss == 5.0
+    assert measure.calls == 3 and watch.strikes == 0  # kept against 5.0, the new first strike's (1.0 would alarm)
 
 
 def test_without_a_loss_or_with_patience_one_and_no_loss_reference_the_gradient_alone_decides():

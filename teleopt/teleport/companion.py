@@ -385,16 +385,19 @@ def _rounds(targets: list[Tensor], factors: list[Tensor]) -> list[tuple[list[Ten
 
 def _write(writes: _Writes, plan: BalancePlan, elements: Sequence[Tensor]) -> None:
     """The writes: one ``_foreach_copy_``, then in-place ``_foreach_mul_`` (one per factor a tensor takes; they
-    allocate nothing: nothing in them can fail).  An exception before the multiplications moves what the copy
-    wrote back by the inverse elements (of every site that moved it)."""
-    rounds = _rounds(writes.scaled, writes.factors)
+    allocate nothing).  An exception (an interrupt) during them divides the products already made out again and
+    moves what the copy wrote back by the inverse elements (of every site that moved it), exact up to round-off."""
+    rounds, done = _rounds(writes.scaled, writes.factors), 0
     try:
         if writes.targets:
             torch._foreach_copy_(writes.targets, writes.values)
         for scaled, factors in rounds:
             torch._foreach_mul_(scaled, factors)
-    except BaseException:
+            done += 1
+    except BaseException:  # (an interrupt between two products: the ones made are divided out, to round-off)
         with torch.no_grad():
+            for scaled, factors in reversed(rounds[:done]):
+                torch._foreach_div_(scaled, factors)
             for target, value, undo in zip(writes.targets, writes.values, writes.undo):
                 if torch.equal(target, value):
                     for site, axis, power in reversed(undo):

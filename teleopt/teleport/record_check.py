@@ -180,6 +180,11 @@ def _check_link(watch: Any, field: str, f: _Fields, target: _Target) -> None:
     f.number(watch["grad_ref"], f"{field}['grad_ref']")
     f.number(watch["loss_ref"], f"{field}['loss_ref']", optional=True)
     f.count(watch.get("strikes", 0), f"{field}['strikes']")
+    strike_loss = watch.get("strike_loss")  # a loss read at the first strike (any sign: an NLL may be negative)
+    if strike_loss is not None and (
+        isinstance(strike_loss, bool) or not isinstance(strike_loss, (int, float)) or not math.isfinite(strike_loss)
+    ):
+        f.fail(f"{field}['strike_loss']", f"must be a finite number or None, got {strike_loss!r}")
     if kinds[0] == "inverse":
         _check_inverse(watch["inverse"], f"{field}['inverse']", f, target.module, target.known)
     else:

@@ -254,7 +254,8 @@ class Watch:
         and the loss at the last call is below the loss at the teleport (``loss_ref``; without one, the loss at the
         first of the strikes, ``strike_loss``): then the gradient grew while the loss fell (a teleport's changed
         per-element learning rates can do that), which costs the run nothing.  A loss is ``loss``, else
-        ``measure()`` (a loss on a fresh batch, read only at those two calls); without one, or with
+        ``measure()`` (a loss on a fresh batch, read only at those two calls; a decision that keeps the teleport
+        starts the count again, so a window of ``w`` steps reads at most ``2 * (w // patience)`` of them); without one, or with
         ``patience=1`` and no ``loss_ref``, the gradient alone decides.  ``squared``: ||grads||^2 when already read
         (:meth:`TeleportRecord.read_grads`), else it is read here.
         """
@@ -287,6 +288,7 @@ class Watch:
             if not now < reference_loss:  # (a non-finite loss is not below)
                 since = "at the teleport" if loss_ref is not None else "at the first step above the factor"
                 return f"{why}, the loss {now:.4g} not below its {reference_loss:.4g} {since}"
+            strikes, strike_loss = 0, None  # kept: the next decision waits for ``patience`` new strikes
         self.strikes, self.strike_loss = strikes, strike_loss
         return None
 
