@@ -106,3 +106,13 @@ def test_rename_compares_one_configuration_run_under_two_names(tmp_path, capsys)
     assert "  default " in capsys.readouterr().out
     with pytest.raises(ValueError, match="OLD=NEW"):
         main([str(path), "--rename", "nonsense"])
+
+
+def test_the_target_can_be_another_arms_median_best():
+    # the arm "fast" reaches 0.8 (median best); the baseline never does
+    w = workload_times(_workload_a(), target_arm="fast")
+    assert w.target == pytest.approx(0.8)
+    assert w.per_seed["baseline"] == [None, None, pytest.approx(2.0)]
+    assert w.per_seed["fast"] == [pytest.approx(2.0), pytest.approx(2.5), None]
+    with pytest.raises(ValueError, match="target arm 'nope'"):
+        workload_times(_workload_a(), target_arm="nope")

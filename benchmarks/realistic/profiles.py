@@ -21,7 +21,10 @@ rho_a has the same denominator.
 Run (from the repository root)::
 
     python -m benchmarks.realistic.profiles results/a.json results/b.json [--arms A B] [--rename OLD=NEW] \\
-        [--tau-max 4] [--json out.json] [--plot out.png]
+        [--target-arm ARM] [--tau-max 4] [--json out.json] [--plot out.png]
+
+``--target-arm`` sets the target to another arm's median best validation loss (for example BaLoRA's on
+``llama_lora``: how soon each arm reaches what that baseline reaches).
 """
 
 from __future__ import annotations
@@ -69,13 +72,17 @@ def _first_at_or_below(curve: dict[str, list[Any]], target: float) -> int | None
     return None
 
 
-def workload_times(config: dict[str, Any]) -> WorkloadTimes:
-    """The times to target of one configuration's runs (``config``: one entry of a suite JSON's ``configs``)."""
+def workload_times(config: dict[str, Any], target_arm: str = "baseline") -> WorkloadTimes:
+    """The times to target of one configuration's runs (``config``: one entry of a suite JSON's ``configs``);
+    the target is ``target_arm``'s median best validation loss (AlgoPerf: the tuned baseline's)."""
     runs = config["runs"]
     base = {r["seed"]: r for r in runs if r["arm"] == "baseline"}
     if not base:
         raise ValueError(f"workload {config['config']!r} has no baseline runs: its target is undefined")
-    target = statistics.median(r["best_val_loss"] for r in base.values())
+    setters = [r for r in runs if r["arm"] == target_arm]
+    if not setters:
+        raise ValueError(f"workload {config['config']!r} has no runs of the target arm {target_arm!r}")
+    target = statistics.median(r["best_val_loss"] for r in setters)
     overhead = step_overhead(runs)
     seeds = sorted(base)
     out = WorkloadTimes(config["config"], target, seeds)
@@ -124,11 +131,11 @@ def _cell(t: float | None) -> str:
     return "never" if t is None or not math.isfinite(t) else f"{t:.2f}"
 
 
-def table(workloads: Sequence[WorkloadTimes], arms: Sequence[str], tau_max: float) -> str:
+def table(workloads: Sequence[WorkloadTimes], arms: Sequence[str], tau_max: float, target_arm: str = "baseline") -> str:
     """Per workload the target and each arm's median time, seeds reached and ratio; then rho and the scores."""
     lines = []
     for w in workloads:
-        lines.append(f"== {w.workload}: target {w.target:.4g} (the baseline's median best validation loss over {len(w.seeds)} seeds)")
+        lines.append(f"== {w.workload}: target {w.target:.4g} (the {target_arm}'s median best validation loss over {len(w.seeds)} seeds)")
         ratios = w.ratios()
         for a in arms:
             reached = sum(1 for t in w.per_seed[a] if t is not None)
@@ -171,7 +178,7 @@ def plot(workloads: Sequence[WorkloadTimes], arms: Sequence[str], tau_max: float
     plt.close(fig)
 
 
-def load(paths: Sequence[Path], rename: dict[str, str] | None = None) -> list[WorkloadTimes]:
+def load(paths: Sequence[Path], rename: dict[str, str] | None = None, target_arm: str = "baseline") -> list[WorkloadTimes]:
     """Every configuration of the suite JSONs at ``paths``; a workload named twice is an error.  ``rename``
     maps an arm's name in the files to the name it is compared under (one configuration run as two arms)."""
     workloads: dict[str, WorkloadTimes] = {}
@@ -181,7 +188,7 @@ def load(paths: Sequence[Path], rename: dict[str, str] | None = None) -> list[Wo
                 config = {**config, "runs": [{**r, "arm": rename.get(r["arm"], r["arm"])} for r in config["runs"]]}
             if config["config"] in workloads:
                 raise ValueError(f"workload {config['config']!r} appears twice (in {path}); merge the runs first (--merge)")
-            workloads[config["config"]] = workload_times(config)
+            workloads[config["config"]] = workload_times(config, target_arm)
     if not workloads:
         raise ValueError("the JSON files hold no configurations")
     return list(workloads.values())
@@ -203,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("results", nargs="+", type=Path, help="suite JSON files (python -m benchmarks.realistic --json ...)")
     p.add_argument("--arms", nargs="+", help="arms to compare (default: every arm run on every workload)")
     p.add_argument("--rename", nargs="+", default=[], metavar="OLD=NEW", help="compare arm OLD of the files as NEW")
+    p.add_argument("--target-arm", default="baseline", help="whose median best validation loss is the target (default the baseline)")
     p.add_argument("--tau-max", type=float, default=TAU_MAX)
     p.add_argument("--json", type=Path, help="write the times, profiles and scores here")
     p.add_argument("--plot", type=Path, help="write the profiles' plot (PNG) here")
@@ -210,10 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [r.split("=", 1) for r in args.rename]
     if any(len(p) != 2 or not all(p) for p in pairs):
         raise ValueError(f"--rename takes OLD=NEW pairs, got {args.rename!r}")
-    workloads = load(args.results, dict(pairs))
+    workloads = load(args.results, dict(pairs), args.target_arm)
     arms, left = _common_arms(workloads, args.arms)
     workloads = [w.only(arms) for w in workloads]
-    print(table(workloads, arms, args.tau_max))
+    print(table(workloads, arms, args.tau_max, args.target_arm))
     if left:
         print(f"left out (not run on every workload): {', '.join(left)}")
     if args.json:
