@@ -166,9 +166,9 @@ def test_a_watch_rollback_of_a_lean_chain_teleport_restores_the_weights_and_mome
             assert _close(opt.state[p][key], expected[f"{name}.{key}"]) <= 1e-14, (name, key)
 
 
-def test_an_exception_during_the_writes_of_a_chain_teleport_moves_the_gradients_back(monkeypatch) -> None:
-    # the in-place products raise after the gradients were copied: each gradient, moved by both sites that scale
-    # it, is moved back by both inverses (a few ulps); parameters and moments were not written yet (bitwise)
+def _before_a_lean_chain_teleport() -> tuple[nn.Module, Teleport, list[Tensor], list[Tensor], list[dict[str, Tensor]]]:
+    """An MLP whose chain teleports lean, its gradients filled before the next (lean) teleport, and copies of its
+    parameters, gradients and optimizer state."""
     model, opt, step = wrapped(mlp, lean=True)
     for _ in range(3):
         step()
@@ -179,6 +179,13 @@ def test_an_exception_during_the_writes_of_a_chain_teleport_moves_the_gradients_
     params = [p.detach().clone() for p in model.parameters()]
     grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+    return model, opt, params, grads, state
+
+
+def test_an_exception_during_the_writes_of_a_chain_teleport_moves_the_gradients_back(monkeypatch) -> None:
+    # the in-place products raise after the gradients were copied: each gradient, moved by both sites that scale
+    # it, is moved back by both inverses (a few ulps); parameters and moments were not written yet (bitwise)
+    model, opt, params, grads, state = _before_a_lean_chain_teleport()
 
     def fail(*args: object, **kwargs: object) -> None:
         raise RuntimeError("injected")
@@ -232,15 +239,7 @@ def test_a_chain_beside_a_gl_site_is_left_to_the_engine() -> None:
 def test_an_interrupt_between_the_products_of_a_chain_teleport_divides_them_out(monkeypatch) -> None:
     # a shared tensor takes one factor per in-place product: an interrupt after the first leaves rows scaled and
     # columns not, a changed model, unless the products made are divided out again (a few ulps)
-    model, opt, step = wrapped(mlp, lean=True)
-    for _ in range(3):
-        step()
-    assert opt.reports[-1].check == "none"
-    _, _, x, y = mlp()
-    opt.zero_grad()
-    nn.functional.mse_loss(model(x), y).backward()
-    params = [p.detach().clone() for p in model.parameters()]
-    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+    model, opt, params, _, state = _before_a_lean_chain_teleport()
     real, calls = torch._foreach_mul_, []
 
     def once_then_interrupt(*args: object, **kwargs: object) -> None:  # the writes' first product, then an interrupt
@@ -259,4 +258,4 @@ def test_an_interrupt_between_the_products_of_a_chain_teleport_divides_them_out(
     assert calls.count("_write") == 2  # the first product was made
     for p, old, st in zip(model.parameters(), params, state):
         assert _close(p.detach(), old) <= 1e-14
-        assert all(_close(opt.state[p][k], v) <= 1e-14 for k, v in st.items() if v.ndim)
+        assert all(_close(opt.state[p][k], v) <= 1e-14 for k, v in st.items())  # Adam's step counter: equal

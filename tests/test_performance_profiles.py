@@ -116,3 +116,12 @@ def test_the_target_can_be_another_arms_median_best():
     assert w.per_seed["fast"] == [pytest.approx(2.0), pytest.approx(2.5), None]
     with pytest.raises(ValueError, match="target arm 'nope'"):
         workload_times(_workload_a(), target_arm="nope")
+
+
+def test_a_missing_or_foreign_file_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        load([tmp_path / "missing.json"])
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match="not a suite JSON"):
+        load([foreign])

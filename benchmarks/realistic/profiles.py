@@ -183,7 +183,12 @@ def load(paths: Sequence[Path], rename: dict[str, str] | None = None, target_arm
     maps an arm's name in the files to the name it is compared under (one configuration run as two arms)."""
     workloads: dict[str, WorkloadTimes] = {}
     for path in paths:
-        for config in json.loads(Path(path).read_text())["configs"]:
+        if not Path(path).is_file():
+            raise ValueError(f"{path}: no such file (a suite JSON: python -m benchmarks.realistic --json PATH)")
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("configs"), list):
+            raise ValueError(f"{path}: not a suite JSON (no 'configs' list)")
+        for config in data["configs"]:
             if rename:
                 config = {**config, "runs": [{**r, "arm": rename.get(r["arm"], r["arm"])} for r in config["runs"]]}
             if config["config"] in workloads:
