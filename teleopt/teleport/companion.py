@@ -20,7 +20,8 @@ path here instead of :class:`~teleopt.teleport.engine.TeleportEngine` when the p
 belong to one site, its columns to the next).  Where every such overlap is between positive scalings of whole,
 distinct axes, the plan holds a :class:`~teleopt.teleport.balance_plan.Chain` and the sites are solved together
 by the engine's own solver (:func:`solve_chain`: the weight-norm model's block-coordinate sweeps,
-:meth:`WeightNormModel.solve <teleopt.teleport.balance.WeightNormModel.solve>`); the factors on a shared tensor
+:meth:`WeightNormModel.solve <teleopt.teleport.balance.WeightNormModel.solve>`, on a model built with the plan
+whose statistics each teleport reads again); the factors on a shared tensor
 compose (rows times columns): parameters and moments are multiplied in place by each, a gradient is moved once
 by all of its factors, and the undo and the watch's :class:`~teleopt.teleport.watch.InverseMove` apply every
 site's inverse.
@@ -48,8 +49,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,8 +58,7 @@ import torch
 from torch import Tensor
 
 from teleopt.groups import GroupCache
-from teleopt.teleport.balance import WeightNormModel
-from teleopt.teleport.balance_plan import BalancePlan, _Lane, build_plan
+from teleopt.teleport.balance_plan import BalancePlan, _Lane, _Slot, build_plan
 from teleopt.teleport.distributed import is_distributed
 from teleopt.teleport.engine import TeleportEngine, TeleportRequest
 from teleopt.teleport.objectives import Balance
@@ -111,8 +111,7 @@ class BalanceCompanion:
                 return None
             plan.verified = True
             record.lean_check = (plan.signature, record.backoff, plan.checked_at, True, plan.lean_step)
-        with GroupCache().active():
-            report = lean_teleport(engine, plan, request, near=self.near)
+        report = lean_teleport(engine, plan, request, near=self.near)
         if report is None:
             return None
         if report.accepted:
@@ -167,12 +166,12 @@ class BalanceCompanion:
         if plan is None:
             return None
         state = engine.config.optimizer.state
-        for s in plan.slots:
-            if s.param.data_ptr() != s.storage or tuple(state.get(s.param, ())) != plan.keys[id(s.param)]:
+        for param, storage, keys in plan.params:
+            if param.data_ptr() != storage or tuple(state.get(param, ())) != keys:
                 self.key = None  # new storage (module.to, p.data = ...) or new state entries: planned again next time
                 return None
-            grad = s.param.grad  # frozen, gradient-free, sparse or graph-carrying members: the engine decides
-            if not s.param.requires_grad or grad is None or grad.is_sparse or grad.requires_grad:
+            grad = param.grad  # frozen, gradient-free, sparse or graph-carrying members: the engine decides
+            if not param.requires_grad or grad is None or grad.is_sparse or grad.requires_grad:
                 return None
         return plan
 
@@ -240,19 +239,24 @@ def solve(plan: BalancePlan, rcond: float, near: bool = False) -> tuple[list[Ten
 
 def solve_chain(plan: BalancePlan, objective: Balance) -> tuple[list[Tensor], list[float], float, float]:
     """Coordinates of a chain's sites (:attr:`BalancePlan.chain`: sites sharing tensors) as the engine finds them:
-    its weight-norm model solved by :meth:`Balance.solve <teleopt.teleport.objectives.Balance.solve>` (block-
-    coordinate sweeps, :meth:`WeightNormModel.solve <teleopt.teleport.balance.WeightNormModel.solve>`), each
-    site's max abs, and N before and after (every counted member of the sites)."""
+    its weight-norm model (built with the plan, its statistics read again) solved by block-coordinate sweeps
+    (:meth:`WeightNormModel.solve <teleopt.teleport.balance.WeightNormModel.solve>`) with the settings and the
+    floors of :meth:`Balance.solve <teleopt.teleport.objectives.Balance.solve>` (fraction 1), each site's max
+    abs, and N before and after (every counted member of the sites)."""
     chain = plan.chain
     assert chain is not None
-    model = WeightNormModel(plan.sites, plan.groups, chain.tensors, chain.counted)
+    model = chain.model  # built with the plan: only its statistics are read again
+    model.reread()
     device = next(iter(chain.tensors.values())).device
     start = [torch.zeros(g.coord_shape or (), dtype=torch.float64, device=device) for g in plan.groups]  # the identity
-    coords, before = objective.solve(model, plan.radii, start)
-    after = model.value([g.exp(c) for g, c in zip(plan.groups, coords)])
-    peaks = [c.abs().amax() if c.numel() else c.new_zeros(()) for c in coords]
-    values = torch.stack([*peaks, after]).to(torch.float64).tolist()  # one read of the host
-    return coords, values[:-1], before, values[-1]
+    found = model.solve(plan.radii, start, objective.max_sweeps, objective.tol, rcond=objective.rcond)
+    # as Balance.solve (fraction 1): a site that moves by at most its floor stays at the identity
+    peaks = [c.abs().amax() if c.numel() else c.new_zeros((), dtype=torch.float64) for c in found.coords]
+    moves = torch.stack(peaks).to(torch.float64).tolist()  # one read of the host
+    kept = [m if m > floor else 0.0 for m, floor in zip(moves, plan.floors)]
+    coords = [c if m else torch.zeros_like(c) for c, m in zip(found.coords, kept)]
+    after = float(model.value([g.exp(c) for g, c in zip(plan.groups, coords)]))
+    return coords, kept, found.norm_start, after
 
 
 @dataclass
@@ -280,18 +284,24 @@ class _Writes:
 def _factors(lane: _Lane, plan: BalancePlan, elements: Sequence[Tensor], power: float, dtype: torch.dtype) -> Tensor:
     """rho(g)^power of each slot's site, stacked: (S, blocks, n, n) block matrices for GL (g, or g^-T for -1)
     to multiply :meth:`_Lane.columns`; (S, *broadcast) factors c^power for scalings, as ``act_on_axis`` computes them."""
-    sites = [s.site for s in lane.slots]
     if lane.matrix:
-        blocks = [plan.groups[i].block_matrices(elements[i], power) for i in sites]
+        blocks = [plan.groups[i].block_matrices(elements[i], power) for i in lane.sites]
         return torch.stack([m.reshape(lane.blocks, lane.n, lane.n) for m in blocks if m is not None]).to(dtype)
-    g = torch.stack([elements[i] for i in sites]).to(dtype)
-    return (g if power == 1 else g**power).reshape(len(sites), *lane.broadcast)
+    g = torch.stack([elements[i] for i in lane.sites]).to(dtype)
+    return (g if power == 1 else g**power).reshape(lane.broadcast)
 
 
-def _grad(param: Tensor) -> Tensor:
-    grad = param.grad
+def _part(slot: _Slot, t: Tensor) -> Tensor:
+    """The slot's part of ``t`` (its parameter, gradient or a moment) as the member's ``part_view`` takes it."""
+    if slot.narrow is not None:
+        t = t.narrow(*slot.narrow)
+    return t if slot.shape is None else t.reshape(slot.shape)
+
+
+def _grad(slot: _Slot) -> Tensor:
+    grad = slot.param.grad
     assert grad is not None  # the plan's guard: every member has a gradient
-    return grad
+    return grad if slot.narrow is None and slot.shape is None else _part(slot, grad)
 
 
 def _matrix_lane(writes: _Writes, lane: _Lane, parts: list[Tensor], m: Tensor, power: float) -> Tensor:
@@ -305,18 +315,13 @@ def _matrix_lane(writes: _Writes, lane: _Lane, parts: list[Tensor], m: Tensor, p
     return x
 
 
-def _moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim.Optimizer) -> tuple[_Writes, Counter[str]]:
+def _moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim.Optimizer) -> _Writes:
     """Every write of the teleport, computed before any is made (module docs)."""
-    writes, decisions = _Writes(), Counter[str]()
-    for param in {id(s.param): s.param for s in plan.slots}.values():  # per parameter, as the engine counts
-        for key in optimizer.state[param]:
-            decisions[plan.decisions[(id(param), key)]] += 1
+    writes, state = _Writes(), optimizer.state
     for lane in plan.lanes:
         first = lane.slots[0]
-        group, dtype, p = plan.groups[first.site], first.view.dtype, first.power
-        moments = [(key, plan.state[(id(first.param), key)]) for key in optimizer.state[first.param]]
-        parts = {key: [s.member.part_view(optimizer.state[s.param][key])[0] for s in lane.slots] for key, rule in moments if rule != "keep"}
-        grads = [s.member.part_view(_grad(s.param))[0] for s in lane.slots]
+        dtype, p = first.view.dtype, first.power
+        grads = [_grad(s) for s in lane.slots]
         covector = _factors(lane, plan, elements, -p, dtype)
         if lane.matrix:
             _matrix_lane(writes, lane, [s.view for s in lane.slots], _factors(lane, plan, elements, p, dtype), p)
@@ -331,18 +336,15 @@ def _moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim
                 c = torch.stack([elements[s.site] for s in lane.slots]).reshape(plan.units[id(lane)].shape)
                 writes.norm_after.append((plan.units.pop(id(lane)) * c ** (2 * p)).sum())
             _scaled_grads(writes, lane, grads, list(covector.unbind(0)), -p)
-        for key, rule in moments:
-            if rule == "keep":
-                continue
-            power = -p if rule == "covector" else group.second_moment_power(-p)
-            assert power is not None  # the plan admits second moments only where the rule exists
+        for key, rule, power in lane.moments:
+            parts = [_part(s, state[s.param][key]) for s in lane.slots]
             m = covector if rule == "covector" else _factors(lane, plan, elements, power, dtype)
             if lane.matrix:
-                _matrix_lane(writes, lane, parts[key], m, power)
+                _matrix_lane(writes, lane, parts, m, power)
             else:
-                writes.scaled += parts[key]
+                writes.scaled += parts
                 writes.factors += m.unbind(0)
-    return writes, decisions
+    return writes
 
 
 def _scaled_grads(writes: _Writes, lane: _Lane, grads: list[Tensor], factors: list[Tensor], power: float) -> None:
@@ -447,10 +449,15 @@ def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRe
     """One balance teleport on ``plan`` (module docs); ``None`` where the engine must take it.  It reads and writes
     ``.data`` views, outside autograd (``Teleport.step`` and ``teleport`` run it under ``no_grad``); after the
     writes it runs no torch function, so nothing can fail between them and the commit."""
-    start, cfg, record = time.perf_counter(), engine.config, engine.record
-    objective = cfg.objective
+    objective = engine.config.objective
     assert isinstance(objective, Balance)
-    near = near and plan.lean_step == record.step - 1
+    near = near and plan.lean_step == engine.record.step - 1
+    with GroupCache().active() if plan.matrix else nullcontext():  # each GL element's contragredient kept
+        return _lean(engine, plan, objective, near)
+
+
+def _lean(engine: TeleportEngine, plan: BalancePlan, objective: Balance, near: bool) -> TeleportReport | None:
+    start, cfg, record = time.perf_counter(), engine.config, engine.record
     found = solve_chain(plan, objective) if plan.chain else solve(plan, objective.rcond, near=near)
     if found is None:
         return None
@@ -469,16 +476,21 @@ def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRe
         return report
     # as the engine computes them; a site that stays gets the identity (exp(0) is exactly I) without a matrix_exp
     elements = [group.exp(xi) if m else group.identity() for group, xi, m in zip(plan.groups, coords, norms)]
-    writes, decisions = _moves(plan, elements, cfg.optimizer)
-    grads = [p.grad for g in cfg.optimizer.param_groups for p in g["params"] if p.grad is not None]
-    before, after, kept = _grad_norms(grads, writes, still, record.read)
+    writes = _moves(plan, elements, cfg.optimizer)
+    known = record.read  # ||grad||^2 before, as this step's watch read it
+    grads = (
+        []
+        if known is not None and math.isfinite(known)
+        else [p.grad for g in cfg.optimizer.param_groups for p in g["params"] if p.grad is not None]
+    )
+    before, after, kept = _grad_norms(grads, writes, still, known)
     report.grad_norm_before, report.grad_norm_after = math.sqrt(before), math.sqrt(after)
     report.objective_before = norm_start + kept
     if norm_after is None:
         norm_after = kept + (float(torch.stack(writes.norm_after).sum()) if writes.norm_after else norm_start)
     report.objective_after = norm_after
     report.elements = {s.name: e.to(torch.float64) for s, e in zip(plan.sites, elements)}
-    report.state_decisions = dict(decisions)
+    report.state_decisions = dict(plan.counts)
     report.accepted, report.reason = True, "accepted"
     watch = _watch(engine, plan, elements, report)
     _write(writes, plan, elements)
