@@ -80,6 +80,8 @@ class BalancePlan:
     signature: tuple[str, ...] = ()  # the sites by name: with the caps' backoff, what identifies it across a checkpoint
     counts: dict[str, int] = field(default_factory=dict)  # the report's state decisions (the state keys are fixed)
     matrix: bool = False  # a lane moves block matrices (GL): the group cache keeps each element's contragredient
+    zeros: list[Tensor] = field(default_factory=list)  # per site, the identity's coordinates (read only)
+    watch_dtypes: list[torch.dtype] = field(default_factory=list)  # per site, the dtype the watch keeps its element in
     verified: bool = False  # the engine ran this plan's first teleport and it was accepted
     lean_step: int = -2  # the step of its last accepted lean teleport (the next step's point is near balance)
     checked_at: int = -1
@@ -235,6 +237,9 @@ def build_plan(engine: TeleportEngine, sites: list[Site], skipped: dict[str, str
     unique = {id(s.param): s.param for s in slots}.values()
     plan.params = [(p, p.data_ptr(), tuple(cfg.optimizer.state[p])) for p in unique]
     plan.signature, plan.matrix = tuple(s.name for s in sites), any(lane.matrix for lane in lanes)
+    plan.zeros = [torch.zeros(g.coord_shape or (), dtype=torch.float64) for g in groups]
+    first = {s.site: s.param.dtype for s in reversed(slots)}  # a site's first moved member (elements are float64)
+    plan.watch_dtypes = [torch.promote_types(first.get(i, torch.float64), torch.float32) for i in range(len(sites))]
     _fix_state(plan, cfg.optimizer)
     trainable = {id(p) for g in cfg.optimizer.param_groups for p in g["params"] if p.requires_grad}
     if coupled:  # what the engine's weight-norm model reads: the live tensors and the trainable names
@@ -286,6 +291,10 @@ class _Lane:
     broadcast: tuple[int, ...] = ()  # the shape (S, ...) a scaling's stacked factors take to multiply the views
     sites: list[int] = field(default_factory=list)  # each slot's site
     moments: list[tuple[str, str, float]] = field(default_factory=list)  # the state entries it moves: rule, power
+    #: what a scalings' lane multiplies: per target its slots and the tensor (a member's view); where the slots tile
+    #: their parameters (:func:`_tiles`), each whole parameter (its ``.data``) with the factors of its slots
+    targets: list[tuple[list[_Slot], Tensor]] = field(default_factory=list)
+    tiled: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # the stacked factors' expanded and per-target shapes
 
     def columns(self, x: Tensor) -> Tensor:
         """Stacked parts (S, *view) as (S, blocks, n, rest)."""
@@ -313,5 +322,41 @@ def _lanes(slots: Sequence[_Slot], groups: Sequence[Group], bucket_of: dict[int,
         lane.others = tuple(d for d in range(ndim) if d != axis)
         lane.broadcast = (len(members), *(lane.blocks if d == axis else 1 for d in range(ndim)))
         lane.sites = [s.site for s in members]
+        tiles = None if matrix else _tiles(members)
+        lane.targets = [([s], s.view) for s in members] if tiles is None else [(t, t[0].param.data) for t in tiles]
+        if tiles is not None:
+            lane.tiled = _tiled_shapes(lane, tiles)
         out.append(lane)
     return out
+
+
+def _tiles(slots: Sequence[_Slot]) -> list[list[_Slot]] | None:
+    """The slots per parameter where they tile their parameters: each parameter's slots consecutive, in the
+    order of their parts along the acted-on axis, covering it, as many for every parameter (a scaling of each
+    head's rows of q, say); then a teleport multiplies whole tensors, without taking each member's part."""
+    tiles: list[list[_Slot]] = []
+    for s in slots:
+        if tiles and tiles[-1][0].param is s.param:
+            tiles[-1].append(s)
+        elif any(t[0].param is s.param for t in tiles):
+            return None
+        else:
+            tiles.append([s])
+    for tile in tiles:
+        param, axis = tile[0].param, tile[0].member.axis % tile[0].param.ndim
+        length = param.shape[axis] if tile[0].narrow is None else tile[0].narrow[2]
+        starts = [0 if s.narrow is None else s.narrow[1] for s in tile]
+        if len(tile) != len(tiles[0]) or starts != [j * length for j in range(len(tile))] or length * len(tile) != param.shape[axis]:
+            return None
+    return tiles
+
+
+def _tiled_shapes(lane: _Lane, tiles: list[list[_Slot]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Stacked factors (S, *broadcast) expanded over the slot's split (outer, inner) and the shape that makes them
+    per parameter: (P, 1, ..., axis length, ..., 1), the slots' parts in order along the axis."""
+    first = lane.slots[0]
+    param, axis = first.param, first.member.axis % first.param.ndim
+    split = () if first.shape is None else (axis, axis + 2)  # the view's outer and inner axes
+    expand = (len(lane.slots), *(first.view.shape[d] if d in split else size for d, size in enumerate(lane.broadcast[1:])))
+    whole = (len(tiles), *(param.shape[d] if d == axis else 1 for d in range(param.ndim)))
+    return expand, whole

@@ -209,7 +209,7 @@ def solve(plan: BalancePlan, rcond: float, near: bool = False) -> tuple[list[Ten
     stats = _statistics(plan)
     traces = [torch.stack(plan.traces).sum()] if plan.traces else [torch.zeros((), dtype=torch.float64)]
     plan.traces = []
-    coords = [torch.zeros(g.coord_shape or (), dtype=torch.float64) for g in plan.groups]  # skipped sites: the identity
+    coords = list(plan.zeros)  # skipped sites: the identity
     edges, peaks = [], []  # peaks: per bucket, each site's max |xi| (one reduction per bucket, not per site)
     for bucket in plan.buckets:
         group, radius = plan.groups[bucket[0]], plan.radii[bucket[0]]
@@ -234,7 +234,7 @@ def solve(plan: BalancePlan, rcond: float, near: bool = False) -> tuple[list[Ten
         moves[i] = v
     trace = values[sum(len(b) for b in plan.buckets)]
     kept = [m if m > floor else 0.0 for m, floor in zip(moves, plan.floors)]
-    return [xi if m else torch.zeros_like(xi) for xi, m in zip(coords, kept)], kept, trace, None
+    return [xi if m else zero for xi, m, zero in zip(coords, kept, plan.zeros)], kept, trace, None
 
 
 def solve_chain(plan: BalancePlan, objective: Balance) -> tuple[list[Tensor], list[float], float, float]:
@@ -262,12 +262,13 @@ def solve_chain(plan: BalancePlan, objective: Balance) -> tuple[list[Tensor], li
 @dataclass
 class _Writes:
     """One teleport's writes: new values to copy over their targets (GL parts, gradients), factors to multiply
-    targets by in place (scalings' parameters and moments), how to move each copy back (site, view axis, power),
-    and the gradients' squared norms before and after, per lane."""
+    targets by in place (scalings' parameters and moments), how to move each copy back (per slot that moved it:
+    the slot, the power, and whether the copy is its whole tensor, of which the slot's part moves back), and the
+    gradients' squared norms before and after, per lane."""
 
     targets: list[Tensor] = field(default_factory=list)
     values: list[Tensor] = field(default_factory=list)
-    undo: list[list[tuple[int, int, float]]] = field(default_factory=list)  # per copy: every site that moved it
+    undo: list[list[tuple[_Slot, float, bool]]] = field(default_factory=list)  # per copy: every slot that moved it
     whole: dict[int, int] = field(default_factory=dict)  # id of a parameter -> its whole gradient's copy (a chain's)
     scaled: list[Tensor] = field(default_factory=list)
     factors: list[Tensor] = field(default_factory=list)
@@ -278,17 +279,39 @@ class _Writes:
     def copy(self, lane: _Lane, targets: list[Tensor], values: Sequence[Tensor], power: float) -> None:
         self.targets += targets
         self.values += values
-        self.undo += [[(s.site, s.axis, power)] for s in lane.slots]
+        self.undo += [[(s, power, False)] for s in lane.slots]
 
 
-def _factors(lane: _Lane, plan: BalancePlan, elements: Sequence[Tensor], power: float, dtype: torch.dtype) -> Tensor:
-    """rho(g)^power of each slot's site, stacked: (S, blocks, n, n) block matrices for GL (g, or g^-T for -1)
-    to multiply :meth:`_Lane.columns`; (S, *broadcast) factors c^power for scalings, as ``act_on_axis`` computes them."""
-    if lane.matrix:
-        blocks = [plan.groups[i].block_matrices(elements[i], power) for i in lane.sites]
-        return torch.stack([m.reshape(lane.blocks, lane.n, lane.n) for m in blocks if m is not None]).to(dtype)
-    g = torch.stack([elements[i] for i in lane.sites]).to(dtype)
-    return (g if power == 1 else g**power).reshape(lane.broadcast)
+class _Factors:
+    """rho(g)^power of each slot's site, stacked, for one teleport's elements: (S, blocks, n, n) block matrices for
+    GL (g, or g^-T for -1) to multiply :meth:`_Lane.columns`; (S, *broadcast) factors c^power for scalings, as
+    ``act_on_axis`` computes them (per parameter where the lane is tiled).  Lanes of the same sites (a pair's two
+    sides) share the stacks: each is made once per teleport."""
+
+    def __init__(self, plan: BalancePlan, elements: Sequence[Tensor]) -> None:
+        self.plan, self.elements = plan, elements
+        self.made: dict[tuple[Any, ...], Tensor] = {}
+
+    def _stacked(self, lane: _Lane, power: float, dtype: torch.dtype) -> Tensor:
+        key = (tuple(lane.sites), lane.matrix, power, dtype)
+        made = self.made.get(key)
+        if made is None:
+            if lane.matrix:
+                groups, elements = self.plan.groups, self.elements
+                blocks = [groups[i].block_matrices(elements[i], power) for i in lane.sites]
+                made = torch.stack([m.reshape(lane.blocks, lane.n, lane.n) for m in blocks if m is not None]).to(dtype)
+            else:
+                g = self._stacked(lane, 1.0, dtype) if power != 1 else torch.stack([self.elements[i] for i in lane.sites]).to(dtype)
+                made = g if power == 1 else g**power
+            self.made[key] = made
+        return made
+
+    def of(self, lane: _Lane, power: float, dtype: torch.dtype) -> Tensor:
+        g = self._stacked(lane, power, dtype)
+        if lane.matrix:
+            return g
+        g = g.reshape(lane.broadcast)
+        return g if lane.tiled is None else g.expand(lane.tiled[0]).reshape(lane.tiled[1])  # per parameter
 
 
 def _part(slot: _Slot, t: Tensor) -> Tensor:
@@ -298,10 +321,11 @@ def _part(slot: _Slot, t: Tensor) -> Tensor:
     return t if slot.shape is None else t.reshape(slot.shape)
 
 
-def _grad(slot: _Slot) -> Tensor:
+def _grad(slot: _Slot, whole: bool = False) -> Tensor:
+    """The slot's part of its parameter's gradient (``whole``: the whole gradient)."""
     grad = slot.param.grad
     assert grad is not None  # the plan's guard: every member has a gradient
-    return grad if slot.narrow is None and slot.shape is None else _part(slot, grad)
+    return grad if whole or (slot.narrow is None and slot.shape is None) else _part(slot, grad)
 
 
 def _matrix_lane(writes: _Writes, lane: _Lane, parts: list[Tensor], m: Tensor, power: float) -> Tensor:
@@ -317,28 +341,31 @@ def _matrix_lane(writes: _Writes, lane: _Lane, parts: list[Tensor], m: Tensor, p
 
 def _moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim.Optimizer) -> _Writes:
     """Every write of the teleport, computed before any is made (module docs)."""
-    writes, state = _Writes(), optimizer.state
+    writes, state, factors = _Writes(), optimizer.state, _Factors(plan, elements)
     for lane in plan.lanes:
         first = lane.slots[0]
         dtype, p = first.view.dtype, first.power
-        grads = [_grad(s) for s in lane.slots]
-        covector = _factors(lane, plan, elements, -p, dtype)
+        grads = [_grad(s) for s in lane.slots] if lane.tiled is None else [_grad(t[0], whole=True) for t, _ in lane.targets]
+        covector = factors.of(lane, -p, dtype)
         if lane.matrix:
-            _matrix_lane(writes, lane, [s.view for s in lane.slots], _factors(lane, plan, elements, p, dtype), p)
+            _matrix_lane(writes, lane, [s.view for s in lane.slots], factors.of(lane, p, dtype), p)
             writes.norm_after += [torch.stack(writes.values[-len(grads) :]).to(torch.float64).square().sum()]
             before = _matrix_lane(writes, lane, grads, covector, -p)
             writes.grad_before.append(before)
             writes.grad_after += writes.values[-len(grads) :]
         else:
-            writes.scaled += [s.view for s in lane.slots]
-            writes.factors += _factors(lane, plan, elements, p, dtype).unbind(0)
+            writes.scaled += [view for _, view in lane.targets]
+            writes.factors += factors.of(lane, p, dtype).unbind(0)
             if id(lane) in plan.units:  # a chain's N after the move comes from its weight-norm model
                 c = torch.stack([elements[s.site] for s in lane.slots]).reshape(plan.units[id(lane)].shape)
                 writes.norm_after.append((plan.units.pop(id(lane)) * c ** (2 * p)).sum())
             _scaled_grads(writes, lane, grads, list(covector.unbind(0)), -p)
         for key, rule, power in lane.moments:
-            parts = [_part(s, state[s.param][key]) for s in lane.slots]
-            m = covector if rule == "covector" else _factors(lane, plan, elements, power, dtype)
+            if lane.tiled is not None:  # whole tensors
+                parts = [state[t[0].param][key] for t, _ in lane.targets]
+            else:
+                parts = [_part(s, state[s.param][key]) for s in lane.slots]
+            m = covector if rule == "covector" else factors.of(lane, power, dtype)
             if lane.matrix:
                 _matrix_lane(writes, lane, parts, m, power)
             else:
@@ -351,21 +378,23 @@ def _scaled_grads(writes: _Writes, lane: _Lane, grads: list[Tensor], factors: li
     """A scalings' lane's gradient parts times their factors, queued as copies.  A whole gradient that an earlier
     site of a chain already moved (its rows, say; this site its columns) is multiplied again in its queued copy:
     the factors compose, and the gradient is copied (and counted in the norms) once."""
-    fresh = [k for k, s in enumerate(lane.slots) if not (s.whole and id(s.param) in writes.whole)]
-    again = [k for k in range(len(lane.slots)) if k not in fresh]
+    tiled = lane.tiled is not None  # one whole gradient per target, moved by its slots' factors
+    whole = [tiled or slots[0].whole for slots, _ in lane.targets]
+    fresh = [k for k, (slots, _) in enumerate(lane.targets) if not (whole[k] and id(slots[0].param) in writes.whole)]
+    again = [k for k in range(len(lane.targets)) if k not in fresh]
     if again:
-        at = [writes.whole[id(lane.slots[k].param)] for k in again]
+        at = [writes.whole[id(lane.targets[k][0][0].param)] for k in again]
         torch._foreach_mul_([writes.values[i] for i in at], [factors[k] for k in again])  # queued copies, not live
         for i, k in zip(at, again):
-            writes.undo[i].append((lane.slots[k].site, lane.slots[k].axis, power))
+            writes.undo[i] += [(s, power, True) for s in lane.targets[k][0]]
     moved = torch._foreach_mul([grads[k] for k in fresh], [factors[k] for k in fresh]) if fresh else []
     for k, value in zip(fresh, moved):
-        s = lane.slots[k]
-        if s.whole:
-            writes.whole[id(s.param)] = len(writes.targets)
+        slots = lane.targets[k][0]
+        if whole[k]:
+            writes.whole[id(slots[0].param)] = len(writes.targets)
         writes.targets.append(grads[k])
         writes.values.append(value)
-        writes.undo.append([(s.site, s.axis, power)])
+        writes.undo.append([(s, power, tiled) for s in slots])
     writes.grad_before += [grads[k] for k in fresh]
     writes.grad_after += moved
 
@@ -389,7 +418,9 @@ def _write(writes: _Writes, plan: BalancePlan, elements: Sequence[Tensor]) -> No
     """The writes: one ``_foreach_copy_``, then in-place ``_foreach_mul_`` (one per factor a tensor takes; they
     allocate nothing).  An exception (an interrupt) during them divides the products already made out again and
     moves what the copy wrote back by the inverse elements (of every site that moved it), exact up to round-off."""
-    rounds, done = _rounds(writes.scaled, writes.factors), 0
+    # without a chain every scaled tensor is distinct: one call
+    rounds = _rounds(writes.scaled, writes.factors) if plan.chain or not writes.scaled else [(writes.scaled, writes.factors)]
+    done = 0
     try:
         if writes.targets:
             torch._foreach_copy_(writes.targets, writes.values)
@@ -402,9 +433,10 @@ def _write(writes: _Writes, plan: BalancePlan, elements: Sequence[Tensor]) -> No
                 torch._foreach_div_(scaled, factors)
             for target, value, undo in zip(writes.targets, writes.values, writes.undo):
                 if torch.equal(target, value):
-                    for site, axis, power in reversed(undo):
-                        inverse = plan.sites[site].action.inverse(elements[site])
-                        target.copy_(plan.groups[site].act_on_axis(inverse, target, axis, power))
+                    for slot, power, whole in reversed(undo):
+                        inverse = plan.sites[slot.site].action.inverse(elements[slot.site])
+                        part = _part(slot, target) if whole else target
+                        part.copy_(plan.groups[slot.site].act_on_axis(inverse, part, slot.axis, power))
         raise
 
 
@@ -436,8 +468,7 @@ def _watch(engine: TeleportEngine, plan: BalancePlan, elements: Sequence[Tensor]
     cfg, record = engine.config, engine.record
     if cfg.safety.watch_steps <= 0:
         return None
-    first = {s.site: s.param.dtype for s in reversed(plan.slots)}
-    kept = [e.to(torch.promote_types(first.get(i, e.dtype), torch.float32)) for i, e in enumerate(elements)]
+    kept = [e if e.dtype == dtype else e.to(dtype) for e, dtype in zip(elements, plan.watch_dtypes)]
     move = InverseMove(list(plan.sites), kept, cfg.module, cfg.optimizer, cfg.policy)
     recent = [v for t, v in record.recent if record.step - REFERENCE_STEPS <= t < record.step]  # take_recent, unmutated
     before, after = report.grad_norm_before, report.grad_norm_after
