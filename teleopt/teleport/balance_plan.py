@@ -295,6 +295,10 @@ class _Lane:
     #: their parameters (:func:`_tiles`), each whole parameter (its ``.data``) with the factors of its slots
     targets: list[tuple[list[_Slot], Tensor]] = field(default_factory=list)
     tiled: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # the stacked factors' expanded and per-target shapes
+    #: a scalings' statistics from one norm per target: the target's axes reduced, then (tiled) the norms' squares
+    #: as (S, outer, n, inner) and the split axes summed (``()``: none); untiled, each view's other axes
+    reduce: tuple[int, ...] = ()
+    units: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def columns(self, x: Tensor) -> Tensor:
         """Stacked parts (S, *view) as (S, blocks, n, rest)."""
@@ -326,6 +330,12 @@ def _lanes(slots: Sequence[_Slot], groups: Sequence[Group], bucket_of: dict[int,
         lane.targets = [([s], s.view) for s in members] if tiles is None else [(t, t[0].param.data) for t in tiles]
         if tiles is not None:
             lane.tiled = _tiled_shapes(lane, tiles)
+            first = members[0]
+            axis, split = first.member.axis % first.param.ndim, first.shape is not None
+            lane.reduce = tuple(d for d in range(first.param.ndim) if d != axis)
+            lane.units = ((len(members), *first.view.shape[axis : axis + 3]), (1, 3)) if split else ((len(members), lane.blocks), ())
+        elif not matrix:
+            lane.reduce = lane.others
         out.append(lane)
     return out
 

@@ -187,16 +187,26 @@ def _statistics(plan: BalancePlan) -> list[dict[float, Tensor]]:
             values = cols @ cols.mT
             plan.traces.append(values.diagonal(dim1=-2, dim2=-1).sum())
         else:
-            dims = lane.others
-            # in the members' precision (float32 at least), as the engine's reduced terms: then float64
-            squares = torch.stack([s.view for s in lane.slots]).square()  # one kernel per lane, not per member
-            values = (squares.sum(tuple(d + 1 for d in dims)) if dims else squares).to(torch.float64)
+            values = _unit_squares(lane, [t for _, t in lane.targets])
             plan.units[id(lane)] = values  # for the squared norm after the move (objective_after)
             plan.traces.append(values.sum())
         for s, value in zip(lane.slots, values.reshape(len(lane.slots), *(plan.groups[first.site].coord_shape or ())).unbind(0)):
             into = stats[s.site]
             into[s.power] = into[s.power] + value if s.power in into else value
     return stats
+
+
+def _unit_squares(lane: _Lane, tensors: Sequence[Tensor]) -> Tensor:
+    """A scalings' lane's statistics (S, units) in float64 of ``tensors`` (laid out as its targets: a tiled lane's
+    whole parameters or gradients, else each member's part): each unit's sum of squares over the other axes, from
+    one norm per tensor in its precision, as the engine's reduced terms (to their round-off): no stacked copy and
+    no squared copy of the members."""
+    dims = lane.reduce
+    norms = torch.stack([torch.linalg.vector_norm(t, dim=dims) if dims else t.abs() for t in tensors]).to(torch.float64)
+    if lane.units is None:
+        return norms.square()
+    squares = norms.square().reshape(lane.units[0])
+    return squares.sum(lane.units[1]) if lane.units[1] else squares
 
 
 def solve(plan: BalancePlan, rcond: float, near: bool = False) -> tuple[list[Tensor], list[float], float, None] | None:
@@ -275,6 +285,8 @@ class _Writes:
     grad_before: list[Tensor] = field(default_factory=list)  # the moved gradient parts, before and after
     grad_after: list[Tensor] = field(default_factory=list)
     norm_after: list[Tensor] = field(default_factory=list)  # the members' squared norm after the move, per lane
+    grad_squares: list[Tensor] = field(default_factory=list)  # squared norms after the move of in-place gradients
+    elements: Sequence[Tensor] = ()  # the teleport's elements, per site
 
     def copy(self, lane: _Lane, targets: list[Tensor], values: Sequence[Tensor], power: float) -> None:
         self.targets += targets
@@ -341,7 +353,7 @@ def _matrix_lane(writes: _Writes, lane: _Lane, parts: list[Tensor], m: Tensor, p
 
 def _moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim.Optimizer) -> _Writes:
     """Every write of the teleport, computed before any is made (module docs)."""
-    writes, state, factors = _Writes(), optimizer.state, _Factors(plan, elements)
+    writes, state, factors = _Writes(elements=elements), optimizer.state, _Factors(plan, elements)
     for lane in plan.lanes:
         first = lane.slots[0]
         dtype, p = first.view.dtype, first.power
@@ -349,17 +361,19 @@ def _moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim
         covector = factors.of(lane, -p, dtype)
         if lane.matrix:
             _matrix_lane(writes, lane, [s.view for s in lane.slots], factors.of(lane, p, dtype), p)
-            writes.norm_after += [torch.stack(writes.values[-len(grads) :]).to(torch.float64).square().sum()]
+            moved = torch._foreach_norm(writes.values[-len(grads) :])  # no squared copy of the moved parts
+            writes.norm_after += [torch.stack(moved).to(torch.float64).square().sum()]
             before = _matrix_lane(writes, lane, grads, covector, -p)
             writes.grad_before.append(before)
             writes.grad_after += writes.values[-len(grads) :]
         else:
             writes.scaled += [view for _, view in lane.targets]
             writes.factors += factors.of(lane, p, dtype).unbind(0)
-            if id(lane) in plan.units:  # a chain's N after the move comes from its weight-norm model
-                c = torch.stack([elements[s.site] for s in lane.slots]).reshape(plan.units[id(lane)].shape)
-                writes.norm_after.append((plan.units.pop(id(lane)) * c ** (2 * p)).sum())
-            _scaled_grads(writes, lane, grads, list(covector.unbind(0)), -p)
+            units = plan.units.pop(id(lane), None)  # None: a chain (N after the move from its weight-norm model)
+            if units is None:
+                _scaled_grads(writes, lane, grads, list(covector.unbind(0)), -p)
+            else:
+                _scaled_in_place(writes, lane, grads, covector, units)
         for key, rule, power in lane.moments:
             if lane.tiled is not None:  # whole tensors
                 parts = [state[t[0].param][key] for t, _ in lane.targets]
@@ -372,6 +386,19 @@ def _moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim
                 writes.scaled += parts
                 writes.factors += m.unbind(0)
     return writes
+
+
+def _scaled_in_place(writes: _Writes, lane: _Lane, grads: list[Tensor], covector: Tensor, units: Tensor) -> None:
+    """A scalings' lane outside a chain: every gradient part is the lane's own, so it is multiplied in place with
+    the parameters; the members' and the gradients' squared norms after the move come from each unit's sum of
+    squares before it (``units`` for the members), with no moved copy."""
+    p = lane.slots[0].power
+    c = torch.stack([writes.elements[i] for i in lane.sites]).reshape(units.shape)
+    writes.norm_after.append((units * c ** (2 * p)).sum())
+    writes.scaled += grads
+    writes.factors += covector.unbind(0)
+    writes.grad_before += grads
+    writes.grad_squares.append((_unit_squares(lane, grads) * c ** (-2 * p)).sum())
 
 
 def _scaled_grads(writes: _Writes, lane: _Lane, grads: list[Tensor], factors: list[Tensor], power: float) -> None:
@@ -449,7 +476,10 @@ def _grad_norms(grads: list[Tensor], writes: _Writes, still: list[Tensor], known
     norms = torch._foreach_norm([t for part in parts for t in part])
     squares = torch.stack(norms).to(torch.float64).square()
     a, b, c = len(grads), len(grads) + len(writes.grad_before), len(squares) - len(still)
-    sums = torch.stack([squares[:a].sum(), squares[a:b].sum(), squares[b:c].sum(), squares[c:].sum()])
+    moved = squares[b:c].sum()
+    if writes.grad_squares:  # the gradients moved in place
+        moved = moved + torch.stack(writes.grad_squares).sum()
+    sums = torch.stack([squares[:a].sum(), squares[a:b].sum(), moved, squares[c:].sum()])
     before, old, new, kept = (float(v) for v in sums)
     before = known if reuse and known is not None else before
     return before, max(before - old + new, 0.0), kept
