@@ -12,9 +12,10 @@ path here instead of :class:`~teleopt.teleport.engine.TeleportEngine` when the p
 * each teleport reads the members' statistics, solves every bucket in one batched closed-form call
   (:meth:`Group.balance_many <teleopt.groups.Group.balance_many>`; ENorm, Stock et al. 2019; the balanced pair
   A A^T = B^T B of a LoRA pair, BaLoRA, Castin et al. 2026), computes every write first (the moved parts of
-  matrix groups and every moved gradient out of place, the scalings' factors), then makes them with one
-  ``torch._foreach_copy_`` and one in-place ``torch._foreach_mul_``.  No forward or backward pass, no probe,
-  no snapshot copies: the elements suffice to undo it.
+  matrix groups and, in a chain, the moved gradients out of place; the scalings' factors, by which their
+  parameters, moments and, outside a chain, gradients are multiplied in place, per whole parameter where the
+  members tile it), then makes them with one ``torch._foreach_copy_`` and one in-place ``torch._foreach_mul_``.
+  No forward or backward pass, no probe, no snapshot copies: the elements suffice to undo it.
 
 **Chains.**  In a ReLU MLP or a conv chain the hidden layers' scaling sites share tensors (a layer's rows
 belong to one site, its columns to the next).  Where every such overlap is between positive scalings of whole,
