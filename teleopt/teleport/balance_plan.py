@@ -299,6 +299,9 @@ class _Lane:
     #: as (S, outer, n, inner) and the split axes summed (``()``: none); untiled, each view's other axes
     reduce: tuple[int, ...] = ()
     units: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    #: a one-block GL lane whose acted-on axis has only unit axes before it (``"rows"``) or after it (``"cols"``): its
+    #: stacked parts multiply as (S, n, rest) or (S, rest, n) views, with no transposed copy (:meth:`columns`)
+    side: str | None = None
 
     def columns(self, x: Tensor) -> Tensor:
         """Stacked parts (S, *view) as (S, blocks, n, rest)."""
@@ -326,6 +329,9 @@ def _lanes(slots: Sequence[_Slot], groups: Sequence[Group], bucket_of: dict[int,
         lane.others = tuple(d for d in range(ndim) if d != axis)
         lane.broadcast = (len(members), *(lane.blocks if d == axis else 1 for d in range(ndim)))
         lane.sites = [s.site for s in members]
+        if matrix and lane.blocks == 1:
+            shape = members[0].view.shape
+            lane.side = "rows" if all(d == 1 for d in shape[:axis]) else "cols" if all(d == 1 for d in shape[axis + 1 :]) else None
         tiles = None if matrix else _tiles(members)
         lane.targets = [([s], s.view) for s in members] if tiles is None else [(t, t[0].param.data) for t in tiles]
         if tiles is not None:

@@ -184,8 +184,13 @@ def _statistics(plan: BalancePlan) -> list[dict[float, Tensor]]:
     for lane in plan.lanes:
         first = lane.slots[0]
         if lane.matrix:
-            cols = lane.columns(torch.stack([s.view for s in lane.slots]).to(torch.float64))
-            values = cols @ cols.mT
+            x = torch.stack([s.view for s in lane.slots]).to(torch.float64)
+            if lane.side is not None:  # views, no transposed copy
+                x = x.reshape(len(lane.slots), lane.n, -1) if lane.side == "rows" else x.reshape(len(lane.slots), -1, lane.n).mT
+                values = x @ x.mT
+            else:
+                cols = lane.columns(x)
+                values = cols @ cols.mT
             plan.traces.append(values.diagonal(dim1=-2, dim2=-1).sum())
         else:
             values = _unit_squares(lane, [t for _, t in lane.targets])
@@ -344,8 +349,10 @@ def _grad(slot: _Slot, whole: bool = False) -> Tensor:
 def _matrix_lane(writes: _Writes, lane: _Lane, parts: list[Tensor], m: Tensor, power: float) -> Tensor:
     """The lane's parts moved by the stacked block matrices ``m`` (queued as copies); returns the stacked parts."""
     x = torch.stack(parts)
-    if lane.blocks == 1 and x.ndim == 3:  # whole matrices (a LoRA factor): one batched product, no reshapes
-        y = m[:, 0] @ x if lane.slots[0].axis == 0 else x @ m[:, 0].mT
+    if lane.side == "rows":  # one block, as (S, n, rest) and (S, rest, n) views: no transposed copies
+        y = (m[:, 0] @ x.reshape(len(parts), lane.n, -1)).reshape(x.shape)
+    elif lane.side == "cols":
+        y = (x.reshape(len(parts), -1, lane.n) @ m[:, 0].mT).reshape(x.shape)
     else:
         y = lane.back(m @ lane.columns(x), x)
     writes.copy(lane, parts, y.unbind(0), power)
