@@ -104,10 +104,17 @@ class _Reduced:
         t = tensor.detach()
         sq = (t if t.dtype in (torch.float32, torch.float64) else t.float()).square()
         self.S = full(sum_over(sq, other))  # sharded (FSDP2): reduced on the shards, then gathered
+        self.source, self.other = t, other
         order = sorted(axes)
         self.letters = "abcdefghij"[: self.S.ndim]
         self.positions = [order.index(a) for a in axes]
         self.entries = entries
+
+    def reread(self) -> None:
+        """S again from the (plain, unsharded) tensor's current values, as :meth:`__init__` reduces it."""
+        t = self.source
+        sq = (t if t.dtype in (torch.float32, torch.float64) else t.float()).square()
+        self.S = sq.sum(self.other) if self.other else sq
 
     def _factors(self, elements: Sequence[Tensor]) -> list[Tensor]:
         out = []
@@ -136,8 +143,13 @@ class _Explicit:
     """Any other tensor: moved by the other sites' current elements, then read by the site's group."""
 
     def __init__(self, tensor: Tensor, entries: list[_Entry]) -> None:
-        self.tensor = full(tensor.detach()).to(torch.float64)
+        self.source = tensor.detach()
+        self.tensor = full(self.source).to(torch.float64)
         self.entries = sorted(entries, key=lambda e: e[0])  # sites act in list order
+
+    def reread(self) -> None:
+        """The (plain, unsharded) tensor's current values again."""
+        self.tensor = self.source.to(torch.float64)
 
     def moved(self, elements: Sequence[Tensor], skip: int | None = None) -> Tensor:
         x = self.tensor
@@ -221,7 +233,17 @@ class WeightNormModel:
                 self.terms_of.setdefault(i, []).append(term)
         self.neighbours = {i: {j for t in ts for j, _, _ in t.entries} - {i} for i, ts in self.terms_of.items()}
         others = {n for s in sites for n in s.tensor_names if n in counted} - set(entries)
-        self.still = square_sum(tensors[n] for n in sorted(others))  # sharded: summed over ranks (same order everywhere)
+        self.others = [tensors[n].detach() for n in sorted(others)]
+        self.still = square_sum(self.others)  # sharded: summed over ranks (same order everywhere)
+
+    def reread(self) -> None:
+        """The statistics again from the tensors' current values, for a model built once and kept (the lean
+        balance path's plan, :mod:`~teleopt.teleport.balance_plan`): the tensors must be plain (unsharded), in
+        place since it was built.  Values as a model built now, up to the order of summation of :attr:`still`."""
+        for t in self.terms:
+            t.reread()
+        if self.others:
+            self.still = float(torch.stack(torch._foreach_norm(self.others)).to(torch.float64).square().sum())
 
     def value(self, elements: Sequence[Tensor]) -> Tensor:
         """N at the elements (float64)."""

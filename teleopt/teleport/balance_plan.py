@@ -23,7 +23,7 @@ from teleopt.actions.axis import AxisAction, Member
 from teleopt.actions.base import GroupAction
 from teleopt.groups import Group
 from teleopt.site import Site
-from teleopt.teleport.balance import _admit
+from teleopt.teleport.balance import WeightNormModel, _admit
 from teleopt.teleport.engine import TeleportEngine
 from teleopt.teleport.objectives import Balance
 from teleopt.teleport.optimizer_model import state_role
@@ -43,6 +43,8 @@ class _Slot:
     power: float
     whole: bool  # a scaling on a whole axis (statistics in the tensor's precision, as the engine's)
     storage: int = 0  # the parameter's data_ptr when planned (its views are of that storage)
+    narrow: tuple[int, int, int] | None = None  # (axis, start, length) of the member's slice, if any
+    shape: tuple[int, ...] | None = None  # the slice's shape split into (outer, n, inner), if it is split
 
 
 @dataclass(frozen=True, repr=False)
@@ -52,6 +54,7 @@ class Chain:
 
     tensors: dict[str, Tensor]
     counted: set[str]
+    model: WeightNormModel  # built once; each teleport rereads its statistics (:meth:`WeightNormModel.reread`)
 
 
 @dataclass(repr=False)
@@ -69,18 +72,19 @@ class BalancePlan:
     state: dict[tuple[int, str], str]  # (id of the parameter, state key) -> "covector" | "second_moment" | "keep"
     decisions: dict[tuple[int, str], str]  # the same entries as the report counts them
     units: dict[int, Tensor] = field(default_factory=dict)  # scratch: per scalings' lane, each unit's squared norm
-    keys: dict[int, tuple[str, ...]] = field(default_factory=dict)  # per parameter (id): its state keys when planned
+    params: list[tuple[Tensor, int, tuple[str, ...]]] = field(default_factory=list)  # per moved parameter: its
+    # data_ptr and state keys when planned (a teleport checks them unchanged)
     traces: list[Tensor] = field(default_factory=list)  # scratch: per lane, the members' squared norm at w
     still: list[Tensor] = field(default_factory=list)  # trainable members of the sites that no slot moves (counted in N)
     chain: Chain | None = None  # sites that share tensors (a chain of scalings): solved together, as the engine
+    signature: tuple[str, ...] = ()  # the sites by name: with the caps' backoff, what identifies it across a checkpoint
+    counts: dict[str, int] = field(default_factory=dict)  # the report's state decisions (the state keys are fixed)
+    matrix: bool = False  # a lane moves block matrices (GL): the group cache keeps each element's contragredient
+    zeros: list[Tensor] = field(default_factory=list)  # per site, the identity's coordinates (read only)
+    watch_dtypes: list[torch.dtype] = field(default_factory=list)  # per site, the dtype the watch keeps its element in
     verified: bool = False  # the engine ran this plan's first teleport and it was accepted
     lean_step: int = -2  # the step of its last accepted lean teleport (the next step's point is near balance)
     checked_at: int = -1
-
-    @property
-    def signature(self) -> tuple[str, ...]:
-        """The plan's sites by name: with the caps' backoff, what identifies it across a checkpoint."""
-        return tuple(s.name for s in self.sites)
 
 
 def _view(param: Tensor, member: Member) -> tuple[Tensor, int] | None:
@@ -161,8 +165,25 @@ def _slots(sites: Sequence[Site], groups: Sequence[Group], params: dict[str, nn.
             if found is None:
                 return None
             whole = group.diagonal and member.start is None and member.outer == 1 and member.inner == 1
-            slots.append(_Slot(i, params[name], member, found[0], found[1], float(member.power), whole, params[name].data_ptr()))
+            slot = _Slot(i, params[name], member, found[0], found[1], float(member.power), whole, params[name].data_ptr())
+            slot.narrow, slot.shape = _part_of(params[name], member)
+            slots.append(slot)
     return slots
+
+
+def _part_of(param: Tensor, member: Member) -> tuple[tuple[int, int, int] | None, tuple[int, ...] | None]:
+    """How :meth:`Member.part_view <teleopt.actions.axis.Member.part_view>` takes the member's part of a tensor
+    shaped as ``param`` (its gradient, its moments): the slice (axis, start, length) and the split shape, so a
+    teleport takes the parts of the live tensors without the member's lookups (``groups == 1`` here)."""
+    axis = member.axis % param.ndim
+    narrow = None if member.start is None or member.stop is None else (axis, member.start, member.stop - member.start)
+    if member.outer == 1 and member.inner == 1:
+        return narrow, None
+    shape = list(param.shape)
+    if narrow is not None:
+        shape[axis] = narrow[2]
+    n = shape[axis] // (member.outer * member.inner)
+    return narrow, (*shape[:axis], member.outer, n, member.inner, *shape[axis + 1 :])
 
 
 def _floors(objective: Balance, sites: Sequence[Site], params: dict[str, nn.Parameter]) -> list[float]:
@@ -213,15 +234,41 @@ def build_plan(engine: TeleportEngine, sites: list[Site], skipped: dict[str, str
     plan = BalancePlan(
         sites, dict(skipped), groups, radii, slots, list(buckets.values()), lanes, _floors(objective, sites, params), *states
     )
-    plan.keys = {id(s.param): tuple(cfg.optimizer.state[s.param]) for s in slots}
+    unique = {id(s.param): s.param for s in slots}.values()
+    plan.params = [(p, p.data_ptr(), tuple(cfg.optimizer.state[p])) for p in unique]
+    plan.signature, plan.matrix = tuple(s.name for s in sites), any(lane.matrix for lane in lanes)
+    plan.zeros = [torch.zeros(g.coord_shape or (), dtype=torch.float64) for g in groups]
+    first = {s.site: s.param.dtype for s in reversed(slots)}  # a site's first moved member (elements are float64)
+    plan.watch_dtypes = [torch.promote_types(first.get(i, torch.float64), torch.float32) for i in range(len(sites))]
+    _fix_state(plan, cfg.optimizer)
     trainable = {id(p) for g in cfg.optimizer.param_groups for p in g["params"] if p.requires_grad}
     if coupled:  # what the engine's weight-norm model reads: the live tensors and the trainable names
         tensors = {n: params[n].detach() for site in sites for n in site.tensor_names if n in params}
-        plan.chain = Chain(tensors, {n for n in tensors if id(params[n]) in trainable})
+        counted = {n for n in tensors if id(params[n]) in trainable}
+        plan.chain = Chain(tensors, counted, WeightNormModel(sites, groups, tensors, counted))
     moved = {id(s.param) for s in slots}
     still = {n for site in sites for n in site.tensor_names if n in params and id(params[n]) in trainable}
     plan.still = [params[n].data for n in sorted(still) if id(params[n]) not in moved]  # as WeightNormModel.still
     return plan
+
+
+def _fix_state(plan: BalancePlan, optimizer: torch.optim.Optimizer) -> None:
+    """What a teleport reads of the state policy's decisions (the state keys are checked unchanged before each):
+    per lane the moved entries with their rule, and the report's counts (per parameter, as the engine counts)."""
+    for lane in plan.lanes:
+        first, p = lane.slots[0].param, -lane.slots[0].power  # moments move as the gradient, a covector
+        for key in optimizer.state[first]:
+            rule = plan.state[(id(first), key)]
+            power = p if rule == "covector" else plan.groups[lane.sites[0]].second_moment_power(p)
+            if rule != "keep":
+                assert power is not None  # the plan admits second moments only where the rule exists
+                lane.moments.append((key, rule, power))
+    counts: dict[str, int] = {}
+    for param in {id(s.param): s.param for s in plan.slots}.values():
+        for key in optimizer.state[param]:
+            said = plan.decisions[(id(param), key)]
+            counts[said] = counts.get(said, 0) + 1
+    plan.counts = counts
 
 
 class _Groups:
@@ -240,18 +287,21 @@ class _Lane:
     blocks: int  # the acted-on axis viewed as (blocks, n): GL blocks, or one unit per "block" for scalings
     n: int
     matrix: bool  # block matrices (GL, stacked); else elementwise factors (scalings, in place)
-
-    @property
-    def others(self) -> tuple[int, ...]:
-        """The view's axes the group does not act on (a scaling's statistic sums over them)."""
-        first = self.slots[0]
-        return tuple(d for d in range(first.view.ndim) if d != first.axis)
-
-    @property
-    def broadcast(self) -> tuple[int, ...]:
-        """The shape a scaling's factors take to multiply a view (units on the acted-on axis)."""
-        first = self.slots[0]
-        return tuple(self.blocks if d == first.axis else 1 for d in range(first.view.ndim))
+    others: tuple[int, ...] = ()  # the view's axes the group does not act on (a scaling's statistic sums over them)
+    broadcast: tuple[int, ...] = ()  # the shape (S, ...) a scaling's stacked factors take to multiply the views
+    sites: list[int] = field(default_factory=list)  # each slot's site
+    moments: list[tuple[str, str, float]] = field(default_factory=list)  # the state entries it moves: rule, power
+    #: what a scalings' lane multiplies: per target its slots and the tensor (a member's view); where the slots tile
+    #: their parameters (:func:`_tiles`), each whole parameter (its ``.data``) with the factors of its slots
+    targets: list[tuple[list[_Slot], Tensor]] = field(default_factory=list)
+    tiled: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # the stacked factors' expanded and per-target shapes
+    #: a scalings' statistics from one norm per target: the target's axes reduced, then (tiled) the norms' squares
+    #: as (S, outer, n, inner) and the split axes summed (``()``: none); untiled, each view's other axes
+    reduce: tuple[int, ...] = ()
+    units: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    #: a one-block GL lane whose acted-on axis has only unit axes before it (``"rows"``) or after it (``"cols"``): its
+    #: stacked parts multiply as (S, n, rest) or (S, rest, n) views, with no transposed copy (:meth:`columns`)
+    side: str | None = None
 
     def columns(self, x: Tensor) -> Tensor:
         """Stacked parts (S, *view) as (S, blocks, n, rest)."""
@@ -274,5 +324,55 @@ def _lanes(slots: Sequence[_Slot], groups: Sequence[Group], bucket_of: dict[int,
         group = groups[members[0].site]
         size = group.block_size
         matrix = size is not None and not group.diagonal
-        out.append(_Lane(members, group.dim // size if matrix and size else group.dim, size if matrix and size else 1, matrix))
+        lane = _Lane(members, group.dim // size if matrix and size else group.dim, size if matrix and size else 1, matrix)
+        axis, ndim = members[0].axis, members[0].view.ndim
+        lane.others = tuple(d for d in range(ndim) if d != axis)
+        lane.broadcast = (len(members), *(lane.blocks if d == axis else 1 for d in range(ndim)))
+        lane.sites = [s.site for s in members]
+        if matrix and lane.blocks == 1:
+            shape = members[0].view.shape
+            lane.side = "rows" if all(d == 1 for d in shape[:axis]) else "cols" if all(d == 1 for d in shape[axis + 1 :]) else None
+        tiles = None if matrix else _tiles(members)
+        lane.targets = [([s], s.view) for s in members] if tiles is None else [(t, t[0].param.data) for t in tiles]
+        if tiles is not None:
+            lane.tiled = _tiled_shapes(lane, tiles)
+            first = members[0]
+            axis, split = first.member.axis % first.param.ndim, first.shape is not None
+            lane.reduce = tuple(d for d in range(first.param.ndim) if d != axis)
+            lane.units = ((len(members), *first.view.shape[axis : axis + 3]), (1, 3)) if split else ((len(members), lane.blocks), ())
+        elif not matrix:
+            lane.reduce = lane.others
+        out.append(lane)
     return out
+
+
+def _tiles(slots: Sequence[_Slot]) -> list[list[_Slot]] | None:
+    """The slots per parameter where they tile their parameters: each parameter's slots consecutive, in the
+    order of their parts along the acted-on axis, covering it, as many for every parameter (a scaling of each
+    head's rows of q, say); then a teleport multiplies whole tensors, without taking each member's part."""
+    tiles: list[list[_Slot]] = []
+    for s in slots:
+        if tiles and tiles[-1][0].param is s.param:
+            tiles[-1].append(s)
+        elif any(t[0].param is s.param for t in tiles):
+            return None
+        else:
+            tiles.append([s])
+    for tile in tiles:
+        param, axis = tile[0].param, tile[0].member.axis % tile[0].param.ndim
+        length = param.shape[axis] if tile[0].narrow is None else tile[0].narrow[2]
+        starts = [0 if s.narrow is None else s.narrow[1] for s in tile]
+        if len(tile) != len(tiles[0]) or starts != [j * length for j in range(len(tile))] or length * len(tile) != param.shape[axis]:
+            return None
+    return tiles
+
+
+def _tiled_shapes(lane: _Lane, tiles: list[list[_Slot]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Stacked factors (S, *broadcast) expanded over the slot's split (outer, inner) and the shape that makes them
+    per parameter: (P, 1, ..., axis length, ..., 1), the slots' parts in order along the axis."""
+    first = lane.slots[0]
+    param, axis = first.param, first.member.axis % first.param.ndim
+    split = () if first.shape is None else (axis, axis + 2)  # the view's outer and inner axes
+    expand = (len(lane.slots), *(first.view.shape[d] if d in split else size for d, size in enumerate(lane.broadcast[1:])))
+    whole = (len(tiles), *(param.shape[d] if d == axis else 1 for d in range(param.ndim)))
+    return expand, whole

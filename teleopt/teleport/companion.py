@@ -12,15 +12,17 @@ path here instead of :class:`~teleopt.teleport.engine.TeleportEngine` when the p
 * each teleport reads the members' statistics, solves every bucket in one batched closed-form call
   (:meth:`Group.balance_many <teleopt.groups.Group.balance_many>`; ENorm, Stock et al. 2019; the balanced pair
   A A^T = B^T B of a LoRA pair, BaLoRA, Castin et al. 2026), computes every write first (the moved parts of
-  matrix groups and every moved gradient out of place, the scalings' factors), then makes them with one
-  ``torch._foreach_copy_`` and one in-place ``torch._foreach_mul_``.  No forward or backward pass, no probe,
-  no snapshot copies: the elements suffice to undo it.
+  matrix groups and, in a chain, the moved gradients out of place; the scalings' factors, by which their
+  parameters, moments and, outside a chain, gradients are multiplied in place, per whole parameter where the
+  members tile it), then makes them with one ``torch._foreach_copy_`` and one in-place ``torch._foreach_mul_``.
+  No forward or backward pass, no probe, no snapshot copies: the elements suffice to undo it.
 
 **Chains.**  In a ReLU MLP or a conv chain the hidden layers' scaling sites share tensors (a layer's rows
 belong to one site, its columns to the next).  Where every such overlap is between positive scalings of whole,
 distinct axes, the plan holds a :class:`~teleopt.teleport.balance_plan.Chain` and the sites are solved together
 by the engine's own solver (:func:`solve_chain`: the weight-norm model's block-coordinate sweeps,
-:meth:`WeightNormModel.solve <teleopt.teleport.balance.WeightNormModel.solve>`); the factors on a shared tensor
+:meth:`WeightNormModel.solve <teleopt.teleport.balance.WeightNormModel.solve>`, on a model built with the plan
+whose statistics each teleport reads again); the factors on a shared tensor
 compose (rows times columns): parameters and moments are multiplied in place by each, a gradient is moved once
 by all of its factors, and the undo and the watch's :class:`~teleopt.teleport.watch.InverseMove` apply every
 site's inverse.
@@ -48,8 +50,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,8 +59,7 @@ import torch
 from torch import Tensor
 
 from teleopt.groups import GroupCache
-from teleopt.teleport.balance import WeightNormModel
-from teleopt.teleport.balance_plan import BalancePlan, _Lane, build_plan
+from teleopt.teleport.balance_plan import BalancePlan, _Lane, _Slot, build_plan
 from teleopt.teleport.distributed import is_distributed
 from teleopt.teleport.engine import TeleportEngine, TeleportRequest
 from teleopt.teleport.objectives import Balance
@@ -111,8 +112,7 @@ class BalanceCompanion:
                 return None
             plan.verified = True
             record.lean_check = (plan.signature, record.backoff, plan.checked_at, True, plan.lean_step)
-        with GroupCache().active():
-            report = lean_teleport(engine, plan, request, near=self.near)
+        report = lean_teleport(engine, plan, request, near=self.near)
         if report is None:
             return None
         if report.accepted:
@@ -167,12 +167,12 @@ class BalanceCompanion:
         if plan is None:
             return None
         state = engine.config.optimizer.state
-        for s in plan.slots:
-            if s.param.data_ptr() != s.storage or tuple(state.get(s.param, ())) != plan.keys[id(s.param)]:
+        for param, storage, keys in plan.params:
+            if param.data_ptr() != storage or tuple(state.get(param, ())) != keys:
                 self.key = None  # new storage (module.to, p.data = ...) or new state entries: planned again next time
                 return None
-            grad = s.param.grad  # frozen, gradient-free, sparse or graph-carrying members: the engine decides
-            if not s.param.requires_grad or grad is None or grad.is_sparse or grad.requires_grad:
+            grad = param.grad  # frozen, gradient-free, sparse or graph-carrying members: the engine decides
+            if not param.requires_grad or grad is None or grad.is_sparse or grad.requires_grad:
                 return None
         return plan
 
@@ -184,20 +184,35 @@ def _statistics(plan: BalancePlan) -> list[dict[float, Tensor]]:
     for lane in plan.lanes:
         first = lane.slots[0]
         if lane.matrix:
-            cols = lane.columns(torch.stack([s.view for s in lane.slots]).to(torch.float64))
-            values = cols @ cols.mT
+            x = torch.stack([s.view for s in lane.slots]).to(torch.float64)
+            if lane.side is not None:  # views, no transposed copy
+                x = x.reshape(len(lane.slots), lane.n, -1) if lane.side == "rows" else x.reshape(len(lane.slots), -1, lane.n).mT
+                values = x @ x.mT
+            else:
+                cols = lane.columns(x)
+                values = cols @ cols.mT
             plan.traces.append(values.diagonal(dim1=-2, dim2=-1).sum())
         else:
-            dims = lane.others
-            # in the members' precision (float32 at least), as the engine's reduced terms: then float64
-            squares = torch.stack([s.view for s in lane.slots]).square()  # one kernel per lane, not per member
-            values = (squares.sum(tuple(d + 1 for d in dims)) if dims else squares).to(torch.float64)
+            values = _unit_squares(lane, [t for _, t in lane.targets])
             plan.units[id(lane)] = values  # for the squared norm after the move (objective_after)
             plan.traces.append(values.sum())
         for s, value in zip(lane.slots, values.reshape(len(lane.slots), *(plan.groups[first.site].coord_shape or ())).unbind(0)):
             into = stats[s.site]
             into[s.power] = into[s.power] + value if s.power in into else value
     return stats
+
+
+def _unit_squares(lane: _Lane, tensors: Sequence[Tensor]) -> Tensor:
+    """A scalings' lane's statistics (S, units) in float64 of ``tensors`` (laid out as its targets: a tiled lane's
+    whole parameters or gradients, else each member's part): each unit's sum of squares over the other axes, from
+    one norm per tensor in its precision, as the engine's reduced terms (to their round-off): no stacked copy and
+    no squared copy of the members."""
+    dims = lane.reduce
+    norms = torch.stack([torch.linalg.vector_norm(t, dim=dims) if dims else t.abs() for t in tensors]).to(torch.float64)
+    if lane.units is None:
+        return norms.square()
+    squares = norms.square().reshape(lane.units[0])
+    return squares.sum(lane.units[1]) if lane.units[1] else squares
 
 
 def solve(plan: BalancePlan, rcond: float, near: bool = False) -> tuple[list[Tensor], list[float], float, None] | None:
@@ -210,7 +225,7 @@ def solve(plan: BalancePlan, rcond: float, near: bool = False) -> tuple[list[Ten
     stats = _statistics(plan)
     traces = [torch.stack(plan.traces).sum()] if plan.traces else [torch.zeros((), dtype=torch.float64)]
     plan.traces = []
-    coords = [torch.zeros(g.coord_shape or (), dtype=torch.float64) for g in plan.groups]  # skipped sites: the identity
+    coords = list(plan.zeros)  # skipped sites: the identity
     edges, peaks = [], []  # peaks: per bucket, each site's max |xi| (one reduction per bucket, not per site)
     for bucket in plan.buckets:
         group, radius = plan.groups[bucket[0]], plan.radii[bucket[0]]
@@ -235,135 +250,186 @@ def solve(plan: BalancePlan, rcond: float, near: bool = False) -> tuple[list[Ten
         moves[i] = v
     trace = values[sum(len(b) for b in plan.buckets)]
     kept = [m if m > floor else 0.0 for m, floor in zip(moves, plan.floors)]
-    return [xi if m else torch.zeros_like(xi) for xi, m in zip(coords, kept)], kept, trace, None
+    return [xi if m else zero for xi, m, zero in zip(coords, kept, plan.zeros)], kept, trace, None
 
 
 def solve_chain(plan: BalancePlan, objective: Balance) -> tuple[list[Tensor], list[float], float, float]:
     """Coordinates of a chain's sites (:attr:`BalancePlan.chain`: sites sharing tensors) as the engine finds them:
-    its weight-norm model solved by :meth:`Balance.solve <teleopt.teleport.objectives.Balance.solve>` (block-
-    coordinate sweeps, :meth:`WeightNormModel.solve <teleopt.teleport.balance.WeightNormModel.solve>`), each
-    site's max abs, and N before and after (every counted member of the sites)."""
+    its weight-norm model (built with the plan, its statistics read again) solved by block-coordinate sweeps
+    (:meth:`WeightNormModel.solve <teleopt.teleport.balance.WeightNormModel.solve>`) with the settings and the
+    floors of :meth:`Balance.solve <teleopt.teleport.objectives.Balance.solve>` (fraction 1), each site's max
+    abs, and N before and after (every counted member of the sites)."""
     chain = plan.chain
     assert chain is not None
-    model = WeightNormModel(plan.sites, plan.groups, chain.tensors, chain.counted)
+    model = chain.model  # built with the plan: only its statistics are read again
+    model.reread()
     device = next(iter(chain.tensors.values())).device
     start = [torch.zeros(g.coord_shape or (), dtype=torch.float64, device=device) for g in plan.groups]  # the identity
-    coords, before = objective.solve(model, plan.radii, start)
-    after = model.value([g.exp(c) for g, c in zip(plan.groups, coords)])
-    peaks = [c.abs().amax() if c.numel() else c.new_zeros(()) for c in coords]
-    values = torch.stack([*peaks, after]).to(torch.float64).tolist()  # one read of the host
-    return coords, values[:-1], before, values[-1]
+    found = model.solve(plan.radii, start, objective.max_sweeps, objective.tol, rcond=objective.rcond)
+    # as Balance.solve (fraction 1): a site that moves by at most its floor stays at the identity
+    peaks = [c.abs().amax() if c.numel() else c.new_zeros((), dtype=torch.float64) for c in found.coords]
+    moves = torch.stack(peaks).to(torch.float64).tolist()  # one read of the host
+    kept = [m if m > floor else 0.0 for m, floor in zip(moves, plan.floors)]
+    coords = [c if m else torch.zeros_like(c) for c, m in zip(found.coords, kept)]
+    after = float(model.value([g.exp(c) for g, c in zip(plan.groups, coords)]))
+    return coords, kept, found.norm_start, after
 
 
 @dataclass
 class _Writes:
     """One teleport's writes: new values to copy over their targets (GL parts, gradients), factors to multiply
-    targets by in place (scalings' parameters and moments), how to move each copy back (site, view axis, power),
-    and the gradients' squared norms before and after, per lane."""
+    targets by in place (scalings' parameters and moments), how to move each copy back (per slot that moved it:
+    the slot, the power, and whether the copy is its whole tensor, of which the slot's part moves back), and the
+    gradients' squared norms before and after, per lane."""
 
     targets: list[Tensor] = field(default_factory=list)
     values: list[Tensor] = field(default_factory=list)
-    undo: list[list[tuple[int, int, float]]] = field(default_factory=list)  # per copy: every site that moved it
+    undo: list[list[tuple[_Slot, float, bool]]] = field(default_factory=list)  # per copy: every slot that moved it
     whole: dict[int, int] = field(default_factory=dict)  # id of a parameter -> its whole gradient's copy (a chain's)
     scaled: list[Tensor] = field(default_factory=list)
     factors: list[Tensor] = field(default_factory=list)
     grad_before: list[Tensor] = field(default_factory=list)  # the moved gradient parts, before and after
     grad_after: list[Tensor] = field(default_factory=list)
     norm_after: list[Tensor] = field(default_factory=list)  # the members' squared norm after the move, per lane
+    grad_squares: list[Tensor] = field(default_factory=list)  # squared norms after the move of in-place gradients
+    elements: Sequence[Tensor] = ()  # the teleport's elements, per site
 
     def copy(self, lane: _Lane, targets: list[Tensor], values: Sequence[Tensor], power: float) -> None:
         self.targets += targets
         self.values += values
-        self.undo += [[(s.site, s.axis, power)] for s in lane.slots]
+        self.undo += [[(s, power, False)] for s in lane.slots]
 
 
-def _factors(lane: _Lane, plan: BalancePlan, elements: Sequence[Tensor], power: float, dtype: torch.dtype) -> Tensor:
-    """rho(g)^power of each slot's site, stacked: (S, blocks, n, n) block matrices for GL (g, or g^-T for -1)
-    to multiply :meth:`_Lane.columns`; (S, *broadcast) factors c^power for scalings, as ``act_on_axis`` computes them."""
-    sites = [s.site for s in lane.slots]
-    if lane.matrix:
-        blocks = [plan.groups[i].block_matrices(elements[i], power) for i in sites]
-        return torch.stack([m.reshape(lane.blocks, lane.n, lane.n) for m in blocks if m is not None]).to(dtype)
-    g = torch.stack([elements[i] for i in sites]).to(dtype)
-    return (g if power == 1 else g**power).reshape(len(sites), *lane.broadcast)
+class _Factors:
+    """rho(g)^power of each slot's site, stacked, for one teleport's elements: (S, blocks, n, n) block matrices for
+    GL (g, or g^-T for -1) to multiply :meth:`_Lane.columns`; (S, *broadcast) factors c^power for scalings, as
+    ``act_on_axis`` computes them (per parameter where the lane is tiled).  Lanes of the same sites (a pair's two
+    sides) share the stacks: each is made once per teleport."""
+
+    def __init__(self, plan: BalancePlan, elements: Sequence[Tensor]) -> None:
+        self.plan, self.elements = plan, elements
+        self.made: dict[tuple[Any, ...], Tensor] = {}
+
+    def _stacked(self, lane: _Lane, power: float, dtype: torch.dtype) -> Tensor:
+        key = (tuple(lane.sites), lane.matrix, power, dtype)
+        made = self.made.get(key)
+        if made is None:
+            if lane.matrix:
+                groups, elements = self.plan.groups, self.elements
+                blocks = [groups[i].block_matrices(elements[i], power) for i in lane.sites]
+                made = torch.stack([m.reshape(lane.blocks, lane.n, lane.n) for m in blocks if m is not None]).to(dtype)
+            else:
+                g = self._stacked(lane, 1.0, dtype) if power != 1 else torch.stack([self.elements[i] for i in lane.sites]).to(dtype)
+                made = g if power == 1 else g**power
+            self.made[key] = made
+        return made
+
+    def of(self, lane: _Lane, power: float, dtype: torch.dtype) -> Tensor:
+        g = self._stacked(lane, power, dtype)
+        if lane.matrix:
+            return g
+        g = g.reshape(lane.broadcast)
+        return g if lane.tiled is None else g.expand(lane.tiled[0]).reshape(lane.tiled[1])  # per parameter
 
 
-def _grad(param: Tensor) -> Tensor:
-    grad = param.grad
+def _part(slot: _Slot, t: Tensor) -> Tensor:
+    """The slot's part of ``t`` (its parameter, gradient or a moment) as the member's ``part_view`` takes it."""
+    if slot.narrow is not None:
+        t = t.narrow(*slot.narrow)
+    return t if slot.shape is None else t.reshape(slot.shape)
+
+
+def _grad(slot: _Slot, whole: bool = False) -> Tensor:
+    """The slot's part of its parameter's gradient (``whole``: the whole gradient)."""
+    grad = slot.param.grad
     assert grad is not None  # the plan's guard: every member has a gradient
-    return grad
+    return grad if whole or (slot.narrow is None and slot.shape is None) else _part(slot, grad)
 
 
 def _matrix_lane(writes: _Writes, lane: _Lane, parts: list[Tensor], m: Tensor, power: float) -> Tensor:
     """The lane's parts moved by the stacked block matrices ``m`` (queued as copies); returns the stacked parts."""
     x = torch.stack(parts)
-    if lane.blocks == 1 and x.ndim == 3:  # whole matrices (a LoRA factor): one batched product, no reshapes
-        y = m[:, 0] @ x if lane.slots[0].axis == 0 else x @ m[:, 0].mT
+    if lane.side == "rows":  # one block, as (S, n, rest) and (S, rest, n) views: no transposed copies
+        y = (m[:, 0] @ x.reshape(len(parts), lane.n, -1)).reshape(x.shape)
+    elif lane.side == "cols":
+        y = (x.reshape(len(parts), -1, lane.n) @ m[:, 0].mT).reshape(x.shape)
     else:
         y = lane.back(m @ lane.columns(x), x)
     writes.copy(lane, parts, y.unbind(0), power)
     return x
 
 
-def _moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim.Optimizer) -> tuple[_Writes, Counter[str]]:
+def _moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim.Optimizer) -> _Writes:
     """Every write of the teleport, computed before any is made (module docs)."""
-    writes, decisions = _Writes(), Counter[str]()
-    for param in {id(s.param): s.param for s in plan.slots}.values():  # per parameter, as the engine counts
-        for key in optimizer.state[param]:
-            decisions[plan.decisions[(id(param), key)]] += 1
+    writes, state, factors = _Writes(elements=elements), optimizer.state, _Factors(plan, elements)
     for lane in plan.lanes:
         first = lane.slots[0]
-        group, dtype, p = plan.groups[first.site], first.view.dtype, first.power
-        moments = [(key, plan.state[(id(first.param), key)]) for key in optimizer.state[first.param]]
-        parts = {key: [s.member.part_view(optimizer.state[s.param][key])[0] for s in lane.slots] for key, rule in moments if rule != "keep"}
-        grads = [s.member.part_view(_grad(s.param))[0] for s in lane.slots]
-        covector = _factors(lane, plan, elements, -p, dtype)
+        dtype, p = first.view.dtype, first.power
+        grads = [_grad(s) for s in lane.slots] if lane.tiled is None else [_grad(t[0], whole=True) for t, _ in lane.targets]
+        covector = factors.of(lane, -p, dtype)
         if lane.matrix:
-            _matrix_lane(writes, lane, [s.view for s in lane.slots], _factors(lane, plan, elements, p, dtype), p)
-            writes.norm_after += [torch.stack(writes.values[-len(grads) :]).to(torch.float64).square().sum()]
+            _matrix_lane(writes, lane, [s.view for s in lane.slots], factors.of(lane, p, dtype), p)
+            moved = torch._foreach_norm(writes.values[-len(grads) :])  # no squared copy of the moved parts
+            writes.norm_after += [torch.stack(moved).to(torch.float64).square().sum()]
             before = _matrix_lane(writes, lane, grads, covector, -p)
             writes.grad_before.append(before)
             writes.grad_after += writes.values[-len(grads) :]
         else:
-            writes.scaled += [s.view for s in lane.slots]
-            writes.factors += _factors(lane, plan, elements, p, dtype).unbind(0)
-            if id(lane) in plan.units:  # a chain's N after the move comes from its weight-norm model
-                c = torch.stack([elements[s.site] for s in lane.slots]).reshape(plan.units[id(lane)].shape)
-                writes.norm_after.append((plan.units.pop(id(lane)) * c ** (2 * p)).sum())
-            _scaled_grads(writes, lane, grads, list(covector.unbind(0)), -p)
-        for key, rule in moments:
-            if rule == "keep":
-                continue
-            power = -p if rule == "covector" else group.second_moment_power(-p)
-            assert power is not None  # the plan admits second moments only where the rule exists
-            m = covector if rule == "covector" else _factors(lane, plan, elements, power, dtype)
-            if lane.matrix:
-                _matrix_lane(writes, lane, parts[key], m, power)
+            writes.scaled += [view for _, view in lane.targets]
+            writes.factors += factors.of(lane, p, dtype).unbind(0)
+            units = plan.units.pop(id(lane), None)  # None: a chain (N after the move from its weight-norm model)
+            if units is None:
+                _scaled_grads(writes, lane, grads, list(covector.unbind(0)), -p)
             else:
-                writes.scaled += parts[key]
+                _scaled_in_place(writes, lane, grads, covector, units)
+        for key, rule, power in lane.moments:
+            if lane.tiled is not None:  # whole tensors
+                parts = [state[t[0].param][key] for t, _ in lane.targets]
+            else:
+                parts = [_part(s, state[s.param][key]) for s in lane.slots]
+            m = covector if rule == "covector" else factors.of(lane, power, dtype)
+            if lane.matrix:
+                _matrix_lane(writes, lane, parts, m, power)
+            else:
+                writes.scaled += parts
                 writes.factors += m.unbind(0)
-    return writes, decisions
+    return writes
+
+
+def _scaled_in_place(writes: _Writes, lane: _Lane, grads: list[Tensor], covector: Tensor, units: Tensor) -> None:
+    """A scalings' lane outside a chain: every gradient part is the lane's own, so it is multiplied in place with
+    the parameters; the members' and the gradients' squared norms after the move come from each unit's sum of
+    squares before it (``units`` for the members), with no moved copy."""
+    p = lane.slots[0].power
+    c = torch.stack([writes.elements[i] for i in lane.sites]).reshape(units.shape)
+    writes.norm_after.append((units * c ** (2 * p)).sum())
+    writes.scaled += grads
+    writes.factors += covector.unbind(0)
+    writes.grad_before += grads
+    writes.grad_squares.append((_unit_squares(lane, grads) * c ** (-2 * p)).sum())
 
 
 def _scaled_grads(writes: _Writes, lane: _Lane, grads: list[Tensor], factors: list[Tensor], power: float) -> None:
     """A scalings' lane's gradient parts times their factors, queued as copies.  A whole gradient that an earlier
     site of a chain already moved (its rows, say; this site its columns) is multiplied again in its queued copy:
     the factors compose, and the gradient is copied (and counted in the norms) once."""
-    fresh = [k for k, s in enumerate(lane.slots) if not (s.whole and id(s.param) in writes.whole)]
-    again = [k for k in range(len(lane.slots)) if k not in fresh]
+    tiled = lane.tiled is not None  # one whole gradient per target, moved by its slots' factors
+    whole = [tiled or slots[0].whole for slots, _ in lane.targets]
+    fresh = [k for k, (slots, _) in enumerate(lane.targets) if not (whole[k] and id(slots[0].param) in writes.whole)]
+    again = [k for k in range(len(lane.targets)) if k not in fresh]
     if again:
-        at = [writes.whole[id(lane.slots[k].param)] for k in again]
+        at = [writes.whole[id(lane.targets[k][0][0].param)] for k in again]
         torch._foreach_mul_([writes.values[i] for i in at], [factors[k] for k in again])  # queued copies, not live
         for i, k in zip(at, again):
-            writes.undo[i].append((lane.slots[k].site, lane.slots[k].axis, power))
+            writes.undo[i] += [(s, power, True) for s in lane.targets[k][0]]
     moved = torch._foreach_mul([grads[k] for k in fresh], [factors[k] for k in fresh]) if fresh else []
     for k, value in zip(fresh, moved):
-        s = lane.slots[k]
-        if s.whole:
-            writes.whole[id(s.param)] = len(writes.targets)
+        slots = lane.targets[k][0]
+        if whole[k]:
+            writes.whole[id(slots[0].param)] = len(writes.targets)
         writes.targets.append(grads[k])
         writes.values.append(value)
-        writes.undo.append([(s.site, s.axis, power)])
+        writes.undo.append([(s, power, tiled) for s in slots])
     writes.grad_before += [grads[k] for k in fresh]
     writes.grad_after += moved
 
@@ -387,7 +453,9 @@ def _write(writes: _Writes, plan: BalancePlan, elements: Sequence[Tensor]) -> No
     """The writes: one ``_foreach_copy_``, then in-place ``_foreach_mul_`` (one per factor a tensor takes; they
     allocate nothing).  An exception (an interrupt) during them divides the products already made out again and
     moves what the copy wrote back by the inverse elements (of every site that moved it), exact up to round-off."""
-    rounds, done = _rounds(writes.scaled, writes.factors), 0
+    # without a chain every scaled tensor is distinct: one call
+    rounds = _rounds(writes.scaled, writes.factors) if plan.chain or not writes.scaled else [(writes.scaled, writes.factors)]
+    done = 0
     try:
         if writes.targets:
             torch._foreach_copy_(writes.targets, writes.values)
@@ -400,9 +468,10 @@ def _write(writes: _Writes, plan: BalancePlan, elements: Sequence[Tensor]) -> No
                 torch._foreach_div_(scaled, factors)
             for target, value, undo in zip(writes.targets, writes.values, writes.undo):
                 if torch.equal(target, value):
-                    for site, axis, power in reversed(undo):
-                        inverse = plan.sites[site].action.inverse(elements[site])
-                        target.copy_(plan.groups[site].act_on_axis(inverse, target, axis, power))
+                    for slot, power, whole in reversed(undo):
+                        inverse = plan.sites[slot.site].action.inverse(elements[slot.site])
+                        part = _part(slot, target) if whole else target
+                        part.copy_(plan.groups[slot.site].act_on_axis(inverse, part, slot.axis, power))
         raise
 
 
@@ -415,7 +484,10 @@ def _grad_norms(grads: list[Tensor], writes: _Writes, still: list[Tensor], known
     norms = torch._foreach_norm([t for part in parts for t in part])
     squares = torch.stack(norms).to(torch.float64).square()
     a, b, c = len(grads), len(grads) + len(writes.grad_before), len(squares) - len(still)
-    sums = torch.stack([squares[:a].sum(), squares[a:b].sum(), squares[b:c].sum(), squares[c:].sum()])
+    moved = squares[b:c].sum()
+    if writes.grad_squares:  # the gradients moved in place
+        moved = moved + torch.stack(writes.grad_squares).sum()
+    sums = torch.stack([squares[:a].sum(), squares[a:b].sum(), moved, squares[c:].sum()])
     before, old, new, kept = (float(v) for v in sums)
     before = known if reuse and known is not None else before
     return before, max(before - old + new, 0.0), kept
@@ -434,8 +506,7 @@ def _watch(engine: TeleportEngine, plan: BalancePlan, elements: Sequence[Tensor]
     cfg, record = engine.config, engine.record
     if cfg.safety.watch_steps <= 0:
         return None
-    first = {s.site: s.param.dtype for s in reversed(plan.slots)}
-    kept = [e.to(torch.promote_types(first.get(i, e.dtype), torch.float32)) for i, e in enumerate(elements)]
+    kept = [e if e.dtype == dtype else e.to(dtype) for e, dtype in zip(elements, plan.watch_dtypes)]
     move = InverseMove(list(plan.sites), kept, cfg.module, cfg.optimizer, cfg.policy)
     recent = [v for t, v in record.recent if record.step - REFERENCE_STEPS <= t < record.step]  # take_recent, unmutated
     before, after = report.grad_norm_before, report.grad_norm_after
@@ -447,10 +518,15 @@ def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRe
     """One balance teleport on ``plan`` (module docs); ``None`` where the engine must take it.  It reads and writes
     ``.data`` views, outside autograd (``Teleport.step`` and ``teleport`` run it under ``no_grad``); after the
     writes it runs no torch function, so nothing can fail between them and the commit."""
-    start, cfg, record = time.perf_counter(), engine.config, engine.record
-    objective = cfg.objective
+    objective = engine.config.objective
     assert isinstance(objective, Balance)
-    near = near and plan.lean_step == record.step - 1
+    near = near and plan.lean_step == engine.record.step - 1
+    with GroupCache().active() if plan.matrix else nullcontext():  # each GL element's contragredient kept
+        return _lean(engine, plan, objective, near)
+
+
+def _lean(engine: TeleportEngine, plan: BalancePlan, objective: Balance, near: bool) -> TeleportReport | None:
+    start, cfg, record = time.perf_counter(), engine.config, engine.record
     found = solve_chain(plan, objective) if plan.chain else solve(plan, objective.rcond, near=near)
     if found is None:
         return None
@@ -469,16 +545,21 @@ def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRe
         return report
     # as the engine computes them; a site that stays gets the identity (exp(0) is exactly I) without a matrix_exp
     elements = [group.exp(xi) if m else group.identity() for group, xi, m in zip(plan.groups, coords, norms)]
-    writes, decisions = _moves(plan, elements, cfg.optimizer)
-    grads = [p.grad for g in cfg.optimizer.param_groups for p in g["params"] if p.grad is not None]
-    before, after, kept = _grad_norms(grads, writes, still, record.read)
+    writes = _moves(plan, elements, cfg.optimizer)
+    known = record.read  # ||grad||^2 before, as this step's watch read it
+    grads = (
+        []
+        if known is not None and math.isfinite(known)
+        else [p.grad for g in cfg.optimizer.param_groups for p in g["params"] if p.grad is not None]
+    )
+    before, after, kept = _grad_norms(grads, writes, still, known)
     report.grad_norm_before, report.grad_norm_after = math.sqrt(before), math.sqrt(after)
     report.objective_before = norm_start + kept
     if norm_after is None:
         norm_after = kept + (float(torch.stack(writes.norm_after).sum()) if writes.norm_after else norm_start)
     report.objective_after = norm_after
     report.elements = {s.name: e.to(torch.float64) for s, e in zip(plan.sites, elements)}
-    report.state_decisions = dict(decisions)
+    report.state_decisions = dict(plan.counts)
     report.accepted, report.reason = True, "accepted"
     watch = _watch(engine, plan, elements, report)
     _write(writes, plan, elements)
