@@ -78,7 +78,7 @@ from teleopt.teleport.sites import (
 )
 from teleopt.teleport.state_policy import StatePolicy, restart_curvature_history
 from teleopt.teleport.transaction import Transaction
-from teleopt.teleport.watch import REFERENCE_STEPS, TeleportRecord, batch_loss, keeps_copies
+from teleopt.teleport.watch import REFERENCE_STEPS, Measure, TeleportRecord, batch_loss, keeps_copies
 from teleopt.unwrap import hook_target, unwrap
 from teleopt.wrapper import OptimizerWrapper, no_grad_step, torch_initialising_step
 
@@ -374,7 +374,7 @@ class Teleport(OptimizerWrapper):
         return self._record
 
     @property
-    def _watch_limits(self) -> tuple[float, int, Callable[[], float] | None]:  # (the loss on a fresh batch, where needed)
+    def _watch_limits(self) -> tuple[float, int, Measure | None]:  # (a batch's loss, where needed)
         fresh = None if self._batch_fn is None else partial(batch_loss, self._module, self._loss_fn, self._batch_fn, self._check_seed())
         return self._safety.watch_factor, self._safety.watch_patience, fresh
 
