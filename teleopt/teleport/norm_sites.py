@@ -54,6 +54,7 @@ class ScaleInvariance:
         self._copy: nn.Module | None = None
         self._reference: list[list[torch.Tensor]] | None = None
         self._known: dict[str, bool] = {}
+        self._failed = False
 
     def __call__(self, name: str) -> bool:
         if name not in self._known:
@@ -69,19 +70,21 @@ class ScaleInvariance:
 
     @torch.no_grad()
     def _check(self, name: str) -> bool:
+        if self._failed:
+            return False
         try:
-            if self._copy is None:
+            if self._reference is None:
                 self._copy = _float64_copy(self._model)
                 self._reference = self._outputs()
-            weight = dict(self._copy.named_parameters())[name]
+            weight = dict(self._copy.named_parameters())[name]  # type: ignore[union-attr]
             weight.mul_(2.0)
             try:
                 after = self._outputs()
             finally:
                 weight.div_(2.0)
         except Exception:  # noqa: BLE001 - a model that does not run this way: not shown invariant
+            self._failed = self._reference is None  # (no copy or no reference: every later check fails too)
             return False
-        assert self._reference is not None
         return output_error(after, self._reference) <= default_rtol(torch.float64)
 
 
