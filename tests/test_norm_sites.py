@@ -56,6 +56,15 @@ def test_a_batchnormed_convs_rescaling_is_kept_under_adamw_and_the_heads_is_left
     torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("base", [torch.optim.Adam, lambda p: torch.optim.AdamW(p, weight_decay=0.0)], ids=["adam", "adamw-no-decay"])
+def test_without_decay_on_the_convolution_its_rescaling_is_left_out_too(base):
+    # no decay: no equilibrium for the scale-invariant weight's norm to return to, so nothing is kept
+    model, x = _cnn(), torch.randn(6, 2, 5, 5, generator=torch.Generator().manual_seed(1))
+    opt, messages = _auto(model, base(model.parameters()), x)
+    assert "1.weight" not in _moved(opt) and "5.weight" not in _moved(opt)
+    assert any("2 normalisation-affine" in m for m in messages)
+
+
 def test_sgd_keeps_every_normalisation_affine_site():
     model, x = _cnn(), torch.randn(6, 2, 5, 5, generator=torch.Generator().manual_seed(1))
     opt, messages = _auto(model, torch.optim.SGD(model.parameters(), lr=0.1), x)

@@ -13,13 +13,14 @@ equilibrium norm (Kosson et al. 2024), so the change a rescaling makes wears off
 not (a LayerNorm'd or RMSNorm'd linear feeding attention or an MLP), the changed
 scale and step ratio persist: that collapsed a ViT under AdamW.  So the rule: keep a
 normalisation-affine site under scale-free steps when every weight it rescales,
-besides the norms' own gains and biases, is scale-invariant in training mode,
-checked numerically on the example inputs.
+besides the norms' own gains and biases, is decayed and scale-invariant in training
+mode (checked numerically on the example inputs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -110,12 +111,16 @@ def _rescaled_weights(site: Site, model: nn.Module) -> list[str]:
     return names
 
 
-def norm_sites_left_out(sites: Sequence[Site], model: nn.Module, optimizer: Optimizer, batch: Batch) -> list[str]:
+def norm_sites_left_out(
+    sites: Sequence[Site], model: nn.Module, optimizer: Optimizer, batch: Batch, param_groups: Sequence[dict[str, Any]] | None = None
+) -> list[str]:
     """The names of the normalisation-affine sites ``sites="auto"`` leaves out under ``optimizer``.
 
     None under steps that scale with the gradient (SGD); under scale-free steps every
     normalisation-affine site (:func:`~teleopt.teleport.sites.normalization_affine`) but
-    those whose rescaled weights besides the norms' own are all scale-invariant in
+    those whose rescaled weights besides the norms' own are all decayed (``weight_decay``
+    > 0 in their group of ``param_groups``, by default the optimizer's: the equilibrium
+    the effective learning rate returns to is the decay's) and scale-invariant in
     training mode (:class:`ScaleInvariance` on ``batch``).
     """
     if not scale_free_updates(optimizer):
@@ -123,10 +128,13 @@ def norm_sites_left_out(sites: Sequence[Site], model: nn.Module, optimizer: Opti
     norm = [s for s in sites if normalization_affine(s, model)]
     if not norm:
         return []
+    groups = optimizer.param_groups if param_groups is None else param_groups
+    decayed = {id(p) for g in groups if float(g.get("weight_decay") or 0.0) > 0 for p in g["params"]}
+    params = dict(model.named_parameters())
     invariant = ScaleInvariance(model, batch)
     left_out = []
     for site in norm:
         weights = _rescaled_weights(site, model)
-        if not weights or not all(invariant(n) for n in weights):
+        if not weights or not all(id(params[n]) in decayed and invariant(n) for n in weights):
             left_out.append(site.name)
     return left_out

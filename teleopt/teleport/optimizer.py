@@ -316,15 +316,15 @@ class Teleport(OptimizerWrapper):
             for site in [s for s in found if not fast_path_eligible(s)]:
                 skipped[site.name] = "not a fast-path site (an FSDP2 teleport takes the fast path only)"
             found = [s for s in found if fast_path_eligible(s)]
-        norm = norm_sites_left_out(found, module, self.innermost, batch)
+        norm = norm_sites_left_out(found, module, self.innermost, batch, groups)
         if norm:
             shown = ", ".join(norm[:3]) + (f" and {len(norm) - 3} more" if len(norm) > 3 else "")
             warnings.warn(
                 f"Teleport(sites='auto') leaves out {len(norm)} normalisation-affine rescaling site(s) ({shown}): under "
                 f"{type(self.innermost).__name__}, whose steps do not scale with the gradient, rescaling a norm's gain "
-                "against weights that are not scale-invariant (no norm after them) changes their effective learning "
-                "rates for good (it collapsed a ViT under AdamW); those of BatchNorm'd convolutions are kept. Pass the "
-                "sites explicitly to include them.",
+                "against weights that are not scale-invariant (no norm after them) or not decayed changes their effective "
+                "learning rates for good (it collapsed a ViT under AdamW); those of decayed BatchNorm'd convolutions are "
+                "kept. Pass the sites explicitly to include them.",
                 UserWarning,
                 stacklevel=3,
             )
@@ -332,7 +332,10 @@ class Teleport(OptimizerWrapper):
             found = [s for s in found if s.name not in left_out]
         reasons = {
             **skipped,
-            **{n: f"normalisation-affine rescaling of weights not scale-invariant under {type(self.innermost).__name__}" for n in norm},
+            **{
+                n: f"normalisation-affine rescaling of weights not scale-invariant or not decayed under {type(self.innermost).__name__}"
+                for n in norm
+            },
         }
         warn_left_out(skipped, stacklevel=3, none_left=None if found else reasons)
         self._auto_skipped = reasons
