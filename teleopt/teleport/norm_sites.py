@@ -31,6 +31,7 @@ from teleopt.detection.float64 import keep_float64
 from teleopt.functional import Batch
 from teleopt.numerics import default_rtol
 from teleopt.site import Site
+from teleopt.teleport.check import seeded
 from teleopt.teleport.sites import is_norm, moved_names, normalization_affine, scale_free_updates
 
 __all__ = ["ScaleInvariance", "norm_sites_left_out"]
@@ -65,8 +66,7 @@ class ScaleInvariance:
     @torch.no_grad()
     def _outputs(self) -> list[list[torch.Tensor]]:
         assert self._copy is not None
-        with torch.random.fork_rng(devices=[]), keep_float64():
-            torch.manual_seed(self._seed)
+        with seeded(self._copy, self._seed), keep_float64():  # the same dropout masks, CPU and CUDA
             return [output_leaves(self._copy(*to_float64(self._batch.inputs), **to_float64(self._batch.kwargs or {})))]
 
     @torch.no_grad()
