@@ -90,8 +90,8 @@ def test_targets_and_teleport_accounting(quick):
         assert base["steps_to_T2"] is not None and base["steps_to_T2"] <= base["steps"]
         assert base["steps_to_T1"] is not None and base["speedup_Vbest"] == pytest.approx(1.0)
         assert base["sites"] is None and base["teleports_accepted"] == 0
-        # every Teleport arm ran detection (sites="auto" under AdamW may leave only normalisation-affine
-        # sites, which it leaves out: the CNN's are all BatchNorm-affine); the scheduled ones attempted a teleport
+        # every Teleport arm ran detection (sites="auto" under AdamW leaves out the normalisation-affine sites
+        # whose other weights are not scale-invariant); the scheduled ones attempted a teleport
         for arm in TELEPORT_ARMS:
             assert runs[arm]["sites"] is not None
         for arm in ("teleport_once_allsites", "balance_every_allsites"):

@@ -11,6 +11,7 @@ non-finite value, and a persistent rise with the loss rising too are still rolle
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from teleopt import find_symmetries
+from teleopt.functional import Batch
 from teleopt.teleport import Teleport
 from teleopt.teleport.schedule import Schedule
 from teleopt.teleport.state_policy import StatePolicy
@@ -31,14 +33,14 @@ def _grads(sq: float) -> list[torch.Tensor]:
 
 
 class _Measured:
-    """A loss measurement that counts its calls."""
+    """A loss measurement that counts its calls (each fresh batch is a new ``Batch`` with the call's number)."""
 
     def __init__(self, value: float) -> None:
         self.value, self.calls = value, 0
 
-    def __call__(self) -> float:
+    def __call__(self, batch: Batch | None = None) -> tuple[float, Batch]:
         self.calls += 1
-        return self.value
+        return self.value, Batch((torch.tensor([self.calls]),), None) if batch is None else batch
 
 
 def _watch(loss_ref: float | None = 1.0) -> Watch:
@@ -65,14 +67,15 @@ def test_a_persistent_gradient_rise_with_the_loss_not_below_its_reference_alarms
 
 
 class _Losses:
-    """Loss measurements read in turn, counting the calls."""
+    """Loss measurements read in turn, counting the calls and keeping the batches asked for."""
 
     def __init__(self, *values: float) -> None:
-        self.values, self.calls = list(values), 0
+        self.values, self.calls, self.asked = list(values), 0, []
 
-    def __call__(self) -> float:
+    def __call__(self, batch: Batch | None = None) -> tuple[float, Batch]:
         self.calls += 1
-        return self.values.pop(0)
+        self.asked.append(batch)
+        return self.values.pop(0), Batch((torch.tensor([self.calls]),), None) if batch is None else batch
 
 
 def test_without_a_loss_at_the_teleport_the_loss_at_the_first_strike_is_the_reference():
@@ -89,6 +92,17 @@ def test_without_a_loss_at_the_teleport_the_loss_at_the_first_strike_is_the_refe
     assert measure.calls == 3 and watch.strikes == 0  # kept against 5.0, the new first strike's (1.0 would alarm)
 
 
+def test_the_decision_measures_the_loss_on_the_batch_of_the_first_strike():
+    # the two measured losses are paired: a fresh batch at the first strike, the same batch at the decision
+    watch, measure = _watch(None), _Losses(1.0, 0.9, 2.0, 1.5)
+    assert [watch.alarm(_grads(sq), None, 10.0, 3, measure=measure) for sq in (20.0, 30.0, 40.0)] == [None] * 3
+    first = Batch((torch.tensor([1]),), None)
+    assert measure.asked[0] is None and measure.asked[1] == first
+    # the next strikes draw a fresh batch again (the third call), and their decision reuses it
+    assert [watch.alarm(_grads(sq), None, 10.0, 3, measure=measure) for sq in (20.0, 30.0, 40.0)] == [None] * 3
+    assert measure.asked[2] is None and measure.asked[3] == Batch((torch.tensor([3]),), None)
+
+
 def test_without_a_loss_or_with_patience_one_and_no_loss_reference_the_gradient_alone_decides():
     watch = _watch()
     assert [watch.alarm(_grads(sq), None, 10.0, 3) for sq in (20.0, 30.0, 40.0)][2] is not None  # no measurement
@@ -103,11 +117,16 @@ def test_the_strike_loss_survives_a_state_dict_round_trip_and_joins_a_later_watc
     watch = Watch(InverseMove([], [], model, optimizer, policy), until=10, teleport_step=0, grad_ref=1.0, loss_ref=None)
     watch.alarm(_grads(20.0), None, 10.0, 3, measure=_Measured(1.25))
     assert watch.strikes == 1 and watch.strike_loss == 1.25
-    resumed = Watch.from_state(watch.to_state(), model, optimizer, list(model.parameters()), policy)
+    buffer = io.BytesIO()
+    torch.save(watch.to_state(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed = Watch.from_state(saved, model, optimizer, list(model.parameters()), policy)
     assert resumed.strikes == 1 and resumed.strike_loss == 1.25
+    assert resumed.strike_batch is not None and torch.equal(resumed.strike_batch.inputs[0], torch.tensor([1]))
     joined = Watch(InverseMove([], [], model, optimizer, policy), until=12, teleport_step=2, grad_ref=1.0, loss_ref=None).stack(watch)
-    assert joined.strikes == 1 and joined.strike_loss == 1.25
-    assert "strike_loss" not in joined.to_state()["earlier"][0]
+    assert joined.strikes == 1 and joined.strike_loss == 1.25 and joined.strike_batch is watch.strike_batch
+    assert "strike_loss" not in joined.to_state()["earlier"][0] and "strike_batch" not in joined.to_state()["earlier"][0]
 
 
 def test_a_blow_up_beyond_the_square_of_the_factor_alarms_at_once_whatever_the_loss():
@@ -205,3 +224,16 @@ def test_the_llama_teleport_whose_gradient_rose_while_its_loss_fell_is_kept():
     assert opt.record.accepted == 1 and opt.record.rollbacks == 0
     assert sum(r > 10 for r in ratios[:9]) >= 3  # the old rule's 3 strikes happened
     assert all(b < a for a, b in zip(losses[200:], losses[201:]))  # while the loss fell at every step
+
+
+def test_a_damaged_strike_batch_is_refused_when_loaded():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    sites = find_symmetries(model, torch.randn(4, 4)).continuous_sites
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites, objective="balance", schedule=Schedule())
+    state = opt.state_dict()
+    watch = Watch(InverseMove([], [], model, opt, StatePolicy()), until=10, teleport_step=0, grad_ref=1.0, loss_ref=None)
+    saved = {**watch.to_state(), "strike_batch": [torch.ones(1)]}
+    state["teleopt_teleport"]["watch"] = saved
+    with pytest.raises(ValueError, match="strike_batch"):
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites, objective="balance", schedule=Schedule()).load_state_dict(state)

@@ -79,7 +79,7 @@ class ArmContext:
 
     def all_sites(self) -> list[Site]:
         """Every exact continuous site detection finds, normalisation-affine rescalings included (``"auto"`` leaves
-        those out under AdamW)."""
+        out under AdamW those whose other weights are not scale-invariant)."""
         found = find_symmetries(self.model, (self.example_inputs,)).sites
         return [s for s in found if s.action.exactness == "exact" and s.action.continuous]
 
@@ -131,7 +131,8 @@ ARMS: dict[str, Callable[[ArmContext], Optimizer]] = {
     "teleport_default": lambda c: Teleport(
         c.optimizer(), c.model, "auto", example_inputs=c.example_inputs, loss_fn=c.loss_fn, batch_fn=c.batch_fn
     ),
-    # the default on every exact continuous site (normalisation-affine rescalings too, which "auto" leaves out under AdamW)
+    # the default on every exact continuous site (normalisation-affine rescalings too: "auto" leaves out under AdamW
+    # those against weights that are not scale-invariant, such as a LayerNorm's consumers)
     "teleport_default_allsites": lambda c: Teleport(c.optimizer(), c.model, c.all_sites(), **c.teleport_kwargs()),
     "teleport_once": lambda c: Teleport(c.optimizer(), c.model, "auto", **c.teleport_kwargs(), schedule=Schedule(at=[c.teleport_step])),
     "teleport_once_allsites": lambda c: Teleport(

@@ -54,6 +54,7 @@ from teleopt.teleport.distributed import check_supported_sharding
 from teleopt.teleport.engine import EngineConfig, TeleportEngine, TeleportRequest
 from teleopt.teleport.fast_path import fast_path_eligible
 from teleopt.teleport.lookahead import LookaheadView
+from teleopt.teleport.norm_sites import norm_sites_left_out
 from teleopt.teleport.objectives import Objective, get_objective
 from teleopt.teleport.paper_compat import PaperCompatEngine, check_paper_compat_sites
 from teleopt.teleport.precision import PrecisionRecorder, full_precision
@@ -69,8 +70,6 @@ from teleopt.teleport.sites import (
     detect_sites,
     movable_sites,
     moved_names,
-    normalization_affine,
-    scale_free_updates,
     unsharded_twin,
     unusable,
     validate_sites,
@@ -79,7 +78,7 @@ from teleopt.teleport.sites import (
 )
 from teleopt.teleport.state_policy import StatePolicy, restart_curvature_history
 from teleopt.teleport.transaction import Transaction
-from teleopt.teleport.watch import REFERENCE_STEPS, TeleportRecord, batch_loss, keeps_copies
+from teleopt.teleport.watch import REFERENCE_STEPS, Measure, TeleportRecord, batch_loss, keeps_copies
 from teleopt.unwrap import hook_target, unwrap
 from teleopt.wrapper import OptimizerWrapper, no_grad_step, torch_initialising_step
 
@@ -306,8 +305,9 @@ class Teleport(OptimizerWrapper):
         """``sites="auto"`` detection on ``batch``'s inputs; warns about the sites left out.
 
         Under a base optimizer whose steps are scale-free (Adam family, Adagrad, RMSprop, unmodelled
-        ones) the normalisation-affine rescalings are left out as well: rescaling a norm's gain changes
-        its effective learning rate there (it collapsed a ViT under AdamW in benchmarks/realistic)."""
+        ones) the normalisation-affine rescalings are left out as well, unless every weight they rescale
+        besides the norms' own is scale-invariant (:func:`~teleopt.teleport.norm_sites.norm_sites_left_out`):
+        rescaling a norm's gain against a weight that is not changes effective learning rates for good."""
         module, groups = self._module, self.param_groups
         if self._sharded:  # detection traces the whole module: an unsharded twin, gathered once (same names)
             module, groups = unsharded_twin(module, groups)
@@ -316,14 +316,15 @@ class Teleport(OptimizerWrapper):
             for site in [s for s in found if not fast_path_eligible(s)]:
                 skipped[site.name] = "not a fast-path site (an FSDP2 teleport takes the fast path only)"
             found = [s for s in found if fast_path_eligible(s)]
-        norm = [s.name for s in found if normalization_affine(s, module)] if scale_free_updates(self.innermost) else []
+        norm = norm_sites_left_out(found, module, self.innermost, batch, groups)
         if norm:
             shown = ", ".join(norm[:3]) + (f" and {len(norm) - 3} more" if len(norm) > 3 else "")
             warnings.warn(
                 f"Teleport(sites='auto') leaves out {len(norm)} normalisation-affine rescaling site(s) ({shown}): under "
                 f"{type(self.innermost).__name__}, whose steps do not scale with the gradient, rescaling a norm's gain "
-                "changes its effective learning rate (it collapsed a ViT under AdamW). Pass the sites explicitly to "
-                "include them.",
+                "against weights that are not scale-invariant (no norm after them) or not decayed changes their effective "
+                "learning rates for good (it collapsed a ViT under AdamW); those of decayed BatchNorm'd convolutions are "
+                "kept. Pass the sites explicitly to include them.",
                 UserWarning,
                 stacklevel=3,
             )
@@ -331,7 +332,10 @@ class Teleport(OptimizerWrapper):
             found = [s for s in found if s.name not in left_out]
         reasons = {
             **skipped,
-            **{n: f"normalisation-affine rescaling under {type(self.innermost).__name__} (scale-free steps)" for n in norm},
+            **{
+                n: f"normalisation-affine rescaling of weights not scale-invariant or not decayed under {type(self.innermost).__name__}"
+                for n in norm
+            },
         }
         warn_left_out(skipped, stacklevel=3, none_left=None if found else reasons)
         self._auto_skipped = reasons
@@ -373,7 +377,7 @@ class Teleport(OptimizerWrapper):
         return self._record
 
     @property
-    def _watch_limits(self) -> tuple[float, int, Callable[[], float] | None]:  # (the loss on a fresh batch, where needed)
+    def _watch_limits(self) -> tuple[float, int, Measure | None]:  # (a batch's loss, where needed)
         fresh = None if self._batch_fn is None else partial(batch_loss, self._module, self._loss_fn, self._batch_fn, self._check_seed())
         return self._safety.watch_factor, self._safety.watch_patience, fresh
 

@@ -7,7 +7,8 @@ for data-dependent actions.  Each check fails with an error naming the site and
 the member.  Detected sites (``sites="auto"``) whose parameters the optimizer does
 not update, or which are frozen, are left out with the reason instead; so are, under
 optimizers with scale-free steps (:func:`scale_free_updates`), the rescalings of
-normalisation layers' affine parameters (:func:`normalization_affine`; the wrapper
+normalisation layers' affine parameters (:func:`normalization_affine`) whose other
+weights are not scale-invariant (:mod:`teleopt.teleport.norm_sites`; the wrapper
 leaves them out).
 """
 
@@ -30,6 +31,7 @@ __all__ = [
     "detect_sites",
     "unusable",
     "normalization_affine",
+    "is_norm",
     "scale_free_updates",
     "warn_scale_free_objective",
     "unsharded_twin",
@@ -227,7 +229,8 @@ def unsharded_twin(module: nn.Module, param_groups: Sequence[dict[str, Any]]) ->
     return twin, groups
 
 
-def _is_norm(module: nn.Module) -> bool:
+def is_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a normalisation layer (BatchNorm, LayerNorm, GroupNorm, RMSNorm, or its class name says Norm)."""
     return isinstance(module, _NORMS) or "Norm" in type(module).__name__
 
 
@@ -239,7 +242,7 @@ def normalization_affine(site: Site, module: nn.Module) -> bool:
     for name in moved_names(site):
         prefix, _, leaf = name.rpartition(".")
         owner = owners.get(prefix)
-        if owner is not None and leaf in dict(owner.named_parameters(recurse=False)) and _is_norm(owner):
+        if owner is not None and leaf in dict(owner.named_parameters(recurse=False)) and is_norm(owner):
             return True
     return False
 

@@ -59,6 +59,7 @@ __all__ = [
     "reference",
     "squared_norm",
     "batch_loss",
+    "Measure",
 ]
 
 
@@ -87,22 +88,28 @@ def squared_norm(grads: list[Tensor]) -> float:
     return sum(v * v for v in torch.stack(norms).tolist())
 
 
-def _loss_now(loss: Any, measure: Callable[[], float | None] | None) -> float | None:
-    """This step's loss: ``loss`` where the step has one, else ``measure()`` (``None`` without either)."""
+#: A loss measurement for the watch: ``measure(batch)`` is the loss at the live parameters on ``batch`` (``None``:
+#: on a fresh batch) and the batch it was read on (:func:`batch_loss`).
+Measure = Callable[[Batch | None], tuple[float | None, Batch | None]]
+
+
+def _loss_now(loss: Any, measure: Measure | None, batch: Batch | None = None) -> tuple[float | None, Batch | None]:
+    """This step's loss: ``loss`` where the step has one, else ``measure(batch)`` (``None`` without either),
+    and the batch a measurement read."""
     if loss is not None:
-        return float(loss)
-    return None if measure is None else measure()
+        return float(loss), None
+    return (None, None) if measure is None else measure(batch)
 
 
-def batch_loss(module: nn.Module, loss_fn: Any, batch_fn: Callable[[], Any], seed: int) -> float:
-    """The loss at the live parameters on a fresh ``batch_fn()`` batch (buffers restored, RNG seeded): what the
-    watch's patience rule compares with the loss at the teleport (:meth:`Watch.alarm`) when a step has no loss."""
-    batch = as_batch(batch_fn())
+def batch_loss(module: nn.Module, loss_fn: Any, batch_fn: Callable[[], Any], seed: int, batch: Batch | None = None) -> tuple[float, Batch]:
+    """The loss at the live parameters on ``batch``, else on a fresh ``batch_fn()`` batch (buffers restored, RNG
+    seeded), and that batch: what the watch's patience rule compares (:meth:`Watch.alarm`) when a step has no loss."""
+    batch = as_batch(batch_fn()) if batch is None else batch
     try:
         out = forward(module, batch, None, seed)
     finally:
         reshard(module)  # FSDP2 leaves the root unsharded after a pass without backward (no-op elsewhere)
-    return float(FunctionalModel(module, loss_fn).loss_of(out, batch.target))
+    return float(FunctionalModel(module, loss_fn).loss_of(out, batch.target)), batch
 
 
 def reference(before: float | None, after: float | None, recent: Sequence[float] = ()) -> float:
@@ -204,6 +211,8 @@ class Watch:
     earlier: list[Watch] = field(default_factory=list)
     #: without a ``loss_ref``: the loss at the first of the current strikes (``None``: not read), see :meth:`alarm`
     strike_loss: float | None = None
+    #: the batch ``strike_loss`` was measured on, measured again at the decision (``None``: a step's own loss)
+    strike_batch: Batch | None = None
 
     @property
     def chain(self) -> list[Watch]:
@@ -222,7 +231,8 @@ class Watch:
             return self
         scale = gain if math.isfinite(gain) and gain > 1.0 else 1.0  # (no gain known: the references as they were)
         earlier = [replace(w, earlier=[], grad_ref=w.grad_ref * scale) for w in open_watch.chain]
-        return replace(self, earlier=earlier, strikes=open_watch.strikes, strike_loss=open_watch.strike_loss)
+        joined = replace(self, earlier=earlier, strikes=open_watch.strikes, strike_loss=open_watch.strike_loss)
+        return replace(joined, strike_batch=open_watch.strike_batch)
 
     def settle(self, step: int) -> tuple[Watch | None, int]:
         """This watch at ``step`` without the teleports whose own window ended before it (``None`` when none is
@@ -245,7 +255,7 @@ class Watch:
         factor: float,
         patience: int = 1,
         squared: float | None = None,
-        measure: Callable[[], float | None] | None = None,
+        measure: Measure | None = None,
     ) -> str | None:
         """Why this rank's gradients ``grads`` or ``loss`` call for a rollback (``None``: all well).
 
@@ -254,7 +264,8 @@ class Watch:
         and the loss at the last call is below the loss at the teleport (``loss_ref``; without one, the loss at the
         first of the strikes, ``strike_loss``): then the gradient grew while the loss fell (a teleport's changed
         per-element learning rates can do that), which costs the run nothing.  A loss is ``loss``, else
-        ``measure()`` (a loss on a fresh batch, read only at those two calls; a decision that keeps the teleport
+        ``measure(batch)`` (read only at those two calls, the second on the batch of the first: a paired
+        comparison, free of the batch-to-batch noise of two fresh batches; a decision that keeps the teleport
         starts the count again, so a window of ``w`` steps reads at most ``2 * (w // patience)`` of them); without one, or with
         ``patience=1`` and no ``loss_ref``, the gradient alone decides.  ``squared``: ||grads||^2 when already read
         (:meth:`TeleportRecord.read_grads`), else it is read here.
@@ -277,19 +288,19 @@ class Watch:
         strikes = self.strikes + 1 if ratio > factor else 0
         if ratio > max(factor, factor * factor):
             return f"{what} grew to {ratio:.1f}x its reference at the teleport"
-        strike_loss = self.strike_loss if strikes > 1 else None
+        strike_loss, strike_batch = (self.strike_loss, self.strike_batch) if strikes > 1 else (None, None)
         if strikes == 1 < patience and loss_ref is None:  # no loss at the teleport: the loss at the first strike
-            strike_loss = _loss_now(loss, measure)
+            strike_loss, strike_batch = _loss_now(loss, measure)
         if strikes >= patience:  # (the count is kept only when all is well: an interrupted rollback leaves it as it was)
             why = f"{what} above {factor:g}x its reference at the teleport for {strikes} step(s) (last {ratio:.1f}x)"
             reference_loss = loss_ref if loss_ref is not None else strike_loss
-            if reference_loss is None or what == "loss" or (now := _loss_now(loss, measure)) is None:
+            if reference_loss is None or what == "loss" or (now := _loss_now(loss, measure, strike_batch)[0]) is None:
                 return why
             if not now < reference_loss:  # (a non-finite loss is not below)
                 since = "at the teleport" if loss_ref is not None else "at the first step above the factor"
                 return f"{why}, the loss {now:.4g} not below its {reference_loss:.4g} {since}"
-            strikes, strike_loss = 0, None  # kept: the next decision waits for ``patience`` new strikes
-        self.strikes, self.strike_loss = strikes, strike_loss
+            strikes, strike_loss, strike_batch = 0, None, None  # kept: the next decision waits for ``patience`` new strikes
+        self.strikes, self.strike_loss, self.strike_batch = strikes, strike_loss, strike_batch
         return None
 
     def triggered(
@@ -299,7 +310,7 @@ class Watch:
         factor: float,
         patience: int = 1,
         squared: float | None = None,
-        measure: Callable[[], float | None] | None = None,
+        measure: Measure | None = None,
     ) -> bool:
         """Whether any rank's :meth:`alarm` went off (then ``why`` says why)."""
         why = self.alarm(grads, loss, factor, patience, squared, measure)
@@ -358,8 +369,12 @@ class Watch:
         }
         if self.strike_loss is not None:
             data["strike_loss"] = self.strike_loss
+        if self.strike_batch is not None:
+            inputs, target, kwargs = self.strike_batch
+            data["strike_batch"] = {"inputs": list(inputs), "target": target, "kwargs": kwargs}
         if self.earlier:
-            data["earlier"] = [{k: v for k, v in w.to_state().items() if k not in ("strikes", "strike_loss")} for w in self.earlier]
+            mine = ("strikes", "strike_loss", "strike_batch")  # the chain's: kept on its last watch
+            data["earlier"] = [{k: v for k, v in w.to_state().items() if k not in mine} for w in self.earlier]
         return data
 
     @classmethod
@@ -388,8 +403,14 @@ class Watch:
             loss_ref=None if data["loss_ref"] is None else float(data["loss_ref"]),
             strikes=int(data.get("strikes", 0)),
             strike_loss=None if data.get("strike_loss") is None else float(data["strike_loss"]),
+            strike_batch=None if data.get("strike_batch") is None else _batch_of(data["strike_batch"]),
             earlier=[cls.from_state(w, module, optimizer, params, policy, sites) for w in data.get("earlier", [])],
         )
+
+
+def _batch_of(data: Mapping[str, Any]) -> Batch:
+    """The :class:`~teleopt.functional.Batch` :meth:`Watch.to_state` saved as plain data."""
+    return Batch(tuple(data["inputs"]), data.get("target"), data.get("kwargs"))
 
 
 def keeps_copies(watch: Mapping[str, Any]) -> bool:
@@ -420,11 +441,9 @@ class TeleportRecord:
     #: ``lean_check`` as loaded from a checkpoint, for the first plan built after the load only (never saved)
     loaded_check: tuple[tuple[str, ...], float, int, bool, int] | None = field(default=None, compare=False, repr=False)
 
-    def watch_fired(
-        self, grads: list[Tensor], loss: Any, factor: float, patience: int, measure: Callable[[], float | None] | None = None
-    ) -> bool:
+    def watch_fired(self, grads: list[Tensor], loss: Any, factor: float, patience: int, measure: Measure | None = None) -> bool:
         """Whether the open watch calls for a rollback on this step's ``grads`` and ``loss`` (:meth:`Watch.triggered`;
-        ||grads||^2 read by :meth:`read_grads`; ``measure``: the loss on a fresh batch, read only where it decides)."""
+        ||grads||^2 read by :meth:`read_grads`; ``measure``: a batch's loss, read only where it decides)."""
         return self.watch is not None and self.watch.triggered(grads, loss, factor, patience, self.read_grads(grads), measure)
 
     def read_grads(self, grads: list[Tensor]) -> float:
