@@ -73,7 +73,7 @@ class BalancePlan:
     traces: list[Tensor] = field(default_factory=list)  # scratch: per lane, the members' squared norm at w
     still: list[Tensor] = field(default_factory=list)  # trainable members of the sites that no slot moves (counted in N)
     chain: Chain | None = None  # sites that share tensors (a chain of scalings): solved together, as the engine
-    verified: bool = False  # the engine ran this plan's first teleport and it was accepted
+    verified: bool = False  # this plan's first teleport was checked (lean or by the engine) and accepted
     lean_step: int = -2  # the step of its last accepted lean teleport (the next step's point is near balance)
     checked_at: int = -1
 

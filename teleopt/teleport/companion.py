@@ -33,9 +33,12 @@ that read a loss, a state policy that transports or keeps every entry.  Anything
 overlapping slices) returns ``None`` and the engine runs.
 
 **The output check.** Balance on certified exact sites changes no output, so the companion checks once per plan:
-the first teleport after each (re)build goes through the engine with its full check; the lean path starts
-only after that teleport was accepted, and later teleports are not checked (their elements are the same
-closed form on the same certified sites; the watch still compares gradient norms each step).
+the first teleport after each (re)build runs lean with the engine's output check around it
+(:mod:`~teleopt.teleport.lean_check`: outputs and loss before and after on the first rows of ``batch_fn``'s batch,
+else the probe inputs; undone by the inverse elements and reported rolled back when it fails); later teleports
+are not checked once it was accepted (their elements are the same closed form on the same certified sites; the
+watch still compares gradient norms each step).  Where the lean path cannot take that first teleport, the engine
+does, on the same batch, and the lean path starts after it was accepted with the whole move.
 
 **All or nothing.** Every new value is computed before the first write, so an exception before it leaves
 everything bitwise as it was; an exception after the copy (before the in-place products, which allocate
@@ -49,18 +52,20 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from teleopt.functional import Batch
 from teleopt.groups import GroupCache
 from teleopt.teleport.balance import WeightNormModel
 from teleopt.teleport.balance_plan import BalancePlan, _Lane, build_plan
 from teleopt.teleport.distributed import is_distributed
 from teleopt.teleport.engine import TeleportEngine, TeleportRequest
+from teleopt.teleport.lean_check import LeanCheck
 from teleopt.teleport.objectives import Balance
 from teleopt.teleport.report import TeleportReport
 from teleopt.teleport.search import ClosedForm
@@ -94,8 +99,9 @@ class BalanceCompanion:
             companion = owner.__dict__["_balance_companion"] = BalanceCompanion()
         return companion
 
-    def teleport(self, owner: Any, request: TeleportRequest) -> TeleportReport | None:
-        """Run ``owner``'s teleport on the lean path, call its hooks and return the report; ``None``: the engine's turn."""
+    def teleport(self, owner: Any, request: TeleportRequest, draw: Callable[[], Batch | None] | None = None) -> TeleportReport | None:
+        """Run ``owner``'s teleport on the lean path, call its hooks and return the report; ``None``: the engine's turn.
+        ``draw``: the teleport batch (``batch_fn``'s) for the check of a plan's first teleport, drawn only then."""
         engine = owner._engine
         if not self.enabled or request.batch is not None or request.heldout is not None or request.closure is not None:
             return None
@@ -105,16 +111,32 @@ class BalanceCompanion:
         record = engine.record
         if not plan.verified:
             last = record.last  # (step, accepted, whole move) of the last report, saved with the record
-            if last is None or plan.checked_at != last[0] or not last[1] or not last[2]:  # caps bound: check again
-                plan.checked_at = record.step  # the engine checks this one; lean from the next if accepted
-                record.lean_check = (plan.signature, record.backoff, plan.checked_at, False, plan.lean_step)
-                return None
-            plan.verified = True
+            if last is None or plan.checked_at != last[0] or not last[1] or not last[2]:  # not the engine's accepted
+                return self._checked(owner, plan, request, draw)
+            plan.verified = True  # the engine checked and accepted this plan's first teleport (a fallback below)
             record.lean_check = (plan.signature, record.backoff, plan.checked_at, True, plan.lean_step)
         with GroupCache().active():
             report = lean_teleport(engine, plan, request, near=self.near)
-        if report is None:
+        return None if report is None else self._done(owner, report)
+
+    def _checked(
+        self, owner: Any, plan: BalancePlan, request: TeleportRequest, draw: Callable[[], Batch | None] | None
+    ) -> TeleportReport | None:
+        """A plan's first teleport: lean, with the engine's output check around it (:mod:`~teleopt.teleport.lean_check`);
+        where the lean path cannot take it, the engine does (on the same batch) and lean starts if it accepts."""
+        record = owner._engine.record
+        check = LeanCheck.start(owner, plan, request, draw() if draw is not None else None)
+        with GroupCache().active():
+            report = None if check is None else lean_teleport(owner._engine, plan, request, near=self.near)
+        if check is None or report is None:
+            plan.checked_at = record.step  # the engine checks this one; lean from the next if accepted
+            record.lean_check = (plan.signature, record.backoff, plan.checked_at, False, plan.lean_step)
             return None
+        plan.checked_at = record.step
+        return self._done(owner, check.verify(report))
+
+    @staticmethod
+    def _done(owner: Any, report: TeleportReport) -> TeleportReport:
         if report.accepted:
             restart_curvature_history(owner.innermost)
         owner._call_hooks(report)
