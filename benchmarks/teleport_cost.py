@@ -101,8 +101,10 @@ projected ascent (gains and time of 5 consecutive teleports on the digits MLP, m
 
 ``--scheduled`` measures instead the README configuration's *scheduled* balance teleports through ``step()``
 (:func:`measure_scheduled`), on the default table's four rows (``--rows`` picks some): the first teleport of a
-balance plan (the engine, checked on ``batch_fn``'s batch) and a later one (the lean path of
-``teleopt.teleport.companion`` where it applies), each in bare steps and iterations, with its peak extra memory.
+balance plan (checked on ``batch_fn``'s batch: the lean move with the output check around it,
+``teleopt.teleport.lean_check``, or the engine where the lean path cannot take it) and a later one (the lean
+path of ``teleopt.teleport.companion`` where it applies), each in bare steps and iterations, with its peak extra
+memory and the path that ran it.
 
 ``--balance-run`` prints only the balance-every-step rows of the default table (the run-time growth, its
 median per iteration, and how many teleports ran on the lean path of ``teleopt.teleport.companion``).
@@ -880,8 +882,8 @@ def measure_scheduled(
     """The README configuration's *scheduled* balance teleports as users run them: ``step()`` at a due step of
     ``Teleport(base, model, sites, example_inputs=x[:2], loss_fn=..., batch_fn=...)`` (defaults: balance every
     200 steps from step 200), trained from initialisation to step 400.  ``first``: the teleport at step 200,
-    from the point before it (the companion's plan dropped before each, so it is built again and the engine
-    checks the teleport on ``batch_fn``'s batch); ``later``: the one at step 400, from the point before it
+    from the point before it (the companion's plan dropped before each, so it is built again and the teleport
+    is checked on ``batch_fn``'s batch, lean or by the engine); ``later``: the one at step 400, from the point before it
     (200 steps after the first: lean where the plan applies, else the engine again).  Each is timed as the
     whole ``step()``, paired with a bare ``base.step()`` and an iteration (from the second point), in
     alternating order; its cost is the paired difference (the teleport's share of the step), in bare steps
@@ -930,6 +932,7 @@ def measure_scheduled(
 
     times: dict[str, list[float]] = {"first": [], "later": [], "step": [], "iteration": []}
     checks: dict[str, list[str]] = {"first": [], "later": []}
+    paths: dict[str, list[str]] = {"first": [], "later": []}  # lean (unchecked), lean+check or engine
     for rep in range(reps):
         for kind in ("first", "later", "step", "iteration") if rep % 2 else ("step", "iteration", "first", "later"):
             restart(kind)
@@ -938,6 +941,7 @@ def measure_scheduled(
             if kind in checks:
                 report = wrapper.reports[-1] if len(wrapper.reports) > count else None
                 checks[kind].append("no teleport" if report is None else f"{report.check}, {report.reason}")
+                paths[kind].append("none" if report is None else _path(report))
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     peaks = {}
     for kind in ("first", "later"):
@@ -962,11 +966,21 @@ def measure_scheduled(
             f"{kind}_over_step": statistics.median(e / s for e, s in zip(extra, times["step"])),
             f"{kind}_over_iteration": statistics.median(e / i for e, i in zip(extra, times["iteration"])),
             f"{kind}_lean": sum(c.startswith("none,") for c in checks[kind]),
+            f"{kind}_lean_checked": paths[kind].count("lean+check"),
+            f"{kind}_paths": sorted(set(paths[kind])),
             f"{kind}_accepted": sum(c.endswith(", accepted") for c in checks[kind]),
             f"{kind}_reports": sorted(set(checks[kind])),
             f"{kind}_peak_extra": peaks[kind],
         }
     return out
+
+
+def _path(report: Any) -> str:
+    """Which path ran a scheduled teleport: ``"lean"`` (unchecked), ``"lean+check"`` (a plan's first, checked
+    around the lean move: ``teleopt.teleport.lean_check``) or ``"engine"``."""
+    if report.check == "none" and report.check_detail.startswith("lean balance"):
+        return "lean"
+    return "lean+check" if report.check_detail.startswith("lean balance, checked") else "engine"
 
 
 def _saved(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
@@ -996,12 +1010,15 @@ def print_scheduled(rows: list[dict[str, Any]]) -> None:
             f"{r['later_lean']:>2}/{r['reps']:<2} {r['first_accepted'] + r['later_accepted']:>4}/{2 * r['reps']:<3}"
         )
     print(
-        "first: step() at the first due step of a balance plan (the engine, checked on batch_fn's batch); later: the next "
-        "scheduled one (lean: check 'none'); ms: the step's time minus a paired bare base.step() (CPU process time, medians)"
+        "first: step() at the first due step of a balance plan (checked on batch_fn's batch: lean with the check around it, "
+        "or the engine where the lean path cannot take it); later: the next scheduled one (lean: check 'none'); ms: the "
+        "step's time minus a paired bare base.step() (CPU process time, medians)"
     )
     print("peak: the teleport part of step() (scheduled_teleports) under LiveBytes, in multiples of the trainable parameters' bytes")
     for r in rows:
-        print(f"  {r['model']}: first {r['first_reports']}; later {r['later_reports']}")
+        print(
+            f"  {r['model']}: first {r['first_reports']} via {r.get('first_paths')}; later {r['later_reports']} via {r.get('later_paths')}"
+        )
 
 
 def scheduled_main(args: argparse.Namespace) -> None:
