@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from teleopt import Site, get_action
-from teleopt.teleport import Schedule, Teleport
+from teleopt.teleport import SafetyConfig, Schedule, Teleport
 from teleopt.teleport.companion import BalanceCompanion
 from teleopt.teleport.engine import TeleportEngine
 
@@ -205,3 +205,25 @@ def test_an_interrupt_in_the_checks_second_forward_leaves_everything_as_it_was()
         assert _close(a, b) <= 4e-16
     assert (opt.record.accepted, opt.record.watch, opt.record.lean_check) == (record.accepted, record.watch, record.lean_check)
     assert opt.reports == [] or not opt.reports[-1].accepted
+
+
+def test_an_inconclusive_float32_lean_check_is_decided_by_the_float64_re_run(monkeypatch) -> None:
+    # a tolerance float32 cannot meet (loss_tol 1e-8): the check's error lies within 100x of it, so a float64
+    # copy of the model at the pre-teleport weights (computed back by the inverse elements) decides, as the engine's
+    model, sites, x, y = _mlp(rows=8)
+    model.float()
+    x, y = x.float(), y.float()
+    base = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = Teleport(
+            base, model, sites, example_inputs=x[:2], loss_fn=nn.functional.mse_loss, batch_fn=lambda: (x, y),
+            objective="balance", schedule=Schedule(every=3, warmup=3), safety=SafetyConfig(loss_tol=1e-8),
+        )  # fmt: skip
+    _train_to_due(model, opt, x, y)
+    runs = _engine_runs(monkeypatch)
+    opt.step()
+    report = opt.reports[-1]
+    assert runs[0] == 0 and report.check == "batch" and "lean balance, checked" in report.check_detail
+    assert report.accepted and "float64 copy" in report.check_detail, (report.reason, report.check_detail)
+    assert 1e-8 < report.check_error <= 1e-6 and report.check_error_float64 <= 1e-10
