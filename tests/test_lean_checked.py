@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from teleopt import Site, get_action
 from teleopt.teleport import SafetyConfig, Schedule, Teleport
 from teleopt.teleport.companion import BalanceCompanion
+from teleopt.teleport.companion import lean_teleport as companion_lean
 from teleopt.teleport.engine import TeleportEngine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -227,3 +228,23 @@ def test_an_inconclusive_float32_lean_check_is_decided_by_the_float64_re_run(mon
     assert runs[0] == 0 and report.check == "batch" and "lean balance, checked" in report.check_detail
     assert report.accepted and "float64 copy" in report.check_detail, (report.reason, report.check_detail)
     assert 1e-8 < report.check_error <= 1e-6 and report.check_error_float64 <= 1e-10
+
+
+def test_a_first_teleport_the_lean_path_leaves_to_the_engine_costs_only_the_engines_forwards(monkeypatch) -> None:
+    # GL balanced points on the trust region's edge (a small radius) go to the engine; the lean check's forward
+    # before the move runs only once the lean path has decided to move, so that teleport runs the engine's two
+    from test_balance_companion import lora_like, wrapped
+
+    import teleopt.teleport.companion as companion
+    from teleopt.teleport import SearchConfig
+
+    model, opt, step = wrapped(lora_like, lean=True, search=SearchConfig(trust_region=0.05))
+    step()  # the base's state is made: the plan is built at the next teleport
+    runs, forwards, lean = _engine_runs(monkeypatch), [0], []
+    model.register_forward_pre_hook(lambda m, args: forwards.__setitem__(0, forwards[0] + 1))
+    monkeypatch.setattr(companion, "lean_teleport", lambda *a, **k: lean.append(companion_lean(*a, **k)) or lean[-1])
+    step()
+    report = opt.reports[-1]
+    assert lean == [None] and runs[0] == 1, (lean, runs)  # the lean path left it to the engine
+    assert report.check == "probe" and "lean" not in report.check_detail, (report.check_detail, report.reason)
+    assert forwards[0] == 1 + 2  # the training forward, then the engine's check: before and after

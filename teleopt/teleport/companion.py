@@ -125,9 +125,9 @@ class BalanceCompanion:
         """A plan's first teleport: lean, with the engine's output check around it (:mod:`~teleopt.teleport.lean_check`);
         where the lean path cannot take it, the engine does (on the same batch) and lean starts if it accepts."""
         record = owner._engine.record
-        check = LeanCheck.start(owner, plan, request, draw() if draw is not None else None)
+        check = LeanCheck.of(owner, plan, request, draw() if draw is not None else None)
         with GroupCache().active():
-            report = None if check is None else lean_teleport(owner._engine, plan, request, near=self.near)
+            report = None if check is None else lean_teleport(owner._engine, plan, request, self.near, check.reference)
         if check is None or report is None:
             plan.checked_at = record.step  # the engine checks this one; lean from the next if accepted
             record.lean_check = (plan.signature, record.backoff, plan.checked_at, False, plan.lean_step)
@@ -465,10 +465,13 @@ def _watch(engine: TeleportEngine, plan: BalancePlan, elements: Sequence[Tensor]
     return Watch(move, record.step + cfg.safety.watch_steps, record.step, reference(before, after, recent), None).stack(record.watch, gain)
 
 
-def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRequest, near: bool = True) -> TeleportReport | None:
-    """One balance teleport on ``plan`` (module docs); ``None`` where the engine must take it.  It reads and writes
-    ``.data`` views, outside autograd (``Teleport.step`` and ``teleport`` run it under ``no_grad``); after the
-    writes it runs no torch function, so nothing can fail between them and the commit."""
+def lean_teleport(
+    engine: TeleportEngine, plan: BalancePlan, request: TeleportRequest, near: bool = True, reference: Callable[[], bool] | None = None
+) -> TeleportReport | None:
+    """One balance teleport on ``plan`` (module docs); ``None`` where the engine must take it.  ``reference`` runs
+    once the move is decided, before its first write (the check's outputs before it; ``False``: the engine's turn).
+    It reads and writes ``.data`` views, outside autograd (``Teleport.step`` and ``teleport`` run it under
+    ``no_grad``); after the writes it runs no torch function, so nothing can fail between them and the commit."""
     start, cfg, record = time.perf_counter(), engine.config, engine.record
     objective = cfg.objective
     assert isinstance(objective, Balance)
@@ -502,6 +505,8 @@ def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRe
     report.elements = {s.name: e.to(torch.float64) for s, e in zip(plan.sites, elements)}
     report.state_decisions = dict(decisions)
     report.accepted, report.reason = True, "accepted"
+    if reference is not None and not reference():  # the output check's outputs before (teleopt.teleport.lean_check)
+        return None
     watch = _watch(engine, plan, elements, report)
     _write(writes, plan, elements)
     # the commit: Python assignments only, after the writes

@@ -68,9 +68,9 @@ class LeanCheck:
     kept: tuple[Any, ...]
 
     @classmethod
-    def start(cls, owner: Any, plan: BalancePlan, request: TeleportRequest, batch: Batch | None) -> LeanCheck | None:
-        """The outputs before the move (module docs), on ``batch``'s first rows, else the probe inputs; ``None``
-        where the engine must take the teleport (nothing to check on, or probe inputs the model does not take)."""
+    def of(cls, owner: Any, plan: BalancePlan, request: TeleportRequest, batch: Batch | None) -> LeanCheck | None:
+        """The check of ``owner``'s lean teleport on ``batch``'s first rows, else the probe inputs; ``None`` with
+        neither (the engine declines it, saying why)."""
         engine: TeleportEngine = owner._engine
         probe, source = owner._probe_inputs()
         rows = None if batch is None else first_rows(batch)
@@ -78,26 +78,33 @@ class LeanCheck:
         check = engine.plan_check(plan.sites, request)
         if check is None:
             return None
-        if owner._keywords is not None:
-            owner._keywords.warn_if_different(stacklevel=5)
-        with owner._probe.pause(), owner._precision.pause(), full_precision():
-            out = engine._reference(check, request)
-        if isinstance(out, str):
-            return None
         fmodel = None if rows is None else FunctionalModel(engine.config.module, engine.config.loss_fn)
-        loss = None if fmodel is None or rows is None else engine._loss_value(fmodel, out, rows)
         record = engine.record
         kept = (record.accepted, record.watch, list(record.recent), record.lean_check, plan.lean_step)
-        return cls(owner, plan, request, check, fmodel, loss, kept)
+        return cls(owner, plan, request, check, fmodel, None, kept)
+
+    def reference(self) -> bool:
+        """The outputs (and loss) before the move, once it is decided and before its first write; ``False`` where
+        the engine must take the teleport (probe inputs the model does not take)."""
+        owner, rows = self.owner, self.request.batch
+        engine: TeleportEngine = owner._engine
+        if owner._keywords is not None:
+            owner._keywords.warn_if_different(stacklevel=6)
+        with owner._probe.pause(), owner._precision.pause(), full_precision():
+            out = engine._reference(self.check, self.request)
+        if isinstance(out, str):
+            return False
+        self.loss_before = None if self.fmodel is None or rows is None else engine._loss_value(self.fmodel, out, rows)
+        return True
 
     def verify(self, report: TeleportReport) -> TeleportReport:
         """Check the lean ``report``'s teleport (made already): accepted and the plan verified, or undone and
         rolled back; a declined one (nothing moved) is returned as it is."""
         engine, plan, check = self.owner._engine, self.plan, self.check
+        if not report.accepted:  # declined before the move: nothing to check
+            return report
         report.check, report.check_detail = check.kind, f"lean balance, checked: {check.describe()}"
         report.loss_before = self.loss_before
-        if not report.accepted:
-            return report
         try:
             with self.owner._probe.pause(), self.owner._precision.pause(), full_precision():
                 failures = self._failures(report)
