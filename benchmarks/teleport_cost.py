@@ -919,36 +919,49 @@ def measure_scheduled(
     def restart(kind: str) -> None:
         """Back to the point before the first or the second scheduled teleport (the bare rows: the second), in
         place (``Optimizer.load_state_dict`` would make new param groups, and the plan would be built anew)."""
+        kind = "first" if kind == "engine" else kind  # the first teleport with the companion off
         with torch.no_grad():
             point = points.get(kind, points["later"])
             for t in _state_tensors(model, base):
                 t.copy_(point[id(t)])
         record.watch, record.step = None, due.get(kind, due["later"])
-        if kind == "first":  # a new plan: its first teleport is the engine's, checked
+        if kind == "first":  # a new plan: its first teleport is checked
             companion.plan, companion.key = None, None
         if kind != "iteration":
             base.zero_grad()
             loss_fn(model(x), y).backward()
 
-    times: dict[str, list[float]] = {"first": [], "later": [], "step": [], "iteration": []}
-    checks: dict[str, list[str]] = {"first": [], "later": []}
-    paths: dict[str, list[str]] = {"first": [], "later": []}  # lean (unchecked), lean+check or engine
+    times: dict[str, list[float]] = {"first": [], "engine": [], "later": [], "step": [], "iteration": []}
+    checks: dict[str, list[str]] = {"first": [], "engine": [], "later": []}
+    paths: dict[str, list[str]] = {"first": [], "engine": [], "later": []}  # lean (unchecked), lean+check or engine
+
+    def engine_step() -> None:  # the first teleport as the engine runs it (the companion off)
+        companion.enabled = False
+        try:
+            wrapper.step()
+        finally:
+            companion.enabled = True
+
     for rep in range(reps):
-        for kind in ("first", "later", "step", "iteration") if rep % 2 else ("step", "iteration", "first", "later"):
+        kinds = ("engine", "first", "later", "step", "iteration")  # "later" after "first": its plan is verified
+        for kind in kinds if rep % 2 else kinds[::-1]:
             restart(kind)
             count = len(wrapper.reports)
-            times[kind].append(cpu_timed(wrapper.step if kind in checks else base.step if kind == "step" else iteration)[0])
+            run = engine_step if kind == "engine" else wrapper.step if kind in checks else base.step if kind == "step" else iteration
+            times[kind].append(cpu_timed(run)[0])
             if kind in checks:
                 report = wrapper.reports[-1] if len(wrapper.reports) > count else None
                 checks[kind].append("no teleport" if report is None else f"{report.check}, {report.reason}")
                 paths[kind].append("none" if report is None else _path(report))
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     peaks = {}
-    for kind in ("first", "later"):
+    for kind in ("first", "engine", "later"):
         restart(kind)
         counter = LiveBytes()
+        companion.enabled = kind != "engine"
         with counter, torch.no_grad():
             scheduled_teleports(wrapper, None)
+        companion.enabled = True
         peaks[kind] = counter.peak / param_bytes
     out: dict[str, Any] = {
         "model": name,
@@ -959,7 +972,10 @@ def measure_scheduled(
         "step_ms": 1e3 * statistics.median(times["step"]),
         "iteration_ms": 1e3 * statistics.median(times["iteration"]),
     }
-    for kind in ("first", "later"):
+    out["first_over_engine"] = statistics.median(
+        (f - s) / (e - s) for f, e, s in zip(times["first"], times["engine"], times["step"])
+    )  # paired: the same repetition's bare step
+    for kind in ("first", "engine", "later"):
         extra = [t - s for t, s in zip(times[kind], times["step"])]
         out |= {
             f"{kind}_ms": 1e3 * statistics.median(extra),
@@ -1019,6 +1035,13 @@ def print_scheduled(rows: list[dict[str, Any]]) -> None:
         print(
             f"  {r['model']}: first {r['first_reports']} via {r.get('first_paths')}; later {r['later_reports']} via {r.get('later_paths')}"
         )
+    print("engine: the same first teleport with the companion off (the engine, as before the lean check), paired")
+    for r in rows:
+        if "engine_ms" in r:
+            print(
+                f"  {r['model']}: engine {r['engine_ms']:.2f} ms, {r['engine_over_step']:.2f} steps, {r['engine_over_iteration']:.2f} "
+                f"iterations, peak {r['engine_peak_extra']:.2f}x; first / engine {r['first_over_engine']:.2f} (paired median)"
+            )
 
 
 def scheduled_main(args: argparse.Namespace) -> None:

@@ -176,5 +176,6 @@ def test_the_scheduled_rows_time_the_checked_first_teleport_and_the_lean_later_o
     row = bench.measure_scheduled("mlp", model, "auto", (x, y.argmax(1)), torch.nn.functional.cross_entropy, adam, 2)
     assert row["first_reports"] == ["batch, accepted"] and row["first_lean"] == 0, row
     assert row["first_paths"] == ["lean+check"] and row["first_lean_checked"] == 2, row
+    assert row["engine_paths"] == ["engine"] and row["engine_reports"] == ["batch, accepted"] and row["first_over_engine"] > 0, row
     assert row["later_reports"] == ["none, accepted"] and row["later_lean"] == 2 and row["later_paths"] == ["lean"], row
     assert row["first_ms"] > 0 and row["later_peak_extra"] > 0
