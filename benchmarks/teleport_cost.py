@@ -955,7 +955,7 @@ def measure_scheduled(
                 paths[kind].append("none" if report is None else _path(report))
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     peaks = {}
-    for kind in ("first", "engine", "later"):
+    for kind in ("engine", "first", "later"):  # "later" after "first": its plan is verified
         restart(kind)
         counter = LiveBytes()
         companion.enabled = kind != "engine"
