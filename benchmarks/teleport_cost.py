@@ -101,8 +101,10 @@ projected ascent (gains and time of 5 consecutive teleports on the digits MLP, m
 
 ``--scheduled`` measures instead the README configuration's *scheduled* balance teleports through ``step()``
 (:func:`measure_scheduled`), on the default table's four rows (``--rows`` picks some): the first teleport of a
-balance plan (the engine, checked on ``batch_fn``'s batch) and a later one (the lean path of
-``teleopt.teleport.companion`` where it applies), each in bare steps and iterations, with its peak extra memory.
+balance plan (checked on ``batch_fn``'s batch: the lean move with the output check around it,
+``teleopt.teleport.lean_check``, or the engine where the lean path cannot take it) and a later one (the lean
+path of ``teleopt.teleport.companion`` where it applies), each in bare steps and iterations, with its peak extra
+memory and the path that ran it.
 
 ``--balance-run`` prints only the balance-every-step rows of the default table (the run-time growth, its
 median per iteration, and how many teleports ran on the lean path of ``teleopt.teleport.companion``).
@@ -880,8 +882,8 @@ def measure_scheduled(
     """The README configuration's *scheduled* balance teleports as users run them: ``step()`` at a due step of
     ``Teleport(base, model, sites, example_inputs=x[:2], loss_fn=..., batch_fn=...)`` (defaults: balance every
     200 steps from step 200), trained from initialisation to step 400.  ``first``: the teleport at step 200,
-    from the point before it (the companion's plan dropped before each, so it is built again and the engine
-    checks the teleport on ``batch_fn``'s batch); ``later``: the one at step 400, from the point before it
+    from the point before it (the companion's plan dropped before each, so it is built again and the teleport
+    is checked on ``batch_fn``'s batch, lean or by the engine); ``later``: the one at step 400, from the point before it
     (200 steps after the first: lean where the plan applies, else the engine again).  Each is timed as the
     whole ``step()``, paired with a bare ``base.step()`` and an iteration (from the second point), in
     alternating order; its cost is the paired difference (the teleport's share of the step), in bare steps
@@ -917,34 +919,49 @@ def measure_scheduled(
     def restart(kind: str) -> None:
         """Back to the point before the first or the second scheduled teleport (the bare rows: the second), in
         place (``Optimizer.load_state_dict`` would make new param groups, and the plan would be built anew)."""
+        kind = "first" if kind == "engine" else kind  # the first teleport with the companion off
         with torch.no_grad():
             point = points.get(kind, points["later"])
             for t in _state_tensors(model, base):
                 t.copy_(point[id(t)])
         record.watch, record.step = None, due.get(kind, due["later"])
-        if kind == "first":  # a new plan: its first teleport is the engine's, checked
+        if kind == "first":  # a new plan: its first teleport is checked
             companion.plan, companion.key = None, None
         if kind != "iteration":
             base.zero_grad()
             loss_fn(model(x), y).backward()
 
-    times: dict[str, list[float]] = {"first": [], "later": [], "step": [], "iteration": []}
-    checks: dict[str, list[str]] = {"first": [], "later": []}
+    times: dict[str, list[float]] = {"first": [], "engine": [], "later": [], "step": [], "iteration": []}
+    checks: dict[str, list[str]] = {"first": [], "engine": [], "later": []}
+    paths: dict[str, list[str]] = {"first": [], "engine": [], "later": []}  # lean (unchecked), lean+check or engine
+
+    def engine_step() -> None:  # the first teleport as the engine runs it (the companion off)
+        companion.enabled = False
+        try:
+            wrapper.step()
+        finally:
+            companion.enabled = True
+
     for rep in range(reps):
-        for kind in ("first", "later", "step", "iteration") if rep % 2 else ("step", "iteration", "first", "later"):
+        kinds = ("engine", "first", "later", "step", "iteration")  # "later" after "first": its plan is verified
+        for kind in kinds if rep % 2 else kinds[::-1]:
             restart(kind)
             count = len(wrapper.reports)
-            times[kind].append(cpu_timed(wrapper.step if kind in checks else base.step if kind == "step" else iteration)[0])
+            run = engine_step if kind == "engine" else wrapper.step if kind in checks else base.step if kind == "step" else iteration
+            times[kind].append(cpu_timed(run)[0])
             if kind in checks:
                 report = wrapper.reports[-1] if len(wrapper.reports) > count else None
                 checks[kind].append("no teleport" if report is None else f"{report.check}, {report.reason}")
+                paths[kind].append("none" if report is None else _path(report))
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     peaks = {}
-    for kind in ("first", "later"):
+    for kind in ("engine", "first", "later"):  # "later" after "first": its plan is verified
         restart(kind)
         counter = LiveBytes()
+        companion.enabled = kind != "engine"
         with counter, torch.no_grad():
             scheduled_teleports(wrapper, None)
+        companion.enabled = True
         peaks[kind] = counter.peak / param_bytes
     out: dict[str, Any] = {
         "model": name,
@@ -955,18 +972,31 @@ def measure_scheduled(
         "step_ms": 1e3 * statistics.median(times["step"]),
         "iteration_ms": 1e3 * statistics.median(times["iteration"]),
     }
-    for kind in ("first", "later"):
+    out["first_over_engine"] = statistics.median(
+        (f - s) / (e - s) for f, e, s in zip(times["first"], times["engine"], times["step"])
+    )  # paired: the same repetition's bare step
+    for kind in ("first", "engine", "later"):
         extra = [t - s for t, s in zip(times[kind], times["step"])]
         out |= {
             f"{kind}_ms": 1e3 * statistics.median(extra),
             f"{kind}_over_step": statistics.median(e / s for e, s in zip(extra, times["step"])),
             f"{kind}_over_iteration": statistics.median(e / i for e, i in zip(extra, times["iteration"])),
             f"{kind}_lean": sum(c.startswith("none,") for c in checks[kind]),
+            f"{kind}_lean_checked": paths[kind].count("lean+check"),
+            f"{kind}_paths": sorted(set(paths[kind])),
             f"{kind}_accepted": sum(c.endswith(", accepted") for c in checks[kind]),
             f"{kind}_reports": sorted(set(checks[kind])),
             f"{kind}_peak_extra": peaks[kind],
         }
     return out
+
+
+def _path(report: Any) -> str:
+    """Which path ran a scheduled teleport: ``"lean"`` (unchecked), ``"lean+check"`` (a plan's first, checked
+    around the lean move: ``teleopt.teleport.lean_check``) or ``"engine"``."""
+    if report.check == "none" and report.check_detail.startswith("lean balance"):
+        return "lean"
+    return "lean+check" if report.check_detail.startswith("lean balance, checked") else "engine"
 
 
 def _saved(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
@@ -996,12 +1026,22 @@ def print_scheduled(rows: list[dict[str, Any]]) -> None:
             f"{r['later_lean']:>2}/{r['reps']:<2} {r['first_accepted'] + r['later_accepted']:>4}/{2 * r['reps']:<3}"
         )
     print(
-        "first: step() at the first due step of a balance plan (the engine, checked on batch_fn's batch); later: the next "
-        "scheduled one (lean: check 'none'); ms: the step's time minus a paired bare base.step() (CPU process time, medians)"
+        "first: step() at the first due step of a balance plan (checked on batch_fn's batch: lean with the check around it, "
+        "or the engine where the lean path cannot take it); later: the next scheduled one (lean: check 'none'); ms: the "
+        "step's time minus a paired bare base.step() (CPU process time, medians)"
     )
     print("peak: the teleport part of step() (scheduled_teleports) under LiveBytes, in multiples of the trainable parameters' bytes")
     for r in rows:
-        print(f"  {r['model']}: first {r['first_reports']}; later {r['later_reports']}")
+        print(
+            f"  {r['model']}: first {r['first_reports']} via {r.get('first_paths')}; later {r['later_reports']} via {r.get('later_paths')}"
+        )
+    print("engine: the same first teleport with the companion off (the engine, as before the lean check), paired")
+    for r in rows:
+        if "engine_ms" in r:
+            print(
+                f"  {r['model']}: engine {r['engine_ms']:.2f} ms, {r['engine_over_step']:.2f} steps, {r['engine_over_iteration']:.2f} "
+                f"iterations, peak {r['engine_peak_extra']:.2f}x; first / engine {r['first_over_engine']:.2f} (paired median)"
+            )
 
 
 def scheduled_main(args: argparse.Namespace) -> None:

@@ -4,8 +4,8 @@
 closed-form solve per kind of site, every write computed first and made at once, no forward or backward.
 These tests hold it to the engine's result in float64 (parameters and Adam moments to 1e-12 of their scale:
 both paths compute the same statistics, balanced points and transport rules, in another order of summation),
-to its check policy (the engine checks the first teleport of every plan; the lean path runs only after that
-check accepted) and to its cache (rebuilt when the sites' param groups change).
+to its check policy (the first teleport of every plan is checked, lean, with the engine's output check; later
+ones run unchecked only after that check accepted) and to its cache (rebuilt when the sites' param groups change).
 """
 
 from __future__ import annotations
@@ -177,19 +177,20 @@ def test_the_lean_path_moves_parameters_and_moments_as_the_engine_does(make) -> 
     assert moved > 1e-6  # the lean teleports balanced something (not a comparison of idle teleports)
 
 
-def test_the_engine_checks_the_first_teleport_of_a_plan_and_the_lean_path_runs_after_it() -> None:
+def test_the_first_teleport_of_a_plan_is_checked_and_the_later_ones_run_unchecked() -> None:
     _, opt, step = wrapped(lora_like, lean=True)
     for _ in range(6):
         step()
     checks = [r.check for r in opt.reports]
     first = checks.index("none")
     assert first >= 1 and all(c != "none" for c in checks[:first]) and all(c == "none" for c in checks[first:]), checks
-    assert opt.reports[first - 1].accepted  # the plan's first teleport, checked by the engine
+    assert opt.reports[first - 1].accepted  # the plan's first teleport, checked (lean, the engine's check)
+    assert "lean balance, checked" in opt.reports[first - 1].check_detail
     assert "first teleport was checked" in opt.reports[first].check_detail
 
 
 def test_a_plan_whose_checked_teleport_is_rolled_back_never_runs_lean() -> None:
-    # a "scaling" across tanh hidden units: not a symmetry, so the engine's output check rolls every one back
+    # a "scaling" across tanh hidden units: not a symmetry, so the output check rolls every one back
     def make() -> tuple[nn.Module, list[Site] | str, Tensor, Tensor]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)).double()
@@ -259,7 +260,7 @@ def test_new_storage_for_a_member_drops_the_plan_and_the_engine_takes_that_telep
         model.A1.data = model.A1.data.clone()  # the plan's views are of the old storage
     step()
     assert opt.reports[-1].check != "none" and opt.reports[-1].accepted  # the engine moved the live tensors
-    step()  # replanned (the first teleport of the new plan is the engine's, checked)
+    step()  # replanned (the first teleport of the new plan is checked)
     assert companion.builds == builds + 1
     for _ in range(2):
         step()
@@ -269,7 +270,7 @@ def test_new_storage_for_a_member_drops_the_plan_and_the_engine_takes_that_telep
 @pytest.mark.parametrize("make", [lora_like, attention], ids=["lora-like", "attention"])
 def test_the_readme_configuration_runs_its_later_balance_teleports_lean_and_as_the_engine(make) -> None:
     # Teleport(opt, model, sites, example_inputs=..., loss_fn=..., batch_fn=...) with the default objective and
-    # schedule (balance every 200 steps from step 200): the plan's first teleport is checked by the engine on
+    # schedule (balance every 200 steps from step 200): the plan's first teleport is checked (lean) on
     # batch_fn's batch; the later ones need no batch (the closed form reads only the weights), so they run lean
     # and batch_fn is not called for them.  Each teleport step is compared with a twin whose companion is off.
     model, sites, x, y = make()

@@ -192,7 +192,7 @@ def test_balance_every_step_reads_the_full_gradient_norm_once_per_step() -> None
     model, sites, x, y = lora_like()  # LoRA-like pairs and a ReLU head: the lean path's sites
     base = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     wrapper = Teleport(base, model, sites, objective="balance", every=1, example_inputs=x[:2])
-    for _ in range(3):  # the plan's first teleport is the engine's (checked); the next ones are lean
+    for _ in range(3):  # the plan's first teleport is checked; the next ones are lean and unchecked
         _mse_backward(model, wrapper, x, y)
         wrapper.step()
     assert wrapper.record.watch is not None and wrapper.reports[-1].check == "none"

@@ -167,13 +167,15 @@ def test_the_checked_rows_time_the_readme_configuration_and_its_objective(object
     assert row["checked_ms"] > 0 and row["peak_accepted"] and row["state_dict_growth"] >= 0
 
 
-def test_the_scheduled_rows_time_the_engines_first_teleport_and_the_lean_later_one():
+def test_the_scheduled_rows_time_the_checked_first_teleport_and_the_lean_later_one():
     """``--scheduled``: the README configuration through ``step()``; on a ReLU MLP (chained scalings) the first
-    teleport of a plan is the engine's, checked on the batch, and the later one runs lean (check ``"none"``)."""
+    teleport of a plan runs lean with its check on the batch, and the later one runs lean (check ``"none"``)."""
     bench = load_benchmark("teleport_cost")
     model, _, (x, y) = bench.mlp_10m(8, widths=[16, 32, 32, 24, 4])
     adam = lambda ps: torch.optim.Adam(ps, lr=1e-4)  # noqa: E731
     row = bench.measure_scheduled("mlp", model, "auto", (x, y.argmax(1)), torch.nn.functional.cross_entropy, adam, 2)
     assert row["first_reports"] == ["batch, accepted"] and row["first_lean"] == 0, row
-    assert row["later_reports"] == ["none, accepted"] and row["later_lean"] == 2, row
+    assert row["first_paths"] == ["lean+check"] and row["first_lean_checked"] == 2, row
+    assert row["engine_paths"] == ["engine"] and row["engine_reports"] == ["batch, accepted"] and row["first_over_engine"] > 0, row
+    assert row["later_reports"] == ["none, accepted"] and row["later_lean"] == 2 and row["later_paths"] == ["lean"], row
     assert row["first_ms"] > 0 and row["later_peak_extra"] > 0

@@ -30,7 +30,9 @@ Each block minimisation is exact inside the trust region (the per-unit problems
 are convex in the log-scale, so clipping the minimiser to the region is the
 constrained minimiser), hence N decreases monotonically; N is convex in the
 log-scales (a sum of exponentials of linear functions), so the sweeps converge to
-the minimum over the box.
+the minimum over the box.  A scaling site's step is over-relaxed (:func:`over_relaxed`:
+``RELAXATION`` times the way to its block minimiser, still monotone), which reaches the
+tolerance in fewer sweeps on chains, where plain sweeps converge linearly.
 
 Work per sweep: each tensor whose acting sites are all scalings on whole axes is
 reduced once to S, its sums of squares over the axes no site acts on (a Linear
@@ -62,6 +64,10 @@ from teleopt.site import Site
 __all__ = ["BalanceResult", "WeightNormModel", "balance_coordinates"]
 
 _Entry = tuple[int, Member, Group]  # (site index, member, the site's group)
+
+#: the over-relaxation factor of a scaling site's block step (:func:`over_relaxed`), in (0, 2): 1 is plain
+#: block-coordinate descent; on ReLU chains 1.2 reached the sweeps' tolerance in the fewest passes
+RELAXATION = 1.2
 
 
 @dataclass
@@ -263,7 +269,7 @@ class WeightNormModel:
         """Site ``i`` to its solved coordinates; returns how far they moved (max abs change)."""
         assert new is not None  # admitted sites have a closed form
         new = new.to(coords[i])
-        change = float((new - coords[i]).abs().max()) if new.numel() else 0.0
+        change = _change(new, coords[i])
         coords[i], elements[i] = new, self.groups[i].exp(new)
         return change
 
@@ -301,11 +307,40 @@ class WeightNormModel:
             for i in order:
                 if i in dirty:
                     dirty.discard(i)
-                    if self._move(i, groups[i].balance(self._stats(i, elements), radii[i], rcond), coords, elements) > tol:
-                        dirty |= self.neighbours[i]
+                    mine = self._stats(i, elements)
+                    best = groups[i].balance(mine, radii[i], rcond)
+                    new = over_relaxed(groups[i], best, coords[i], mine, radii[i])
+                    if new is not best and _change(best, coords[i]) <= tol:
+                        new = best  # near the minimum: the block minimiser itself, as without relaxation
+                    if self._move(i, new, coords, elements) > tol:  # an over-relaxed site is past its minimiser: again
+                        dirty |= self.neighbours[i] if new is best else self.neighbours[i] | {i}
             if trace:
                 norms.append(float(self.value(elements)))
         return BalanceResult(coords, norm_start, sweeps, norms, dict(self.skipped))
+
+
+def _change(new: Tensor | None, old: Tensor) -> float:
+    """max |new - old| (0 for empty coordinates)."""
+    assert new is not None  # admitted sites have a closed form
+    return float((new.to(old) - old).abs().max()) if new.numel() else 0.0
+
+
+def over_relaxed(group: Group, new: Tensor | None, old: Tensor, stats: Mapping[float, Tensor], radius: float | None) -> Tensor | None:
+    """A scaling site's block step over-relaxed (successive over-relaxation, Young 1950): ``old + RELAXATION *
+    (new - old)``, clipped to the trust region, where ``new`` is its block minimiser with the neighbours fixed.
+
+    Only for diagonal groups whose statistics have two powers p and -p (a unit's writer and reader: ReLU chains,
+    conv chains): along unit i, N is then const + 2 sqrt(a_i b_i) cosh(2 p (x_i - x_i*)), symmetric about the
+    minimiser x_i*, so a step by any factor in (0, 2) of the way to it does not increase N, and neither does its
+    clip to the box (a point between ``old``, inside, and the step).  The fixed point is the block minimiser's, the
+    minimum of N; the sweeps reach a tolerance in fewer passes (the Gauss-Seidel sweeps' linear rate on a chain
+    is their slowest part).  Units the closed form leaves at 0 (no balanced point) stay at 0.  Other sites: ``new``."""
+    powers = [p for p in stats if p != 0]
+    if new is None or RELAXATION == 1.0 or not _diagonal(group) or len(powers) != 2 or powers[0] != -powers[1]:
+        return new
+    new = new.to(old)
+    step = torch.where(new != 0, old + RELAXATION * (new - old), new)
+    return step if radius is None else step.clamp(-radius, radius)
 
 
 def _alike(sites: Sequence[int], groups: Sequence[Group], coords: Sequence[Tensor], radii: Sequence[float | None]) -> list[list[int]]:

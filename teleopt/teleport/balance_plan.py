@@ -82,7 +82,7 @@ class BalancePlan:
     matrix: bool = False  # a lane moves block matrices (GL): the group cache keeps each element's contragredient
     zeros: list[Tensor] = field(default_factory=list)  # per site, the identity's coordinates (read only)
     watch_dtypes: list[torch.dtype] = field(default_factory=list)  # per site, the dtype the watch keeps its element in
-    verified: bool = False  # the engine ran this plan's first teleport and it was accepted
+    verified: bool = False  # this plan's first teleport was checked (lean or by the engine) and accepted
     lean_step: int = -2  # the step of its last accepted lean teleport (the next step's point is near balance)
     checked_at: int = -1
 

@@ -55,6 +55,7 @@ from teleopt.teleport.transport import transport
 
 __all__ = [
     "PROBE_ROWS",
+    "first_rows",
     "INCONCLUSIVE_FACTOR",
     "ROUNDOFF_FACTOR",
     "ProbeRecorder",
@@ -131,6 +132,21 @@ def probe_slice(args: tuple[Any, ...], kwargs: Mapping[str, Any], rows: int = PR
             return t.detach()
 
     return Batch(tuple(_map(tuple(args), cut)), None, _map(dict(kwargs), cut) or None)
+
+
+def first_rows(batch: Batch, rows: int = PROBE_ROWS) -> Batch:
+    """The first ``rows`` rows of ``batch`` (views: inputs, target and keyword tensors) when every tensor of
+    it with a dimension shares its first size B > ``rows``; else ``batch`` itself (the check of a batch with
+    unequal first sizes runs on all of it)."""
+    tensors = [t for t in _tensors((batch.inputs, batch.target, batch.kwargs or {})) if t.ndim >= 1]
+    sizes = {t.shape[0] for t in tensors}
+    if len(sizes) != 1 or next(iter(sizes)) <= rows:
+        return batch
+
+    def cut(t: Tensor) -> Tensor:
+        return t[:rows] if t.ndim >= 1 else t
+
+    return Batch(tuple(_map(tuple(batch.inputs), cut)), _map(batch.target, cut), _map(dict(batch.kwargs), cut) if batch.kwargs else None)
 
 
 class ProbeRecorder(Pausable):

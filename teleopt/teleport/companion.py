@@ -4,9 +4,8 @@ A scheduled teleport whose objective is :class:`~teleopt.teleport.objectives.Bal
 path here instead of :class:`~teleopt.teleport.engine.TeleportEngine` when the plan below applies:
 
 * the **plan** (:mod:`teleopt.teleport.balance_plan`) is built once and cached on the wrapper
-  (:class:`BalanceCompanion`): per site its group, trust
-  radius and member views (the acted-on part of each parameter), per optimizer-state entry what the state
-  policy does with it, and the sites bucketed by kind (group class, coordinate shape, radius).  It is rebuilt
+  (:class:`BalanceCompanion`): per site its group, trust radius and member views (the acted-on part of each
+  parameter), per optimizer-state entry what the state policy does with it, and the sites bucketed by kind (group class, coordinate shape, radius).  It is rebuilt
   when the sites list, a param group (identity, parameters, ``enabled``, trust region), the caps' backoff, a
   member's storage or its state keys change;
 * each teleport reads the members' statistics, solves every bucket in one batched closed-form call
@@ -35,9 +34,12 @@ that read a loss, a state policy that transports or keeps every entry.  Anything
 overlapping slices) returns ``None`` and the engine runs.
 
 **The output check.** Balance on certified exact sites changes no output, so the companion checks once per plan:
-the first teleport after each (re)build goes through the engine with its full check; the lean path starts
-only after that teleport was accepted, and later teleports are not checked (their elements are the same
-closed form on the same certified sites; the watch still compares gradient norms each step).
+the first teleport after each (re)build runs lean with the engine's output check around it
+(:mod:`~teleopt.teleport.lean_check`: outputs and loss before and after on the first rows of ``batch_fn``'s batch,
+else the probe inputs; undone by the inverse elements and reported rolled back when it fails); later teleports
+are not checked once it was accepted (their elements are the same closed form on the same certified sites; the
+watch still compares gradient norms each step).  Where the lean path cannot take that first teleport, the engine
+does, on the same batch, and the lean path starts after it was accepted with the whole move.
 
 **All or nothing.** Every new value is computed before the first write, so an exception before it leaves
 everything bitwise as it was; an exception after the copy (before the in-place products, which allocate
@@ -50,7 +52,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,10 +60,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from teleopt.functional import Batch
 from teleopt.groups import GroupCache
 from teleopt.teleport.balance_plan import BalancePlan, _Lane, _Slot, build_plan
 from teleopt.teleport.distributed import is_distributed
 from teleopt.teleport.engine import TeleportEngine, TeleportRequest
+from teleopt.teleport.lean_check import LeanCheck
 from teleopt.teleport.objectives import Balance
 from teleopt.teleport.report import TeleportReport
 from teleopt.teleport.search import ClosedForm
@@ -95,8 +99,9 @@ class BalanceCompanion:
             companion = owner.__dict__["_balance_companion"] = BalanceCompanion()
         return companion
 
-    def teleport(self, owner: Any, request: TeleportRequest) -> TeleportReport | None:
-        """Run ``owner``'s teleport on the lean path, call its hooks and return the report; ``None``: the engine's turn."""
+    def teleport(self, owner: Any, request: TeleportRequest, draw: Callable[[], Batch | None] | None = None) -> TeleportReport | None:
+        """Run ``owner``'s teleport on the lean path, call its hooks and return the report; ``None``: the engine's turn.
+        ``draw``: the teleport batch (``batch_fn``'s) for the check of a plan's first teleport, drawn only then."""
         engine = owner._engine
         if not self.enabled or request.batch is not None or request.heldout is not None or request.closure is not None:
             return None
@@ -106,15 +111,30 @@ class BalanceCompanion:
         record = engine.record
         if not plan.verified:
             last = record.last  # (step, accepted, whole move) of the last report, saved with the record
-            if last is None or plan.checked_at != last[0] or not last[1] or not last[2]:  # caps bound: check again
-                plan.checked_at = record.step  # the engine checks this one; lean from the next if accepted
-                record.lean_check = (plan.signature, record.backoff, plan.checked_at, False, plan.lean_step)
-                return None
-            plan.verified = True
+            if last is None or plan.checked_at != last[0] or not last[1] or not last[2]:  # not the engine's accepted
+                return self._checked(owner, plan, request, draw)
+            plan.verified = True  # the engine checked and accepted this plan's first teleport (a fallback below)
             record.lean_check = (plan.signature, record.backoff, plan.checked_at, True, plan.lean_step)
         report = lean_teleport(engine, plan, request, near=self.near)
-        if report is None:
+        return None if report is None else self._done(owner, report)
+
+    def _checked(
+        self, owner: Any, plan: BalancePlan, request: TeleportRequest, draw: Callable[[], Batch | None] | None
+    ) -> TeleportReport | None:
+        """A plan's first teleport: lean, with the engine's output check around it (:mod:`~teleopt.teleport.lean_check`);
+        where the lean path cannot take it, the engine does (on the same batch) and lean starts if it accepts."""
+        record = owner._engine.record
+        check = LeanCheck.of(owner, plan, request, draw() if draw is not None else None)
+        report = None if check is None else lean_teleport(owner._engine, plan, request, self.near, check.reference)
+        if check is None or report is None:
+            plan.checked_at = record.step  # the engine checks this one; lean from the next if accepted
+            record.lean_check = (plan.signature, record.backoff, plan.checked_at, False, plan.lean_step)
             return None
+        plan.checked_at = record.step
+        return self._done(owner, check.verify(report))
+
+    @staticmethod
+    def _done(owner: Any, report: TeleportReport) -> TeleportReport:
         if report.accepted:
             restart_curvature_history(owner.innermost)
         owner._call_hooks(report)
@@ -514,18 +534,23 @@ def _watch(engine: TeleportEngine, plan: BalancePlan, elements: Sequence[Tensor]
     return Watch(move, record.step + cfg.safety.watch_steps, record.step, reference(before, after, recent), None).stack(record.watch, gain)
 
 
-def lean_teleport(engine: TeleportEngine, plan: BalancePlan, request: TeleportRequest, near: bool = True) -> TeleportReport | None:
-    """One balance teleport on ``plan`` (module docs); ``None`` where the engine must take it.  It reads and writes
-    ``.data`` views, outside autograd (``Teleport.step`` and ``teleport`` run it under ``no_grad``); after the
-    writes it runs no torch function, so nothing can fail between them and the commit."""
+def lean_teleport(
+    engine: TeleportEngine, plan: BalancePlan, request: TeleportRequest, near: bool = True, reference: Callable[[], bool] | None = None
+) -> TeleportReport | None:
+    """One balance teleport on ``plan`` (module docs); ``None`` where the engine must take it.  ``reference`` runs
+    once the move is decided, before its first write (the check's outputs before it; ``False``: the engine's turn).
+    It reads and writes ``.data`` views, outside autograd (``Teleport.step`` and ``teleport`` run it under
+    ``no_grad``); after the writes it runs no torch function, so nothing can fail between them and the commit."""
     objective = engine.config.objective
     assert isinstance(objective, Balance)
     near = near and plan.lean_step == engine.record.step - 1
     with GroupCache().active() if plan.matrix else nullcontext():  # each GL element's contragredient kept
-        return _lean(engine, plan, objective, near)
+        return _lean(engine, plan, objective, near, reference)
 
 
-def _lean(engine: TeleportEngine, plan: BalancePlan, objective: Balance, near: bool) -> TeleportReport | None:
+def _lean(
+    engine: TeleportEngine, plan: BalancePlan, objective: Balance, near: bool, reference: Callable[[], bool] | None
+) -> TeleportReport | None:
     start, cfg, record = time.perf_counter(), engine.config, engine.record
     found = solve_chain(plan, objective) if plan.chain else solve(plan, objective.rcond, near=near)
     if found is None:
@@ -561,6 +586,8 @@ def _lean(engine: TeleportEngine, plan: BalancePlan, objective: Balance, near: b
     report.elements = {s.name: e.to(torch.float64) for s, e in zip(plan.sites, elements)}
     report.state_decisions = dict(plan.counts)
     report.accepted, report.reason = True, "accepted"
+    if reference is not None and not reference():  # the output check's outputs before (teleopt.teleport.lean_check)
+        return None
     watch = _watch(engine, plan, elements, report)
     _write(writes, plan, elements)
     # the commit: Python assignments only, after the writes

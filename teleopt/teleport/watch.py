@@ -435,7 +435,7 @@ class TeleportRecord:
     #: the last report's step, acceptance and whether its caps took the whole move (``Teleport._call_hooks``)
     last: tuple[int, bool, bool] | None = None
     #: the lean balance's check (:mod:`~teleopt.teleport.companion`): its plan's sites and caps' backoff, the step
-    #: the engine checked its first teleport, whether the lean path started and the step of its last lean teleport;
+    #: its first teleport was checked, whether the lean path started and the step of its last lean teleport;
     #: saved, so that a resumed run takes the lean path (and its near-balance step) where the uninterrupted run does
     lean_check: tuple[tuple[str, ...], float, int, bool, int] | None = None
     #: ``lean_check`` as loaded from a checkpoint, for the first plan built after the load only (never saved)

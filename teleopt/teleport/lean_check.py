@@ -1,0 +1,171 @@
+"""The output check of a balance plan's first lean teleport: the engine's verify phase, without the engine.
+
+Balance on certified exact sites changes no output (ENorm, Stock et al. 2019; Zhao 2026, Prop. 4.5.1), so
+the lean path (:mod:`~teleopt.teleport.companion`) checks once per plan, on its first teleport.  That teleport
+takes the lean move and around it the check :class:`~teleopt.teleport.engine.TeleportEngine` runs
+(:mod:`~teleopt.teleport.check`, :mod:`~teleopt.teleport.verdict`): the model's outputs and loss before and
+after, on the first :data:`~teleopt.teleport.check.PROBE_ROWS` rows of the teleport batch (``batch_fn``'s), else on
+the probe inputs, both forwards under ``no_grad``, a forked RNG with one seed and the module's buffers restored;
+the same tolerance table, the same float64 re-run of an inconclusive check below float64.
+
+A check that fails undoes the move by the inverse elements (gradients, then optimizer state and parameters:
+exact up to round-off, one product by g and one by g^-1) and puts back the counters and the watch, and the
+report says ``"rolled back: ..."`` as the engine's would.  An exception after the move (an interrupt in the
+forward after it) undoes it the same way before it propagates.  A check that passes verifies the plan: its
+later teleports run lean and unchecked.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from teleopt.detection.certify import output_leaves
+from teleopt.functional import Batch, FunctionalModel
+from teleopt.numerics import all_finite_sums
+from teleopt.sharding import write_
+from teleopt.teleport.balance_plan import BalancePlan
+from teleopt.teleport.check import OutputCheck, first_rows
+from teleopt.teleport.context import TeleportContext
+from teleopt.teleport.engine import Plan, TeleportEngine, TeleportRequest
+from teleopt.teleport.precision import full_precision
+from teleopt.teleport.report import TeleportReport
+from teleopt.teleport.transport import transport, transport_
+from teleopt.teleport.verdict import Failure, loss_failures, output_failures
+from teleopt.teleport.watch import InverseMove
+
+__all__ = ["LeanCheck"]
+
+
+@dataclass
+class _Originals:
+    """The site members before the move, computed from g . w by the inverse elements (the float64 re-run's
+    ``snapshot.saved``; only an inconclusive check asks)."""
+
+    sites: list[Any]
+    inverses: list[Tensor]
+    like: dict[str, Tensor]
+
+    @property
+    def saved(self) -> dict[str, Tensor]:
+        return transport(self.sites, self.inverses, self.like, self.like, "params")[0]
+
+
+@dataclass
+class LeanCheck:
+    """One plan's first lean teleport under check: the outputs before it, and the counters to put back."""
+
+    owner: Any
+    plan: BalancePlan
+    request: TeleportRequest
+    check: OutputCheck
+    fmodel: FunctionalModel | None
+    loss_before: float | None
+    kept: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, owner: Any, plan: BalancePlan, request: TeleportRequest, batch: Batch | None) -> LeanCheck | None:
+        """The check of ``owner``'s lean teleport on ``batch``'s first rows, else the probe inputs; ``None`` with
+        neither (the engine declines it, saying why)."""
+        engine: TeleportEngine = owner._engine
+        probe, source = owner._probe_inputs()
+        rows = None if batch is None else first_rows(batch)
+        request = replace(request, batch=rows, probe=probe, probe_source=source, precision=owner._precision.training())
+        check = engine.plan_check(plan.sites, request)
+        if check is None:
+            return None
+        fmodel = None if rows is None else FunctionalModel(engine.config.module, engine.config.loss_fn)
+        record = engine.record
+        kept = (record.accepted, record.watch, list(record.recent), record.lean_check, plan.lean_step)
+        return cls(owner, plan, request, check, fmodel, None, kept)
+
+    def reference(self) -> bool:
+        """The outputs (and loss) before the move, once it is decided and before its first write; ``False`` where
+        the engine must take the teleport (probe inputs the model does not take)."""
+        owner, rows = self.owner, self.request.batch
+        engine: TeleportEngine = owner._engine
+        if owner._keywords is not None:
+            owner._keywords.warn_if_different(stacklevel=6)
+        with owner._probe.pause(), owner._precision.pause(), full_precision():
+            out = engine._reference(self.check, self.request)
+        if isinstance(out, str):
+            return False
+        self.loss_before = None if self.fmodel is None or rows is None else engine._loss_value(self.fmodel, out, rows)
+        return True
+
+    def verify(self, report: TeleportReport) -> TeleportReport:
+        """Check the lean ``report``'s teleport (made already): accepted and the plan verified, or undone and
+        rolled back; a declined one (nothing moved) is returned as it is."""
+        engine, plan, check = self.owner._engine, self.plan, self.check
+        if not report.accepted:  # declined before the move: nothing to check
+            return report
+        report.check, report.check_detail = check.kind, f"lean balance, checked: {check.describe()}"
+        report.loss_before = self.loss_before
+        try:
+            with self.owner._probe.pause(), self.owner._precision.pause(), full_precision():
+                failures = self._failures(report)
+        except BaseException:
+            self._undo(report)
+            raise
+        record = engine.record
+        if failures:
+            self._undo(report)
+            report.accepted = False
+            report.reason = "rolled back: " + "; ".join(f.reason for f in failures)
+            record.lean_check = (plan.signature, record.backoff, record.step, False, plan.lean_step)
+        else:
+            plan.verified = True
+            record.lean_check = (plan.signature, record.backoff, record.step, True, plan.lean_step)
+        return report
+
+    def _failures(self, report: TeleportReport) -> list[Failure]:
+        """The engine's post-conditions (``TeleportEngine.verify``): finite moved tensors, loss and outputs."""
+        engine, plan, check, safety = self.owner._engine, self.plan, self.check, self.owner._engine.config.safety
+        out = engine.check_forward(check)
+        rows = self.request.batch
+        if self.fmodel is not None and rows is not None:
+            report.loss_after = engine._loss_value(self.fmodel, out, rows)
+        members = list({id(s.param): s.param for s in plan.slots}.values())
+        after = report.grad_norm_after
+        if not all_finite_sums(members) or after is None or not math.isfinite(after):
+            return [Failure("non-finite parameters or gradients", math.inf, 0.0, torch.float64)]
+        failures = loss_failures(report, safety, plan.sites, members[0].dtype)
+        failures += output_failures(check, output_leaves(out), report, plan.sites, safety.loss_tol)
+        if failures:
+            ctx = TeleportContext.build(engine.config.module, engine.config.optimizer, engine.config.policy)
+            sites, inverses, _ = self._inverses(report)
+            like = {n: ctx.tensors[n] for s in sites for n in s.tensor_names}
+            twin = Plan(list(plan.sites), "fast", self.request, report, ctx, self.fmodel, check=check)
+            failures = engine._settle_inconclusive(twin, _Originals(sites, inverses, like), failures)
+        return failures
+
+    def _inverses(self, report: TeleportReport) -> tuple[list[Any], list[Tensor], list[Tensor]]:
+        """The sites in reverse order, their inverse elements, and the elements in the sites' order (each in its
+        first member's precision, float32 at least, as the watch keeps them)."""
+        first = {s.site: s.param.dtype for s in reversed(self.plan.slots)}
+        elements = [
+            report.elements[site.name].to(torch.promote_types(first.get(i, torch.float32), torch.float32))
+            for i, site in enumerate(self.plan.sites)
+        ]
+        sites = list(self.plan.sites)[::-1]
+        return sites, [site.action.inverse(e) for site, e in zip(sites, elements[::-1])], elements
+
+    def _undo(self, report: TeleportReport) -> None:
+        """Move gradients, optimizer state and parameters back by the inverse elements; put back the counters,
+        the watch and the lean check as they were before the move."""
+        cfg, record = self.owner._engine.config, self.owner._engine.record
+        sites, inverses, elements = self._inverses(report)
+        with torch.no_grad():
+            params = {n: p for n, p in cfg.module.named_parameters()}
+            names = {n for s in sites for n in s.tensor_names if n in params}
+            like = {n: params[n].detach() for n in names}
+            grads = {n: g for n in names if (g := params[n].grad) is not None}
+            if not transport_(sites, inverses, grads, like, "covector"):
+                for n, g in transport(sites, inverses, grads, like, "covector")[0].items():
+                    write_(grads[n], g)
+            InverseMove(list(self.plan.sites), elements, cfg.module, cfg.optimizer, cfg.policy).restore()
+        record.accepted, record.watch, record.recent, record.lean_check, self.plan.lean_step = self.kept
