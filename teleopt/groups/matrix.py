@@ -12,7 +12,7 @@ from torch import Tensor
 
 from teleopt.groups.base import BALANCE_RCOND, Group, GroupKind, _check_finite, _check_size, apply_on_axis
 from teleopt.groups.cache import active_cache, active_placements, remembering_placements
-from teleopt.groups.expm import expm_pair
+from teleopt.groups.expm import expm_pair, expm_pair_horner
 from teleopt.sharding import from_local_like, full, is_sharded, replicate_like, sharded_dims
 
 __all__ = ["GeneralLinear", "Orthogonal", "remembering_placements"]
@@ -379,19 +379,25 @@ class GeneralLinear(_MatrixGroup):
         (C = U diag(c) U^T: S = U [(U^T (B - A) U)_ij / (c_i + c_j)] U^T).  One ``eigh`` of C for all blocks of
         all sites, where :meth:`balance` takes a Cholesky factor, two ``eigvalsh`` and two ``eigh``; the
         imbalance A - B left is quadratic in the one before (Newton's method).  exp(S) and exp(-S) come from
-        matrix products (:func:`~teleopt.groups.expm.expm_pair`) and are remembered for :meth:`exp` and the
-        contragredient.  ``None`` (the closed form decides) where a site lacks a side, a block of C is
-        singular to ``BALANCE_RCOND``, or some ||S||_F exceeds ``limit`` (the point is not near balance)."""
+        matrix products (:func:`~teleopt.groups.expm.expm_pair_horner`) and are remembered for :meth:`exp` and
+        the contragredient.  ``None`` (the closed form decides) where a site lacks a side, a block of C is
+        singular to ``BALANCE_RCOND``, or some ||S||_F exceeds ``limit`` or is not finite (the point is not near
+        balance); the three are read from the host at once."""
         if not stats or any(set(s) != {1.0, -1.0} for s in stats):
             return None
-        A, B = (_sym(torch.stack([s[p] for s in stats])).reshape(-1, self.n, self.n) for p in (1.0, -1.0))
-        c, U = torch.linalg.eigh(A + B)
-        if not bool(_well_conditioned(c, BALANCE_RCOND).all()):
+        A, B = (torch.stack([s[p] for s in stats]).reshape(-1, self.n, self.n) for p in (1.0, -1.0))
+        c, U = torch.linalg.eigh(A + B)  # reads one triangle: C need not be symmetric to the last bit
+        X = (U.mT @ (B - A) @ U) / (c.unsqueeze(-1) + c.unsqueeze(-2))
+        S = _sym(U @ X @ U.mT)
+        # one read of the host: C singular to BALANCE_RCOND (smallest <= rcond * largest, also where the largest
+        # <= 0), the longest step (||S||_F^2) and ||S||_1 for the exponential's degree
+        checks = torch.stack(
+            [(c[:, 0] <= BALANCE_RCOND * c[:, -1]).any().to(S.dtype), S.square().sum((-2, -1)).amax(), S.abs().sum(-2).amax()]
+        )
+        singular, longest, norm_1 = checks.tolist()
+        if singular or not longest <= limit**2:
             return None
-        S = _sym(U @ ((U.mT @ (B - A) @ U) / (c.unsqueeze(-1) + c.unsqueeze(-2))) @ U.mT)
-        if float(S.square().sum((-2, -1)).amax()) > limit**2:
-            return None
-        g, inverse = expm_pair(S)
+        g, inverse = expm_pair_horner(S, norm_1)
         shape = (len(stats), *(self.coord_shape or ()))
         coords, g, inverse = S.reshape(shape).unbind(0), g.reshape(shape), inverse.reshape(shape)
         cache = active_cache()
