@@ -9,8 +9,65 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_balance_companion import _close, _step_with_engine_twin, attention, lora_like, wrapped
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from teleopt.groups.expm import expm_pair_horner
+from teleopt.teleport import companion
+from teleopt.teleport.companion import BalanceCompanion
+
+PRODUCTS = {torch.ops.aten.bmm.default, torch.ops.aten.mm.default, torch.ops.aten.baddbmm.default, torch.ops.aten.addmm.default}
+
+
+class _Products(TorchDispatchMode):
+    """Counts matrix products."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.count += func in PRODUCTS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("make", [lora_like, attention], ids=["lora-like", "attention"])
+def test_each_gl_lane_moves_parameters_gradients_and_moments_in_one_product(make, monkeypatch) -> None:
+    model, opt, step = wrapped(make, lean=True, near=True)
+    for _ in range(3):
+        step()
+    counts: list[int] = []
+    original = companion._moves
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        with _Products() as products:
+            writes = original(*args, **kwargs)
+        counts.append(products.count)
+        return writes
+
+    monkeypatch.setattr(companion, "_moves", counted)
+    step()
+    plan = BalanceCompanion.of(opt).plan
+    assert plan is not None and opt.reports[-1].check == "none" and opt.reports[-1].accepted
+    lanes = sum(lane.matrix for lane in plan.lanes)
+    assert lanes >= 2 and counts == [lanes], (counts, lanes)  # AdamW: parameters, gradient and exp_avg per lane
+
+
+@pytest.mark.parametrize("make", [lora_like, attention], ids=["lora-like", "attention"])
+def test_the_fused_lanes_move_parameters_and_moments_as_the_engine_does(make) -> None:
+    model, opt, step = wrapped(make, lean=True)  # the closed form every step: the engine's elements
+    _, _, x, y = make()
+    for _ in range(3):
+        step()
+    twin, engine_opt = _step_with_engine_twin(model, opt, x, y)
+    assert opt.reports[-1].check == "none" and engine_opt.reports[-1].check != "none"
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert _close(a.detach(), b.detach()) <= 1e-12, name
+        for key in ("exp_avg", "exp_avg_sq") if a in opt.state else ():
+            assert _close(opt.state[a][key], engine_opt.state[b][key]) <= 1e-12, (name, key)
+    lean, engine = opt.reports[-1], engine_opt.reports[-1]
+    assert abs(lean.objective_after - engine.objective_after) <= 1e-12 * engine.objective_after
+    assert abs(lean.grad_norm_after - engine.grad_norm_after) <= 1e-12 * engine.grad_norm_after
 
 
 @pytest.mark.parametrize("scale", [1e-6, 1e-3, 0.05, 0.5, 3.0])
