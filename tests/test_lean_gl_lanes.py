@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_balance_companion import _close, _step_with_engine_twin, attention, lora_like, wrapped
+from test_balance_companion import LORA, _close, _step_with_engine_twin, attention, lora_like, wrapped
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from teleopt import Site
 from teleopt.groups.expm import expm_pair_horner
 from teleopt.teleport import companion
 from teleopt.teleport.companion import BalanceCompanion
@@ -31,7 +33,27 @@ class _Products(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("make", [lora_like, attention], ids=["lora-like", "attention"])
+class TwoPairs(nn.Module):
+    """Two low-rank pairs B A side by side whose B have different shapes: their A rows share a lane, their B
+    columns take one lane each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.A1, self.A2 = (nn.Parameter(torch.randn(3, 8)) for _ in range(2))
+        self.B1, self.B2 = nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x @ self.A1.T @ self.B1.T, x @ self.A2.T @ self.B2.T], -1)
+
+
+def two_pairs() -> tuple[nn.Module, list[Site], torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 8, generator=gen, dtype=torch.float64), torch.randn(16, 9, generator=gen, dtype=torch.float64)
+    return TwoPairs().double(), [Site(LORA, ("B1", "A1")), Site(LORA, ("B2", "A2"))], x, y
+
+
+@pytest.mark.parametrize("make", [lora_like, attention, two_pairs], ids=["lora-like", "attention", "two-pairs"])
 def test_each_gl_lane_moves_parameters_gradients_and_moments_in_one_product(make, monkeypatch) -> None:
     model, opt, step = wrapped(make, lean=True, near=True)
     for _ in range(3):
@@ -53,7 +75,29 @@ def test_each_gl_lane_moves_parameters_gradients_and_moments_in_one_product(make
     assert lanes >= 2 and counts == [lanes], (counts, lanes)  # AdamW: parameters, gradient and exp_avg per lane
 
 
-@pytest.mark.parametrize("make", [lora_like, attention], ids=["lora-like", "attention"])
+def test_each_sites_block_matrices_are_taken_once_per_power(monkeypatch) -> None:
+    # the bucket's elements are stacked once per power and each lane takes its sites' rows (not one stack per lane)
+    from teleopt.groups.matrix import GeneralLinear
+
+    model, opt, step = wrapped(two_pairs, lean=True, near=True)
+    for _ in range(3):
+        step()
+    calls: list[float] = []
+    original = GeneralLinear.block_matrices
+
+    def counted(self, g, power):  # noqa: ANN001, ANN202
+        calls.append(power)
+        return original(self, g, power)
+
+    monkeypatch.setattr(GeneralLinear, "block_matrices", counted)
+    step()
+    plan = BalanceCompanion.of(opt).plan
+    assert plan is not None and opt.reports[-1].check == "none" and opt.reports[-1].accepted
+    assert sorted(len(lane.sites) for lane in plan.lanes) == [1, 1, 2]
+    assert sorted(calls) == [-1.0, -1.0, 1.0, 1.0], calls
+
+
+@pytest.mark.parametrize("make", [lora_like, attention, two_pairs], ids=["lora-like", "attention", "two-pairs"])
 def test_the_fused_lanes_move_parameters_and_moments_as_the_engine_does(make) -> None:
     model, opt, step = wrapped(make, lean=True)  # the closed form every step: the engine's elements
     _, _, x, y = make()

@@ -310,10 +310,16 @@ class _Factors:
         key = (tuple(lane.sites), lane.matrix, power, dtype)
         made = self.made.get(key)
         if made is None:
-            if lane.matrix:
-                groups, elements = self.plan.groups, self.elements
-                blocks = [groups[i].block_matrices(elements[i], power) for i in lane.sites]
-                made = torch.stack([m.reshape(lane.blocks, lane.n, lane.n) for m in blocks if m is not None]).to(dtype)
+            if lane.matrix:  # the bucket's sites stacked once per power; a lane takes its sites' rows
+                bucket = self.plan.buckets[lane.bucket]
+                made = self.made.get((lane.bucket, power, dtype))
+                if made is None:
+                    groups, elements = self.plan.groups, self.elements
+                    blocks = [groups[i].block_matrices(elements[i], power) for i in bucket]
+                    shape = (lane.blocks, lane.n, lane.n)
+                    made = torch.stack([m.reshape(shape) for m in blocks if m is not None]).to(dtype)
+                    self.made[(lane.bucket, power, dtype)] = made
+                made = made if lane.rows is None else made[lane.rows]
             else:
                 g = self._stacked(lane, 1.0, dtype) if power != 1 else torch.stack([self.elements[i] for i in lane.sites]).to(dtype)
                 made = g if power == 1 else g**power
