@@ -75,26 +75,32 @@ def test_each_gl_lane_moves_parameters_gradients_and_moments_in_one_product(make
     assert lanes >= 2 and counts == [lanes], (counts, lanes)  # AdamW: parameters, gradient and exp_avg per lane
 
 
-def test_each_sites_block_matrices_are_taken_once_per_power(monkeypatch) -> None:
-    # the bucket's elements are stacked once per power and each lane takes its sites' rows (not one stack per lane)
+def test_each_buckets_block_matrices_are_stacked_once_per_power(monkeypatch) -> None:
+    # the bucket's elements are stacked once per power (one call for all its sites) and each lane takes its
+    # sites' rows: no stack per lane, no block_matrices per site
     from teleopt.groups.matrix import GeneralLinear
 
     model, opt, step = wrapped(two_pairs, lean=True, near=True)
     for _ in range(3):
         step()
-    calls: list[float] = []
-    original = GeneralLinear.block_matrices
+    calls: list[tuple[str, float]] = []
+    single, many = GeneralLinear.block_matrices, GeneralLinear.block_matrices_many
 
-    def counted(self, g, power):  # noqa: ANN001, ANN202
-        calls.append(power)
-        return original(self, g, power)
+    def one(self, g, power):  # noqa: ANN001, ANN202
+        calls.append(("one", power))
+        return single(self, g, power)
 
-    monkeypatch.setattr(GeneralLinear, "block_matrices", counted)
+    def stacked(self, gs, power):  # noqa: ANN001, ANN202
+        calls.append((f"many of {len(gs)}", power))
+        return many(self, gs, power)
+
+    monkeypatch.setattr(GeneralLinear, "block_matrices", one)
+    monkeypatch.setattr(GeneralLinear, "block_matrices_many", stacked)
     step()
     plan = BalanceCompanion.of(opt).plan
     assert plan is not None and opt.reports[-1].check == "none" and opt.reports[-1].accepted
     assert sorted(len(lane.sites) for lane in plan.lanes) == [1, 1, 2]
-    assert sorted(calls) == [-1.0, -1.0, 1.0, 1.0], calls
+    assert sorted(calls) == [("many of 2", -1.0), ("many of 2", 1.0)], calls
 
 
 @pytest.mark.parametrize("make", [lora_like, attention, two_pairs], ids=["lora-like", "attention", "two-pairs"])

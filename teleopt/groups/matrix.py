@@ -148,6 +148,14 @@ class _MatrixGroup(Group):
         remembered = self._remembered_contragredient(g)  # exp(-xi)^T from GeneralLinear.exp under autograd
         return remembered if remembered is not None else self._solved(gb)
 
+    def block_matrices_many(self, elements: Sequence[Tensor], power: float) -> Tensor | None:
+        """:meth:`block_matrices` of several elements stacked (k, blocks, n, n) outside autograd: one stack
+        (contragredients as remembered, or solved, per element)."""
+        if power not in (1, -1) or not elements or any(g.requires_grad and torch.is_grad_enabled() for g in elements):
+            return super().block_matrices_many(elements, power)
+        blocks = elements if power == 1 else [self._contragredient_of(g) for g in elements]
+        return torch.stack(list(blocks)).reshape(len(elements), self.blocks or 1, self.n, self.n)
+
     def _solved(self, gb: Tensor) -> Tensor:
         eye = torch.eye(self.n, dtype=gb.dtype, device=gb.device).expand(gb.shape)
         return self._contragredient(gb, eye)

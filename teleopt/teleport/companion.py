@@ -314,11 +314,9 @@ class _Factors:
                 bucket = self.plan.buckets[lane.bucket]
                 made = self.made.get((lane.bucket, power, dtype))
                 if made is None:
-                    groups, elements = self.plan.groups, self.elements
-                    blocks = [groups[i].block_matrices(elements[i], power) for i in bucket]
-                    shape = (lane.blocks, lane.n, lane.n)
-                    made = torch.stack([m.reshape(shape) for m in blocks if m is not None]).to(dtype)
-                    self.made[(lane.bucket, power, dtype)] = made
+                    stacked = self.plan.groups[bucket[0]].block_matrices_many([self.elements[i] for i in bucket], power)
+                    assert stacked is not None  # a GL lane's group has block matrices
+                    made = self.made[(lane.bucket, power, dtype)] = stacked.to(dtype)
                 made = made if lane.rows is None else made[lane.rows]
             else:
                 g = self._stacked(lane, 1.0, dtype) if power != 1 else torch.stack([self.elements[i] for i in lane.sites]).to(dtype)
