@@ -232,8 +232,7 @@ class GeneralLinear(_MatrixGroup):
             return g
         cache = active_cache()
         pair = None if cache is None or coords.requires_grad else cache.get("exp", coords, id(coords))
-        if pair is not None:  # computed with its inverse by balance_near_many
-            self._remember_contragredient(pair[0], self._blocked(pair[1].mT))
+        if pair is not None:  # computed by balance_near_many, its contragredient remembered there
             return pair[0]
         hit = None if cache is None or coords.requires_grad else cache.get("eigen", coords, id(coords))
         if hit is None:
@@ -407,11 +406,13 @@ class GeneralLinear(_MatrixGroup):
             return None
         g, inverse = expm_pair_horner(S, norm_1)
         shape = (len(stats), *(self.coord_shape or ()))
-        coords, g, inverse = S.reshape(shape).unbind(0), g.reshape(shape), inverse.reshape(shape)
+        coords = S.reshape(shape).unbind(0)
         cache = active_cache()
-        if cache is not None:
-            for xi, gi, hi in zip(coords, g.unbind(0), inverse.unbind(0)):
-                cache.put("exp", xi, id(xi), (gi, hi))
+        if cache is not None:  # exp(xi) for exp, its contragredient exp(-xi)^T for the moves (blocked)
+            contragredients = inverse.mT.reshape(len(stats), self.blocks or 1, self.n, self.n).unbind(0)
+            for xi, gi, ci in zip(coords, g.reshape(shape).unbind(0), contragredients):
+                cache.put("exp", xi, id(xi), (gi, ci))
+                self._remember_contragredient(gi, ci)
         return list(coords)
 
     roundoff_growth: ClassVar[bool] = True

@@ -570,7 +570,7 @@ def _lean(engine: TeleportEngine, plan: BalancePlan, objective: Balance, near: b
     if norm_after is None:
         norm_after = kept + (norm_start if members is None else members)
     report.objective_after = norm_after
-    report.elements = {s.name: e.to(torch.float64) for s, e in zip(plan.sites, elements)}
+    report.elements = {s.name: e if e.dtype == torch.float64 else e.to(torch.float64) for s, e in zip(plan.sites, elements)}
     report.state_decisions = dict(plan.counts)
     report.accepted, report.reason = True, "accepted"
     watch = _watch(engine, plan, elements, report)
