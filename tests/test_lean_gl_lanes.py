@@ -147,25 +147,26 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_near_steps_elements_and_contragredients_need_no_further_kernel() -> None:
+@pytest.mark.parametrize("n", [5, 20], ids=["horner", "paterson-stockmeyer"])
+def test_a_near_steps_elements_and_contragredients_need_no_further_kernel(n: int) -> None:
     # balance_near_many leaves exp(xi) and exp(-xi)^T in the active cache for every site: the lean path's exp
     # and block matrices then read them (no matrix_exp, no solve, not even a transpose per site)
     from teleopt.groups import GroupCache
     from teleopt.groups.matrix import GeneralLinear
 
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(3, 2, 5, 12, generator=gen, dtype=torch.float64)
+    x = torch.randn(3, 2, n, 2 * n, generator=gen, dtype=torch.float64)
     a = x @ x.mT
-    stats = [{1.0: a[i], -1.0: a[i] + 0.01 * torch.eye(5, dtype=torch.float64)} for i in range(3)]
-    group = GeneralLinear(5, blocks=2)
+    stats = [{1.0: a[i], -1.0: a[i] + 0.01 * torch.eye(n, dtype=torch.float64)} for i in range(3)]
+    group = GeneralLinear(n, blocks=2)
     with GroupCache().active():
         coords = group.balance_near_many(stats, limit=0.1)
         assert coords is not None
         with _Ops() as ops:
             elements = [group.exp(xi) for xi in coords]
             stacked = group.block_matrices_many(elements, -1)
-        assert stacked is not None and tuple(stacked.shape) == (3, 2, 5, 5)
+        assert stacked is not None and tuple(stacked.shape) == (3, 2, n, n)
         assert ops.count == 2, ops.count  # the stack and its reshape (a view)
     for xi, g, c in zip(coords, elements, stacked.unbind(0)):
         assert float((g - torch.linalg.matrix_exp(xi)).abs().max()) <= 1e-14
-        assert float((c.mT @ g - torch.eye(5, dtype=torch.float64)).abs().max()) <= 1e-14
+        assert float((c.mT @ g - torch.eye(n, dtype=torch.float64)).abs().max()) <= 1e-14

@@ -191,6 +191,9 @@ class _MatrixGroup(Group):
         """The matrix d rho(M) applies to the axis' columns (batched)."""
 
 
+#: the largest block size whose near-balance step takes :func:`~teleopt.groups.expm.expm_pair_horner` (fewer
+#: calls, more products: cheaper for small blocks); larger blocks take :func:`~teleopt.groups.expm.expm_pair`
+HORNER_MAX_N = 16
 #: singular values of a boundary step's direction below this fraction of the largest count as zero
 BOUNDARY_RTOL = 1e-6
 #: Relative asymmetry below which a boundary direction is taken as symmetric (round-off of 2 (B - A)).
@@ -386,8 +389,8 @@ class GeneralLinear(_MatrixGroup):
         (C = U diag(c) U^T: S = U [(U^T (B - A) U)_ij / (c_i + c_j)] U^T).  One ``eigh`` of C for all blocks of
         all sites, where :meth:`balance` takes a Cholesky factor, two ``eigvalsh`` and two ``eigh``; the
         imbalance A - B left is quadratic in the one before (Newton's method).  exp(S) and exp(-S) come from
-        matrix products (:func:`~teleopt.groups.expm.expm_pair_horner`) and are remembered for :meth:`exp` and
-        the contragredient.  ``None`` (the closed form decides) where a site lacks a side, a block of C is
+        matrix products (:func:`~teleopt.groups.expm.expm_pair_horner` for blocks up to ``HORNER_MAX_N``, else
+        :func:`~teleopt.groups.expm.expm_pair`) and are remembered for :meth:`exp` and the contragredient.  ``None`` (the closed form decides) where a site lacks a side, a block of C is
         singular to ``BALANCE_RCOND``, or some ||S||_F exceeds ``limit`` or is not finite (the point is not near
         balance); the three are read from the host at once."""
         if not stats or any(set(s) != {1.0, -1.0} for s in stats):
@@ -404,7 +407,7 @@ class GeneralLinear(_MatrixGroup):
         singular, longest, norm_1 = checks.tolist()
         if singular or not longest <= limit**2:
             return None
-        g, inverse = expm_pair_horner(S, norm_1)
+        g, inverse = (expm_pair_horner if self.n <= HORNER_MAX_N else expm_pair)(S, norm_1)
         shape = (len(stats), *(self.coord_shape or ()))
         coords = S.reshape(shape).unbind(0)
         cache = active_cache()
