@@ -1,8 +1,10 @@
-"""A lean balance teleport moves each GL lane's parameters, gradients and moments with one batched product.
+"""A lean balance teleport's GL lanes in few kernels, with the engine's values.
 
 Every-step balance costs what its kernels cost: a lane's parameter parts, gradient parts and transported moments
-are stacked once and multiplied by their block matrices in one batched product (not one product per kind), and
-the moved values stay those of the engine (``tests/test_balance_companion.py`` compares them).  Float64.
+are stacked once and multiplied by their block matrices in one batched product (not one product per kind); a
+bucket's block matrices are stacked once per power; the near-balance step leaves each element and contragredient
+in the cache, and its exponential pair is the matrix exponential and its inverse to float64 round-off.  The moved
+values stay those of the engine (float64, 1e-12 of their scale, as ``tests/test_balance_companion.py``).
 """
 
 from __future__ import annotations
