@@ -199,6 +199,13 @@ class Group(ABC):
         block matrices (the default: diagonal and discrete groups act elementwise or by indexing)."""
         return None
 
+    def block_matrices_many(self, elements: Sequence[Tensor], power: float) -> Tensor | None:
+        """:meth:`block_matrices` of several elements of groups equal to this one, stacked (k, blocks, n, n)."""
+        blocks = [self.block_matrices(g, power) for g in elements]
+        if not blocks or any(m is None for m in blocks):
+            return None
+        return torch.stack([m.reshape(-1, *m.shape[-2:]) for m in blocks if m is not None])
+
     def second_moment_power(self, power: float) -> float | None:
         """How elementwise second moments (Adam's exp_avg_sq) transform, if exactly.
 

@@ -27,7 +27,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
-__all__ = ["THETA", "expm_pair"]
+__all__ = ["THETA", "expm_pair", "expm_pair_horner"]
 
 #: Degree m -> the largest theta = ||A||_1 for which sum_{k > m} theta^k / k! <= 2^-53 e^-theta: the remainder of
 #: the Taylor polynomial of degree m is below float64's unit roundoff relative to ||exp(A)|| >= e^-theta.
@@ -44,19 +44,22 @@ def _degree_and_scaling(norm: float) -> tuple[int, int]:
     return 16, max(0, math.ceil(math.log2(norm / THETA[16])))
 
 
-def expm_pair(X: Tensor) -> tuple[Tensor, Tensor]:
+def expm_pair(X: Tensor, norm: float | None = None) -> tuple[Tensor, Tensor]:
     """``(exp(X), exp(-X))`` of ``X`` (..., n, n), differentiable by autograd through matrix products only.
 
     Accurate to float64 rounding like ``torch.linalg.matrix_exp`` (see module docs); exp(-X) is not
     computed as an inverse, so exp(X) exp(-X) = I holds to rounding, not bit for bit.  A NaN or inf
-    entry gives non-finite results, as ``matrix_exp`` does, rather than an error.
+    entry gives non-finite results, as ``matrix_exp`` does, rather than an error.  ``norm``: ||X||_1 over
+    the batch (the largest column sum of absolute values) where the caller has read it already.
     """
     if X.dim() < 2 or X.shape[-1] != X.shape[-2] or not X.is_floating_point():
         raise ValueError(f"expm_pair takes floating-point square matrices (..., n, n), got shape {tuple(X.shape)} of {X.dtype}")
     # the finite blocks' norm: a NaN or inf entry propagates to its own blocks' results (as through matrix_exp; a
     # search declines on non-finite values, it does not raise), and the other blocks stay accurate
-    columns = torch.nan_to_num(X.detach().abs().sum(-2), nan=0.0, posinf=0.0)
-    m, s = _degree_and_scaling(float(columns.amax()) if X.numel() else 0.0)
+    if norm is None or not math.isfinite(norm):
+        columns = torch.nan_to_num(X.detach().abs().sum(-2), nan=0.0, posinf=0.0)
+        norm = float(columns.amax()) if X.numel() else 0.0
+    m, s = _degree_and_scaling(norm)
     A = X / 2**s if s else X
     eye = torch.eye(X.shape[-1], dtype=X.dtype, device=X.device).expand(X.shape)
     A2 = A @ A
@@ -69,6 +72,33 @@ def expm_pair(X: Tensor) -> tuple[Tensor, Tensor]:
         odd = c[4 * j + 1] * A + c[4 * j + 3] * A3
         plus = (A4 @ plus if j < m // 4 - 1 else plus) + even + odd
         minus = (A4 @ minus if j < m // 4 - 1 else minus) + even - odd
+    for _ in range(s):
+        plus, minus = plus @ plus, minus @ minus
+    return plus, minus
+
+
+def expm_pair_horner(X: Tensor, norm: float) -> tuple[Tensor, Tensor]:
+    """``(exp(X), exp(-X))`` of a batch ``X`` (k, n, n) with ||X||_1 = ``norm``: :func:`expm_pair`'s Taylor
+    polynomial (the same degree and scaling), evaluated as even and odd parts by Horner in X^2, each level one
+    fused ``baddbmm`` (c I + X^2 P): exp(+-X) = E +- O.  More products than Paterson-Stockmeyer but about a
+    third of the calls, which is what small blocks cost (the near-balance step's; for blocks above 16 the extra
+    products cost more than the calls saved)."""
+    if X.dim() != 3 or X.shape[-1] != X.shape[-2] or not X.is_floating_point():
+        raise ValueError(f"expm_pair_horner takes a floating-point batch (k, n, n), got shape {tuple(X.shape)} of {X.dtype}")
+    m, s = _degree_and_scaling(norm if math.isfinite(norm) else 0.0)
+    A = X / 2**s if s else X
+    eye = torch.eye(X.shape[-1], dtype=X.dtype, device=X.device)
+    start = eye.expand(X.shape)
+    A2 = A @ A
+    c = [1.0 / math.factorial(k) for k in range(m + 1)]
+    even = torch.baddbmm(eye, A2, start, beta=c[m - 2], alpha=c[m])  # c_{m-2} I + c_m X^2
+    for k in range(m - 4, -1, -2):
+        even = torch.baddbmm(eye, A2, even, beta=c[k])
+    odd = torch.baddbmm(eye, A2, start, beta=c[m - 3], alpha=c[m - 1])
+    for k in range(m - 5, 0, -2):
+        odd = torch.baddbmm(eye, A2, odd, beta=c[k])
+    odd = A @ odd
+    plus, minus = even + odd, even - odd
     for _ in range(s):
         plus, minus = plus @ plus, minus @ minus
     return plus, minus

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from teleopt.groups.base import BALANCE_RCOND, Group, GroupKind, _check_finite, _check_size, apply_on_axis
 from teleopt.groups.cache import active_cache, active_placements, remembering_placements
-from teleopt.groups.expm import expm_pair
+from teleopt.groups.expm import expm_pair, expm_pair_horner
 from teleopt.sharding import from_local_like, full, is_sharded, replicate_like, sharded_dims
 
 __all__ = ["GeneralLinear", "Orthogonal", "remembering_placements"]
@@ -148,6 +148,14 @@ class _MatrixGroup(Group):
         remembered = self._remembered_contragredient(g)  # exp(-xi)^T from GeneralLinear.exp under autograd
         return remembered if remembered is not None else self._solved(gb)
 
+    def block_matrices_many(self, elements: Sequence[Tensor], power: float) -> Tensor | None:
+        """:meth:`block_matrices` of several elements stacked (k, blocks, n, n) outside autograd: one stack
+        (contragredients as remembered, or solved, per element)."""
+        if power not in (1, -1) or not elements or any(g.requires_grad and torch.is_grad_enabled() for g in elements):
+            return super().block_matrices_many(elements, power)
+        blocks = elements if power == 1 else [self._contragredient_of(g) for g in elements]
+        return torch.stack(list(blocks)).reshape(len(elements), self.blocks or 1, self.n, self.n)
+
     def _solved(self, gb: Tensor) -> Tensor:
         eye = torch.eye(self.n, dtype=gb.dtype, device=gb.device).expand(gb.shape)
         return self._contragredient(gb, eye)
@@ -183,6 +191,9 @@ class _MatrixGroup(Group):
         """The matrix d rho(M) applies to the axis' columns (batched)."""
 
 
+#: the largest block size whose near-balance step takes :func:`~teleopt.groups.expm.expm_pair_horner` (fewer
+#: calls, more products: cheaper for small blocks); larger blocks take :func:`~teleopt.groups.expm.expm_pair`
+HORNER_MAX_N = 16
 #: singular values of a boundary step's direction below this fraction of the largest count as zero
 BOUNDARY_RTOL = 1e-6
 #: Relative asymmetry below which a boundary direction is taken as symmetric (round-off of 2 (B - A)).
@@ -224,8 +235,7 @@ class GeneralLinear(_MatrixGroup):
             return g
         cache = active_cache()
         pair = None if cache is None or coords.requires_grad else cache.get("exp", coords, id(coords))
-        if pair is not None:  # computed with its inverse by balance_near_many
-            self._remember_contragredient(pair[0], self._blocked(pair[1].mT))
+        if pair is not None:  # computed by balance_near_many, its contragredient remembered there
             return pair[0]
         hit = None if cache is None or coords.requires_grad else cache.get("eigen", coords, id(coords))
         if hit is None:
@@ -379,25 +389,33 @@ class GeneralLinear(_MatrixGroup):
         (C = U diag(c) U^T: S = U [(U^T (B - A) U)_ij / (c_i + c_j)] U^T).  One ``eigh`` of C for all blocks of
         all sites, where :meth:`balance` takes a Cholesky factor, two ``eigvalsh`` and two ``eigh``; the
         imbalance A - B left is quadratic in the one before (Newton's method).  exp(S) and exp(-S) come from
-        matrix products (:func:`~teleopt.groups.expm.expm_pair`) and are remembered for :meth:`exp` and the
-        contragredient.  ``None`` (the closed form decides) where a site lacks a side, a block of C is
-        singular to ``BALANCE_RCOND``, or some ||S||_F exceeds ``limit`` (the point is not near balance)."""
+        matrix products (:func:`~teleopt.groups.expm.expm_pair_horner` for blocks up to ``HORNER_MAX_N``, else
+        :func:`~teleopt.groups.expm.expm_pair`) and are remembered for :meth:`exp` and the contragredient.  ``None`` (the closed form decides) where a site lacks a side, a block of C is
+        singular to ``BALANCE_RCOND``, or some ||S||_F exceeds ``limit`` or is not finite (the point is not near
+        balance); the three are read from the host at once."""
         if not stats or any(set(s) != {1.0, -1.0} for s in stats):
             return None
-        A, B = (_sym(torch.stack([s[p] for s in stats])).reshape(-1, self.n, self.n) for p in (1.0, -1.0))
-        c, U = torch.linalg.eigh(A + B)
-        if not bool(_well_conditioned(c, BALANCE_RCOND).all()):
+        A, B = (torch.stack([s[p] for s in stats]).reshape(-1, self.n, self.n) for p in (1.0, -1.0))
+        c, U = torch.linalg.eigh(A + B)  # reads one triangle: C need not be symmetric to the last bit
+        X = (U.mT @ (B - A) @ U) / (c.unsqueeze(-1) + c.unsqueeze(-2))
+        S = _sym(U @ X @ U.mT)
+        # one read of the host: C singular to BALANCE_RCOND (smallest <= rcond * largest, also where the largest
+        # <= 0), the longest step (||S||_F^2) and ||S||_1 for the exponential's degree
+        checks = torch.stack(
+            [(c[:, 0] <= BALANCE_RCOND * c[:, -1]).any().to(S.dtype), S.square().sum((-2, -1)).amax(), S.abs().sum(-2).amax()]
+        )
+        singular, longest, norm_1 = checks.tolist()
+        if singular or not longest <= limit**2:
             return None
-        S = _sym(U @ ((U.mT @ (B - A) @ U) / (c.unsqueeze(-1) + c.unsqueeze(-2))) @ U.mT)
-        if float(S.square().sum((-2, -1)).amax()) > limit**2:
-            return None
-        g, inverse = expm_pair(S)
+        g, inverse = (expm_pair_horner if self.n <= HORNER_MAX_N else expm_pair)(S, norm_1)
         shape = (len(stats), *(self.coord_shape or ()))
-        coords, g, inverse = S.reshape(shape).unbind(0), g.reshape(shape), inverse.reshape(shape)
+        coords = S.reshape(shape).unbind(0)
         cache = active_cache()
-        if cache is not None:
-            for xi, gi, hi in zip(coords, g.unbind(0), inverse.unbind(0)):
-                cache.put("exp", xi, id(xi), (gi, hi))
+        if cache is not None:  # exp(xi) for exp, its contragredient exp(-xi)^T for the moves (blocked)
+            contragredients = inverse.mT.reshape(len(stats), self.blocks or 1, self.n, self.n).unbind(0)
+            for xi, gi, ci in zip(coords, g.reshape(shape).unbind(0), contragredients):
+                cache.put("exp", xi, id(xi), (gi, ci))
+                self._remember_contragredient(gi, ci)
         return list(coords)
 
     roundoff_growth: ClassVar[bool] = True

@@ -227,13 +227,16 @@ def build_plan(engine: TeleportEngine, sites: list[Site], skipped: dict[str, str
     for i, g in enumerate(groups):
         if sites[i].name not in left:
             buckets.setdefault((type(g), g.coord_shape, radii[i]), []).append(i)
-    bucket_of = {i: b for b, members in enumerate(buckets.values()) for i in members}
+    buckets_of = list(buckets.values())
+    bucket_of = {i: b for b, members in enumerate(buckets_of) for i in members}
     lanes = _lanes(slots, groups, bucket_of)
+    for lane in lanes:  # where a GL lane's sites sit in their bucket's stacked block matrices
+        places = [buckets_of[lane.bucket].index(i) for i in lane.sites]
+        if lane.matrix and places != list(range(len(buckets_of[lane.bucket]))):
+            lane.rows = torch.tensor(places, device=lane.slots[0].view.device)
     if not _lanes_agree(lanes, states[0], cfg.optimizer):
         return None
-    plan = BalancePlan(
-        sites, dict(skipped), groups, radii, slots, list(buckets.values()), lanes, _floors(objective, sites, params), *states
-    )
+    plan = BalancePlan(sites, dict(skipped), groups, radii, slots, buckets_of, lanes, _floors(objective, sites, params), *states)
     unique = {id(s.param): s.param for s in slots}.values()
     plan.params = [(p, p.data_ptr(), tuple(cfg.optimizer.state[p])) for p in unique]
     plan.signature, plan.matrix = tuple(s.name for s in sites), any(lane.matrix for lane in lanes)
@@ -302,6 +305,8 @@ class _Lane:
     #: a one-block GL lane whose acted-on axis has only unit axes before it (``"rows"``) or after it (``"cols"``): its
     #: stacked parts multiply as (S, n, rest) or (S, rest, n) views, with no transposed copy (:meth:`columns`)
     side: str | None = None
+    bucket: int = 0  # the bucket of its sites
+    rows: Tensor | None = None  # a GL lane: its slots' sites' places in their bucket (``None``: the bucket in order)
 
     def columns(self, x: Tensor) -> Tensor:
         """Stacked parts (S, *view) as (S, blocks, n, rest)."""
@@ -328,7 +333,7 @@ def _lanes(slots: Sequence[_Slot], groups: Sequence[Group], bucket_of: dict[int,
         axis, ndim = members[0].axis, members[0].view.ndim
         lane.others = tuple(d for d in range(ndim) if d != axis)
         lane.broadcast = (len(members), *(lane.blocks if d == axis else 1 for d in range(ndim)))
-        lane.sites = [s.site for s in members]
+        lane.sites, lane.bucket = [s.site for s in members], bucket_of[members[0].site]
         if matrix and lane.blocks == 1:
             shape = members[0].view.shape
             lane.side = "rows" if all(d == 1 for d in shape[:axis]) else "cols" if all(d == 1 for d in shape[axis + 1 :]) else None

@@ -311,13 +311,9 @@ class _Writes:
     grad_before: list[Tensor] = field(default_factory=list)  # the moved gradient parts, before and after
     grad_after: list[Tensor] = field(default_factory=list)
     norm_after: list[Tensor] = field(default_factory=list)  # the members' squared norm after the move, per lane
+    members_after: list[Tensor] = field(default_factory=list)  # moved members whose squared norms add to it
     grad_squares: list[Tensor] = field(default_factory=list)  # squared norms after the move of in-place gradients
     elements: Sequence[Tensor] = ()  # the teleport's elements, per site
-
-    def copy(self, lane: _Lane, targets: list[Tensor], values: Sequence[Tensor], power: float) -> None:
-        self.targets += targets
-        self.values += values
-        self.undo += [[(s, power, False)] for s in lane.slots]
 
 
 class _Factors:
@@ -334,10 +330,14 @@ class _Factors:
         key = (tuple(lane.sites), lane.matrix, power, dtype)
         made = self.made.get(key)
         if made is None:
-            if lane.matrix:
-                groups, elements = self.plan.groups, self.elements
-                blocks = [groups[i].block_matrices(elements[i], power) for i in lane.sites]
-                made = torch.stack([m.reshape(lane.blocks, lane.n, lane.n) for m in blocks if m is not None]).to(dtype)
+            if lane.matrix:  # the bucket's sites stacked once per power; a lane takes its sites' rows
+                bucket = self.plan.buckets[lane.bucket]
+                made = self.made.get((lane.bucket, power, dtype))
+                if made is None:
+                    stacked = self.plan.groups[bucket[0]].block_matrices_many([self.elements[i] for i in bucket], power)
+                    assert stacked is not None  # a GL lane's group has block matrices
+                    made = self.made[(lane.bucket, power, dtype)] = stacked.to(dtype)
+                made = made if lane.rows is None else made[lane.rows]
             else:
                 g = self._stacked(lane, 1.0, dtype) if power != 1 else torch.stack([self.elements[i] for i in lane.sites]).to(dtype)
                 made = g if power == 1 else g**power
@@ -366,17 +366,27 @@ def _grad(slot: _Slot, whole: bool = False) -> Tensor:
     return grad if whole or (slot.narrow is None and slot.shape is None) else _part(slot, grad)
 
 
-def _matrix_lane(writes: _Writes, lane: _Lane, parts: list[Tensor], m: Tensor, power: float) -> Tensor:
-    """The lane's parts moved by the stacked block matrices ``m`` (queued as copies); returns the stacked parts."""
-    x = torch.stack(parts)
+def _matrix_lane(writes: _Writes, lane: _Lane, grads: list[Tensor], moments: list[tuple[list[Tensor], Tensor, float]]) -> None:
+    """A GL lane's parameter parts, gradient parts and moved moments (``(parts, block matrices, power)``) moved by
+    one batched product of all of them stacked, queued as copies: per tensor kind, not one product each."""
+    n, parts = len(lane.slots), [s.view for s in lane.slots] + grads
+    mats, powers = [m for _, m, _ in moments], [p for _, _, p in moments]
+    for more, _, _ in moments[2:]:  # the first two are the parameters' and the gradients' (parts above)
+        parts += more
+    x, m = torch.stack(parts), torch.cat(mats)
     if lane.side == "rows":  # one block, as (S, n, rest) and (S, rest, n) views: no transposed copies
         y = (m[:, 0] @ x.reshape(len(parts), lane.n, -1)).reshape(x.shape)
     elif lane.side == "cols":
         y = (x.reshape(len(parts), -1, lane.n) @ m[:, 0].mT).reshape(x.shape)
     else:
         y = lane.back(m @ lane.columns(x), x)
-    writes.copy(lane, parts, y.unbind(0), power)
-    return x
+    values = y.unbind(0)
+    writes.targets += parts
+    writes.values += values
+    writes.undo += [[(s, power, False)] for power in powers for s in lane.slots]
+    writes.members_after += values[:n]
+    writes.grad_before.append(x[n : 2 * n])
+    writes.grad_after += values[n : 2 * n]
 
 
 def _moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim.Optimizer) -> _Writes:
@@ -387,14 +397,8 @@ def _moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim
         dtype, p = first.view.dtype, first.power
         grads = [_grad(s) for s in lane.slots] if lane.tiled is None else [_grad(t[0], whole=True) for t, _ in lane.targets]
         covector = factors.of(lane, -p, dtype)
-        if lane.matrix:
-            _matrix_lane(writes, lane, [s.view for s in lane.slots], factors.of(lane, p, dtype), p)
-            moved = torch._foreach_norm(writes.values[-len(grads) :])  # no squared copy of the moved parts
-            writes.norm_after += [torch.stack(moved).to(torch.float64).square().sum()]
-            before = _matrix_lane(writes, lane, grads, covector, -p)
-            writes.grad_before.append(before)
-            writes.grad_after += writes.values[-len(grads) :]
-        else:
+        moments: list[tuple[list[Tensor], Tensor, float]] = [([], factors.of(lane, p, dtype), p), ([], covector, -p)]
+        if not lane.matrix:
             writes.scaled += [view for _, view in lane.targets]
             writes.factors += factors.of(lane, p, dtype).unbind(0)
             units = plan.units.pop(id(lane), None)  # None: a chain (N after the move from its weight-norm model)
@@ -409,10 +413,12 @@ def _moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim
                 parts = [_part(s, state[s.param][key]) for s in lane.slots]
             m = covector if rule == "covector" else factors.of(lane, power, dtype)
             if lane.matrix:
-                _matrix_lane(writes, lane, parts, m, power)
+                moments.append((parts, m, power))
             else:
                 writes.scaled += parts
                 writes.factors += m.unbind(0)
+        if lane.matrix:
+            _matrix_lane(writes, lane, grads, moments)
     return writes
 
 
@@ -495,22 +501,28 @@ def _write(writes: _Writes, plan: BalancePlan, elements: Sequence[Tensor]) -> No
         raise
 
 
-def _grad_norms(grads: list[Tensor], writes: _Writes, still: list[Tensor], known: float | None = None) -> tuple[float, float, float]:
-    """||grad||^2 over all gradients before the teleport and after it (the moved parts replaced), and the squared
-    norm of the ``still`` members, in one read; ``known``: ||grad||^2 before, as this step's watch read it."""
+def _grad_norms(
+    grads: list[Tensor], writes: _Writes, still: list[Tensor], known: float | None = None
+) -> tuple[float, float, float, float | None]:
+    """||grad||^2 over all gradients before the teleport and after it (the moved parts replaced), the squared
+    norm of the ``still`` members and the members' squared norm after the move (``None`` without one), in one
+    read; ``known``: ||grad||^2 before, as this step's watch read it."""
     reuse = known is not None and math.isfinite(known)
     grads = [] if reuse else grads
-    parts = [grads, writes.grad_before, writes.grad_after, still]
+    parts = [grads, writes.grad_before, writes.grad_after, still, writes.members_after]
     norms = torch._foreach_norm([t for part in parts for t in part])
     squares = torch.stack(norms).to(torch.float64).square()
-    a, b, c = len(grads), len(grads) + len(writes.grad_before), len(squares) - len(still)
+    a, b = len(grads), len(grads) + len(writes.grad_before)
+    c, d = b + len(writes.grad_after), b + len(writes.grad_after) + len(still)
     moved = squares[b:c].sum()
     if writes.grad_squares:  # the gradients moved in place
         moved = moved + torch.stack(writes.grad_squares).sum()
-    sums = torch.stack([squares[:a].sum(), squares[a:b].sum(), moved, squares[c:].sum()])
-    before, old, new, kept = (float(v) for v in sums)
+    members = squares[d:].sum() + (torch.stack(writes.norm_after).sum() if writes.norm_after else 0.0)
+    none = not (writes.norm_after or writes.members_after)
+    sums = torch.stack([squares[:a].sum(), squares[a:b].sum(), moved, squares[c:d].sum(), members])
+    before, old, new, kept, after = (float(v) for v in sums)
     before = known if reuse and known is not None else before
-    return before, max(before - old + new, 0.0), kept
+    return before, max(before - old + new, 0.0), kept, None if none else after
 
 
 def _report(engine: TeleportEngine, plan: BalancePlan, norms: list[float]) -> TeleportReport:
@@ -577,13 +589,13 @@ def _lean(
         if known is not None and math.isfinite(known)
         else [p.grad for g in cfg.optimizer.param_groups for p in g["params"] if p.grad is not None]
     )
-    before, after, kept = _grad_norms(grads, writes, still, known)
+    before, after, kept, members = _grad_norms(grads, writes, still, known)
     report.grad_norm_before, report.grad_norm_after = math.sqrt(before), math.sqrt(after)
     report.objective_before = norm_start + kept
     if norm_after is None:
-        norm_after = kept + (float(torch.stack(writes.norm_after).sum()) if writes.norm_after else norm_start)
+        norm_after = kept + (norm_start if members is None else members)
     report.objective_after = norm_after
-    report.elements = {s.name: e.to(torch.float64) for s, e in zip(plan.sites, elements)}
+    report.elements = {s.name: e if e.dtype == torch.float64 else e.to(torch.float64) for s, e in zip(plan.sites, elements)}
     report.state_decisions = dict(plan.counts)
     report.accepted, report.reason = True, "accepted"
     if reference is not None and not reference():  # the output check's outputs before (teleopt.teleport.lean_check)
