@@ -247,7 +247,7 @@ def test_an_interrupt_between_the_products_of_a_chain_teleport_divides_them_out(
 
         caller = inspect.stack()[1].function
         calls.append(caller)
-        if caller == "_write" and calls.count("_write") > 1:
+        if caller == "write" and calls.count("write") > 1:
             raise KeyboardInterrupt
         real(*args, **kwargs)
 
@@ -255,7 +255,7 @@ def test_an_interrupt_between_the_products_of_a_chain_teleport_divides_them_out(
     with pytest.raises(KeyboardInterrupt):
         opt.step()
     monkeypatch.undo()
-    assert calls.count("_write") == 2  # the first product was made
+    assert calls.count("write") == 2  # the first product was made
     for p, old, st in zip(model.parameters(), params, state):
         assert _close(p.detach(), old) <= 1e-14
         assert all(_close(opt.state[p][k], v) <= 1e-14 for k, v in st.items())  # Adam's step counter: equal

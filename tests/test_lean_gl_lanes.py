@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from teleopt import Site
 from teleopt.groups.expm import expm_pair_horner
-from teleopt.teleport import companion
+from teleopt.teleport import lean_moves
 from teleopt.teleport.companion import BalanceCompanion
 
 PRODUCTS = {torch.ops.aten.bmm.default, torch.ops.aten.mm.default, torch.ops.aten.baddbmm.default, torch.ops.aten.addmm.default}
@@ -61,7 +61,7 @@ def test_each_gl_lane_moves_parameters_gradients_and_moments_in_one_product(make
     for _ in range(3):
         step()
     counts: list[int] = []
-    original = companion._moves
+    original = lean_moves.moves
 
     def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         with _Products() as products:
@@ -69,7 +69,7 @@ def test_each_gl_lane_moves_parameters_gradients_and_moments_in_one_product(make
         counts.append(products.count)
         return writes
 
-    monkeypatch.setattr(companion, "_moves", counted)
+    monkeypatch.setattr(lean_moves, "moves", counted)
     step()
     plan = BalanceCompanion.of(opt).plan
     assert plan is not None and opt.reports[-1].check == "none" and opt.reports[-1].accepted

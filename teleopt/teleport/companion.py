@@ -54,7 +54,6 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,7 +61,8 @@ from torch import Tensor
 
 from teleopt.functional import Batch
 from teleopt.groups import GroupCache
-from teleopt.teleport.balance_plan import BalancePlan, _Lane, _Slot, build_plan
+from teleopt.teleport import lean_moves
+from teleopt.teleport.balance_plan import BalancePlan, build_plan
 from teleopt.teleport.distributed import is_distributed
 from teleopt.teleport.engine import TeleportEngine, TeleportRequest
 from teleopt.teleport.lean_check import LeanCheck
@@ -213,26 +213,13 @@ def _statistics(plan: BalancePlan) -> list[dict[float, Tensor]]:
                 values = cols @ cols.mT
             plan.traces.append(values.diagonal(dim1=-2, dim2=-1).sum())
         else:
-            values = _unit_squares(lane, [t for _, t in lane.targets])
+            values = lean_moves.unit_squares(lane, [t for _, t in lane.targets])
             plan.units[id(lane)] = values  # for the squared norm after the move (objective_after)
             plan.traces.append(values.sum())
         for s, value in zip(lane.slots, values.reshape(len(lane.slots), *(plan.groups[first.site].coord_shape or ())).unbind(0)):
             into = stats[s.site]
             into[s.power] = into[s.power] + value if s.power in into else value
     return stats
-
-
-def _unit_squares(lane: _Lane, tensors: Sequence[Tensor]) -> Tensor:
-    """A scalings' lane's statistics (S, units) in float64 of ``tensors`` (laid out as its targets: a tiled lane's
-    whole parameters or gradients, else each member's part): each unit's sum of squares over the other axes, from
-    one norm per tensor in its precision, as the engine's reduced terms (to their round-off): no stacked copy and
-    no squared copy of the members."""
-    dims = lane.reduce
-    norms = torch.stack([torch.linalg.vector_norm(t, dim=dims) if dims else t.abs() for t in tensors]).to(torch.float64)
-    if lane.units is None:
-        return norms.square()
-    squares = norms.square().reshape(lane.units[0])
-    return squares.sum(lane.units[1]) if lane.units[1] else squares
 
 
 def solve(plan: BalancePlan, rcond: float, near: bool = False) -> tuple[list[Tensor], list[float], float, None] | None:
@@ -295,236 +282,6 @@ def solve_chain(plan: BalancePlan, objective: Balance) -> tuple[list[Tensor], li
     return coords, kept, found.norm_start, after
 
 
-@dataclass
-class _Writes:
-    """One teleport's writes: new values to copy over their targets (GL parts, gradients), factors to multiply
-    targets by in place (scalings' parameters and moments), how to move each copy back (per slot that moved it:
-    the slot, the power, and whether the copy is its whole tensor, of which the slot's part moves back), and the
-    gradients' squared norms before and after, per lane."""
-
-    targets: list[Tensor] = field(default_factory=list)
-    values: list[Tensor] = field(default_factory=list)
-    undo: list[list[tuple[_Slot, float, bool]]] = field(default_factory=list)  # per copy: every slot that moved it
-    whole: dict[int, int] = field(default_factory=dict)  # id of a parameter -> its whole gradient's copy (a chain's)
-    scaled: list[Tensor] = field(default_factory=list)
-    factors: list[Tensor] = field(default_factory=list)
-    grad_before: list[Tensor] = field(default_factory=list)  # the moved gradient parts, before and after
-    grad_after: list[Tensor] = field(default_factory=list)
-    norm_after: list[Tensor] = field(default_factory=list)  # the members' squared norm after the move, per lane
-    members_after: list[Tensor] = field(default_factory=list)  # moved members whose squared norms add to it
-    grad_squares: list[Tensor] = field(default_factory=list)  # squared norms after the move of in-place gradients
-    elements: Sequence[Tensor] = ()  # the teleport's elements, per site
-
-
-class _Factors:
-    """rho(g)^power of each slot's site, stacked, for one teleport's elements: (S, blocks, n, n) block matrices for
-    GL (g, or g^-T for -1) to multiply :meth:`_Lane.columns`; (S, *broadcast) factors c^power for scalings, as
-    ``act_on_axis`` computes them (per parameter where the lane is tiled).  Lanes of the same sites (a pair's two
-    sides) share the stacks: each is made once per teleport."""
-
-    def __init__(self, plan: BalancePlan, elements: Sequence[Tensor]) -> None:
-        self.plan, self.elements = plan, elements
-        self.made: dict[tuple[Any, ...], Tensor] = {}
-
-    def _stacked(self, lane: _Lane, power: float, dtype: torch.dtype) -> Tensor:
-        key = (tuple(lane.sites), lane.matrix, power, dtype)
-        made = self.made.get(key)
-        if made is None:
-            if lane.matrix:  # the bucket's sites stacked once per power; a lane takes its sites' rows
-                bucket = self.plan.buckets[lane.bucket]
-                made = self.made.get((lane.bucket, power, dtype))
-                if made is None:
-                    stacked = self.plan.groups[bucket[0]].block_matrices_many([self.elements[i] for i in bucket], power)
-                    assert stacked is not None  # a GL lane's group has block matrices
-                    made = self.made[(lane.bucket, power, dtype)] = stacked.to(dtype)
-                made = made if lane.rows is None else made[lane.rows]
-            else:
-                g = self._stacked(lane, 1.0, dtype) if power != 1 else torch.stack([self.elements[i] for i in lane.sites]).to(dtype)
-                made = g if power == 1 else g**power
-            self.made[key] = made
-        return made
-
-    def of(self, lane: _Lane, power: float, dtype: torch.dtype) -> Tensor:
-        g = self._stacked(lane, power, dtype)
-        if lane.matrix:
-            return g
-        g = g.reshape(lane.broadcast)
-        return g if lane.tiled is None else g.expand(lane.tiled[0]).reshape(lane.tiled[1])  # per parameter
-
-
-def _part(slot: _Slot, t: Tensor) -> Tensor:
-    """The slot's part of ``t`` (its parameter, gradient or a moment) as the member's ``part_view`` takes it."""
-    if slot.narrow is not None:
-        t = t.narrow(*slot.narrow)
-    return t if slot.shape is None else t.reshape(slot.shape)
-
-
-def _grad(slot: _Slot, whole: bool = False) -> Tensor:
-    """The slot's part of its parameter's gradient (``whole``: the whole gradient)."""
-    grad = slot.param.grad
-    assert grad is not None  # the plan's guard: every member has a gradient
-    return grad if whole or (slot.narrow is None and slot.shape is None) else _part(slot, grad)
-
-
-def _matrix_lane(writes: _Writes, lane: _Lane, grads: list[Tensor], moments: list[tuple[list[Tensor], Tensor, float]]) -> None:
-    """A GL lane's parameter parts, gradient parts and moved moments (``(parts, block matrices, power)``) moved by
-    one batched product of all of them stacked, queued as copies: per tensor kind, not one product each."""
-    n, parts = len(lane.slots), [s.view for s in lane.slots] + grads
-    mats, powers = [m for _, m, _ in moments], [p for _, _, p in moments]
-    for more, _, _ in moments[2:]:  # the first two are the parameters' and the gradients' (parts above)
-        parts += more
-    x, m = torch.stack(parts), torch.cat(mats)
-    if lane.side == "rows":  # one block, as (S, n, rest) and (S, rest, n) views: no transposed copies
-        y = (m[:, 0] @ x.reshape(len(parts), lane.n, -1)).reshape(x.shape)
-    elif lane.side == "cols":
-        y = (x.reshape(len(parts), -1, lane.n) @ m[:, 0].mT).reshape(x.shape)
-    else:
-        y = lane.back(m @ lane.columns(x), x)
-    values = y.unbind(0)
-    writes.targets += parts
-    writes.values += values
-    writes.undo += [[(s, power, False)] for power in powers for s in lane.slots]
-    writes.members_after += values[:n]
-    writes.grad_before.append(x[n : 2 * n])
-    writes.grad_after += values[n : 2 * n]
-
-
-def _moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim.Optimizer) -> _Writes:
-    """Every write of the teleport, computed before any is made (module docs)."""
-    writes, state, factors = _Writes(elements=elements), optimizer.state, _Factors(plan, elements)
-    for lane in plan.lanes:
-        first = lane.slots[0]
-        dtype, p = first.view.dtype, first.power
-        grads = [_grad(s) for s in lane.slots] if lane.tiled is None else [_grad(t[0], whole=True) for t, _ in lane.targets]
-        covector = factors.of(lane, -p, dtype)
-        moments: list[tuple[list[Tensor], Tensor, float]] = [([], factors.of(lane, p, dtype), p), ([], covector, -p)]
-        if not lane.matrix:
-            writes.scaled += [view for _, view in lane.targets]
-            writes.factors += factors.of(lane, p, dtype).unbind(0)
-            units = plan.units.pop(id(lane), None)  # None: a chain (N after the move from its weight-norm model)
-            if units is None:
-                _scaled_grads(writes, lane, grads, list(covector.unbind(0)), -p)
-            else:
-                _scaled_in_place(writes, lane, grads, covector, units)
-        for key, rule, power in lane.moments:
-            if lane.tiled is not None:  # whole tensors
-                parts = [state[t[0].param][key] for t, _ in lane.targets]
-            else:
-                parts = [_part(s, state[s.param][key]) for s in lane.slots]
-            m = covector if rule == "covector" else factors.of(lane, power, dtype)
-            if lane.matrix:
-                moments.append((parts, m, power))
-            else:
-                writes.scaled += parts
-                writes.factors += m.unbind(0)
-        if lane.matrix:
-            _matrix_lane(writes, lane, grads, moments)
-    return writes
-
-
-def _scaled_in_place(writes: _Writes, lane: _Lane, grads: list[Tensor], covector: Tensor, units: Tensor) -> None:
-    """A scalings' lane outside a chain: every gradient part is the lane's own, so it is multiplied in place with
-    the parameters; the members' and the gradients' squared norms after the move come from each unit's sum of
-    squares before it (``units`` for the members), with no moved copy."""
-    p = lane.slots[0].power
-    c = torch.stack([writes.elements[i] for i in lane.sites]).reshape(units.shape)
-    writes.norm_after.append((units * c ** (2 * p)).sum())
-    writes.scaled += grads
-    writes.factors += covector.unbind(0)
-    writes.grad_before += grads
-    writes.grad_squares.append((_unit_squares(lane, grads) * c ** (-2 * p)).sum())
-
-
-def _scaled_grads(writes: _Writes, lane: _Lane, grads: list[Tensor], factors: list[Tensor], power: float) -> None:
-    """A scalings' lane's gradient parts times their factors, queued as copies.  A whole gradient that an earlier
-    site of a chain already moved (its rows, say; this site its columns) is multiplied again in its queued copy:
-    the factors compose, and the gradient is copied (and counted in the norms) once."""
-    tiled = lane.tiled is not None  # one whole gradient per target, moved by its slots' factors
-    whole = [tiled or slots[0].whole for slots, _ in lane.targets]
-    fresh = [k for k, (slots, _) in enumerate(lane.targets) if not (whole[k] and id(slots[0].param) in writes.whole)]
-    again = [k for k in range(len(lane.targets)) if k not in fresh]
-    if again:
-        at = [writes.whole[id(lane.targets[k][0][0].param)] for k in again]
-        torch._foreach_mul_([writes.values[i] for i in at], [factors[k] for k in again])  # queued copies, not live
-        for i, k in zip(at, again):
-            writes.undo[i] += [(s, power, True) for s in lane.targets[k][0]]
-    moved = torch._foreach_mul([grads[k] for k in fresh], [factors[k] for k in fresh]) if fresh else []
-    for k, value in zip(fresh, moved):
-        slots = lane.targets[k][0]
-        if whole[k]:
-            writes.whole[id(slots[0].param)] = len(writes.targets)
-        writes.targets.append(grads[k])
-        writes.values.append(value)
-        writes.undo.append([(s, power, tiled) for s in slots])
-    writes.grad_before += [grads[k] for k in fresh]
-    writes.grad_after += moved
-
-
-def _rounds(targets: list[Tensor], factors: list[Tensor]) -> list[tuple[list[Tensor], list[Tensor]]]:
-    """The in-place products split into calls in which each tensor appears once (a chain's shared tensor is
-    scaled by several sites: one factor per call)."""
-    rounds: list[tuple[set[int], list[Tensor], list[Tensor]]] = []
-    for t, f in zip(targets, factors):
-        free = next((r for r in rounds if t.data_ptr() not in r[0]), None)
-        if free is None:
-            free = (set(), [], [])
-            rounds.append(free)
-        free[0].add(t.data_ptr())
-        free[1].append(t)
-        free[2].append(f)
-    return [(r[1], r[2]) for r in rounds]
-
-
-def _write(writes: _Writes, plan: BalancePlan, elements: Sequence[Tensor]) -> None:
-    """The writes: one ``_foreach_copy_``, then in-place ``_foreach_mul_`` (one per factor a tensor takes; they
-    allocate nothing).  An exception (an interrupt) during them divides the products already made out again and
-    moves what the copy wrote back by the inverse elements (of every site that moved it), exact up to round-off."""
-    # without a chain every scaled tensor is distinct: one call
-    rounds = _rounds(writes.scaled, writes.factors) if plan.chain or not writes.scaled else [(writes.scaled, writes.factors)]
-    done = 0
-    try:
-        if writes.targets:
-            torch._foreach_copy_(writes.targets, writes.values)
-        for scaled, factors in rounds:
-            torch._foreach_mul_(scaled, factors)
-            done += 1
-    except BaseException:  # (an interrupt between two products: the ones made are divided out, to round-off)
-        with torch.no_grad():
-            for scaled, factors in reversed(rounds[:done]):
-                torch._foreach_div_(scaled, factors)
-            for target, value, undo in zip(writes.targets, writes.values, writes.undo):
-                if torch.equal(target, value):
-                    for slot, power, whole in reversed(undo):
-                        inverse = plan.sites[slot.site].action.inverse(elements[slot.site])
-                        part = _part(slot, target) if whole else target
-                        part.copy_(plan.groups[slot.site].act_on_axis(inverse, part, slot.axis, power))
-        raise
-
-
-def _grad_norms(
-    grads: list[Tensor], writes: _Writes, still: list[Tensor], known: float | None = None
-) -> tuple[float, float, float, float | None]:
-    """||grad||^2 over all gradients before the teleport and after it (the moved parts replaced), the squared
-    norm of the ``still`` members and the members' squared norm after the move (``None`` without one), in one
-    read; ``known``: ||grad||^2 before, as this step's watch read it."""
-    reuse = known is not None and math.isfinite(known)
-    grads = [] if reuse else grads
-    parts = [grads, writes.grad_before, writes.grad_after, still, writes.members_after]
-    norms = torch._foreach_norm([t for part in parts for t in part])
-    squares = torch.stack(norms).to(torch.float64).square()
-    a, b = len(grads), len(grads) + len(writes.grad_before)
-    c, d = b + len(writes.grad_after), b + len(writes.grad_after) + len(still)
-    moved = squares[b:c].sum()
-    if writes.grad_squares:  # the gradients moved in place
-        moved = moved + torch.stack(writes.grad_squares).sum()
-    members = squares[d:].sum() + (torch.stack(writes.norm_after).sum() if writes.norm_after else 0.0)
-    none = not (writes.norm_after or writes.members_after)
-    sums = torch.stack([squares[:a].sum(), squares[a:b].sum(), moved, squares[c:d].sum(), members])
-    before, old, new, kept, after = (float(v) for v in sums)
-    before = known if reuse and known is not None else before
-    return before, max(before - old + new, 0.0), kept, None if none else after
-
-
 def _report(engine: TeleportEngine, plan: BalancePlan, norms: list[float]) -> TeleportReport:
     cfg, record = engine.config, engine.record
     report = TeleportReport(step=record.step, path="fast", objective=cfg.objective.name, sites=list(plan.sites), skipped=dict(plan.skipped))
@@ -582,14 +339,14 @@ def _lean(
         return report
     # as the engine computes them; a site that stays gets the identity (exp(0) is exactly I) without a matrix_exp
     elements = [group.exp(xi) if m else group.identity() for group, xi, m in zip(plan.groups, coords, norms)]
-    writes = _moves(plan, elements, cfg.optimizer)
+    writes = lean_moves.moves(plan, elements, cfg.optimizer)
     known = record.read  # ||grad||^2 before, as this step's watch read it
     grads = (
         []
         if known is not None and math.isfinite(known)
         else [p.grad for g in cfg.optimizer.param_groups for p in g["params"] if p.grad is not None]
     )
-    before, after, kept, members = _grad_norms(grads, writes, still, known)
+    before, after, kept, members = lean_moves.grad_norms(grads, writes, still, known)
     report.grad_norm_before, report.grad_norm_after = math.sqrt(before), math.sqrt(after)
     report.objective_before = norm_start + kept
     if norm_after is None:
@@ -601,7 +358,7 @@ def _lean(
     if reference is not None and not reference():  # the output check's outputs before (teleopt.teleport.lean_check)
         return None
     watch = _watch(engine, plan, elements, report)
-    _write(writes, plan, elements)
+    lean_moves.write(writes, plan, elements)
     # the commit: Python assignments only, after the writes
     record.accepted += 1
     plan.lean_step = record.step
