@@ -43,7 +43,9 @@ def _mlp(rows: int = 16, tanh: bool = False) -> tuple[nn.Module, list[Site] | st
     return model, sites, x, y
 
 
-def _readme(model: nn.Module, sites: list[Site] | str, x: Tensor, y: Tensor, calls: list[int]) -> Teleport:
+def _readme(
+    model: nn.Module, sites: list[Site] | str, x: Tensor, y: Tensor, calls: list[int], safety: SafetyConfig | None = None
+) -> Teleport:
     def batch_fn() -> tuple[Tensor, Tensor]:
         calls[0] += 1
         return x, y
@@ -60,6 +62,7 @@ def _readme(model: nn.Module, sites: list[Site] | str, x: Tensor, y: Tensor, cal
             batch_fn=batch_fn,
             objective="balance",
             schedule=Schedule(every=3, warmup=3),
+            safety=safety or SafetyConfig(),
         )
 
 
@@ -248,3 +251,52 @@ def test_a_first_teleport_the_lean_path_leaves_to_the_engine_costs_only_the_engi
     assert lean == [None] and runs[0] == 1, (lean, runs)  # the lean path left it to the engine
     assert report.check == "probe" and "lean" not in report.check_detail, (report.check_detail, report.reason)
     assert forwards[0] == 1 + 2  # the training forward, then the engine's check: before and after
+
+
+@pytest.mark.parametrize(
+    "safety",
+    [SafetyConfig(max_predicted_decrease=1e-12), SafetyConfig(stability_margin=1.0)],
+    ids=["decrease-cap-binds", "stability-cap"],
+)
+def test_a_cap_that_binds_or_the_sharpness_cap_sends_the_first_teleport_to_the_engine(safety, monkeypatch) -> None:
+    # the lean path has no bisection: where the predicted-decrease cap binds at the lean point (here: any decrease
+    # exceeds 1e-12 of the loss), or the opt-in sharpness cap is on, the engine takes the teleport and shrinks it
+    # as it did before the lean check; the result is the twin's whose companion is off
+    model, sites, x, y = _mlp()
+    twin = copy.deepcopy(model)
+    opt, off = _readme(model, sites, x, y, [0], safety), _readme(twin, sites, x, y, [0], safety)
+    BalanceCompanion.of(off).enabled = False
+    runs = _engine_runs(monkeypatch)
+    for m, o in ((model, opt), (twin, off)):
+        for _ in range(12):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    assert runs[0] >= 2 * len(off.reports) - 1 and opt.reports and len(opt.reports) == len(off.reports)
+    for r, e in zip(opt.reports, off.reports):
+        assert (r.step, r.accepted, r.reason, r.check, r.shrink) == (e.step, e.accepted, e.reason, e.check, e.shrink)
+        assert r.check_detail is None or "lean balance" not in r.check_detail
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert _close(p.detach(), q.detach()) <= 1e-12
+
+
+def test_the_decrease_cap_is_evaluated_at_the_lean_point_when_it_does_not_bind(monkeypatch) -> None:
+    # the default cap (8 x the loss) holds at the balanced point: the first teleport stays lean and checked, and
+    # the cap was asked once, at the lean coordinates
+    from teleopt.teleport.lean_check import LeanCheck
+
+    model, sites, x, y = _mlp()
+    opt = _readme(model, sites, x, y, [0])
+    asked: list[bool] = []
+    real = LeanCheck.caps_hold
+
+    def recorded(self, coords, report):  # type: ignore[no-untyped-def]
+        asked.append(real(self, coords, report))
+        return asked[-1]
+
+    monkeypatch.setattr(LeanCheck, "caps_hold", recorded)
+    runs = _engine_runs(monkeypatch)
+    _train_to_due(model, opt, x, y)
+    opt.step()
+    assert asked == [True] and runs[0] == 0
+    assert opt.reports[-1].accepted and "lean balance, checked" in (opt.reports[-1].check_detail or "")

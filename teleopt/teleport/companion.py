@@ -74,6 +74,9 @@ from teleopt.teleport.watch import REFERENCE_STEPS, InverseMove, Watch, referenc
 
 __all__ = ["NEAR_LIMIT", "BalanceCompanion", "BalancePlan"]
 
+#: the first teleport's check before the move (:meth:`LeanCheck.reference`): coordinates and report -> go on
+Reference = Callable[[Sequence[Tensor], TeleportReport], bool]
+
 #: the longest step towards balance (||S||_F per block) taken by the cheap near-balance step; longer: closed form
 NEAR_LIMIT = 0.1
 
@@ -152,6 +155,7 @@ class BalanceCompanion:
             and type(engine).run is TeleportEngine.run
             and not cfg.sharded
             and cfg.safety.max_gain is None
+            and cfg.safety.stability_margin is None  # the sharpness cap (Hessian-vector products): the engine's
             and cfg.search.path in ("auto", "fast")
             and isinstance(cfg.search.strategy_for(objective, None), ClosedForm)
             and not owner._lookahead.is_lookahead
@@ -304,10 +308,11 @@ def _watch(engine: TeleportEngine, plan: BalancePlan, elements: Sequence[Tensor]
 
 
 def lean_teleport(
-    engine: TeleportEngine, plan: BalancePlan, request: TeleportRequest, near: bool = True, reference: Callable[[], bool] | None = None
+    engine: TeleportEngine, plan: BalancePlan, request: TeleportRequest, near: bool = True, reference: Reference | None = None
 ) -> TeleportReport | None:
     """One balance teleport on ``plan`` (module docs); ``None`` where the engine must take it.  ``reference`` runs
-    once the move is decided, before its first write (the check's outputs before it; ``False``: the engine's turn).
+    once the move is decided (with its coordinates and report), before its first write (the check's outputs
+    before it and the caps at it; ``False``: the engine's turn).
     It reads and writes ``.data`` views, outside autograd (``Teleport.step`` and ``teleport`` run it under
     ``no_grad``); after the writes it runs no torch function, so nothing can fail between them and the commit."""
     objective = engine.config.objective
@@ -317,9 +322,7 @@ def lean_teleport(
         return _lean(engine, plan, objective, near, reference)
 
 
-def _lean(
-    engine: TeleportEngine, plan: BalancePlan, objective: Balance, near: bool, reference: Callable[[], bool] | None
-) -> TeleportReport | None:
+def _lean(engine: TeleportEngine, plan: BalancePlan, objective: Balance, near: bool, reference: Reference | None) -> TeleportReport | None:
     start, cfg, record = time.perf_counter(), engine.config, engine.record
     found = solve_chain(plan, objective) if plan.chain else solve(plan, objective.rcond, near=near)
     if found is None:
@@ -355,7 +358,7 @@ def _lean(
     report.elements = {s.name: e if e.dtype == torch.float64 else e.to(torch.float64) for s, e in zip(plan.sites, elements)}
     report.state_decisions = dict(plan.counts)
     report.accepted, report.reason = True, "accepted"
-    if reference is not None and not reference():  # the output check's outputs before (teleopt.teleport.lean_check)
+    if reference is not None and not reference(coords, report):  # outputs before, caps (teleopt.teleport.lean_check)
         return None
     watch = _watch(engine, plan, elements, report)
     lean_moves.write(writes, plan, elements)

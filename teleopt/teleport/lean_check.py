@@ -18,6 +18,7 @@ later teleports run lean and unchecked.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,8 +33,10 @@ from teleopt.teleport.balance_plan import BalancePlan
 from teleopt.teleport.check import OutputCheck, first_rows
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.engine import Plan, TeleportEngine, TeleportRequest
+from teleopt.teleport.fast_path import FastEvaluator
 from teleopt.teleport.precision import full_precision
 from teleopt.teleport.report import TeleportReport
+from teleopt.teleport.safety import Caps
 from teleopt.teleport.transport import transport, transport_
 from teleopt.teleport.verdict import Failure, loss_failures, output_failures
 from teleopt.teleport.watch import InverseMove
@@ -83,9 +86,10 @@ class LeanCheck:
         kept = (record.accepted, record.watch, list(record.recent), record.lean_check, plan.lean_step)
         return cls(owner, plan, request, check, fmodel, None, kept)
 
-    def reference(self) -> bool:
-        """The outputs (and loss) before the move, once it is decided and before its first write; ``False`` where
-        the engine must take the teleport (probe inputs the model does not take)."""
+    def reference(self, coords: Sequence[Tensor], report: TeleportReport) -> bool:
+        """The outputs (and loss) before the move, once it is decided and before its first write, then the caps at
+        ``coords`` (:meth:`caps_hold`); ``False`` where the engine must take the teleport (probe inputs the model
+        does not take, or a cap that binds: the engine's bisection shrinks the move)."""
         owner, rows = self.owner, self.request.batch
         engine: TeleportEngine = owner._engine
         if owner._keywords is not None:
@@ -95,7 +99,29 @@ class LeanCheck:
         if isinstance(out, str):
             return False
         self.loss_before = None if self.fmodel is None or rows is None else engine._loss_value(self.fmodel, out, rows)
-        return True
+        return self.caps_hold(coords, report)
+
+    def caps_hold(self, coords: Sequence[Tensor], report: TeleportReport) -> bool:
+        """Whether the engine's predicted-decrease cap (``SafetyConfig.max_predicted_decrease``, :class:`Caps`)
+        holds at the lean point: the base optimizer's modelled next step from g . w decreases the loss, to first
+        order, by at most ``max_predicted_decrease`` times the loss (or what the current point has), evaluated
+        once, as the engine's first bisection round does (a closed-form bound where one exists, else one modelled
+        update).  Off (``True``) without a loss on the check's rows, below ``loss_floor`` or for an optimizer the
+        model does not know, as in the engine; ``False`` where some member has no gradient."""
+        engine = self.owner._engine
+        cfg, loss0 = engine.config, self.loss_before
+        safety = cfg.safety
+        if safety.max_predicted_decrease is None or loss0 is None or not loss0 > safety.loss_floor:
+            return True
+        ctx = TeleportContext.build(cfg.module, cfg.optimizer, cfg.policy)
+        if not ctx.model.supported:
+            return True
+        if any(ctx.trainable[n].grad is None for s in self.plan.sites for n in s.tensor_names if n in ctx.trainable):
+            return False
+        evaluator = FastEvaluator(list(self.plan.sites), ctx, with_decrease=True)
+        n0 = (report.grad_norm_before or 0.0) ** 2
+        caps = Caps(safety, evaluator, engine.record.backoff, n0, None, loss0, None, True, list(self.plan.zeros))
+        return caps.feasible(coords)
 
     def verify(self, report: TeleportReport) -> TeleportReport:
         """Check the lean ``report``'s teleport (made already): accepted and the plan verified, or undone and
