@@ -96,3 +96,38 @@ def test_a_model_that_cannot_run_in_training_mode_is_not_shown_invariant():
     # one sample: BatchNorm cannot take batch statistics, so nothing is shown scale-invariant (fail closed)
     invariant = ScaleInvariance(model, Batch((torch.randn(1, 2, 1, 1),), None))
     assert not invariant("4.weight") and not invariant("0.weight")
+
+
+class _ZeroInitBlock(nn.Module):
+    """A pre-norm residual block ``x + fc2(relu(fc1(ln(x))))``, ``fc2`` zero-initialised (ReZero, GPT-style
+    output projections): ``fc1`` moves no output yet, so doubling it changes nothing, but it is no
+    scale-invariant weight (no norm after it)."""
+
+    def __init__(self, zero: bool) -> None:
+        super().__init__()
+        self.inp, self.ln, self.fc1, self.fc2, self.head = (
+            nn.Linear(4, 8),
+            nn.LayerNorm(8),
+            nn.Linear(8, 16),
+            nn.Linear(16, 8),
+            nn.Linear(8, 3),
+        )
+        if zero:
+            nn.init.zeros_(self.fc2.weight)
+            nn.init.zeros_(self.fc2.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        return self.head(x + self.fc2(torch.relu(self.fc1(self.ln(x)))))
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["random-init", "zero-init-after"])
+def test_a_weight_that_moves_no_output_is_not_shown_scale_invariant(zero: bool):
+    # doubling fc1 leaves the outputs alone when fc2 is zero: without the perturbation test it would pass as
+    # scale-invariant and the LayerNorm's rescaling (the ViT's collapse under AdamW) would be kept
+    torch.manual_seed(0)
+    model, x = _ZeroInitBlock(zero), torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    assert not ScaleInvariance(model, Batch((x,), None))("fc1.weight")
+    opt, messages = _auto(model, torch.optim.AdamW(model.parameters()), x)
+    assert "ln.weight" not in _moved(opt)
+    assert any("1 normalisation-affine" in m for m in messages)

@@ -47,14 +47,18 @@ class ScaleInvariance:
     ``model`` is copied once to float64 with every norm's ``eps`` made negligible (a norm
     is scale-invariant up to its eps); a weight is scale-invariant when doubling it leaves
     every output leaf unchanged within :func:`~teleopt.numerics.default_rtol` of float64
-    (the same dropout masks drawn).  A forward that raises, or a non-finite output, is
-    "not invariant": the check fails closed.
+    (the same dropout masks drawn) *because a norm absorbs it*: among the copy's leaf modules,
+    those whose input changed and whose output did not are norms, and there is one (a
+    weight that moves no output, before a zero-initialised projection or in a dead branch,
+    is not shown invariant).  A forward that raises, or a non-finite output, is "not
+    invariant": the check fails closed.
     """
 
     def __init__(self, model: nn.Module, batch: Batch, seed: int = 0) -> None:
         self._model, self._batch, self._seed = model, batch, seed
         self._copy: nn.Module | None = None
         self._reference: list[list[torch.Tensor]] | None = None
+        self._modules: dict[str, list[list[torch.Tensor]]] = {}
         self._known: dict[str, bool] = {}
         self._failed = False
 
@@ -64,10 +68,22 @@ class ScaleInvariance:
         return self._known[name]
 
     @torch.no_grad()
-    def _outputs(self) -> list[list[torch.Tensor]]:
+    def _outputs(self) -> tuple[list[list[torch.Tensor]], dict[str, list[list[torch.Tensor]]]]:
+        """The output leaves, and per leaf module of the copy its first input and its output leaves."""
         assert self._copy is not None
-        with seeded(self._copy, self._seed), keep_float64():  # the same dropout masks, CPU and CUDA
-            return [output_leaves(self._copy(*to_float64(self._batch.inputs), **to_float64(self._batch.kwargs or {})))]
+        seen: dict[str, list[list[torch.Tensor]]] = {}
+        hooks = [
+            m.register_forward_hook(lambda mod, args, out, name=n: seen.__setitem__(name, [output_leaves(args[:1]), output_leaves(out)]))
+            for n, m in self._copy.named_modules()
+            if not list(m.children())
+        ]
+        try:
+            with seeded(self._copy, self._seed), keep_float64():  # the same dropout masks, CPU and CUDA
+                out = self._copy(*to_float64(self._batch.inputs), **to_float64(self._batch.kwargs or {}))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return [output_leaves(out)], seen
 
     @torch.no_grad()
     def _check(self, name: str) -> bool:
@@ -76,17 +92,30 @@ class ScaleInvariance:
         try:
             if self._reference is None:
                 self._copy = _float64_copy(self._model)
-                self._reference = self._outputs()
+                self._reference, self._modules = self._outputs()
             weight = dict(self._copy.named_parameters())[name]  # type: ignore[union-attr]
             weight.mul_(2.0)
             try:
-                after = self._outputs()
+                doubled, modules = self._outputs()
             finally:
                 weight.div_(2.0)
         except Exception:  # noqa: BLE001 - a model that does not run this way: not shown invariant
             self._failed = self._reference is None  # (no copy or no reference: every later check fails too)
             return False
-        return output_error(after, self._reference) <= default_rtol(torch.float64)
+        tol = default_rtol(torch.float64)
+        if output_error(doubled, self._reference) > tol:
+            return False
+        # who absorbed the doubling: a leaf module whose input changed and whose output did not.  Scale-invariant:
+        # a norm did, and nothing else (a zero-initialised projection after the weight, a dead branch: no)
+        owners = dict(self._copy.named_modules())  # type: ignore[union-attr]
+        absorbed = [
+            n
+            for n, (args, out) in modules.items()
+            if n in self._modules
+            and output_error([args], [self._modules[n][0]]) > tol
+            and output_error([out], [self._modules[n][1]]) <= tol
+        ]
+        return bool(absorbed) and all(is_norm(owners[n]) for n in absorbed)
 
 
 def _float64_copy(model: nn.Module) -> nn.Module:
