@@ -237,3 +237,28 @@ def test_a_damaged_strike_batch_is_refused_when_loaded():
     state["teleopt_teleport"]["watch"] = saved
     with pytest.raises(ValueError, match="strike_batch"):
         Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites, objective="balance", schedule=Schedule()).load_state_dict(state)
+
+
+def test_a_strike_batch_with_damaged_kwargs_is_refused_by_name():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    sites = find_symmetries(model, torch.randn(4, 4)).continuous_sites
+    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites, objective="balance", schedule=Schedule())
+    state = opt.state_dict()
+    watch = Watch(InverseMove([], [], model, opt, StatePolicy()), until=10, teleport_step=0, grad_ref=1.0, loss_ref=None)
+    state["teleopt_teleport"]["watch"] = {**watch.to_state(), "strike_batch": {"inputs": [torch.ones(1, 4)], "kwargs": [1]}}
+    with pytest.raises(ValueError, match=r"strike_batch'\]\['kwargs"):
+        Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites, objective="balance", schedule=Schedule()).load_state_dict(state)
+
+
+def test_the_strike_batch_is_a_copy_of_batch_fns_and_comes_back_on_the_models_device():
+    # a loader that reuses its buffers must not change the batch the decision re-reads; a checkpoint loaded with
+    # map_location="cpu" puts it back where the model is (the meta device stands in for an accelerator)
+    from teleopt.teleport.watch import _batch_of, batch_loss
+
+    model, buffer = nn.Linear(4, 2), torch.ones(3, 4)
+    _, kept = batch_loss(model, nn.functional.mse_loss, lambda: (buffer, torch.zeros(3, 2)), seed=0)
+    buffer.fill_(5.0)
+    assert torch.equal(kept.inputs[0], torch.ones(3, 4))
+    moved = _batch_of({"inputs": [torch.ones(3, 4)], "target": torch.zeros(3, 2), "kwargs": None}, nn.Linear(4, 2, device="meta"))
+    assert moved.inputs[0].device.type == "meta" and moved.target.device.type == "meta"

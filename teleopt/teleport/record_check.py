@@ -188,6 +188,8 @@ def _check_link(watch: Any, field: str, f: _Fields, target: _Target) -> None:
     strike_batch = watch.get("strike_batch")  # the batch that loss was read on (Watch.to_state)
     if strike_batch is not None and not (isinstance(strike_batch, Mapping) and isinstance(strike_batch.get("inputs"), list)):
         f.fail(f"{field}['strike_batch']", f"must be a dict with a list 'inputs' or None, got {type(strike_batch).__name__}")
+    elif strike_batch is not None and not isinstance(strike_batch.get("kwargs"), (Mapping, type(None))):
+        f.fail(f"{field}['strike_batch']['kwargs']", f"must be a dict or None, got {type(strike_batch['kwargs']).__name__}")
     if kinds[0] == "inverse":
         _check_inverse(watch["inverse"], f"{field}['inverse']", f, target.module, target.known)
     else:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_map
 
 from teleopt.detection.certify import output_error, output_leaves
 from teleopt.functional import Batch, FunctionalModel, as_batch
@@ -104,7 +105,7 @@ def _loss_now(loss: Any, measure: Measure | None, batch: Batch | None = None) ->
 def batch_loss(module: nn.Module, loss_fn: Any, batch_fn: Callable[[], Any], seed: int, batch: Batch | None = None) -> tuple[float, Batch]:
     """The loss at the live parameters on ``batch``, else on a fresh ``batch_fn()`` batch (buffers restored, RNG
     seeded), and that batch: what the watch's patience rule compares (:meth:`Watch.alarm`) when a step has no loss."""
-    batch = as_batch(batch_fn()) if batch is None else batch
+    batch = _copied(as_batch(batch_fn())) if batch is None else batch  # kept: a loader may reuse its buffers
     try:
         out = forward(module, batch, None, seed)
     finally:
@@ -403,14 +404,22 @@ class Watch:
             loss_ref=None if data["loss_ref"] is None else float(data["loss_ref"]),
             strikes=int(data.get("strikes", 0)),
             strike_loss=None if data.get("strike_loss") is None else float(data["strike_loss"]),
-            strike_batch=None if data.get("strike_batch") is None else _batch_of(data["strike_batch"]),
+            strike_batch=None if data.get("strike_batch") is None else _batch_of(data["strike_batch"], module),
             earlier=[cls.from_state(w, module, optimizer, params, policy, sites) for w in data.get("earlier", [])],
         )
 
 
-def _batch_of(data: Mapping[str, Any]) -> Batch:
-    """The :class:`~teleopt.functional.Batch` :meth:`Watch.to_state` saved as plain data."""
-    return Batch(tuple(data["inputs"]), data.get("target"), data.get("kwargs"))
+def _batch_of(data: Mapping[str, Any], module: nn.Module) -> Batch:
+    """The :class:`~teleopt.functional.Batch` :meth:`Watch.to_state` saved as plain data, its tensors on
+    ``module``'s device (a checkpoint loaded with ``map_location="cpu"`` into a run on an accelerator)."""
+    device = next((p.device for p in module.parameters()), None)
+    batch = Batch(tuple(data["inputs"]), data.get("target"), data.get("kwargs"))
+    return batch if device is None else tree_map(lambda v: v.to(device) if isinstance(v, Tensor) else v, batch)
+
+
+def _copied(batch: Batch) -> Batch:
+    """``batch`` with every tensor detached and copied (what the watch keeps across steps)."""
+    return tree_map(lambda v: v.detach().clone() if isinstance(v, Tensor) else v, batch)
 
 
 def keeps_copies(watch: Mapping[str, Any]) -> bool:
