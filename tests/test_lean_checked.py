@@ -300,3 +300,17 @@ def test_the_decrease_cap_is_evaluated_at_the_lean_point_when_it_does_not_bind(m
     opt.step()
     assert asked == [True] and runs[0] == 0
     assert opt.reports[-1].accepted and "lean balance, checked" in (opt.reports[-1].check_detail or "")
+
+
+def test_a_model_that_rejects_the_checks_rows_leaves_the_first_teleport_to_the_engine(monkeypatch) -> None:
+    # a forward that takes only the whole batch (a hard-coded batch size): the lean check's 8 rows raise before
+    # anything moved, so the engine takes the teleport on the whole batch instead of step() failing
+    model, sites, x, y = _mlp(rows=16)
+    model.register_forward_pre_hook(lambda m, args: None if args[0].shape[0] in (2, 16) else (_ for _ in ()).throw(ValueError("batch")))
+    opt = _readme(model, sites, x, y, [0])
+    runs = _engine_runs(monkeypatch)
+    _train_to_due(model, opt, x, y)
+    opt.step()
+    report = opt.reports[-1]
+    assert runs[0] == 1 and report.accepted and report.check == "batch", (runs, report.reason, report.check)
+    assert "lean balance" not in (report.check_detail or "")

@@ -131,3 +131,11 @@ def test_a_weight_that_moves_no_output_is_not_shown_scale_invariant(zero: bool):
     opt, messages = _auto(model, torch.optim.AdamW(model.parameters()), x)
     assert "ln.weight" not in _moved(opt)
     assert any("1 normalisation-affine" in m for m in messages)
+
+
+def test_coupled_l2_decay_under_adam_does_not_count_as_decay():
+    # the equilibrium argument is for decoupled decay (AdamW's); Adam's weight_decay is an L2 term in the gradient
+    model, x = _cnn(), torch.randn(6, 2, 5, 5, generator=torch.Generator().manual_seed(1))
+    opt, messages = _auto(model, torch.optim.Adam(model.parameters(), weight_decay=0.1), x)
+    assert "1.weight" not in _moved(opt)
+    assert any("2 normalisation-affine" in m for m in messages)

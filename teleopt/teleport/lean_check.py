@@ -94,8 +94,11 @@ class LeanCheck:
         engine: TeleportEngine = owner._engine
         if owner._keywords is not None:
             owner._keywords.warn_if_different(stacklevel=6)
-        with owner._probe.pause(), owner._precision.pause(), full_precision():
-            out = engine._reference(self.check, self.request)
+        try:  # nothing is written yet: a model that rejects the check's rows leaves the teleport to the engine
+            with owner._probe.pause(), owner._precision.pause(), full_precision():
+                out = engine._reference(self.check, self.request)
+        except Exception:  # noqa: BLE001 - the engine runs on the whole batch and reports what fails there
+            return False
         if isinstance(out, str):
             return False
         self.loss_before = None if self.fmodel is None or rows is None else engine._loss_value(self.fmodel, out, rows)

@@ -13,7 +13,9 @@ equilibrium norm (Kosson et al. 2024), so the change a rescaling makes wears off
 not (a LayerNorm'd or RMSNorm'd linear feeding attention or an MLP), the changed
 scale and step ratio persist: that collapsed a ViT under AdamW.  So the rule: keep a
 normalisation-affine site under scale-free steps when every weight it rescales,
-besides the norms' own gains and biases, is decayed and scale-invariant in training
+besides the norms' own gains and biases, is under decoupled weight decay (AdamW's; the
+equilibrium argument is for it, so coupled L2 and optimizers teleopt has no model of do
+not count) and scale-invariant in training
 mode (checked numerically on the example inputs).
 """
 
@@ -147,9 +149,10 @@ def norm_sites_left_out(
 
     None under steps that scale with the gradient (SGD); under scale-free steps every
     normalisation-affine site (:func:`~teleopt.teleport.sites.normalization_affine`) but
-    those whose rescaled weights besides the norms' own are all decayed (``weight_decay``
-    > 0 in their group of ``param_groups``, by default the optimizer's: the equilibrium
-    the effective learning rate returns to is the decay's) and scale-invariant in
+    those whose rescaled weights besides the norms' own are all under decoupled decay
+    (``weight_decay`` > 0 and ``decoupled_weight_decay`` in their group of ``param_groups``,
+    by default the optimizer's, as AdamW sets it: the equilibrium the effective learning
+    rate returns to is the decay's) and scale-invariant in
     training mode (:class:`ScaleInvariance` on ``batch``).
     """
     if not scale_free_updates(optimizer):
@@ -158,7 +161,9 @@ def norm_sites_left_out(
     if not norm:
         return []
     groups = optimizer.param_groups if param_groups is None else param_groups
-    decayed = {id(p) for g in groups if float(g.get("weight_decay") or 0.0) > 0 for p in g["params"]}
+    decayed = {
+        id(p) for g in groups if float(g.get("weight_decay") or 0.0) > 0 and g.get("decoupled_weight_decay") is True for p in g["params"]
+    }
     params = dict(model.named_parameters())
     invariant = ScaleInvariance(model, batch)
     left_out = []

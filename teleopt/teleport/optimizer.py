@@ -322,7 +322,7 @@ class Teleport(OptimizerWrapper):
             warnings.warn(
                 f"Teleport(sites='auto') leaves out {len(norm)} normalisation-affine rescaling site(s) ({shown}): under "
                 f"{type(self.innermost).__name__}, whose steps do not scale with the gradient, rescaling a norm's gain "
-                "against weights that are not scale-invariant (no norm after them) or not decayed changes their effective "
+                "against weights that are not scale-invariant (no norm after them) or not under decoupled decay changes their effective "
                 "learning rates for good (it collapsed a ViT under AdamW); those of decayed BatchNorm'd convolutions are "
                 "kept. Pass the sites explicitly to include them.",
                 UserWarning,
@@ -333,7 +333,7 @@ class Teleport(OptimizerWrapper):
         reasons = {
             **skipped,
             **{
-                n: f"normalisation-affine rescaling of weights not scale-invariant or not decayed under {type(self.innermost).__name__}"
+                n: f"normalisation-affine rescaling of weights not scale-invariant or not under decoupled decay under {type(self.innermost).__name__}"
                 for n in norm
             },
         }
