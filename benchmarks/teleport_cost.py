@@ -1210,7 +1210,8 @@ def print_checked(rows: list[dict[str, Any]]) -> None:
         )
     print(
         "checked: teleport(batch=...) with loss_fn and batch_fn (caps, check and watch on); balance (default): the README "
-        "configuration as written (its first scheduled teleport is this one); grad_norm: with schedule=Schedule()"
+        "configuration as written (an explicit call: the engine; its scheduled teleports run lean, see --scheduled); "
+        "grad_norm: with schedule=Schedule()"
     )
     print("no-arg: teleport() without a batch argument (it draws batch_fn's batch: checked and capped too)")
     print("peak extra: one checked teleport's peak of new tensor bytes (LiveBytes), in multiples of the trainable parameters' bytes")
