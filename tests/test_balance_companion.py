@@ -85,15 +85,16 @@ def attention() -> tuple[nn.Module, list[Site] | str, Tensor, Tensor]:
 
 
 class TinyLlama(nn.Module):
-    """A 1-layer Llama-architecture LM (transformers) returning its logits: ``"auto"`` finds rotary Q/K scalings,
+    """A 1-layer Llama-architecture LM (transformers; ``heads`` query heads on ``kv_heads`` key/value heads)
+    returning its logits: ``"auto"`` finds rotary Q/K scalings,
     V/O GL, an MLP rescaling and the gained residual rotation, which the closed form leaves at the identity."""
 
-    def __init__(self) -> None:
+    def __init__(self, heads: int = 2, kv_heads: int = 1) -> None:
         super().__init__()
         import transformers
 
         config = transformers.LlamaConfig(
-            vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+            vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads,
             intermediate_size=24, max_position_embeddings=16,
         )  # fmt: skip
         self.lm = transformers.LlamaForCausalLM(config)

@@ -19,27 +19,12 @@ from teleopt.teleport.companion import BalanceCompanion
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-class TwoHeadLlama(nn.Module):
-    """A 1-layer Llama-architecture LM (transformers) with 4 query heads on 2 key/value heads, returning logits."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        import transformers
-
-        config = transformers.LlamaConfig(
-            vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=24, max_position_embeddings=16,
-        )  # fmt: skip
-        self.lm = transformers.LlamaForCausalLM(config)
-
-    def forward(self, ids: Tensor) -> Tensor:
-        return self.lm(ids, use_cache=False).logits
-
-
 def two_heads() -> tuple[nn.Module, list[Site] | str, Tensor, Tensor]:
     pytest.importorskip("transformers")
+    from test_balance_companion import TinyLlama
+
     torch.manual_seed(0)
-    model = TwoHeadLlama().double()
+    model = TinyLlama(heads=4, kv_heads=2).double()  # 4 query heads on 2 key/value heads
     gen = torch.Generator().manual_seed(1)
     return model, "auto", torch.randint(0, 32, (3, 6), generator=gen), torch.randn(3, 6, 32, generator=gen, dtype=torch.float64)
 

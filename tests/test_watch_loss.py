@@ -226,28 +226,20 @@ def test_the_llama_teleport_whose_gradient_rose_while_its_loss_fell_is_kept():
     assert all(b < a for a, b in zip(losses[200:], losses[201:]))  # while the loss fell at every step
 
 
-def test_a_damaged_strike_batch_is_refused_when_loaded():
+@pytest.mark.parametrize(
+    ("strike_batch", "named"),
+    [([torch.ones(1)], "strike_batch"), ({"inputs": [torch.ones(1, 4)], "kwargs": [1]}, r"strike_batch'\]\['kwargs")],
+    ids=["not-a-dict", "kwargs-not-a-dict"],
+)
+def test_a_damaged_strike_batch_is_refused_by_name_when_loaded(strike_batch: object, named: str):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
     sites = find_symmetries(model, torch.randn(4, 4)).continuous_sites
     opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites, objective="balance", schedule=Schedule())
     state = opt.state_dict()
     watch = Watch(InverseMove([], [], model, opt, StatePolicy()), until=10, teleport_step=0, grad_ref=1.0, loss_ref=None)
-    saved = {**watch.to_state(), "strike_batch": [torch.ones(1)]}
-    state["teleopt_teleport"]["watch"] = saved
-    with pytest.raises(ValueError, match="strike_batch"):
-        Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites, objective="balance", schedule=Schedule()).load_state_dict(state)
-
-
-def test_a_strike_batch_with_damaged_kwargs_is_refused_by_name():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
-    sites = find_symmetries(model, torch.randn(4, 4)).continuous_sites
-    opt = Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites, objective="balance", schedule=Schedule())
-    state = opt.state_dict()
-    watch = Watch(InverseMove([], [], model, opt, StatePolicy()), until=10, teleport_step=0, grad_ref=1.0, loss_ref=None)
-    state["teleopt_teleport"]["watch"] = {**watch.to_state(), "strike_batch": {"inputs": [torch.ones(1, 4)], "kwargs": [1]}}
-    with pytest.raises(ValueError, match=r"strike_batch'\]\['kwargs"):
+    state["teleopt_teleport"]["watch"] = {**watch.to_state(), "strike_batch": strike_batch}
+    with pytest.raises(ValueError, match=named):
         Teleport(torch.optim.SGD(model.parameters(), lr=0.1), model, sites, objective="balance", schedule=Schedule()).load_state_dict(state)
 
 
