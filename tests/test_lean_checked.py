@@ -233,9 +233,10 @@ def test_an_inconclusive_float32_lean_check_is_decided_by_the_float64_re_run(mon
     assert 1e-8 < report.check_error <= 1e-6 and report.check_error_float64 <= 1e-10
 
 
-def test_a_first_teleport_the_lean_path_leaves_to_the_engine_costs_only_the_engines_forwards(monkeypatch) -> None:
-    # GL balanced points on the trust region's edge (a small radius) go to the engine; the lean check's forward
-    # before the move runs only once the lean path has decided to move, so that teleport runs the engine's two
+def test_a_first_teleport_on_the_trust_regions_edge_runs_lean_with_the_checks_two_forwards(monkeypatch) -> None:
+    # GL balanced points on the trust region's edge (a small radius): the lean path bounds them for round-off as
+    # the engine does and checks the move; the check's forward before it runs once the move is decided, so the
+    # teleport costs the check's two forwards and no engine run
     from test_balance_companion import lora_like, wrapped
 
     import teleopt.teleport.companion as companion
@@ -248,9 +249,10 @@ def test_a_first_teleport_the_lean_path_leaves_to_the_engine_costs_only_the_engi
     monkeypatch.setattr(companion, "lean_teleport", lambda *a, **k: lean.append(companion_lean(*a, **k)) or lean[-1])
     step()
     report = opt.reports[-1]
-    assert lean == [None] and runs[0] == 1, (lean, runs)  # the lean path left it to the engine
-    assert report.check == "probe" and "lean" not in report.check_detail, (report.check_detail, report.reason)
-    assert forwards[0] == 1 + 2  # the training forward, then the engine's check: before and after
+    assert len(lean) == 1 and lean[0] is report and runs[0] == 0, (lean, runs)
+    assert report.accepted and report.check == "probe" and "lean balance, checked" in report.check_detail, report.check_detail
+    assert max(report.coordinate_norms.values()) <= 0.05 * (1 + 1e-9)  # clipped to the radius
+    assert forwards[0] == 1 + 2  # the training forward, then the check: before and after
 
 
 @pytest.mark.parametrize(
@@ -314,3 +316,39 @@ def test_a_model_that_rejects_the_checks_rows_leaves_the_first_teleport_to_the_e
     report = opt.reports[-1]
     assert runs[0] == 1 and report.accepted and report.check == "batch", (runs, report.reason, report.check)
     assert "lean balance" not in (report.check_detail or "")
+
+
+def test_a_first_balanced_point_on_the_trust_regions_edge_is_bounded_lean_as_the_engine_bounds_it(monkeypatch) -> None:
+    # GL sites (attention Q/K and V/O) with a trust region their balanced points lie beyond: the clipped point and
+    # its round-off bound (teleopt.teleport.coordinates.within_roundoff) are computed lean, checked, and equal to
+    # the engine's (companion off) in float64; before, such a teleport went to the engine after a lean solve
+    from test_balance_companion import attention
+
+    model, sites, x, y = attention()
+    twin = copy.deepcopy(model)
+
+    def wrap(m: nn.Module) -> Teleport:
+        base = torch.optim.AdamW([{"params": list(m.parameters()), "teleopt_teleport_trust_region": 0.05}], lr=1e-2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return Teleport(
+                base, m, sites, example_inputs=x[:2], loss_fn=nn.functional.mse_loss, batch_fn=lambda: (x, y),
+                objective="balance", schedule=Schedule(every=3, warmup=3),
+            )  # fmt: skip
+
+    opt, off = wrap(model), wrap(twin)
+    BalanceCompanion.of(off).enabled = False
+    runs = _engine_runs(monkeypatch)
+    for m, o in ((model, opt), (twin, off)):
+        for _ in range(4):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    lean, engine = opt.reports[0], off.reports[0]
+    assert runs[0] == 1 and lean.accepted and engine.accepted, (runs, lean.reason, engine.reason)
+    assert "lean balance, checked" in (lean.check_detail or "")
+    assert max(float(v) for v in engine.coordinate_norms.values()) <= 0.05 * (1 + 1e-9)  # the edge: clipped
+    for name, g in engine.elements.items():
+        assert _close(lean.elements[name], g) <= 1e-12, name
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert _close(p.detach(), q.detach()) <= 1e-12

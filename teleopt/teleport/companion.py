@@ -29,9 +29,10 @@ site's inverse.
 It gives the engine's result (the same statistics, solve, elements and transport rules) where the engine's
 extra phases are no-ops: sites pairwise independent (disjoint slices of a tensor's one axis) or a chain of
 scalings as above, each balanced point inside the trust region (then the round-off amplification of Zhao
-2026's GL blocks is 1, the least on the orbit, so the per-dtype bound holds), float32/float64 members, no caps
-that read a loss, a state policy that transports or keeps every entry.  Anything else (a chain beside GL sites,
-overlapping slices) returns ``None`` and the engine runs.
+2026's GL blocks is 1, the least on the orbit, so the per-dtype bound holds; a plan's checked first teleport
+also takes a point the trust region clipped, bounded for round-off as the engine bounds it), float32/float64
+members, no caps that read a loss, a state policy that transports or keeps every entry.  Anything else (a chain
+beside GL sites, overlapping slices) returns ``None`` and the engine runs.
 
 **The output check.** Balance on certified exact sites changes no output, so the companion checks once per plan:
 the first teleport after each (re)build runs lean with the engine's output check around it
@@ -73,9 +74,6 @@ from teleopt.teleport.state_policy import restart_curvature_history
 from teleopt.teleport.watch import REFERENCE_STEPS, InverseMove, Watch, reference
 
 __all__ = ["NEAR_LIMIT", "BalanceCompanion", "BalancePlan"]
-
-#: the first teleport's check before the move (:meth:`LeanCheck.reference`): coordinates and report -> go on
-Reference = Callable[[Sequence[Tensor], TeleportReport], bool]
 
 #: the longest step towards balance (||S||_F per block) taken by the cheap near-balance step; longer: closed form
 NEAR_LIMIT = 0.1
@@ -128,7 +126,7 @@ class BalanceCompanion:
         where the lean path cannot take it, the engine does (on the same batch) and lean starts if it accepts."""
         record = owner._engine.record
         check = LeanCheck.of(owner, plan, request, draw() if draw is not None else None)
-        report = None if check is None else lean_teleport(owner._engine, plan, request, self.near, check.reference)
+        report = None if check is None else lean_teleport(owner._engine, plan, request, self.near, check)
         if check is None or report is None:
             plan.checked_at = record.step  # the engine checks this one; lean from the next if accepted
             record.lean_check = (plan.signature, record.backoff, plan.checked_at, False, plan.lean_step)
@@ -226,10 +224,13 @@ def _statistics(plan: BalancePlan) -> list[dict[float, Tensor]]:
     return stats
 
 
-def solve(plan: BalancePlan, rcond: float, near: bool = False) -> tuple[list[Tensor], list[float], float, None] | None:
+def solve(
+    plan: BalancePlan, rcond: float, near: bool = False, edge: Callable[[list[Tensor]], list[Tensor]] | None = None
+) -> tuple[list[Tensor], list[float], float, None] | None:
     """Coordinates of every site's balanced point (one batched call per bucket), their max abs (0 for a site
-    within its floor: it stays) and the summed squared norm of the members at w; ``None`` when a balanced
-    point lies on the trust region's edge (the round-off bound may then shrink it: the engine decides).
+    within its floor: it stays) and the summed squared norm of the members at w.  A balanced point on the trust
+    region's edge (clipped: the round-off bound may shrink it) gives ``None`` (the engine decides), or with
+    ``edge`` the coordinates ``edge`` bounds (a checked teleport: the engine's round-off bound, lean).
     ``near`` (the point was balanced at the step before): a bucket whose group has a cheap step towards
     balance (:meth:`Group.balance_near_many <teleopt.groups.Group.balance_near_many>`) takes it when it is
     shorter than ``NEAR_LIMIT`` (and half the trust radius), the closed form otherwise."""
@@ -254,11 +255,15 @@ def solve(plan: BalancePlan, rcond: float, near: bool = False) -> tuple[list[Ten
             edges.append(stacked.reshape(-1, *stacked.shape[-2:]).square().sum((-2, -1)).amax() >= (radius * (1 - 1e-9)) ** 2)
     flags = [torch.stack(edges).any().to(torch.float64).reshape(1)] if edges else []
     values = torch.cat([*peaks, traces[0].reshape(1).to(torch.float64), *flags]).tolist()  # one read of the host
-    if flags and values[-1]:
-        return None
     moves = [0.0] * len(coords)
     for i, v in zip((i for bucket in plan.buckets for i in bucket), values):
         moves[i] = v
+    if flags and values[-1]:
+        if edge is None:
+            return None
+        coords = edge(coords)
+        peaks = [c.abs().amax() if c.numel() else c.new_zeros(()) for c in coords]
+        moves = torch.stack(peaks).to(torch.float64).tolist()  # one read of the host
     trace = values[sum(len(b) for b in plan.buckets)]
     kept = [m if m > floor else 0.0 for m, floor in zip(moves, plan.floors)]
     return [xi if m else zero for xi, m, zero in zip(coords, kept, plan.zeros)], kept, trace, None
@@ -308,23 +313,26 @@ def _watch(engine: TeleportEngine, plan: BalancePlan, elements: Sequence[Tensor]
 
 
 def lean_teleport(
-    engine: TeleportEngine, plan: BalancePlan, request: TeleportRequest, near: bool = True, reference: Reference | None = None
+    engine: TeleportEngine, plan: BalancePlan, request: TeleportRequest, near: bool = True, check: LeanCheck | None = None
 ) -> TeleportReport | None:
-    """One balance teleport on ``plan`` (module docs); ``None`` where the engine must take it.  ``reference`` runs
-    once the move is decided (with its coordinates and report), before its first write (the check's outputs
-    before it and the caps at it; ``False``: the engine's turn).
+    """One balance teleport on ``plan`` (module docs); ``None`` where the engine must take it.  ``check`` (a plan's
+    first teleport): a balanced point on the trust region's edge is bounded for round-off as the engine bounds it
+    (:meth:`LeanCheck.within_roundoff`) instead of going to the engine, and :meth:`LeanCheck.reference` runs once
+    the move is decided, before its first write (the outputs before it and the caps at it; ``False``: the
+    engine's turn).
     It reads and writes ``.data`` views, outside autograd (``Teleport.step`` and ``teleport`` run it under
     ``no_grad``); after the writes it runs no torch function, so nothing can fail between them and the commit."""
     objective = engine.config.objective
     assert isinstance(objective, Balance)
     near = near and plan.lean_step == engine.record.step - 1
     with GroupCache().active() if plan.matrix else nullcontext():  # each GL element's contragredient kept
-        return _lean(engine, plan, objective, near, reference)
+        return _lean(engine, plan, objective, near, check)
 
 
-def _lean(engine: TeleportEngine, plan: BalancePlan, objective: Balance, near: bool, reference: Reference | None) -> TeleportReport | None:
+def _lean(engine: TeleportEngine, plan: BalancePlan, objective: Balance, near: bool, check: LeanCheck | None) -> TeleportReport | None:
     start, cfg, record = time.perf_counter(), engine.config, engine.record
-    found = solve_chain(plan, objective) if plan.chain else solve(plan, objective.rcond, near=near)
+    edge = None if check is None else check.within_roundoff
+    found = solve_chain(plan, objective) if plan.chain else solve(plan, objective.rcond, near, edge)
     if found is None:
         return None
     coords, norms, norm_start, norm_after = found  # a chain's N counts every member (no still members to add)
@@ -358,7 +366,7 @@ def _lean(engine: TeleportEngine, plan: BalancePlan, objective: Balance, near: b
     report.elements = {s.name: e if e.dtype == torch.float64 else e.to(torch.float64) for s, e in zip(plan.sites, elements)}
     report.state_decisions = dict(plan.counts)
     report.accepted, report.reason = True, "accepted"
-    if reference is not None and not reference(coords, report):  # outputs before, caps (teleopt.teleport.lean_check)
+    if check is not None and not check.reference(coords, report):  # outputs before, caps (teleopt.teleport.lean_check)
         return None
     watch = _watch(engine, plan, elements, report)
     lean_moves.write(writes, plan, elements)

@@ -32,6 +32,7 @@ from teleopt.sharding import write_
 from teleopt.teleport.balance_plan import BalancePlan
 from teleopt.teleport.check import OutputCheck, first_rows
 from teleopt.teleport.context import TeleportContext
+from teleopt.teleport.coordinates import within_roundoff
 from teleopt.teleport.engine import Plan, TeleportEngine, TeleportRequest
 from teleopt.teleport.fast_path import FastEvaluator
 from teleopt.teleport.precision import full_precision
@@ -103,6 +104,16 @@ class LeanCheck:
             return False
         self.loss_before = None if self.fmodel is None or rows is None else engine._loss_value(self.fmodel, out, rows)
         return self.caps_hold(coords, report)
+
+    def within_roundoff(self, coords: list[Tensor]) -> list[Tensor]:
+        """``coords`` with each GL block's round-off amplification bounded for the dtype its site's products are
+        computed in, as the engine bounds a balanced point that the trust region clipped
+        (:func:`~teleopt.teleport.coordinates.within_roundoff`); the check then verifies the outputs."""
+        engine = self.owner._engine
+        params = dict(engine.config.module.named_parameters())
+        members = [tuple(None if n is None else params.get(n) for n in s.members) for s in self.plan.sites]
+        dtypes = [self.request.precision.compute_dtype(m) for m in members]
+        return within_roundoff(self.plan.sites, self.plan.groups, coords, members, dtypes)
 
     def caps_hold(self, coords: Sequence[Tensor], report: TeleportReport) -> bool:
         """Whether the engine's predicted-decrease cap (``SafetyConfig.max_predicted_decrease``, :class:`Caps`)
