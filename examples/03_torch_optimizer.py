@@ -31,13 +31,12 @@ optimizer's:
 
 * Lamb: 0.956 / 0.971 / 0.969 against 0.962 / 0.971 / 0.962 (test loss x0.86 / x0.90 /
   x0.94);
-* Yogi: 0.960 / 0.969 / 0.973 against 0.969 / 0.969 / 0.976 (test loss x0.89 / x0.97 /
-  x1.02).
+* Yogi: 0.962 / 0.971 / 0.971 against 0.969 / 0.969 / 0.976 (test loss x0.88 / x0.96 /
+  x1.03).
 
 8 of 8 teleports accepted, none declined or rolled back, in each run.  Four of the six
-runs are no worse (at most 0.5 point below the baseline); in seed 0 Lamb is 0.7 point
-and Yogi 0.9 point (3 and 4 test digits of 450) below it and print "WORSE", with a lower
-test loss.  That is within the noise of 450 test digits and comes with the anchor decay,
+runs are no worse (at most 0.5 point below the baseline); in seed 0 Lamb and Yogi are
+0.7 point (3 test digits of 450) below it and print "WORSE", with a lower test loss.  That is within the noise of 450 test digits and comes with the anchor decay,
 not the teleports: in the same loop with one wrapper alone (not a mode of this script),
 Syre ends 0.6 point below under Lamb in seed 0 and the teleports within 0.5 point in
 seeds 0-4 of both optimizers; ``gamma=1e-3`` is what the validation split prefers to
