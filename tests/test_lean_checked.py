@@ -88,6 +88,15 @@ def _engine_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return runs
 
 
+def _train_both(pairs: tuple[tuple[nn.Module, Teleport], ...], x: Tensor, y: Tensor, steps: int) -> None:
+    """``steps`` training steps of each (model, wrapper) pair: a lean wrapper and its engine twin."""
+    for m, o in pairs:
+        for _ in range(steps):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+
+
 def _rows_seen(model: nn.Module) -> list[int]:
     seen: list[int] = []
     model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]))
@@ -269,11 +278,7 @@ def test_a_cap_that_binds_or_the_sharpness_cap_sends_the_first_teleport_to_the_e
     opt, off = _readme(model, sites, x, y, [0], safety), _readme(twin, sites, x, y, [0], safety)
     BalanceCompanion.of(off).enabled = False
     runs = _engine_runs(monkeypatch)
-    for m, o in ((model, opt), (twin, off)):
-        for _ in range(12):
-            o.zero_grad()
-            nn.functional.mse_loss(m(x), y).backward()
-            o.step()
+    _train_both(((model, opt), (twin, off)), x, y, 12)
     assert runs[0] >= 2 * len(off.reports) - 1 and opt.reports and len(opt.reports) == len(off.reports)
     for r, e in zip(opt.reports, off.reports):
         assert (r.step, r.accepted, r.reason, r.check, r.shrink) == (e.step, e.accepted, e.reason, e.check, e.shrink)
@@ -339,11 +344,7 @@ def test_a_first_balanced_point_on_the_trust_regions_edge_is_bounded_lean_as_the
     opt, off = wrap(model), wrap(twin)
     BalanceCompanion.of(off).enabled = False
     runs = _engine_runs(monkeypatch)
-    for m, o in ((model, opt), (twin, off)):
-        for _ in range(4):
-            o.zero_grad()
-            nn.functional.mse_loss(m(x), y).backward()
-            o.step()
+    _train_both(((model, opt), (twin, off)), x, y, 4)
     lean, engine = opt.reports[0], off.reports[0]
     assert runs[0] == 1 and lean.accepted and engine.accepted, (runs, lean.reason, engine.reason)
     assert "lean balance, checked" in (lean.check_detail or "")
