@@ -17,6 +17,7 @@ import math
 import os
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -48,6 +49,23 @@ class SeparateQKVAttention(nn.Module):
         q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
         att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(DIM // HEADS), dim=-1)
         return self.head(self.o((att @ v).transpose(1, 2).reshape(b, t, DIM))).mean(1)
+
+
+@contextmanager
+def products_raise(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Inside: ``torch._foreach_mul_`` raises ``RuntimeError("injected")`` (a fault in the lean path's in-place
+    products) and the block must raise it; on leaving, the real kernel is back.
+
+    The one fault injection of the lean writes' tests: ``with products_raise(monkeypatch): opt.step()``.
+    """
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "_foreach_mul_", fail)
+        with pytest.raises(RuntimeError, match="injected"):
+            yield
 
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from conftest import products_raise
 from test_balance_companion import _close, _step_with_engine_twin, wrapped
 from torch import Tensor, nn
 
@@ -186,14 +187,8 @@ def test_an_exception_during_the_writes_of_a_chain_teleport_moves_the_gradients_
     # the in-place products raise after the gradients were copied: each gradient, moved by both sites that scale
     # it, is moved back by both inverses (a few ulps); parameters and moments were not written yet (bitwise)
     model, opt, params, grads, state = _before_a_lean_chain_teleport()
-
-    def fail(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("injected")
-
-    monkeypatch.setattr(torch, "_foreach_mul_", fail)
-    with pytest.raises(RuntimeError, match="injected"):
+    with products_raise(monkeypatch):
         opt.step()
-    monkeypatch.undo()
     for p, old, g, st in zip(model.parameters(), params, grads, state):
         assert torch.equal(p.detach(), old)
         assert p.grad is not None and _close(p.grad, g) <= 1e-14

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import products_raise
 from torch import Tensor, nn
 
 from teleopt import Site
@@ -87,14 +88,8 @@ def test_an_exception_at_the_products_leaves_tiled_tensors_bitwise_and_moves_the
     params = [p.detach().clone() for p in model.parameters()]
     grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
-
-    def fail(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("injected")
-
-    monkeypatch.setattr(torch, "_foreach_mul_", fail)
-    with pytest.raises(RuntimeError, match="injected"):
+    with products_raise(monkeypatch):
         opt.step()
-    monkeypatch.undo()
     moved = 0
     for (name, p), old, g, st in zip(model.named_parameters(), params, grads, state):
         scaled = any(part in name for part in ("q_proj", "k_proj", "up_proj", "down_proj"))
