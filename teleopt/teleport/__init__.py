@@ -8,8 +8,10 @@ step.  The concepts live in one module each:
 
 * :mod:`~teleopt.teleport.optimizer`: the wrapper (``Teleport``), configured by
   :mod:`~teleopt.teleport.config` (group objects and keyword shortcuts);
-* :mod:`~teleopt.teleport.engine`: one teleport in four phases (plan, search,
-  apply, verify); :mod:`~teleopt.teleport.evaluator`: the protocol objectives
+* :mod:`~teleopt.teleport.engine`: one teleport as a pipeline of four phases (plan,
+  :mod:`~teleopt.teleport.search_phase`, :mod:`~teleopt.teleport.apply_phase`,
+  :mod:`~teleopt.teleport.verify_phase`) handing on the frozen values of
+  :mod:`~teleopt.teleport.phases`; :mod:`~teleopt.teleport.evaluator`: the protocol objectives
   evaluate g . w through; :mod:`~teleopt.teleport.search`: the pluggable search
   (``SearchStrategy``, default ``GradientAscent``; ``ClosedForm`` for objectives
   solved in closed form, such as ``"balance"``); :mod:`~teleopt.teleport.sites`:
