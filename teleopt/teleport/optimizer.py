@@ -61,8 +61,9 @@ from teleopt.teleport.safety import SafetyConfig
 from teleopt.teleport.schedule import Schedule
 from teleopt.teleport.scheduled import scheduled_teleports
 from teleopt.teleport.search import SearchConfig
-from teleopt.teleport.site_selection import AutoSites, active_sites, check_sharded_support
+from teleopt.teleport.site_selection import AutoSites, check_sharded_support
 from teleopt.teleport.sites import (
+    active_sites,
     check_model_matches_optimizer,
     movable_sites,
     validate_sites,

@@ -1,5 +1,5 @@
-"""Which sites a ``Teleport``'s teleports move: ``sites="auto"`` detection and its policy, the active sites of
-each teleport, and what an FSDP2 model supports.
+"""Which sites a ``Teleport``'s teleports move: ``sites="auto"`` detection and its policy, and what an FSDP2
+model supports.
 
 Detection (:func:`~teleopt.teleport.sites.detect_sites`, ``teleopt.find_symmetries``) runs on the example inputs,
 else on the first teleport batch or the last forward's inputs; an FSDP2 model is detected on an unsharded twin
@@ -9,8 +9,8 @@ rescale besides the norms' own is scale-invariant (:func:`~teleopt.teleport.norm
 rescaling a norm's gain against a weight that is not changes effective learning rates for good.  One
 ``UserWarning`` lists what was left out and why (``report.skipped`` repeats it on every teleport).
 
-Each teleport moves the sites whose members are usable now (:func:`active_sites`: trainable, updated by the
-optimizer, teleports enabled for their param group).
+Each teleport moves the sites whose members are usable now (:func:`~teleopt.teleport.sites.active_sites`:
+trainable, updated by the optimizer, teleports enabled for their param group).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from teleopt.teleport.norm_sites import norm_sites_left_out
 from teleopt.teleport.objectives import Objective
 from teleopt.teleport.safety import SafetyConfig
 from teleopt.teleport.search import SearchConfig
-from teleopt.teleport.sites import detect_sites, moved_names, unsharded_twin, unusable, warn_left_out
+from teleopt.teleport.sites import detect_sites, unsharded_twin, warn_left_out
 
-__all__ = ["AutoSites", "active_sites", "check_sharded_support"]
+__all__ = ["AutoSites", "check_sharded_support"]
 
 
 @dataclass(frozen=True)
@@ -80,25 +80,6 @@ class AutoSites:
             UserWarning,
             stacklevel=stacklevel,
         )
-
-
-def active_sites(
-    sites: Sequence[Site], module: nn.Module, param_groups: Sequence[dict[str, Any]], enabled_key: str, left_out: dict[str, str]
-) -> tuple[list[Site], dict[str, str]]:
-    """The sites a teleport moves now, and those left out with the reason (``left_out``: detection's, kept)."""
-    enabled = {id(p) for g in param_groups if g[enabled_key] for p in g["params"]}
-    optimized = {id(p) for g in param_groups for p in g["params"]}
-    params = dict(module.named_parameters())
-    active, skipped = [], dict(left_out)
-    for site in sites:
-        why = unusable(site, module, params, optimized)
-        if why is None and not all(n not in params or id(params[n]) in enabled for n in moved_names(site)):
-            why = "teleports are disabled for its param group"
-        if why is None:
-            active.append(site)
-        else:
-            skipped[site.name] = why
-    return active, skipped
 
 
 def check_sharded_support(sites: Sequence[Site] | None, search: SearchConfig, objective: Objective, safety: SafetyConfig) -> None:
