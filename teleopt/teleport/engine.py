@@ -158,7 +158,8 @@ class TeleportEngine:
         else:
             loss0 = None if request.loss is None else float(request.loss)
         heldout = None if request.heldout is None else self._heldout_loss(request.heldout, request.seed)
-        return self.plan_evaluator(Planned(sites, path, request, ctx, fmodel, check, None, loss0, heldout, transaction))
+        planned = Planned(sites, path, request, ctx, fmodel, check, loss_before=loss0, heldout_before=heldout, transaction=transaction)
+        return self.plan_evaluator(planned)
 
     def _declined(self, ctx: TeleportContext, check: OutputCheck | None, path: str) -> str | None:
         """Why the teleport cannot go ahead: a non-finite gradient (the fast path's search declines on a non-finite
