@@ -52,7 +52,7 @@ from teleopt.teleport.distributed import check_supported_sharding
 from teleopt.teleport.engine import EngineConfig, TeleportEngine, TeleportRequest
 from teleopt.teleport.lookahead import LookaheadView
 from teleopt.teleport.objectives import Objective, get_objective
-from teleopt.teleport.paper_compat import PaperCompatEngine, check_paper_compat_sites
+from teleopt.teleport.paper_compat import PaperCompatEngine
 from teleopt.teleport.precision import PrecisionRecorder, full_precision
 from teleopt.teleport.record_check import check_groups, check_record
 from teleopt.teleport.report import Tally, TeleportReport
@@ -66,7 +66,6 @@ from teleopt.teleport.sites import (
     active_sites,
     check_model_matches_optimizer,
     movable_sites,
-    validate_sites,
     warn_scale_free_objective,
 )
 from teleopt.teleport.state_policy import StatePolicy, restart_curvature_history
@@ -210,9 +209,8 @@ class Teleport(OptimizerWrapper):
         layout = unsupported_layout(self._module) if self._sharded else None
         if layout is not None:  # before "auto" detection gathers the model
             raise ValueError(f"Teleport on a sharded model supports FSDP2's layout (a 1-D mesh, Shard(0)); not {layout}")
-        self._auto = AutoSites(self._module, self.param_groups, self.innermost, not self._objective.closed_form, self._sharded)
-        self._auto_skipped: dict[str, str] = {}
-        self._sites = self._initial_sites(sites)
+        self._auto = AutoSites(self._module, self.innermost, not self._objective.closed_form, self._sharded)
+        self._sites, self._auto_skipped = self._auto.initial(sites, self.param_groups, self._example, self._search.paper_compat)
         if self._sharded:
             check_sharded_support(self._sites, self._search, self._objective, self._safety)
 
@@ -254,21 +252,6 @@ class Teleport(OptimizerWrapper):
             hook_target=self._hook_target,
         )
         return (PaperCompatEngine if self._search.paper_compat else TeleportEngine)(config, self._record)
-
-    def _initial_sites(self, sites: str | Sequence[Site]) -> list[Site] | None:
-        found: list[Site] | None = None
-        if isinstance(sites, str):
-            if sites != "auto":
-                raise ValueError(f"sites must be 'auto' or a list of Site, got {sites!r}")
-            if self._example is not None:
-                found, self._auto_skipped = self._auto.detect(self._example)
-        else:
-            found = validate_sites(sites, self._module, self.param_groups, given=True)
-        if self._search.paper_compat:
-            if found is None:
-                raise ValueError("paper_compat needs explicit GL sites (sites='auto' finds exact ones only)")
-            check_paper_compat_sites(found)
-        return found
 
     # ------------------------------------------------------------------ public API
     @property
@@ -428,7 +411,7 @@ class Teleport(OptimizerWrapper):
                     "sites='auto' needs example inputs: pass example_inputs= to Teleport or a batch to teleport(), or run the model once"
                 )
             with self._probe.pause():
-                self._sites, self._auto_skipped = self._auto.detect(inputs)
+                self._sites, self._auto_skipped = self._auto.detect(inputs, self.param_groups)
         return active_sites(self._sites, self._module, self.param_groups, self.prefix + "enabled", self._auto_skipped)
 
     def _teleport_now(self, request: TeleportRequest) -> tuple[TeleportReport, Any]:

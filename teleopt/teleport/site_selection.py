@@ -1,5 +1,5 @@
-"""Which sites a ``Teleport``'s teleports move: ``sites="auto"`` detection and its policy, and what an FSDP2
-model supports.
+"""Which sites a ``Teleport``'s teleports move: the given ones, or ``sites="auto"`` detection and its policy; and
+what an FSDP2 model supports.
 
 Detection (:func:`~teleopt.teleport.sites.detect_sites`, ``teleopt.find_symmetries``) runs on the example inputs,
 else on the first teleport batch or the last forward's inputs; an FSDP2 model is detected on an unsharded twin
@@ -28,27 +28,49 @@ from teleopt.site import Site
 from teleopt.teleport.fast_path import fast_path_eligible
 from teleopt.teleport.norm_sites import norm_sites_left_out
 from teleopt.teleport.objectives import Objective
+from teleopt.teleport.paper_compat import check_paper_compat_sites
 from teleopt.teleport.safety import SafetyConfig
 from teleopt.teleport.search import SearchConfig
-from teleopt.teleport.sites import detect_sites, unsharded_twin, warn_left_out
+from teleopt.teleport.sites import detect_sites, unsharded_twin, validate_sites, warn_left_out
 
 __all__ = ["AutoSites", "check_sharded_support"]
 
 
 @dataclass(frozen=True)
 class AutoSites:
-    """Detection for one ``Teleport``: its model, param groups and innermost base optimizer; ``searched``: the
-    objective searches (not closed form); ``sharded``: an FSDP2 model."""
+    """Detection for one ``Teleport``: its model and innermost base optimizer; ``searched``: the objective searches
+    (not closed form); ``sharded``: an FSDP2 model.  The param groups are passed per call (``load_state_dict``
+    gives the wrapper new ones)."""
 
     module: nn.Module
-    param_groups: Sequence[dict[str, Any]]
     optimizer: Optimizer
     searched: bool
     sharded: bool
 
-    def detect(self, batch: Batch, stacklevel: int = 3) -> tuple[list[Site], dict[str, str]]:
-        """The sites found on ``batch``'s inputs and those left out with the reason; warns about the latter."""
-        module, groups = self.module, self.param_groups
+    def initial(
+        self, sites: str | Sequence[Site], param_groups: Sequence[dict[str, Any]], example: Batch | None, paper_compat: bool
+    ) -> tuple[list[Site] | None, dict[str, str]]:
+        """The sites given (validated), else those detected on ``example`` (``None`` without one: detected at the first
+        teleport), and those left out with the reason; ``paper_compat`` takes explicit GL sites only."""
+        found: list[Site] | None = None
+        skipped: dict[str, str] = {}
+        if isinstance(sites, str):
+            if sites != "auto":
+                raise ValueError(f"sites must be 'auto' or a list of Site, got {sites!r}")
+            if example is not None:
+                found, skipped = self.detect(example, param_groups, stacklevel=4)
+        else:
+            found = validate_sites(sites, self.module, param_groups, given=True)
+        if paper_compat:
+            if found is None:
+                raise ValueError("paper_compat needs explicit GL sites (sites='auto' finds exact ones only)")
+            check_paper_compat_sites(found)
+        return found, skipped
+
+    def detect(self, batch: Batch, param_groups: Sequence[dict[str, Any]], stacklevel: int = 3) -> tuple[list[Site], dict[str, str]]:
+        """The sites found on ``batch``'s inputs under ``param_groups`` and those left out with the reason; warns
+        about the latter."""
+        module, groups = self.module, param_groups
         if self.sharded:  # detection traces the whole module: an unsharded twin, gathered once (same names)
             module, groups = unsharded_twin(module, groups)
         found, skipped = detect_sites(module, groups, batch.inputs, batch.kwargs, self.searched)
