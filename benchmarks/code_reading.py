@@ -4,10 +4,12 @@ Builds a small ReLU MLP (float32, batch 16) under a base optimizer (AdamW by
 default).  **By default** it wraps it in the README's configuration,
 ``Teleport(base, model, "auto", example_inputs=x[:4], loss_fn=..., batch_fn=...)``
 and nothing else (objective ``"balance"`` every 200 steps from step 200), trains
-to step 200 and traces its first teleporting step (checked on ``batch_fn``'s batch
-on the engine), then trains on and traces the next one (step 400: on the lean
-path of ``teleopt.teleport.companion`` where it applies), and prints both counts.
-With ``--grad-norm`` it wraps the MLP with the library's defaults except the
+to step 200 and traces its first teleporting step (lean, with the engine's output
+check on ``batch_fn``'s batch around it: ``teleopt.teleport.lean_check``), then
+trains on and traces the next one (step 400: on the lean path of
+``teleopt.teleport.companion`` where it applies), and prints both counts.
+With ``--grad-norm`` (a teleport through the engine's four phases,
+``teleopt.teleport.engine``) it wraps the MLP with the library's defaults except the
 schedule (``sites="auto"`` found on example inputs, objective ``"grad_norm"``,
 default search, safety and state policy, ``every=1``), runs one teleporting step
 to warm up (lazy imports, first-call set-up), then traces a second one.  Each

@@ -70,21 +70,21 @@ class PhasedEngine(TeleportEngine):
 
     phases: Phases
 
-    def plan(self, sites, request):
+    def plan(self, sites, request, transaction=None):
         with self.phases.enter("plan"):
-            return super().plan(sites, request)
+            return super().plan(sites, request, transaction)
 
-    def search(self, plan):
+    def search(self, planned):
         with self.phases.enter("search"):
-            return super().search(plan)
+            return super().search(planned)
 
-    def apply(self, plan, elements):
+    def apply(self, found):
         with self.phases.enter("apply"):
-            return super().apply(plan, elements)
+            return super().apply(found)
 
-    def verify(self, plan, snapshot):
+    def verify(self, applied):
         with self.phases.enter("verify"):
-            return super().verify(plan, snapshot)
+            return super().verify(applied)
 
 
 class PhasedTeleport(Teleport):

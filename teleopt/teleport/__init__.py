@@ -8,12 +8,15 @@ step.  The concepts live in one module each:
 
 * :mod:`~teleopt.teleport.optimizer`: the wrapper (``Teleport``), configured by
   :mod:`~teleopt.teleport.config` (group objects and keyword shortcuts);
-* :mod:`~teleopt.teleport.engine`: one teleport in four phases (plan, search,
-  apply, verify); :mod:`~teleopt.teleport.evaluator`: the protocol objectives
+* :mod:`~teleopt.teleport.engine`: one teleport as a pipeline of four phases (plan,
+  :mod:`~teleopt.teleport.search_phase`, :mod:`~teleopt.teleport.apply_phase`,
+  :mod:`~teleopt.teleport.verify_phase`) handing on the frozen values of
+  :mod:`~teleopt.teleport.phases`; :mod:`~teleopt.teleport.evaluator`: the protocol objectives
   evaluate g . w through; :mod:`~teleopt.teleport.search`: the pluggable search
   (``SearchStrategy``, default ``GradientAscent``; ``ClosedForm`` for objectives
   solved in closed form, such as ``"balance"``); :mod:`~teleopt.teleport.sites`:
-  binding sites to the model and optimizer;
+  binding sites to the model and optimizer; :mod:`~teleopt.teleport.site_selection`:
+  which sites each teleport moves (``sites="auto"`` and what it leaves out);
 * :mod:`~teleopt.teleport.schedule`: when to teleport (Algorithm 1's set K);
 * :mod:`~teleopt.teleport.objectives`: gradient norm, preconditioned norm,
   one-step lookahead loss, sharpness (eq. 5.1), curvature (eq. 5.2), balance
@@ -30,8 +33,8 @@ step.  The concepts live in one module each:
   the base optimizer's update and its state under teleports;
 * :mod:`~teleopt.teleport.check`: every teleport's check of the model outputs
   (teleport batch, closure or probe inputs);
-* :mod:`~teleopt.teleport.safety` and :mod:`~teleopt.teleport.watch`: caps,
-  post-conditions, rollback and the watch;
+* :mod:`~teleopt.teleport.safety`, :mod:`~teleopt.teleport.watch` and
+  :mod:`~teleopt.teleport.rollback`: caps, post-conditions, rollback and the watch;
 * :mod:`~teleopt.teleport.distributed`: identical parameters on every rank;
 * :mod:`~teleopt.teleport.paper_compat`: the papers' first-order, non-invariant
   teleport, for comparisons.

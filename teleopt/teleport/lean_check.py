@@ -33,7 +33,7 @@ from teleopt.teleport.balance_plan import BalancePlan
 from teleopt.teleport.check import OutputCheck, first_rows
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.coordinates import within_roundoff
-from teleopt.teleport.engine import Plan, TeleportEngine, TeleportRequest
+from teleopt.teleport.engine import TeleportEngine, TeleportRequest
 from teleopt.teleport.fast_path import FastEvaluator
 from teleopt.teleport.precision import full_precision
 from teleopt.teleport.report import TeleportReport
@@ -179,8 +179,7 @@ class LeanCheck:
             ctx = TeleportContext.build(engine.config.module, engine.config.optimizer, engine.config.policy)
             sites, inverses, _ = self._inverses(report)
             like = {n: ctx.tensors[n] for s in sites for n in s.tensor_names}
-            twin = Plan(list(plan.sites), "fast", self.request, report, ctx, self.fmodel, check=check)
-            failures = engine._settle_inconclusive(twin, _Originals(sites, inverses, like), failures)
+            failures = engine.settle_report(report, list(plan.sites), check, self.request, _Originals(sites, inverses, like), failures)
         return failures
 
     def _inverses(self, report: TeleportReport) -> tuple[list[Any], list[Tensor], list[Tensor]]:

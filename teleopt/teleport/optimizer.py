@@ -19,12 +19,10 @@ policies and safety.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import torch
@@ -52,33 +50,27 @@ from teleopt.teleport.config import (
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.distributed import check_supported_sharding
 from teleopt.teleport.engine import EngineConfig, TeleportEngine, TeleportRequest
-from teleopt.teleport.fast_path import fast_path_eligible
 from teleopt.teleport.lookahead import LookaheadView
-from teleopt.teleport.norm_sites import norm_sites_left_out
 from teleopt.teleport.objectives import Objective, get_objective
-from teleopt.teleport.paper_compat import PaperCompatEngine, check_paper_compat_sites
+from teleopt.teleport.paper_compat import PaperCompatEngine
 from teleopt.teleport.precision import PrecisionRecorder, full_precision
 from teleopt.teleport.record_check import check_groups, check_record
 from teleopt.teleport.report import Tally, TeleportReport
-from teleopt.teleport.rollback import rollback_watch
+from teleopt.teleport.rollback import rollback_watch, watch_fires
 from teleopt.teleport.safety import SafetyConfig
 from teleopt.teleport.schedule import Schedule
 from teleopt.teleport.scheduled import scheduled_teleports
 from teleopt.teleport.search import SearchConfig
+from teleopt.teleport.site_selection import AutoSites, check_sharded_support
 from teleopt.teleport.sites import (
+    active_sites,
     check_model_matches_optimizer,
-    detect_sites,
     movable_sites,
-    moved_names,
-    unsharded_twin,
-    unusable,
-    validate_sites,
-    warn_left_out,
     warn_scale_free_objective,
 )
 from teleopt.teleport.state_policy import StatePolicy, restart_curvature_history
 from teleopt.teleport.transaction import Transaction
-from teleopt.teleport.watch import REFERENCE_STEPS, Measure, TeleportRecord, batch_loss, keeps_copies
+from teleopt.teleport.watch import REFERENCE_STEPS, TeleportRecord, keeps_copies
 from teleopt.unwrap import hook_target, unwrap
 from teleopt.wrapper import OptimizerWrapper, no_grad_step, torch_initialising_step
 
@@ -217,10 +209,10 @@ class Teleport(OptimizerWrapper):
         layout = unsupported_layout(self._module) if self._sharded else None
         if layout is not None:  # before "auto" detection gathers the model
             raise ValueError(f"Teleport on a sharded model supports FSDP2's layout (a 1-D mesh, Shard(0)); not {layout}")
-        self._auto_skipped: dict[str, str] = {}
-        self._sites = self._initial_sites(sites)
+        self._auto = AutoSites(self._module, self.innermost, not self._objective.closed_form, self._sharded)
+        self._sites, self._auto_skipped = self._auto.initial(sites, self.param_groups, self._example, self._search.paper_compat)
         if self._sharded:
-            self._check_sharded()
+            check_sharded_support(self._sites, self._search, self._objective, self._safety)
 
     def _start_recording(self) -> None:
         """Teleport hooks, reports, their tally, and the forward pre-hooks.
@@ -261,85 +253,11 @@ class Teleport(OptimizerWrapper):
         )
         return (PaperCompatEngine if self._search.paper_compat else TeleportEngine)(config, self._record)
 
-    def _check_sharded(self) -> None:
-        """What an FSDP2 (``fully_shard``) model supports: explicit fast-path sites and objectives without a batch."""
-        why = None
-        if self._sites is None:
-            why = "sites='auto' without example_inputs (detection runs on an unsharded copy, built when Teleport is)"
-        elif self._search.paper_compat:
-            why = "paper_compat (its engine evaluates the model functionally)"
-        elif self._objective.needs_batch:
-            why = f"objective {self._objective.name!r} (it evaluates the model functionally on a batch)"
-        elif self._search.path == "general" or not all(fast_path_eligible(s) for s in self._sites):
-            why = "the general path (data-dependent, approximate or learned sites evaluate the model functionally)"
-        elif self._safety.stability_margin is not None:
-            why = "SafetyConfig(stability_margin=...) (the sharpness cap evaluates the model functionally)"
-        if why is not None:
-            raise ValueError(
-                f"Teleport on an FSDP2 (fully_shard) model supports the fast path only (explicit exact linear sites, "
-                f"objectives without a batch); not {why}"
-            )
-
-    def _initial_sites(self, sites: str | Sequence[Site]) -> list[Site] | None:
-        found: list[Site] | None = None
-        if isinstance(sites, str):
-            if sites != "auto":
-                raise ValueError(f"sites must be 'auto' or a list of Site, got {sites!r}")
-            if self._example is not None:
-                found = self._detect(self._example)
-        else:
-            found = validate_sites(sites, self._module, self.param_groups, given=True)
-        if self._search.paper_compat:
-            if found is None:
-                raise ValueError("paper_compat needs explicit GL sites (sites='auto' finds exact ones only)")
-            check_paper_compat_sites(found)
-        return found
-
     # ------------------------------------------------------------------ public API
     @property
     def module(self) -> nn.Module:
         """The (unwrapped) model."""
         return self._module
-
-    def _detect(self, batch: Batch) -> list[Site]:
-        """``sites="auto"`` detection on ``batch``'s inputs; warns about the sites left out.
-
-        Under a base optimizer whose steps are scale-free (Adam family, Adagrad, RMSprop, unmodelled
-        ones) the normalisation-affine rescalings are left out as well, unless every weight they rescale
-        besides the norms' own is scale-invariant (:func:`~teleopt.teleport.norm_sites.norm_sites_left_out`):
-        rescaling a norm's gain against a weight that is not changes effective learning rates for good."""
-        module, groups = self._module, self.param_groups
-        if self._sharded:  # detection traces the whole module: an unsharded twin, gathered once (same names)
-            module, groups = unsharded_twin(module, groups)
-        found, skipped = detect_sites(module, groups, batch.inputs, batch.kwargs, not self._objective.closed_form)
-        if self._sharded:
-            for site in [s for s in found if not fast_path_eligible(s)]:
-                skipped[site.name] = "not a fast-path site (an FSDP2 teleport takes the fast path only)"
-            found = [s for s in found if fast_path_eligible(s)]
-        norm = norm_sites_left_out(found, module, self.innermost, batch, groups)
-        if norm:
-            shown = ", ".join(norm[:3]) + (f" and {len(norm) - 3} more" if len(norm) > 3 else "")
-            warnings.warn(
-                f"Teleport(sites='auto') leaves out {len(norm)} normalisation-affine rescaling site(s) ({shown}): under "
-                f"{type(self.innermost).__name__}, whose steps do not scale with the gradient, rescaling a norm's gain "
-                "against weights that are not scale-invariant (no norm after them) or not under decoupled decay changes their effective "
-                "learning rates for good (it collapsed a ViT under AdamW); those of decayed BatchNorm'd convolutions are "
-                "kept. Pass the sites explicitly to include them.",
-                UserWarning,
-                stacklevel=3,
-            )
-            left_out = set(norm)
-            found = [s for s in found if s.name not in left_out]
-        reasons = {
-            **skipped,
-            **{
-                n: f"normalisation-affine rescaling of weights not scale-invariant or not under decoupled decay under {type(self.innermost).__name__}"
-                for n in norm
-            },
-        }
-        warn_left_out(skipped, stacklevel=3, none_left=None if found else reasons)
-        self._auto_skipped = reasons
-        return found
 
     @property
     def sites(self) -> list[Site] | None:
@@ -375,11 +293,6 @@ class Teleport(OptimizerWrapper):
     def record(self) -> TeleportRecord:
         """Steps, accepted teleports, rollbacks, the caps' backoff and the watch in progress."""
         return self._record
-
-    @property
-    def _watch_limits(self) -> tuple[float, int, Measure | None]:  # (a batch's loss, where needed)
-        fresh = None if self._batch_fn is None else partial(batch_loss, self._module, self._loss_fn, self._batch_fn, self._check_seed())
-        return self._safety.watch_factor, self._safety.watch_patience, fresh
 
     def summary(self) -> str:
         """One line on what the teleports came to (:class:`~teleopt.teleport.report.Tally`), e.g. ``"12 teleports:
@@ -454,7 +367,7 @@ class Teleport(OptimizerWrapper):
         try:  # ||grad||^2 is read once: the lean balance takes the watch's or the sample's (record.read)
             if record.watch is None and self._schedule.soon(record.step, record.accepted, REFERENCE_STEPS):
                 record.sample(self._grads())  # the watch's reference for the next teleport
-            elif record.watch is not None and record.watch_fired(self._grads(), loss, *self._watch_limits):
+            elif record.watch is not None and watch_fires(self, loss):
                 with full_precision():
                     self._rollback_watch(record.step)
                 record.step += 1
@@ -498,30 +411,18 @@ class Teleport(OptimizerWrapper):
                     "sites='auto' needs example inputs: pass example_inputs= to Teleport or a batch to teleport(), or run the model once"
                 )
             with self._probe.pause():
-                self._sites = self._detect(inputs)
-        enabled = {id(p) for g in self.param_groups if self.group_value(g, "enabled") for p in g["params"]}
-        optimized = {id(p) for g in self.param_groups for p in g["params"]}
-        params = dict(self._module.named_parameters())
-        active, skipped = [], dict(self._auto_skipped)
-        for site in self._sites:
-            why = unusable(site, self._module, params, optimized)
-            if why is None and not all(n not in params or id(params[n]) in enabled for n in moved_names(site)):
-                why = "teleports are disabled for its param group"
-            if why is None:
-                active.append(site)
-            else:
-                skipped[site.name] = why
-        return active, skipped
+                self._sites, self._auto_skipped = self._auto.detect(inputs, self.param_groups)
+        return active_sites(self._sites, self._module, self.param_groups, self.prefix + "enabled", self._auto_skipped)
 
     def _teleport_now(self, request: TeleportRequest) -> tuple[TeleportReport, Any]:
         if (lean := BalanceCompanion.of(self).teleport(self, request)) is not None:  # closed-form balance, no passes
             return lean, request.loss
         if any(p.grad is not None and p.grad.requires_grad for p in self._param_list()):
-            report = TeleportReport(step=self._record.step, path="none", objective=self._objective.name)
-            report.reason = (
+            reason = (
                 "declined: the gradients carry an autograd graph (backward(create_graph=True), as Adahessian needs); "
                 "moving the parameters in place would invalidate the graph the base optimizer differentiates next"
             )
+            report = TeleportReport(step=self._record.step, path="none", objective=self._objective.name, reason=reason)
             self._call_hooks(report)
             return report, request.loss
         if self._sharded:

@@ -37,8 +37,8 @@ from teleopt.actions.data_dependent import DataDependentGL
 from teleopt.detection.certify import output_leaves
 from teleopt.functional import Batch, FunctionalModel
 from teleopt.site import Site
-from teleopt.teleport.engine import Plan, TeleportEngine
-from teleopt.teleport.report import TeleportReport
+from teleopt.teleport.engine import TeleportEngine
+from teleopt.teleport.phases import Checked, Declined, Planned, Verified
 
 __all__ = ["check_paper_compat_sites", "paper_compat_teleport", "PaperCompatEngine"]
 
@@ -148,38 +148,31 @@ class PaperCompatEngine(TeleportEngine):
     def batch_need(self, sites: Sequence[Site]) -> str:
         return "paper_compat"
 
-    def plan_evaluator(self, plan: Plan) -> Plan | TeleportReport:
-        return plan  # the first-order teleport evaluates the model itself
+    def plan_evaluator(self, planned: Planned) -> Planned | Declined:
+        return planned  # the first-order teleport evaluates the model itself
 
-    def execute(self, plan: Plan) -> Any:
-        cfg, ctx, fmodel, request = self.config, plan.ctx, plan.fmodel, plan.request
+    def execute(self, planned: Planned) -> Verified | Declined:
+        cfg, ctx, fmodel, request = self.config, planned.ctx, planned.fmodel, planned.request
         assert fmodel is not None and request.batch is not None, "planned with a batch (paper_compat needs one)"
         live = {n: ctx.tensors[n] for n in ctx.trainable}
-        for s in plan.sites:
+        for s in planned.sites:
             live.update({n: ctx.tensors[n] for n in s.tensor_names})
-        if plan.transaction is not None:  # all or nothing: the live tensors, every gradient, the optimizer state
+        if planned.transaction is not None:  # all or nothing: the live tensors, their gradients and state
             grads = [p.grad for p in cfg.module.parameters() if p.grad is not None]
-            plan.transaction.protect(list(live.values()) + grads, [ctx.trainable[n] for n in live if n in ctx.trainable])
-        if plan.transaction is not None:  # all or nothing: the live tensors, their gradients and state
-            grads = [p.grad for p in cfg.module.parameters() if p.grad is not None]
-            plan.transaction.protect(list(live.values()) + grads, [ctx.trainable[n] for n in live if n in ctx.trainable])
+            planned.transaction.protect(list(live.values()) + grads, [ctx.trainable[n] for n in live if n in ctx.trainable])
         ascent = cfg.search.ascent()
-        paper_compat_teleport(fmodel, plan.sites, request.batch, list(ctx.trainable), live, ascent.steps, ascent.lr)
+        paper_compat_teleport(fmodel, planned.sites, request.batch, list(ctx.trainable), live, ascent.steps, ascent.lr)
         # the check is measured like any other teleport's, but decides nothing: this mode is not loss-preserving
-        check = plan.check
-        assert check is not None and check.kind == "batch", "planned with a batch (paper_compat needs one)"
+        check = planned.check
+        assert check.kind == "batch", "planned with a batch (paper_compat needs one)"
         out = check.run(cfg.module)
-        plan.report.loss_after = self._loss_value(fmodel, out, request.batch)
-        plan.report.check_error = check.error(output_leaves(out))
-        plan.report.check_tol = check.tolerance(cfg.safety.loss_tol)
-        loss: Any = plan.report.loss_after
+        loss_after = self._loss_value(fmodel, out, request.batch)
+        error = check.error(output_leaves(out))
+        measured = {"loss_after": loss_after, "check_error": error, "check_tol": check.tolerance(cfg.safety.loss_tol)}
+        loss: Any = loss_after
         if request.closure is not None:
-            loss = self.rerun_closure(request.closure)
+            loss, _ = self.rerun_closure(request.closure)
         else:
             ctx.fresh_gradients(fmodel, request.batch)
-        plan.report.accepted = True
-        plan.report.reason = (
-            f"accepted (paper_compat: not loss-preserving, never rolled back; outputs changed by {plan.report.check_error:.2e})"
-        )
-        self.record.accepted += 1
-        return loss
+        reason = f"accepted (paper_compat: not loss-preserving, never rolled back; outputs changed by {error:.2e})"
+        return Verified(planned, Checked(loss, measured, []), None, reason)

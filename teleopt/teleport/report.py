@@ -16,7 +16,14 @@ from torch import Tensor, nn
 from teleopt.site import Site, lookup_tensor
 from teleopt.teleport.transport import transport
 
-__all__ = ["TeleportReport", "Tally"]
+__all__ = ["TeleportReport", "Tally", "relative_drift"]
+
+
+def relative_drift(before: float | None, after: float | None) -> float | None:
+    """|after - before| / |before| (``None`` if either is unknown)."""
+    if before is None or after is None:
+        return None
+    return abs(after - before) / max(abs(before), torch.finfo(torch.float64).tiny)
 
 
 @dataclass
@@ -121,9 +128,7 @@ class TeleportReport:
     @property
     def loss_drift(self) -> float | None:
         """|L(g . w) - L(w)| / |L(w)| on the teleport batch (``None`` if unknown)."""
-        if self.loss_before is None or self.loss_after is None:
-            return None
-        return abs(self.loss_after - self.loss_before) / max(abs(self.loss_before), torch.finfo(torch.float64).tiny)
+        return relative_drift(self.loss_before, self.loss_after)
 
     @property
     def check_passed(self) -> bool:

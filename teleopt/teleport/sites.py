@@ -26,6 +26,7 @@ from teleopt.teleport.optimizer_model import OptimizerModel
 from teleopt.teleport.schedule import Schedule
 
 __all__ = [
+    "active_sites",
     "check_model_matches_optimizer",
     "validate_sites",
     "detect_sites",
@@ -326,3 +327,22 @@ def warn_scale_free_objective(objective: str, schedule: Schedule, optimizer: Opt
         UserWarning,
         stacklevel=4,  # the user's line: through Teleport.__init__ and its keyword check
     )
+
+
+def active_sites(
+    sites: Sequence[Site], module: nn.Module, param_groups: Sequence[dict[str, Any]], enabled_key: str, left_out: dict[str, str]
+) -> tuple[list[Site], dict[str, str]]:
+    """The sites a teleport moves now, and those left out with the reason (``left_out``: detection's, kept)."""
+    enabled = {id(p) for g in param_groups if g[enabled_key] for p in g["params"]}
+    optimized = {id(p) for g in param_groups for p in g["params"]}
+    params = dict(module.named_parameters())
+    active, skipped = [], dict(left_out)
+    for site in sites:
+        why = unusable(site, module, params, optimized)
+        if why is None and not all(n not in params or id(params[n]) in enabled for n in moved_names(site)):
+            why = "teleports are disabled for its param group"
+        if why is None:
+            active.append(site)
+        else:
+            skipped[site.name] = why
+    return active, skipped

@@ -9,8 +9,9 @@ here whether that is within tolerance:
   ``SafetyConfig.loss_tol`` (:func:`~teleopt.teleport.safety.default_loss_tol` of the
   dtype when unset) and ``heldout_tol`` (the loss tolerance for exact,
   data-independent sites, else unchecked unless given);
-* :func:`output_failures`: the model's outputs before and after
-  (:class:`~teleopt.teleport.check.OutputCheck`), recorded as ``report.check_error``;
+* :func:`output_verdict`: the model's outputs before and after
+  (:class:`~teleopt.teleport.check.OutputCheck`), measured as ``check_error``
+  (:func:`output_failures` writes it into a report);
   exact and data-dependent sites are decided by the outputs, approximate ones by the
   loss when it is known;
 * :func:`non_finite_gradient`: a NaN or inf in ``.grad`` declines a teleport before
@@ -27,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -38,7 +40,7 @@ from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.report import TeleportReport
 from teleopt.teleport.safety import SafetyConfig, default_loss_tol
 
-__all__ = ["Failure", "loss_failures", "output_failures", "non_finite_gradient"]
+__all__ = ["Failure", "Losses", "loss_failures", "output_failures", "output_verdict", "non_finite_gradient"]
 
 _WHERE = {"batch": "the teleport batch", "closure": "the closure's forwards", "probe": "the probe inputs"}
 
@@ -67,7 +69,20 @@ def _relative(after: float, before: float) -> float:
     return abs(after - before) / max(abs(before), 1e-300)
 
 
-def loss_failures(report: TeleportReport, safety: SafetyConfig, sites: Sequence[Site], dtype: torch.dtype) -> list[Failure]:
+class Losses(Protocol):
+    """The losses :func:`loss_failures` compares (a :class:`~teleopt.teleport.report.TeleportReport` has them)."""
+
+    @property
+    def loss_before(self) -> float | None: ...
+    @property
+    def loss_after(self) -> float | None: ...
+    @property
+    def heldout_before(self) -> float | None: ...
+    @property
+    def heldout_after(self) -> float | None: ...
+
+
+def loss_failures(report: Losses, safety: SafetyConfig, sites: Sequence[Site], dtype: torch.dtype) -> list[Failure]:
     """Why the loss or held-out loss in ``report`` changed too much (empty: invariance held)."""
     tol = safety.loss_tol if safety.loss_tol is not None else default_loss_tol(dtype)
     failures = []
@@ -88,28 +103,35 @@ def loss_failures(report: TeleportReport, safety: SafetyConfig, sites: Sequence[
 def output_failures(
     check: OutputCheck, after: list[Tensor], report: TeleportReport, sites: Sequence[Site], loss_tol: float | None
 ) -> list[Failure]:
-    """Compare the outputs ``after`` with ``check.before``; set ``report.check_error`` / ``check_tol``; why
-    they changed too much.
+    """:func:`output_verdict` on ``report``'s loss drift, its check fields written into ``report``."""
+    failures, measured = output_verdict(check, after, report.loss_drift, sites, loss_tol, report.check_detail)
+    for name, value in measured.items():
+        setattr(report, name, value)
+    return failures
+
+
+def output_verdict(
+    check: OutputCheck, after: list[Tensor], loss_drift: float | None, sites: Sequence[Site], loss_tol: float | None, detail: str
+) -> tuple[list[Failure], dict[str, Any]]:
+    """Compare the outputs ``after`` with ``check.before``: why they changed too much, and the report's
+    ``check_error``, ``check_tol`` and ``check_detail`` (``detail`` so far).
 
     Sites that promise exactness (exact, or data-dependent on the batch) are decided by the
     outputs; approximate sites by the loss tolerance when the loss is known (their outputs are
     measured and reported only).  With no tensor output on either side the loss decides.
     """
     tol = check.tolerance(loss_tol)
-    report.check_tol = tol
     if not check.before and not after:
         why = "the closure did not call the model" if check.kind == "closure" else "the output has no tensor"
-        report.check_detail = f"the {check.kind}'s loss ({why})"
-        report.check_error = report.loss_drift
-        if report.check_error is None:
-            return [Failure(f"nothing was checked ({why} and there is no loss)", math.inf, tol, torch.float64)]
-        return []
+        measured: dict[str, Any] = {"check_tol": tol, "check_detail": f"the {check.kind}'s loss ({why})", "check_error": loss_drift}
+        if loss_drift is None:
+            return [Failure(f"nothing was checked ({why} and there is no loss)", math.inf, tol, torch.float64)], measured
+        return [], measured
     err = check.error(after)
-    report.check_error = err
     exact = all(s.action.exactness in ("exact", "data-dependent") for s in sites)
     failures = (
         []
-        if (not exact and report.loss_drift is not None) or err <= tol
+        if (not exact and loss_drift is not None) or err <= tol
         else [
             Failure(
                 f"outputs changed by {err:.2e} (relative) > tolerance {tol:.1e} on {_WHERE[check.kind]}", err, tol, check.output_dtype()
@@ -119,10 +141,10 @@ def output_failures(
     trained = check.trained_error()
     if trained is not None:
         what = f"in the training precision ({check.precision.describe()}) outputs changed by {trained[0]:.2e}"
-        report.check_detail += f"; {what} (tolerance {trained[1]:.1e}: 2x its round-off of the untouched model)"
+        detail += f"; {what} (tolerance {trained[1]:.1e}: 2x its round-off of the untouched model)"
         if not trained[0] <= trained[1]:
             failures.append(Failure(f"{what} > {trained[1]:.1e} (2x its round-off)", trained[0], trained[1], torch.float32, True))
-    return failures
+    return failures, {"check_tol": tol, "check_error": err, "check_detail": detail}
 
 
 def non_finite_gradient(ctx: TeleportContext) -> str | None:
