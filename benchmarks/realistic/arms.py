@@ -113,9 +113,9 @@ class AfterStep(Optimizer):
 @torch.no_grad()
 def roundoff_noop(params: list[Tensor], exponent: int = ROUNDOFF_EXPONENT) -> tuple[int, float]:
     """Multiply each tensor by ``f = 1 + 2^-exponent`` and divide it by ``f``, in place: the identity in exact
-    arithmetic, so the only change is floating-point round-off (at most one ulp per element, as each of the two
-    correctly rounded operations errs by at most half an ulp).  Returns the number of elements changed and
-    the largest relative change."""
+    arithmetic, so the only change is floating-point round-off: the rounded product errs by at most half an ulp
+    of the product, at most one ulp of the element, so the exact quotient lies within one ulp of the element and
+    rounds to it or to a neighbour.  Returns the number of elements changed and the largest relative change."""
     if not isinstance(exponent, int) or exponent < 1:
         raise ValueError(f"exponent must be an int >= 1, got {exponent!r}")
     factor, changed, largest = 1.0 + 2.0**-exponent, 0, 0.0
