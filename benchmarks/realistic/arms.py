@@ -13,8 +13,9 @@ schedule before every step, through the returned optimizer's ``param_groups``
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -27,7 +28,10 @@ from teleopt.site import Site
 from teleopt.syre import Syre
 from teleopt.teleport import Schedule, Teleport
 
-__all__ = ["ArmContext", "ARMS", "TELEPORT_ARMS", "DECAY_ARMS"]
+__all__ = ["ArmContext", "ARMS", "TELEPORT_ARMS", "DECAY_ARMS", "RoundOffOnce", "roundoff_noop", "first_default_teleport"]
+
+ROUNDOFF_EXPONENT = 1  # the control's factor 1 + 2^-1: (x * 1.5) / 1.5 in float32 is x or a neighbour of x
+SCHEDULE_HORIZON = 100_000  # the steps searched for the default's first teleport
 
 
 @dataclass
@@ -106,6 +110,59 @@ class AfterStep(Optimizer):
         return loss
 
 
+@torch.no_grad()
+def roundoff_noop(params: list[Tensor], exponent: int = ROUNDOFF_EXPONENT) -> tuple[int, float]:
+    """Multiply each tensor by ``f = 1 + 2^-exponent`` and divide it by ``f``, in place: the identity in exact
+    arithmetic, so the only change is floating-point round-off: the rounded product errs by at most half an ulp
+    of the product, at most one ulp of the element, so the exact quotient lies within one ulp of the element and
+    rounds to it or to a neighbour.  Returns the number of elements changed and the largest relative change."""
+    if not isinstance(exponent, int) or exponent < 1:
+        raise ValueError(f"exponent must be an int >= 1, got {exponent!r}")
+    factor, changed, largest = 1.0 + 2.0**-exponent, 0, 0.0
+    for p in params:
+        before = p.detach().clone()
+        p.mul_(factor).div_(factor)
+        moved = p != before
+        changed += int(moved.sum())
+        if bool(moved.any()):
+            largest = max(largest, float(((p - before)[moved] / before[moved]).abs().max()))
+    return changed, largest
+
+
+def first_default_teleport(c: ArmContext) -> int | None:
+    """The step of the first teleport on the schedule of the ``teleport_default`` arm (built on a copy of the model,
+    so nothing is registered on the model trained), or ``None`` when it schedules none."""
+    twin = replace(c, model=copy.deepcopy(c.model))
+    default = ARMS["teleport_default"](twin)
+    if not isinstance(default, Teleport):
+        raise TypeError(f"the teleport_default arm builds a Teleport, got {type(default).__name__}")
+    schedule = default.schedule
+    return next((t for t in range(SCHEDULE_HORIZON) if schedule.due(t, 0)), None)
+
+
+class RoundOffOnce(AfterStep):
+    """A control, not a teleopt configuration: the base optimizer, with :func:`roundoff_noop` applied once to every
+    parameter before the base update of step ``at`` (steps counted from 0, when ``Teleport`` teleports).
+
+    It measures how far float32 round-off alone, at the step where the default ``Teleport`` first acts, moves
+    a run: a teleport that lands on the same elements up to round-off can do no better than this.
+    ``perturbation`` holds ``(step, elements changed, largest relative change)`` once it has happened.
+    """
+
+    def __init__(self, base: Optimizer, at: int | None, exponent: int = ROUNDOFF_EXPONENT) -> None:
+        super().__init__(base, lambda: None)
+        self.at, self.exponent, self.steps = at, exponent, 0
+        self.perturbation: tuple[int, int, float] | None = None
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        if self.steps == self.at:
+            params = [p for g in self.param_groups for p in g["params"]]
+            self.perturbation = (self.steps, *roundoff_noop(params, self.exponent))
+        self.steps += 1
+        return self.base.step(closure)
+
+
 class CautiousWeightDecay(AfterStep):
     """Decoupled decay masked by the sign agreement of the update and the weight (see ``ArmContext.cautious``)."""
 
@@ -162,6 +219,9 @@ ARMS: dict[str, Callable[[ArmContext], Optimizer]] = {
     "cautious_wd": lambda c: c.cautious(),
     # LoRA: every pair projected onto the balanced set after every step (a baseline of its own, tuned on its own grid)
     "balora": lambda c: c.balora(),
+    # a control, not a teleopt configuration: the baseline with float32 round-off (x * 1.5 / 1.5 on every parameter)
+    # at the default Teleport's first teleport step; how much round-off alone moves the baseline
+    "baseline_roundoff": lambda c: RoundOffOnce(c.optimizer(), first_default_teleport(c)),
     # teleopt's balance on every step
     "balance_every1": lambda c: Teleport(c.optimizer(), c.model, "auto", objective="balance", every=1, **c.teleport_kwargs()),
     # QK-clip's invariant half (Kimi K2): per key/value group, ||W_Q|| = ||W_K|| by c W_Q, W_K / c, on attention only

@@ -184,6 +184,7 @@ def train_run(
         "teleport_cost_iters": teleport_s / median_step if reports and median_step > 0 else 0.0,
         "teleport_reasons": sorted({r.reason for r in reports}),
         "teleport_events": [[r.step, r.time_s] for r in reports],
+        "perturbation": getattr(opt, "perturbation", None),  # the round-off control's (step, changed, max relative)
         "sites": None if tp is None or tp._sites is None else len(tp._sites),
         "curve": curve,
     }
@@ -365,7 +366,7 @@ def verdicts(summary: dict[str, dict[str, Any]], collapse: bool, val_ratio: floa
     if base is not None:
         wins = {}
         for arm, s in summary.items():
-            if arm in ("baseline", "weight_decay", "cautious_wd", "balora"):  # baselines, not teleopt arms
+            if arm in ("baseline", "baseline_roundoff", "weight_decay", "cautious_wd", "balora"):  # not teleopt arms
                 continue
             reasons = []
             speed = s["speedup_Vbest"]["median"]
