@@ -139,3 +139,12 @@ def test_coupled_l2_decay_under_adam_does_not_count_as_decay():
     opt, messages = _auto(model, torch.optim.Adam(model.parameters(), weight_decay=0.1), x)
     assert "1.weight" not in _moved(opt)
     assert any("2 normalisation-affine" in m for m in messages)
+
+
+def test_the_construction_warnings_point_at_the_line_that_builds_teleport():
+    # a warning attributed to a line inside teleopt tells the user nothing about which of their wrappers it is
+    model = _cnn()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        Teleport(torch.optim.Adam(model.parameters()), model, "auto", example_inputs=torch.randn(2, 2, 8, 8), objective="balance")
+    assert record and {w.filename for w in record} == {__file__}, [(w.filename, w.lineno) for w in record]

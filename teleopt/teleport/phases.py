@@ -3,7 +3,8 @@
 Each phase of :class:`~teleopt.teleport.engine.TeleportEngine` takes the previous phase's value and returns the
 next one (:class:`Planned`, :class:`Found`, :class:`Applied`, :class:`Verified`) or a :class:`Declined` with its
 reason, the one way a teleport ends without being accepted (nothing moved, or moved and rolled back).  The
-values are frozen; each holds the one before it, so :func:`report_of`, the one place that writes a
+values are frozen dataclasses (shallowly: the output check a plan carries records its own forwards, and the
+search's measurements are a plain dict); each holds the one before it, so :func:`report_of`, the one place that writes a
 :class:`~teleopt.teleport.report.TeleportReport`, reads the whole teleport from the last value.
 """
 

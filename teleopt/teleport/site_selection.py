@@ -58,7 +58,7 @@ class AutoSites:
             if sites != "auto":
                 raise ValueError(f"sites must be 'auto' or a list of Site, got {sites!r}")
             if example is not None:
-                found, skipped = self.detect(example, param_groups, stacklevel=4)
+                found, skipped = self.detect(example, param_groups, stacklevel=6)  # the user line that builds Teleport
         else:
             found = validate_sites(sites, self.module, param_groups, given=True)
         if paper_compat:
