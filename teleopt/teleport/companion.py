@@ -40,7 +40,9 @@ the first teleport after each (re)build runs lean with the engine's output check
 else the probe inputs; undone by the inverse elements and reported rolled back when it fails); later teleports
 are not checked once it was accepted (their elements are the same closed form on the same certified sites; the
 watch still compares gradient norms each step).  Where the lean path cannot take that first teleport, the engine
-does, on the same batch, and the lean path starts after it was accepted with the whole move.
+does, on the same batch, and the lean path starts after it was accepted with the whole move.  An explicit
+``teleport(batch=...)`` (or ``teleport()`` drawing ``batch_fn``'s batch) is checked every time: it takes the same
+checked lean path on its batch, whether or not the plan was verified.
 
 **All or nothing.** Every new value is computed before the first write, so an exception before it leaves
 everything bitwise as it was; an exception after the copy (before the in-place products, which allocate
@@ -104,16 +106,16 @@ class BalanceCompanion:
         """Run ``owner``'s teleport on the lean path, call its hooks and return the report; ``None``: the engine's turn.
         ``draw``: the teleport batch (``batch_fn``'s) for the check of a plan's first teleport, drawn only then."""
         engine = owner._engine
-        if not self.enabled or request.batch is not None or request.heldout is not None or request.closure is not None:
+        if not self.enabled or request.heldout is not None or request.closure is not None:
             return None
         plan = None if request.loss is not None else self._plan(owner, engine)  # a loss: the caps may read it
         if plan is None:
             return None
         record = engine.record
-        if not plan.verified:
+        if not plan.verified or request.batch is not None:  # an explicit teleport(batch=...): checked, verified or not
             last = record.last  # (step, accepted, whole move) of the last report, saved with the record
-            if last is None or plan.checked_at != last[0] or not last[1] or not last[2]:  # not the engine's accepted
-                return self._checked(owner, plan, request, draw)
+            if request.batch is not None or last is None or plan.checked_at != last[0] or not (last[1] and last[2]):
+                return self._checked(owner, plan, request, draw)  # not after the engine's accepted whole move
             plan.verified = True  # the engine checked and accepted this plan's first teleport (a fallback below)
             record.lean_check = (plan.signature, record.backoff, plan.checked_at, True, plan.lean_step)
         report = lean_teleport(engine, plan, request, near=self.near)
@@ -125,11 +127,11 @@ class BalanceCompanion:
         """A plan's first teleport: lean, with the engine's output check around it (:mod:`~teleopt.teleport.lean_check`);
         where the lean path cannot take it, the engine does (on the same batch) and lean starts if it accepts."""
         record = owner._engine.record
-        check = LeanCheck.of(owner, plan, request, draw() if draw is not None else None)
+        check = LeanCheck.of(owner, plan, request, draw() if draw is not None else request.batch)
         report = None if check is None else lean_teleport(owner._engine, plan, request, self.near, check)
         if check is None or report is None:
-            plan.checked_at = record.step  # the engine checks this one; lean from the next if accepted
-            record.lean_check = (plan.signature, record.backoff, plan.checked_at, False, plan.lean_step)
+            if not plan.verified:  # the engine checks this one; lean from the next if accepted
+                plan.checked_at, record.lean_check = record.step, (plan.signature, record.backoff, record.step, False, plan.lean_step)
             return None
         plan.checked_at = record.step
         return self._done(owner, check.verify(report))
