@@ -11,8 +11,8 @@ path here instead of :class:`~teleopt.teleport.engine.TeleportEngine` when the p
 * each teleport reads the members' statistics, solves every bucket in one batched closed-form call
   (:meth:`Group.balance_many <teleopt.groups.Group.balance_many>`; ENorm, Stock et al. 2019; the balanced pair
   A A^T = B^T B of a LoRA pair, BaLoRA, Castin et al. 2026), computes every write first (the moved parts of
-  matrix groups and, in a chain, the moved gradients out of place; the scalings' factors, by which their
-  parameters, moments and, outside a chain, gradients are multiplied in place, per whole parameter where the
+  matrix groups; the scalings' factors, by which their
+  parameters, moments and gradients are multiplied in place, per whole parameter where the
   members tile it), then makes them with one ``torch._foreach_copy_`` and one in-place ``torch._foreach_mul_``.
   No forward or backward pass, no probe, no snapshot copies: the elements suffice to undo it.
 
@@ -22,8 +22,8 @@ distinct axes, the plan holds a :class:`~teleopt.teleport.balance_plan.Chain` an
 by the engine's own solver (:func:`solve_chain`: the weight-norm model's block-coordinate sweeps,
 :meth:`WeightNormModel.solve <teleopt.teleport.balance.WeightNormModel.solve>`, on a model built with the plan
 whose statistics each teleport reads again); the factors on a shared tensor
-compose (rows times columns): parameters and moments are multiplied in place by each, a gradient is moved once
-by all of its factors, and the undo and the watch's :class:`~teleopt.teleport.watch.InverseMove` apply every
+compose (rows times columns): parameters, gradients and moments are multiplied in place by each (a
+gradient's squared norm after the move read a chunk of rows at a time), and the undo and the watch's :class:`~teleopt.teleport.watch.InverseMove` apply every
 site's inverse.
 
 It gives the engine's result (the same statistics, solve, elements and transport rules) where the engine's
@@ -106,10 +106,8 @@ class BalanceCompanion:
         """Run ``owner``'s teleport on the lean path, call its hooks and return the report; ``None``: the engine's turn.
         ``draw``: the teleport batch (``batch_fn``'s) for the check of a plan's first teleport, drawn only then."""
         engine = owner._engine
-        if not self.enabled or request.heldout is not None or request.closure is not None:
-            return None
-        plan = None if request.loss is not None else self._plan(owner, engine)  # a loss: the caps may read it
-        if plan is None:
+        off = not self.enabled or request.heldout is not None or request.closure is not None or request.loss is not None
+        if off or (plan := self._plan(owner, engine)) is None:  # a loss: the caps may read it (the engine's)
             return None
         record = engine.record
         if not plan.verified or request.batch is not None:  # an explicit teleport(batch=...): checked, verified or not
