@@ -350,13 +350,15 @@ def _lean(engine: TeleportEngine, plan: BalancePlan, objective: Balance, near: b
         return report
     # as the engine computes them; a site that stays gets the identity (exp(0) is exactly I) without a matrix_exp
     elements = [group.exp(xi) if m else group.identity() for group, xi, m in zip(plan.groups, coords, norms)]
-    writes = lean_moves.moves(plan, elements, cfg.optimizer)
     known = record.read  # ||grad||^2 before, as this step's watch read it
-    grads = (
-        []
-        if known is not None and math.isfinite(known)
-        else [p.grad for g in cfg.optimizer.param_groups for p in g["params"] if p.grad is not None]
-    )
+    fresh = known is None or not math.isfinite(known)
+    grads = [p.grad for g in cfg.optimizer.param_groups for p in g["params"] if p.grad is not None] if fresh else []
+    if check is not None:  # the outputs before and the caps (lean_check), before the moves' copies exist
+        known, grads = float(torch.stack(torch._foreach_norm(grads)).to(torch.float64).square().sum()) if grads else known, []
+        report.grad_norm_before = math.sqrt(known or 0.0)
+        if not check.reference(coords, report):
+            return None
+    writes = lean_moves.moves(plan, elements, cfg.optimizer)
     before, after, kept, members = lean_moves.grad_norms(grads, writes, still, known)
     report.grad_norm_before, report.grad_norm_after = math.sqrt(before), math.sqrt(after)
     report.objective_before = norm_start + kept
@@ -366,8 +368,6 @@ def _lean(engine: TeleportEngine, plan: BalancePlan, objective: Balance, near: b
     report.elements = {s.name: e if e.dtype == torch.float64 else e.to(torch.float64) for s, e in zip(plan.sites, elements)}
     report.state_decisions = dict(plan.counts)
     report.accepted, report.reason = True, "accepted"
-    if check is not None and not check.reference(coords, report):  # outputs before, caps (teleopt.teleport.lean_check)
-        return None
     watch = _watch(engine, plan, elements, report)
     lean_moves.write(writes, plan, elements)
     # the commit: Python assignments only, after the writes
