@@ -44,10 +44,11 @@ does, on the same batch, and the lean path starts after it was accepted with the
 ``teleport(batch=...)`` (or ``teleport()`` drawing ``batch_fn``'s batch) is checked every time: it takes the same
 checked lean path on its batch, whether or not the plan was verified.
 
-**All or nothing.** Every new value is computed before the first write, so an exception before it leaves
-everything bitwise as it was; an exception after the copy (before the in-place products, which allocate
-nothing) moves the copied tensors back by the inverse elements (exact up to round-off: a product by g, then by
-g^-1); after the writes no torch function runs before the commit.  The plan is also dropped when a member's
+**All or nothing.** Every new value is computed before the first write, except a GL lane's moved moments
+(computed kind by kind at the write, so that no two kinds' moved copies are alive at once), so an exception
+before it leaves everything bitwise as it was; an exception after the first copy (in a moment kind's product,
+or before the in-place products, which allocate nothing) moves the copied tensors back by the inverse elements
+(exact up to round-off: a product by g, then by g^-1); after the writes no torch function runs before the commit.  The plan is also dropped when a member's
 storage (``module.to``, ``p.data = ...``) or its optimizer-state keys changed since it was built.
 """
 
