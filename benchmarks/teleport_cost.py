@@ -1210,7 +1210,7 @@ def print_checked(rows: list[dict[str, Any]]) -> None:
         )
     print(
         "checked: teleport(batch=...) with loss_fn and batch_fn (caps, check and watch on); balance (default): the README "
-        "configuration as written (an explicit call: the engine; its scheduled teleports run lean, see --scheduled); "
+        "configuration as written (an explicit call: lean with the output check, as a plan's first scheduled teleport; see --scheduled); "
         "grad_norm: with schedule=Schedule()"
     )
     print("no-arg: teleport() without a batch argument (it draws batch_fn's batch: checked and capped too)")

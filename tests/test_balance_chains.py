@@ -184,8 +184,8 @@ def _before_a_lean_chain_teleport() -> tuple[nn.Module, Teleport, list[Tensor], 
 
 
 def test_an_exception_during_the_writes_of_a_chain_teleport_moves_the_gradients_back(monkeypatch) -> None:
-    # the in-place products raise after the gradients were copied: each gradient, moved by both sites that scale
-    # it, is moved back by both inverses (a few ulps); parameters and moments were not written yet (bitwise)
+    # the in-place products raise: the gradients, multiplied in place with the parameters and moments (no copy),
+    # were not written yet, nor were the parameters and moments (bitwise)
     model, opt, params, grads, state = _before_a_lean_chain_teleport()
     with products_raise(monkeypatch):
         opt.step()

@@ -1,7 +1,7 @@
 """A lean balance teleport's GL lanes in few kernels, with the engine's values.
 
-Every-step balance costs what its kernels cost: a lane's parameter parts, gradient parts and transported moments
-are stacked once and multiplied by their block matrices in one batched product (not one product per kind); a
+Every-step balance costs what its kernels cost: a lane's parameter parts, gradient parts and each kind of transported
+moment are stacked and multiplied by their block matrices in one batched product per kind (not one per part); a
 bucket's block matrices are stacked once per power; the near-balance step leaves each element and contragredient
 in the cache, and its exponential pair is the matrix exponential and its inverse to float64 round-off.  The moved
 values stay those of the engine (float64, 1e-12 of their scale, as ``tests/test_balance_companion.py``).
@@ -56,7 +56,9 @@ def two_pairs() -> tuple[nn.Module, list[Site], torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("make", [lora_like, attention, two_pairs], ids=["lora-like", "attention", "two-pairs"])
-def test_each_gl_lane_moves_parameters_gradients_and_moments_in_one_product(make, monkeypatch) -> None:
+def test_each_gl_lane_moves_each_kind_of_tensor_in_one_product(make, monkeypatch) -> None:
+    # parameters and gradients before the writes (their norms after the move are read), each moment kind at the
+    # write (lean_moves.write): one batched product per kind and lane, never every kind's moved copy at once
     model, opt, step = wrapped(make, lean=True, near=True)
     for _ in range(3):
         step()
@@ -74,7 +76,7 @@ def test_each_gl_lane_moves_parameters_gradients_and_moments_in_one_product(make
     plan = BalanceCompanion.of(opt).plan
     assert plan is not None and opt.reports[-1].check == "none" and opt.reports[-1].accepted
     lanes = sum(lane.matrix for lane in plan.lanes)
-    assert lanes >= 2 and counts == [lanes], (counts, lanes)  # AdamW: parameters, gradient and exp_avg per lane
+    assert lanes >= 2 and counts == [2 * lanes], (counts, lanes)  # AdamW: parameters and gradient per lane
 
 
 def test_each_buckets_block_matrices_are_stacked_once_per_power(monkeypatch) -> None:

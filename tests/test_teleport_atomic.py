@@ -504,8 +504,9 @@ def _near(a: Any, b: Any, rel: float, where: str = "") -> list[str]:
 def test_a_fault_in_a_lean_balance_teleport_leaves_everything_as_before() -> None:
     # objective="balance", every=1 on LoRA pairs and a scaling: after its plan's checked teleport, a teleport runs
     # on the lean path (teleopt.teleport.companion).  A fault before its writes leaves everything bitwise as it was;
-    # one after the copies and before the in-place products moves the copied tensors back by the inverse elements
-    # (to round-off); counters, reports and the watch are bitwise as before either way.
+    # one after the first copy (in a GL lane's moment product made at the write, or before the in-place products)
+    # moves the copied tensors back by the inverse elements (to round-off); counters, reports and the watch are
+    # bitwise as before either way.
     from test_balance_companion import lora_like, wrapped
 
     model, opt, step = wrapped(lora_like, lean=True)
@@ -527,10 +528,13 @@ def test_a_fault_in_a_lean_balance_teleport_leaves_everything_as_before() -> Non
         report = twin[1].teleport()
     assert report.accepted and report.check == "none", report.reason
     first_write = counter.names.index("_foreach_copy_")
-    # the writes are the teleport's last operations (then teleport()'s own no_grad exits, the report handed out)
-    assert counter.names[first_write + 1 :] == ["_foreach_mul_", "_set_grad_enabled"]
+    # the writes are the teleport's last operations: the copies, the GL lanes' moments moved kind by kind and
+    # copied, the in-place products (then teleport()'s own no_grad exits, the report handed out)
+    last = len(counter.names) - 2
+    assert counter.names[last:] == ["_foreach_mul_", "_set_grad_enabled"] and "_foreach_copy_" in counter.names[first_write + 1 :]
     before = state_of(model, opt)
-    points = sorted({p for p in injection_points(counter.ops, 16) if p <= first_write + 1} | {first_write, first_write + 1})
+    writes = range(first_write, last + 1)
+    points = sorted({p for p in injection_points(counter.ops, 16) if p <= last} | set(writes))
     for n, at in enumerate(points):
         fault = _fault(n)
         with pytest.raises(type(fault)) as info, Faults(phases, ("wrapper",), at, fault):

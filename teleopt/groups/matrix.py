@@ -352,12 +352,15 @@ class GeneralLinear(_MatrixGroup):
         L = torch.linalg.cholesky(A)
         m, V = torch.linalg.eigh(_sym(L.mT @ B @ L))
         inv = torch.linalg.solve_triangular(L, eye, upper=False)
+        del A, B, L  # each (sites, blocks, n, n) matrix freed once read: the solve's peak memory
         P = _sym(inv.mT @ ((V * m.clamp_min(0).sqrt().unsqueeze(-2)) @ V.mT) @ inv)
+        del inv, V
         lam, W = torch.linalg.eigh(P)
+        del P
         xi = 0.5 * torch.log(lam.clamp_min(torch.finfo(torch.float64).tiny))
         if radius is not None:
             xi = xi.clamp(-radius, radius)
-        coords = torch.where(mask, (W * xi.unsqueeze(-2)) @ W.mT, torch.zeros_like(A))
+        coords = torch.where(mask, (W * xi.unsqueeze(-2)) @ W.mT, 0.0)
         cache = active_cache()
         if cache is not None:  # exp(coords) then needs no matrix_exp (see exp); blocks left alone stay exactly I
             cache.put("eigen", coords, id(coords), (torch.where(mask, W, eye), torch.where(ok[..., None], xi, 0.0)))
@@ -371,8 +374,7 @@ class GeneralLinear(_MatrixGroup):
         both = all(set(s) == {1.0, -1.0} for s in stats)
         if len(stats) < 2 or not both or len({(s[1.0].shape, s[-1.0].shape, s[1.0].dtype) for s in stats}) != 1:
             return super().balance_many(stats, radius, rcond)
-        A, B = (torch.stack([s[p] for s in stats]) for p in (1.0, -1.0))
-        coords = self.balance({1.0: A, -1.0: B}, radius, rcond)
+        coords = self.balance({p: torch.stack([s[p] for s in stats]) for p in (1.0, -1.0)}, radius, rcond)
         sites = coords.unbind(0)
         cache = active_cache()
         eigen = None if cache is None else cache.get("eigen", coords, id(coords))
@@ -397,8 +399,10 @@ class GeneralLinear(_MatrixGroup):
             return None
         A, B = (torch.stack([s[p] for s in stats]).reshape(-1, self.n, self.n) for p in (1.0, -1.0))
         c, U = torch.linalg.eigh(A + B)  # reads one triangle: C need not be symmetric to the last bit
-        X = (U.mT @ (B - A) @ U) / (c.unsqueeze(-1) + c.unsqueeze(-2))
+        X = (U.mT @ (B - A) @ U).div_(c.unsqueeze(-1) + c.unsqueeze(-2))
+        del A, B  # freed once read: the step's peak memory
         S = _sym(U @ X @ U.mT)
+        del X, U
         # one read of the host: C singular to BALANCE_RCOND (smallest <= rcond * largest, also where the largest
         # <= 0), the longest step (||S||_F^2) and ||S||_1 for the exponential's degree
         checks = torch.stack(
@@ -540,7 +544,7 @@ class Orthogonal(_MatrixGroup):
 
 
 def _sym(m: Tensor) -> Tensor:
-    return 0.5 * (m + m.mT)
+    return (m + m.mT).mul_(0.5)  # one new block matrix (the product by 0.5 in place)
 
 
 def _well_conditioned(eigenvalues: Tensor, rcond: float) -> Tensor:

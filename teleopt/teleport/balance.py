@@ -52,13 +52,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import Tensor
 
 from teleopt.actions.axis import AxisAction, Member
 from teleopt.groups import BALANCE_RCOND, Group
-from teleopt.sharding import full, square_sum, sum_over
+from teleopt.sharding import full, is_sharded, square_sum, sum_over
 from teleopt.site import Site
 
 __all__ = ["BalanceResult", "WeightNormModel", "balance_coordinates"]
@@ -101,34 +102,39 @@ def _commute(a: _Entry, b: _Entry, ndim: int) -> bool:
 
 
 class _Reduced:
-    """A tensor acted on by scalings on whole, distinct axes, kept as its sums of squares S over the other axes."""
+    """A tensor acted on by scalings on whole, distinct axes, kept as its sums of squares S over the other axes
+    (a plain tensor acted on along every axis: read a chunk of rows at a time, :meth:`_einsum`, never kept), in the
+    tensor's own precision (float32 at least): the statistics it yields are read in float64."""
 
     def __init__(self, tensor: Tensor, entries: list[_Entry]) -> None:
         axes = [m.axis % tensor.ndim for _, m, _ in entries]
         other = [d for d in range(tensor.ndim) if d not in axes]
-        # in the tensor's own precision (float32 at least): the statistics it yields are read in float64
-        t = tensor.detach()
-        sq = (t if t.dtype in (torch.float32, torch.float64) else t.float()).square()
-        self.S = full(sum_over(sq, other))  # sharded (FSDP2): reduced on the shards, then gathered
+        t, self.dtype = tensor.detach(), torch.float64 if tensor.dtype == torch.float64 else torch.float32
+        self.lazy = not other and not is_sharded(t)  # DTensors (FSDP2): reduced on the shards, then gathered
+        self.S = None if self.lazy else full(sum_over(t.to(self.dtype).square(), other))
         self.source, self.other = t, other
         order = sorted(axes)
-        self.letters = "abcdefghij"[: self.S.ndim]
+        self.letters = "abcdefghij"[: len(axes)]
         self.positions = [order.index(a) for a in axes]
         self.entries = entries
 
     def reread(self) -> None:
-        """S again from the (plain, unsharded) tensor's current values, as :meth:`__init__` reduces it."""
-        t = self.source
-        sq = (t if t.dtype in (torch.float32, torch.float64) else t.float()).square()
-        self.S = sq.sum(self.other) if self.other else sq
+        """S again from the (plain, unsharded) tensor's current values, from its norms (no squared copy)."""
+        if not self.lazy:
+            self.S = torch.linalg.vector_norm(self.source.to(self.dtype), dim=self.other).square()
 
-    def _factors(self, elements: Sequence[Tensor]) -> list[Tensor]:
-        out = []
-        for i, m, grp in self.entries:
-            factor = grp.square_factor(elements[i], m.power)
-            assert factor is not None  # diagonal groups only
-            out.append(factor.to(self.S.dtype))
-        return out
+    def _einsum(self, operands: str, out: str, factors: list[Tensor]) -> Tensor:
+        """``einsum(operands -> out, S, *factors)``; a lazy S by chunks of rows (letter ``a``: joined, else summed)."""
+        if self.S is not None:
+            return torch.einsum(operands + "->" + out, self.S, *factors)
+        t, letters, rows, parts = self.source, operands.split(",")[1:], max(1, _CHUNK // max(1, self.source[0].numel())), []
+        for i in range(0, t.shape[0], rows):
+            fs = [f[i : i + rows] if letter == "a" else f for f, letter in zip(factors, letters)]
+            parts.append(torch.einsum(operands + "->" + out, t[i : i + rows].to(self.dtype).square(), *fs))
+        return torch.cat(parts) if out == "a" else torch.stack(parts).sum(0)
+
+    def _factors(self, elements: Sequence[Tensor]) -> list[Tensor]:  # diagonal groups only: a square factor each
+        return [cast(Tensor, grp.square_factor(elements[i], m.power)).to(self.dtype) for i, m, grp in self.entries]
 
     def add_stats(self, site: int, elements: Sequence[Tensor], stats: dict[float, Tensor]) -> None:
         factors = self._factors(elements)
@@ -136,13 +142,16 @@ class _Reduced:
             if i != site:
                 continue
             others = [j for j in range(len(self.entries)) if j != k]
-            spec = self.letters + "".join("," + self.letters[self.positions[j]] for j in others) + "->" + self.letters[self.positions[k]]
-            marginal = torch.einsum(spec, self.S, *[factors[j] for j in others])
+            operands = self.letters + "".join("," + self.letters[self.positions[j]] for j in others)
+            marginal = self._einsum(operands, self.letters[self.positions[k]], [factors[j] for j in others])
             _add(stats, float(m.power), marginal.to(torch.float64))
 
     def value(self, elements: Sequence[Tensor]) -> Tensor:
-        spec = self.letters + "".join("," + self.letters[p] for p in self.positions) + "->"
-        return torch.einsum(spec, self.S, *self._factors(elements))
+        return self._einsum(self.letters + "".join("," + self.letters[p] for p in self.positions), "", self._factors(elements))
+
+
+#: elements per chunk of rows of a tensor whose whole square a weight-norm term reads (:meth:`_Reduced._einsum`)
+_CHUNK = 1 << 20
 
 
 class _Explicit:

@@ -11,8 +11,8 @@ path here instead of :class:`~teleopt.teleport.engine.TeleportEngine` when the p
 * each teleport reads the members' statistics, solves every bucket in one batched closed-form call
   (:meth:`Group.balance_many <teleopt.groups.Group.balance_many>`; ENorm, Stock et al. 2019; the balanced pair
   A A^T = B^T B of a LoRA pair, BaLoRA, Castin et al. 2026), computes every write first (the moved parts of
-  matrix groups and, in a chain, the moved gradients out of place; the scalings' factors, by which their
-  parameters, moments and, outside a chain, gradients are multiplied in place, per whole parameter where the
+  matrix groups; the scalings' factors, by which their
+  parameters, moments and gradients are multiplied in place, per whole parameter where the
   members tile it), then makes them with one ``torch._foreach_copy_`` and one in-place ``torch._foreach_mul_``.
   No forward or backward pass, no probe, no snapshot copies: the elements suffice to undo it.
 
@@ -22,8 +22,8 @@ distinct axes, the plan holds a :class:`~teleopt.teleport.balance_plan.Chain` an
 by the engine's own solver (:func:`solve_chain`: the weight-norm model's block-coordinate sweeps,
 :meth:`WeightNormModel.solve <teleopt.teleport.balance.WeightNormModel.solve>`, on a model built with the plan
 whose statistics each teleport reads again); the factors on a shared tensor
-compose (rows times columns): parameters and moments are multiplied in place by each, a gradient is moved once
-by all of its factors, and the undo and the watch's :class:`~teleopt.teleport.watch.InverseMove` apply every
+compose (rows times columns): parameters, gradients and moments are multiplied in place by each (a
+gradient's squared norm after the move read a chunk of rows at a time), and the undo and the watch's :class:`~teleopt.teleport.watch.InverseMove` apply every
 site's inverse.
 
 It gives the engine's result (the same statistics, solve, elements and transport rules) where the engine's
@@ -40,12 +40,15 @@ the first teleport after each (re)build runs lean with the engine's output check
 else the probe inputs; undone by the inverse elements and reported rolled back when it fails); later teleports
 are not checked once it was accepted (their elements are the same closed form on the same certified sites; the
 watch still compares gradient norms each step).  Where the lean path cannot take that first teleport, the engine
-does, on the same batch, and the lean path starts after it was accepted with the whole move.
+does, on the same batch, and the lean path starts after it was accepted with the whole move.  An explicit
+``teleport(batch=...)`` (or ``teleport()`` drawing ``batch_fn``'s batch) is checked every time: it takes the same
+checked lean path on its batch, whether or not the plan was verified.
 
-**All or nothing.** Every new value is computed before the first write, so an exception before it leaves
-everything bitwise as it was; an exception after the copy (before the in-place products, which allocate
-nothing) moves the copied tensors back by the inverse elements (exact up to round-off: a product by g, then by
-g^-1); after the writes no torch function runs before the commit.  The plan is also dropped when a member's
+**All or nothing.** Every new value is computed before the first write, except a GL lane's moved moments
+(computed kind by kind at the write, so that no two kinds' moved copies are alive at once), so an exception
+before it leaves everything bitwise as it was; an exception after the first copy (in a moment kind's product,
+or before the in-place products, which allocate nothing) moves the copied tensors back by the inverse elements
+(exact up to round-off: a product by g, then by g^-1); after the writes no torch function runs before the commit.  The plan is also dropped when a member's
 storage (``module.to``, ``p.data = ...``) or its optimizer-state keys changed since it was built.
 """
 
@@ -104,16 +107,14 @@ class BalanceCompanion:
         """Run ``owner``'s teleport on the lean path, call its hooks and return the report; ``None``: the engine's turn.
         ``draw``: the teleport batch (``batch_fn``'s) for the check of a plan's first teleport, drawn only then."""
         engine = owner._engine
-        if not self.enabled or request.batch is not None or request.heldout is not None or request.closure is not None:
-            return None
-        plan = None if request.loss is not None else self._plan(owner, engine)  # a loss: the caps may read it
-        if plan is None:
+        off = not self.enabled or request.heldout is not None or request.closure is not None or request.loss is not None
+        if off or (plan := self._plan(owner, engine)) is None:  # a loss: the caps may read it (the engine's)
             return None
         record = engine.record
-        if not plan.verified:
+        if not plan.verified or request.batch is not None:  # an explicit teleport(batch=...): checked, verified or not
             last = record.last  # (step, accepted, whole move) of the last report, saved with the record
-            if last is None or plan.checked_at != last[0] or not last[1] or not last[2]:  # not the engine's accepted
-                return self._checked(owner, plan, request, draw)
+            if request.batch is not None or last is None or plan.checked_at != last[0] or not (last[1] and last[2]):
+                return self._checked(owner, plan, request, draw)  # not after the engine's accepted whole move
             plan.verified = True  # the engine checked and accepted this plan's first teleport (a fallback below)
             record.lean_check = (plan.signature, record.backoff, plan.checked_at, True, plan.lean_step)
         report = lean_teleport(engine, plan, request, near=self.near)
@@ -125,11 +126,11 @@ class BalanceCompanion:
         """A plan's first teleport: lean, with the engine's output check around it (:mod:`~teleopt.teleport.lean_check`);
         where the lean path cannot take it, the engine does (on the same batch) and lean starts if it accepts."""
         record = owner._engine.record
-        check = LeanCheck.of(owner, plan, request, draw() if draw is not None else None)
+        check = LeanCheck.of(owner, plan, request, draw() if draw is not None else request.batch)
         report = None if check is None else lean_teleport(owner._engine, plan, request, self.near, check)
         if check is None or report is None:
-            plan.checked_at = record.step  # the engine checks this one; lean from the next if accepted
-            record.lean_check = (plan.signature, record.backoff, plan.checked_at, False, plan.lean_step)
+            if not plan.verified:  # the engine checks this one; lean from the next if accepted
+                plan.checked_at, record.lean_check = record.step, (plan.signature, record.backoff, record.step, False, plan.lean_step)
             return None
         plan.checked_at = record.step
         return self._done(owner, check.verify(report))
@@ -350,13 +351,15 @@ def _lean(engine: TeleportEngine, plan: BalancePlan, objective: Balance, near: b
         return report
     # as the engine computes them; a site that stays gets the identity (exp(0) is exactly I) without a matrix_exp
     elements = [group.exp(xi) if m else group.identity() for group, xi, m in zip(plan.groups, coords, norms)]
-    writes = lean_moves.moves(plan, elements, cfg.optimizer)
     known = record.read  # ||grad||^2 before, as this step's watch read it
-    grads = (
-        []
-        if known is not None and math.isfinite(known)
-        else [p.grad for g in cfg.optimizer.param_groups for p in g["params"] if p.grad is not None]
-    )
+    fresh = known is None or not math.isfinite(known)
+    grads = [p.grad for g in cfg.optimizer.param_groups for p in g["params"] if p.grad is not None] if fresh else []
+    if check is not None:  # the outputs before and the caps (lean_check), before the moves' copies exist
+        known, grads = float(torch.stack(torch._foreach_norm(grads)).to(torch.float64).square().sum()) if grads else known, []
+        report.grad_norm_before = math.sqrt(known or 0.0)
+        if not check.reference(coords, report):
+            return None
+    writes = lean_moves.moves(plan, elements, cfg.optimizer)
     before, after, kept, members = lean_moves.grad_norms(grads, writes, still, known)
     report.grad_norm_before, report.grad_norm_after = math.sqrt(before), math.sqrt(after)
     report.objective_before = norm_start + kept
@@ -366,8 +369,6 @@ def _lean(engine: TeleportEngine, plan: BalancePlan, objective: Balance, near: b
     report.elements = {s.name: e if e.dtype == torch.float64 else e.to(torch.float64) for s, e in zip(plan.sites, elements)}
     report.state_decisions = dict(plan.counts)
     report.accepted, report.reason = True, "accepted"
-    if check is not None and not check.reference(coords, report):  # outputs before, caps (teleopt.teleport.lean_check)
-        return None
     watch = _watch(engine, plan, elements, report)
     lean_moves.write(writes, plan, elements)
     # the commit: Python assignments only, after the writes

@@ -156,10 +156,8 @@ class LeanCheck:
             self._undo(report)
             report.accepted = False
             report.reason = "rolled back: " + "; ".join(f.reason for f in failures)
-            record.lean_check = (plan.signature, record.backoff, record.step, False, plan.lean_step)
-        else:
-            plan.verified = True
-            record.lean_check = (plan.signature, record.backoff, record.step, True, plan.lean_step)
+        plan.verified = not failures  # a verified plan whose explicit teleport failed is checked again from the next
+        record.lean_check = (plan.signature, record.backoff, record.step, plan.verified, plan.lean_step)
         return report
 
     def _failures(self, report: TeleportReport) -> list[Failure]:

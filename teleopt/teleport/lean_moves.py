@@ -1,9 +1,9 @@
 """The lean balance teleport's writes (:mod:`~teleopt.teleport.companion`): every new value computed first, then made at once.
 
-:func:`moves` computes, for one teleport's elements, the moved parts of matrix groups' members and, in a chain,
-the moved gradients out of place, and the factors by which scalings' parameters, moments and (outside a chain)
-gradients are multiplied in place; :func:`write` makes them with one ``torch._foreach_copy_`` and one in-place
-``torch._foreach_mul_`` (an exception between the two moves the copied tensors back by the inverse elements).
+:func:`moves` computes, for one teleport's elements, the moved parts of matrix groups' members and the factors
+by which scalings' parameters, moments and gradients are multiplied in place (a chain's gradients' squared norms
+after the move read a chunk of rows at a time); :func:`write` makes them with one ``torch._foreach_copy_`` and
+in-place ``torch._foreach_mul_`` (an exception between the two moves the copied tensors back by the inverse elements).
 :func:`unit_squares` reads a scalings' lane's statistics and :func:`grad_norms` the gradients' squared norms
 before and after, in one host read.  The transport rules are the engine's (:mod:`~teleopt.teleport.transport`;
 Zhao 2026, Prop. 4.5.1, eq. 4.19: parameters by the action, covectors by its inverse transpose, second moments
@@ -48,7 +48,8 @@ class Writes:
     targets: list[Tensor] = field(default_factory=list)
     values: list[Tensor] = field(default_factory=list)
     undo: list[list[tuple[_Slot, float, bool]]] = field(default_factory=list)  # per copy: every slot that moved it
-    whole: dict[int, int] = field(default_factory=dict)  # id of a parameter -> its whole gradient's copy (a chain's)
+    whole: dict[int, int] = field(default_factory=dict)  # id of a parameter (or a part's gradient) -> its chain entry
+    chain: list[tuple[Tensor, list[Tensor]]] = field(default_factory=list)  # a chain's gradients, with their factors
     scaled: list[Tensor] = field(default_factory=list)
     factors: list[Tensor] = field(default_factory=list)
     grad_before: list[Tensor] = field(default_factory=list)  # the moved gradient parts, before and after
@@ -56,6 +57,8 @@ class Writes:
     norm_after: list[Tensor] = field(default_factory=list)  # the members' squared norm after the move, per lane
     members_after: list[Tensor] = field(default_factory=list)  # moved members whose squared norms add to it
     grad_squares: list[Tensor] = field(default_factory=list)  # squared norms after the move of in-place gradients
+    #: a GL lane's moments of one kind (lane, parts, block matrices, undo per part): moved and copied at the write
+    products: list[tuple[_Lane, list[Tensor], Tensor, list[list[tuple[_Slot, float, bool]]]]] = field(default_factory=list)
     elements: Sequence[Tensor] = ()  # the teleport's elements, per site
 
 
@@ -109,27 +112,34 @@ def _grad(slot: _Slot, whole: bool = False) -> Tensor:
     return grad if whole or (slot.narrow is None and slot.shape is None) else _part(slot, grad)
 
 
-def _matrix_lane(writes: Writes, lane: _Lane, grads: list[Tensor], moments: list[tuple[list[Tensor], Tensor, float]]) -> None:
-    """A GL lane's parameter parts, gradient parts and moved moments (``(parts, block matrices, power)``) moved by
-    one batched product of all of them stacked, queued as copies: per tensor kind, not one product each."""
-    n, parts = len(lane.slots), [s.view for s in lane.slots] + grads
-    mats, powers = [m for _, m, _ in moments], [p for _, _, p in moments]
-    for more, _, _ in moments[2:]:  # the first two are the parameters' and the gradients' (parts above)
-        parts += more
-    x, m = torch.stack(parts), torch.cat(mats)
+def _product(lane: _Lane, parts: list[Tensor], m: Tensor) -> list[Tensor]:
+    """A GL lane's ``parts`` of one kind, stacked, moved by their block matrices ``m`` in one batched product."""
+    x = torch.stack(parts)
     if lane.side == "rows":  # one block, as (S, n, rest) and (S, rest, n) views: no transposed copies
         y = (m[:, 0] @ x.reshape(len(parts), lane.n, -1)).reshape(x.shape)
     elif lane.side == "cols":
         y = (x.reshape(len(parts), -1, lane.n) @ m[:, 0].mT).reshape(x.shape)
     else:
         y = lane.back(m @ lane.columns(x), x)
-    values = y.unbind(0)
-    writes.targets += parts
-    writes.values += values
-    writes.undo += [[(s, power, False)] for power in powers for s in lane.slots]
-    writes.members_after += values[:n]
-    writes.grad_before.append(x[n : 2 * n])
-    writes.grad_after += values[n : 2 * n]
+    return list(y.unbind(0))
+
+
+def _matrix_lane(writes: Writes, lane: _Lane, grads: list[Tensor], moments: list[tuple[list[Tensor], Tensor, float]]) -> None:
+    """A GL lane's parameter parts and gradient parts moved (one batched product per kind), queued as copies;
+    its moved moments (``(parts, block matrices, power)``) queued as products made at the write, one kind at a
+    time (:func:`write`): never every kind's moved copy at once."""
+    (_, mp, p), (_, mg, _) = moments[:2]
+    params = [s.view for s in lane.slots]
+    values = _product(lane, params, mp)
+    moved = _product(lane, grads, mg)
+    writes.targets += params + grads
+    writes.values += values + moved
+    writes.undo += [[(s, power, False)] for power in (p, -p) for s in lane.slots]
+    writes.members_after += values
+    writes.grad_before += grads
+    writes.grad_after += moved
+    for parts, m, power in moments[2:]:
+        writes.products.append((lane, parts, m, [[(s, power, False)] for s in lane.slots]))
 
 
 def moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim.Optimizer) -> Writes:
@@ -146,7 +156,7 @@ def moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim.
             writes.factors += factors.of(lane, p, dtype).unbind(0)
             units = plan.units.pop(id(lane), None)  # None: a chain (N after the move from its weight-norm model)
             if units is None:
-                _scaled_grads(writes, lane, grads, list(covector.unbind(0)), -p)
+                _scaled_grads(writes, lane, grads, list(covector.unbind(0)))
             else:
                 _scaled_in_place(writes, lane, grads, covector, units)
         for key, rule, power in lane.moments:
@@ -162,6 +172,7 @@ def moves(plan: BalancePlan, elements: Sequence[Tensor], optimizer: torch.optim.
                 writes.factors += m.unbind(0)
         if lane.matrix:
             _matrix_lane(writes, lane, grads, moments)
+    _chain_squares(writes)
     return writes
 
 
@@ -178,29 +189,30 @@ def _scaled_in_place(writes: Writes, lane: _Lane, grads: list[Tensor], covector:
     writes.grad_squares.append((unit_squares(lane, grads) * c ** (-2 * p)).sum())
 
 
-def _scaled_grads(writes: Writes, lane: _Lane, grads: list[Tensor], factors: list[Tensor], power: float) -> None:
-    """A scalings' lane's gradient parts times their factors, queued as copies.  A whole gradient that an earlier
-    site of a chain already moved (its rows, say; this site its columns) is multiplied again in its queued copy:
-    the factors compose, and the gradient is copied (and counted in the norms) once."""
-    tiled = lane.tiled is not None  # one whole gradient per target, moved by its slots' factors
-    whole = [tiled or slots[0].whole for slots, _ in lane.targets]
-    fresh = [k for k, (slots, _) in enumerate(lane.targets) if not (whole[k] and id(slots[0].param) in writes.whole)]
-    again = [k for k in range(len(lane.targets)) if k not in fresh]
-    if again:
-        at = [writes.whole[id(lane.targets[k][0][0].param)] for k in again]
-        torch._foreach_mul_([writes.values[i] for i in at], [factors[k] for k in again])  # queued copies, not live
-        for i, k in zip(at, again):
-            writes.undo[i] += [(s, power, True) for s in lane.targets[k][0]]
-    moved = torch._foreach_mul([grads[k] for k in fresh], [factors[k] for k in fresh]) if fresh else []
-    for k, value in zip(fresh, moved):
-        slots = lane.targets[k][0]
-        if whole[k]:
-            writes.whole[id(slots[0].param)] = len(writes.targets)
-        writes.targets.append(grads[k])
-        writes.values.append(value)
-        writes.undo.append([(s, power, tiled) for s in slots])
-    writes.grad_before += [grads[k] for k in fresh]
-    writes.grad_after += moved
+def _scaled_grads(writes: Writes, lane: _Lane, grads: list[Tensor], factors: list[Tensor]) -> None:
+    """A chain's gradient parts, multiplied in place by every factor (rows, columns); each counted once in the norms."""
+    for k, (slots, _) in enumerate(lane.targets):
+        key = id(slots[0].param) if lane.tiled is not None or slots[0].whole else id(grads[k])
+        if key not in writes.whole:
+            writes.whole[key] = len(writes.chain)
+            writes.chain.append((grads[k], []))
+            writes.grad_before.append(grads[k])
+        writes.chain[writes.whole[key]][1].append(factors[k])
+    writes.scaled += grads
+    writes.factors += factors
+
+
+def _chain_squares(writes: Writes, rows: int = 1 << 18) -> None:
+    """Each chain gradient's squared norm after the move (times its factors), ``rows`` elements at a time."""
+    squares = []
+    for grad, factors in writes.chain:
+        step = max(1, rows // max(1, grad[0].numel()))  # a factor has its gradient's dimensions (1 where broadcast)
+        for i in range(0, grad.shape[0], step):
+            part = grad[i : i + step]
+            for f in factors:
+                part = part * (f[i : i + step] if f.shape[0] > 1 else f)
+            squares.append(torch.linalg.vector_norm(part).to(torch.float64).square())
+    writes.grad_squares += [torch.stack(squares).sum()] if squares else []
 
 
 def _rounds(targets: list[Tensor], factors: list[Tensor]) -> list[tuple[list[Tensor], list[Tensor]]]:
@@ -219,15 +231,19 @@ def _rounds(targets: list[Tensor], factors: list[Tensor]) -> list[tuple[list[Ten
 
 
 def write(writes: Writes, plan: BalancePlan, elements: Sequence[Tensor]) -> None:
-    """The writes: one ``_foreach_copy_``, then in-place ``_foreach_mul_`` (one per factor a tensor takes; they
-    allocate nothing).  An exception (an interrupt) during them divides the products already made out again and
-    moves what the copy wrote back by the inverse elements (of every site that moved it), exact up to round-off."""
+    """One ``_foreach_copy_``, each GL lane's moments per kind moved and copied, in-place ``_foreach_mul_`` (module
+    docs); an exception undoes what was made (products divided out, copies moved back by the inverses)."""
     # without a chain every scaled tensor is distinct: one call
     rounds = _rounds(writes.scaled, writes.factors) if plan.chain or not writes.scaled else [(writes.scaled, writes.factors)]
-    done = 0
+    done, copied = 0, []
     try:
         if writes.targets:
             torch._foreach_copy_(writes.targets, writes.values)
+            copied.append((writes.targets, writes.undo))
+        writes.values, writes.grad_after, writes.members_after = [], [], []  # the moved copies, written: freed
+        for lane, parts, m, back in writes.products:
+            torch._foreach_copy_(parts, _product(lane, parts, m))
+            copied.append((parts, back))
         for scaled, factors in rounds:
             torch._foreach_mul_(scaled, factors)
             done += 1
@@ -235,12 +251,11 @@ def write(writes: Writes, plan: BalancePlan, elements: Sequence[Tensor]) -> None
         with torch.no_grad():
             for scaled, factors in reversed(rounds[:done]):
                 torch._foreach_div_(scaled, factors)
-            for target, value, undo in zip(writes.targets, writes.values, writes.undo):
-                if torch.equal(target, value):
-                    for slot, power, whole in reversed(undo):
-                        inverse = plan.sites[slot.site].action.inverse(elements[slot.site])
-                        part = _part(slot, target) if whole else target
-                        part.copy_(plan.groups[slot.site].act_on_axis(inverse, part, slot.axis, power))
+            for target, undo in ((t, u) for targets, undos in copied for t, u in zip(targets, undos)):
+                for slot, power, whole in reversed(undo):
+                    inverse = plan.sites[slot.site].action.inverse(elements[slot.site])
+                    part = _part(slot, target) if whole else target
+                    part.copy_(plan.groups[slot.site].act_on_axis(inverse, part, slot.axis, power))
         raise
 
 

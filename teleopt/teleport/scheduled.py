@@ -5,8 +5,8 @@
 (ENorm, Stock et al. 2019; BaLoRA, Castin et al. 2026), so ``batch_fn`` is not called for it, except for the
 first teleport of each balance plan, whose output check (:mod:`~teleopt.teleport.lean_check`) runs on the
 batch's first rows.  Every other teleport takes ``batch_fn``'s batch as before (one call per teleport: the
-engine reuses the batch a check drew).  A closure passed to ``step`` (a loss) or an explicit ``teleport(batch=...)`` never comes here
-without a batch: those always go through the engine with their check.  The first lean teleport of a step
+engine reuses the batch a check drew).  A closure passed to ``step`` (a loss) never comes here
+without a batch: it always goes through the engine with its check.  The first lean teleport of a step
 takes ||grad||^2 before its move from the step's watch (``TeleportRecord.read``); a later one (``batches`` > 1)
 reads the moved gradients again.
 """
