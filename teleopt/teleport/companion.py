@@ -107,7 +107,7 @@ class BalanceCompanion:
         """Run ``owner``'s teleport on the lean path, call its hooks and return the report; ``None``: the engine's turn.
         ``draw``: the teleport batch (``batch_fn``'s) for the check of a plan's first teleport, drawn only then."""
         engine = owner._engine
-        off = not self.enabled or request.heldout is not None or request.closure is not None or request.loss is not None
+        off = not self.enabled or not request.lean or request.heldout is not None or request.closure is not None or request.loss is not None
         if off or (plan := self._plan(owner, engine)) is None:  # a loss: the caps may read it (the engine's)
             return None
         record = engine.record
@@ -127,12 +127,14 @@ class BalanceCompanion:
         where the lean path cannot take it, the engine does (on the same batch) and lean starts if it accepts."""
         record = owner._engine.record
         check = LeanCheck.of(owner, plan, request, draw() if draw is not None else request.batch)
-        report = None if check is None else lean_teleport(owner._engine, plan, request, self.near, check)
+        # the closed form, never the near-balance step: a checked teleport lands where the engine's does
+        report = None if check is None else lean_teleport(owner._engine, plan, request, False, check)
         if check is None or report is None:
             if not plan.verified:  # the engine checks this one; lean from the next if accepted
                 plan.checked_at, record.lean_check = record.step, (plan.signature, record.backoff, record.step, False, plan.lean_step)
             return None
-        plan.checked_at = record.step
+        if report.accepted:  # moved, then checked (a declined teleport checked nothing)
+            plan.checked_at = record.step
         return self._done(owner, check.verify(report))
 
     @staticmethod
@@ -155,6 +157,7 @@ class BalanceCompanion:
             and not cfg.sharded
             and cfg.safety.max_gain is None
             and cfg.safety.stability_margin is None  # the sharpness cap (Hessian-vector products): the engine's
+            and (cfg.safety.watch_steps <= 0 or cfg.safety.watch_restore == "inverse")  # a snapshot watch: the engine's
             and cfg.search.path in ("auto", "fast")
             and isinstance(cfg.search.strategy_for(objective, None), ClosedForm)
             and not owner._lookahead.is_lookahead
@@ -300,8 +303,11 @@ def _report(engine: TeleportEngine, plan: BalancePlan, norms: list[float]) -> Te
     return report
 
 
-def _watch(engine: TeleportEngine, plan: BalancePlan, elements: Sequence[Tensor], report: TeleportReport) -> Watch | None:
-    """The watch of the accepted teleport (its inverse move) joined to the open one, made before anything is written."""
+def _watch(
+    engine: TeleportEngine, plan: BalancePlan, elements: Sequence[Tensor], report: TeleportReport, loss: float | None
+) -> Watch | None:
+    """The watch of the accepted teleport (its inverse move) joined to the open one, made before anything is written;
+    ``loss``: the checked batch's loss before the move (the engine's ``report.loss_before``), else ``None``."""
     cfg, record = engine.config, engine.record
     if cfg.safety.watch_steps <= 0:
         return None
@@ -310,7 +316,7 @@ def _watch(engine: TeleportEngine, plan: BalancePlan, elements: Sequence[Tensor]
     recent = [v for t, v in record.recent if record.step - REFERENCE_STEPS <= t < record.step]  # take_recent, unmutated
     before, after = report.grad_norm_before, report.grad_norm_after
     gain = (after / before) ** 2 if before and after else 1.0
-    return Watch(move, record.step + cfg.safety.watch_steps, record.step, reference(before, after, recent), None).stack(record.watch, gain)
+    return Watch(move, record.step + cfg.safety.watch_steps, record.step, reference(before, after, recent), loss).stack(record.watch, gain)
 
 
 def lean_teleport(
@@ -369,7 +375,7 @@ def _lean(engine: TeleportEngine, plan: BalancePlan, objective: Balance, near: b
     report.elements = {s.name: e if e.dtype == torch.float64 else e.to(torch.float64) for s, e in zip(plan.sites, elements)}
     report.state_decisions = dict(plan.counts)
     report.accepted, report.reason = True, "accepted"
-    watch = _watch(engine, plan, elements, report)
+    watch = _watch(engine, plan, elements, report, None if check is None else check.loss_before)
     lean_moves.write(writes, plan, elements)
     # the commit: Python assignments only, after the writes
     record.accepted += 1

@@ -30,7 +30,7 @@ from teleopt.functional import Batch, FunctionalModel
 from teleopt.numerics import all_finite_sums
 from teleopt.sharding import write_
 from teleopt.teleport.balance_plan import BalancePlan
-from teleopt.teleport.check import OutputCheck, first_rows
+from teleopt.teleport.check import OutputCheck
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.coordinates import within_roundoff
 from teleopt.teleport.engine import TeleportEngine, TeleportRequest
@@ -73,16 +73,16 @@ class LeanCheck:
 
     @classmethod
     def of(cls, owner: Any, plan: BalancePlan, request: TeleportRequest, batch: Batch | None) -> LeanCheck | None:
-        """The check of ``owner``'s lean teleport on ``batch``'s first rows, else the probe inputs; ``None`` with
-        neither (the engine declines it, saying why)."""
+        """The check of ``owner``'s lean teleport on ``batch`` (all of it, as the engine's: its outputs and its
+        loss, which the cap, the report and the watch read), else the probe inputs; ``None`` with neither (the
+        engine declines it, saying why)."""
         engine: TeleportEngine = owner._engine
         probe, source = owner._probe_inputs()
-        rows = None if batch is None else first_rows(batch)
-        request = replace(request, batch=rows, probe=probe, probe_source=source, precision=owner._precision.training())
+        request = replace(request, batch=batch, probe=probe, probe_source=source, precision=owner._precision.training())
         check = engine.plan_check(plan.sites, request)
         if check is None:
             return None
-        fmodel = None if rows is None else FunctionalModel(engine.config.module, engine.config.loss_fn)
+        fmodel = None if batch is None else FunctionalModel(engine.config.module, engine.config.loss_fn)
         record = engine.record
         kept = (record.accepted, record.watch, list(record.recent), record.lean_check, plan.lean_step)
         return cls(owner, plan, request, check, fmodel, None, kept)
