@@ -134,3 +134,24 @@ def test_a_chain_gradient_without_dimensions_gets_its_squared_norm() -> None:
     writes = Writes(chain=[(torch.tensor(2.0, dtype=torch.float64), [torch.tensor(3.0, dtype=torch.float64)])])
     _chain_squares(writes)
     assert len(writes.grad_squares) == 1 and float(writes.grad_squares[0]) == 36.0
+
+
+def test_the_lean_watch_keeps_each_element_in_its_sites_dtype_as_the_engine() -> None:
+    # a float32 Llama: the gained residual rotation has no lean slot (the closed form leaves it at the identity);
+    # the engine's watch_elements keeps every element in its site's first tensor's dtype (float32 here)
+    pytest.importorskip("transformers")
+    from test_balance_companion import TinyLlama, wrapped
+
+    def float32_llama():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        gen = torch.Generator().manual_seed(1)
+        return TinyLlama(), "auto", torch.randint(0, 32, (3, 6), generator=gen), torch.randn(3, 6, 32, generator=gen)
+
+    model, opt, step = wrapped(float32_llama, lean=True)
+    for _ in range(3):
+        step()
+    plan = BalanceCompanion.of(opt).plan
+    assert plan is not None
+    params = dict(model.named_parameters())
+    assert {s.site for s in plan.slots} != set(range(len(plan.sites)))  # some site has no lean slot
+    assert plan.watch_dtypes == [params[s.tensor_names[0]].dtype for s in plan.sites] == [torch.float32] * len(plan.sites)
