@@ -1,7 +1,7 @@
 """Balance as a per-step companion: the closed-form ``"balance"`` teleport without the engine's passes.
 
-A scheduled teleport whose objective is :class:`~teleopt.teleport.objectives.Balance` (defaults) runs a lean
-path here instead of :class:`~teleopt.teleport.engine.TeleportEngine` when the plan below applies:
+A teleport whose objective is :class:`~teleopt.teleport.objectives.Balance` (defaults), scheduled or explicit
+(``teleport()``, without a closure, a loss or a held-out batch), runs a lean path here instead of :class:`~teleopt.teleport.engine.TeleportEngine` when the plan below applies:
 
 * the **plan** (:mod:`teleopt.teleport.balance_plan`) is built once and cached on the wrapper
   (:class:`BalanceCompanion`): per site its group, trust radius and member views (the acted-on part of each
@@ -13,8 +13,10 @@ path here instead of :class:`~teleopt.teleport.engine.TeleportEngine` when the p
   A A^T = B^T B of a LoRA pair, BaLoRA, Castin et al. 2026), computes every write first (the moved parts of
   matrix groups; the scalings' factors, by which their
   parameters, moments and gradients are multiplied in place, per whole parameter where the
-  members tile it), then makes them with one ``torch._foreach_copy_`` and one in-place ``torch._foreach_mul_``.
-  No forward or backward pass, no probe, no snapshot copies: the elements suffice to undo it.
+  members tile it), then makes them with ``torch._foreach_copy_`` and in-place ``torch._foreach_mul_`` calls
+  (a tensor scaled by several sites, in a chain, gets one product per call; a GL lane's moments are moved and
+  copied kind by kind).
+  No backward pass, no snapshot copies: the elements suffice to undo it; an unchecked teleport runs no forward.
 
 **Chains.**  In a ReLU MLP or a conv chain the hidden layers' scaling sites share tensors (a layer's rows
 belong to one site, its columns to the next).  Where every such overlap is between positive scalings of whole,
@@ -34,15 +36,17 @@ also takes a point the trust region clipped, bounded for round-off as the engine
 members, no caps that read a loss, a state policy that transports or keeps every entry.  Anything else (a chain
 beside GL sites, overlapping slices) returns ``None`` and the engine runs.
 
-**The output check.** Balance on certified exact sites changes no output, so the companion checks once per plan:
-the first teleport after each (re)build runs lean with the engine's output check around it
-(:mod:`~teleopt.teleport.lean_check`: outputs and loss before and after on the first rows of ``batch_fn``'s batch,
-else the probe inputs; undone by the inverse elements and reported rolled back when it fails); later teleports
+**The output check.** Balance on certified exact sites changes no output, so a scheduled teleport is checked once
+per plan: the first teleport after each (re)build runs lean with the engine's output check around it
+(:mod:`~teleopt.teleport.lean_check`: outputs and loss before and after on the whole of ``batch_fn``'s batch, as
+the engine's, else the probe inputs; the predicted-decrease cap and the watch read that loss; undone by the inverse elements and reported rolled back when it fails); later teleports
 are not checked once it was accepted (their elements are the same closed form on the same certified sites; the
 watch still compares gradient norms each step).  Where the lean path cannot take that first teleport, the engine
 does, on the same batch, and the lean path starts after it was accepted with the whole move.  An explicit
 ``teleport(batch=...)`` (or ``teleport()`` drawing ``batch_fn``'s batch) is checked every time: it takes the same
-checked lean path on its batch, whether or not the plan was verified.
+checked lean path on its batch (the closed form, never the near-balance step), whether or not the plan was
+verified.  A scheduled teleport the lean path left to the engine is not tried lean again
+(``TeleportRequest.lean``), and a ``watch_restore="snapshot"`` watch leaves every teleport to the engine.
 
 **All or nothing.** Every new value is computed before the first write, except a GL lane's moved moments
 (computed kind by kind at the write, so that no two kinds' moved copies are alive at once), so an exception
@@ -123,8 +127,9 @@ class BalanceCompanion:
     def _checked(
         self, owner: Any, plan: BalancePlan, request: TeleportRequest, draw: Callable[[], Batch | None] | None
     ) -> TeleportReport | None:
-        """A plan's first teleport: lean, with the engine's output check around it (:mod:`~teleopt.teleport.lean_check`);
-        where the lean path cannot take it, the engine does (on the same batch) and lean starts if it accepts."""
+        """A plan's first scheduled teleport, or any explicit one (``request.batch``): lean, in closed form, with the
+        engine's output check around it (:mod:`~teleopt.teleport.lean_check`); where the lean path cannot take it,
+        the engine does (on the same batch) and, for an unverified plan, lean starts if it accepts."""
         record = owner._engine.record
         check = LeanCheck.of(owner, plan, request, draw() if draw is not None else request.batch)
         # the closed form, never the near-balance step: a checked teleport lands where the engine's does
@@ -323,7 +328,7 @@ def lean_teleport(
     engine: TeleportEngine, plan: BalancePlan, request: TeleportRequest, near: bool = True, check: LeanCheck | None = None
 ) -> TeleportReport | None:
     """One balance teleport on ``plan`` (module docs); ``None`` where the engine must take it.  ``check`` (a plan's
-    first teleport): a balanced point on the trust region's edge is bounded for round-off as the engine bounds it
+    first scheduled teleport, or an explicit one: each is checked): a balanced point on the trust region's edge is bounded for round-off as the engine bounds it
     (:meth:`LeanCheck.within_roundoff`) instead of going to the engine, and :meth:`LeanCheck.reference` runs once
     the move is decided, before its first write (the outputs before it and the caps at it; ``False``: the
     engine's turn).
