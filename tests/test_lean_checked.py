@@ -128,7 +128,7 @@ def test_the_first_scheduled_balance_teleport_runs_lean_and_is_checked_on_batch_
     opt.step()
     report, engine = opt.reports[-1], twin_opt.reports[-1]
     assert runs[0] == 0 and calls[0] == before + 1  # no engine; one batch_fn() call, for the check
-    assert seen == [8, 8]  # two forwards (before, after), on the batch's first 8 rows
+    assert seen == [len(x), len(x)]  # two forwards (before, after), on the whole batch as the engine's
     assert report.accepted and report.check == "batch" and "lean" in report.check_detail, (report.reason, report.check_detail)
     assert engine.accepted and engine.check == "batch"
     assert report.check_error is not None and report.check_error <= report.check_tol == 1e-10
@@ -309,9 +309,9 @@ def test_the_decrease_cap_is_evaluated_at_the_lean_point_when_it_does_not_bind(m
     assert opt.reports[-1].accepted and "lean balance, checked" in (opt.reports[-1].check_detail or "")
 
 
-def test_a_model_that_rejects_the_checks_rows_leaves_the_first_teleport_to_the_engine(monkeypatch) -> None:
-    # a forward that takes only the whole batch (a hard-coded batch size): the lean check's 8 rows raise before
-    # anything moved, so the engine takes the teleport on the whole batch instead of step() failing
+def test_a_model_that_takes_only_the_whole_batch_is_checked_lean_on_it(monkeypatch) -> None:
+    # a forward that takes only the whole batch (a hard-coded batch size): the lean check runs on the whole
+    # teleport batch, as the engine's, so it neither raises nor needs the engine
     model, sites, x, y = _mlp(rows=16)
     model.register_forward_pre_hook(lambda m, args: None if args[0].shape[0] in (2, 16) else (_ for _ in ()).throw(ValueError("batch")))
     opt = _readme(model, sites, x, y, [0])
@@ -319,8 +319,8 @@ def test_a_model_that_rejects_the_checks_rows_leaves_the_first_teleport_to_the_e
     _train_to_due(model, opt, x, y)
     opt.step()
     report = opt.reports[-1]
-    assert runs[0] == 1 and report.accepted and report.check == "batch", (runs, report.reason, report.check)
-    assert "lean balance" not in (report.check_detail or "")
+    assert runs[0] == 0 and report.accepted and report.check == "batch", (runs, report.reason, report.check)
+    assert "lean balance, checked" in (report.check_detail or "")
 
 
 def test_a_first_balanced_point_on_the_trust_regions_edge_is_bounded_lean_as_the_engine_bounds_it(monkeypatch) -> None:

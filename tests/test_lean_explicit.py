@@ -60,7 +60,7 @@ def test_an_explicit_checked_balance_teleport_runs_lean_and_lands_at_the_engines
     seen: list[int] = []
     model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]))
     report = opt.teleport(batch=(x, y)) if argument else opt.teleport()
-    assert runs[0] == 0 and seen == [8, 8]  # no engine; the check's two forwards on the batch's first 8 rows
+    assert runs[0] == 0 and seen == [20, 20]  # no engine; the check's two forwards on the whole batch, as the engine's
     assert report.accepted and engine.accepted, (report.reason, engine.reason)
     assert report.check == engine.check == "batch" and "lean balance, checked" in (report.check_detail or "")
     assert report.check_error is not None and report.check_error <= report.check_tol == 1e-10
@@ -119,9 +119,16 @@ def test_an_explicit_teleport_whose_decrease_cap_binds_goes_to_the_engine(monkey
         assert _close(p.detach(), q.detach()) <= 1e-12
 
 
-def test_an_explicit_teleport_on_a_model_that_rejects_the_checks_rows_goes_to_the_engine(monkeypatch) -> None:
+def test_an_explicit_teleport_whose_check_forward_raises_goes_to_the_engine(monkeypatch) -> None:
     model, opt, x, y = _trained(rows=16)
-    model.register_forward_pre_hook(lambda m, args: None if args[0].shape[0] in (2, 16) else (_ for _ in ()).throw(ValueError("batch")))
+    forwards = [0]
+
+    def first_fails(m: nn.Module, args: tuple[Tensor, ...]) -> None:  # the lean check's forward, before any write
+        forwards[0] += 1
+        if forwards[0] == 1:
+            raise ValueError("batch")
+
+    model.register_forward_pre_hook(first_fails)
     runs = _engine_runs(monkeypatch)
     report = opt.teleport(batch=(x, y))
     assert runs[0] == 1 and report.accepted and report.check == "batch", (runs, report.reason, report.check)

@@ -241,8 +241,10 @@ def build_plan(engine: TeleportEngine, sites: list[Site], skipped: dict[str, str
     plan.params = [(p, p.data_ptr(), tuple(cfg.optimizer.state[p])) for p in unique]
     plan.signature, plan.matrix = tuple(s.name for s in sites), any(lane.matrix for lane in lanes)
     plan.zeros = [torch.zeros(g.coord_shape or (), dtype=torch.float64) for g in groups]
-    first = {s.site: s.param.dtype for s in reversed(slots)}  # a site's first moved member (elements are float64)
-    plan.watch_dtypes = [torch.promote_types(first.get(i, torch.float64), torch.float32) for i in range(len(sites))]
+    # as the engine's watch_elements: a site's first tensor's dtype, float32 at least (elements are float64)
+    first = {s.site: s.param.dtype for s in reversed(slots)}  # a site with no such tensor: its first moved member
+    dtypes = [params[s.tensor_names[0]].dtype if s.tensor_names[0] in params else first.get(i, torch.float64) for i, s in enumerate(sites)]
+    plan.watch_dtypes = [torch.promote_types(d, torch.float32) for d in dtypes]
     _fix_state(plan, cfg.optimizer)
     trainable = {id(p) for g in cfg.optimizer.param_groups for p in g["params"] if p.requires_grad}
     if coupled:  # what the engine's weight-norm model reads: the live tensors and the trainable names

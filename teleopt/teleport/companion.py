@@ -1,7 +1,7 @@
 """Balance as a per-step companion: the closed-form ``"balance"`` teleport without the engine's passes.
 
-A scheduled teleport whose objective is :class:`~teleopt.teleport.objectives.Balance` (defaults) runs a lean
-path here instead of :class:`~teleopt.teleport.engine.TeleportEngine` when the plan below applies:
+A teleport whose objective is :class:`~teleopt.teleport.objectives.Balance` (defaults), scheduled or explicit
+(``teleport()``, without a closure, a loss or a held-out batch), runs a lean path here instead of :class:`~teleopt.teleport.engine.TeleportEngine` when the plan below applies:
 
 * the **plan** (:mod:`teleopt.teleport.balance_plan`) is built once and cached on the wrapper
   (:class:`BalanceCompanion`): per site its group, trust radius and member views (the acted-on part of each
@@ -13,8 +13,10 @@ path here instead of :class:`~teleopt.teleport.engine.TeleportEngine` when the p
   A A^T = B^T B of a LoRA pair, BaLoRA, Castin et al. 2026), computes every write first (the moved parts of
   matrix groups; the scalings' factors, by which their
   parameters, moments and gradients are multiplied in place, per whole parameter where the
-  members tile it), then makes them with one ``torch._foreach_copy_`` and one in-place ``torch._foreach_mul_``.
-  No forward or backward pass, no probe, no snapshot copies: the elements suffice to undo it.
+  members tile it), then makes them with ``torch._foreach_copy_`` and in-place ``torch._foreach_mul_`` calls
+  (a tensor scaled by several sites, in a chain, gets one product per call; a GL lane's moments are moved and
+  copied kind by kind).
+  No backward pass, no snapshot copies: the elements suffice to undo it; an unchecked teleport runs no forward.
 
 **Chains.**  In a ReLU MLP or a conv chain the hidden layers' scaling sites share tensors (a layer's rows
 belong to one site, its columns to the next).  Where every such overlap is between positive scalings of whole,
@@ -34,15 +36,17 @@ also takes a point the trust region clipped, bounded for round-off as the engine
 members, no caps that read a loss, a state policy that transports or keeps every entry.  Anything else (a chain
 beside GL sites, overlapping slices) returns ``None`` and the engine runs.
 
-**The output check.** Balance on certified exact sites changes no output, so the companion checks once per plan:
-the first teleport after each (re)build runs lean with the engine's output check around it
-(:mod:`~teleopt.teleport.lean_check`: outputs and loss before and after on the first rows of ``batch_fn``'s batch,
-else the probe inputs; undone by the inverse elements and reported rolled back when it fails); later teleports
+**The output check.** Balance on certified exact sites changes no output, so a scheduled teleport is checked once
+per plan: the first teleport after each (re)build runs lean with the engine's output check around it
+(:mod:`~teleopt.teleport.lean_check`: outputs and loss before and after on the whole of ``batch_fn``'s batch, as
+the engine's, else the probe inputs; the predicted-decrease cap and the watch read that loss; undone by the inverse elements and reported rolled back when it fails); later teleports
 are not checked once it was accepted (their elements are the same closed form on the same certified sites; the
 watch still compares gradient norms each step).  Where the lean path cannot take that first teleport, the engine
 does, on the same batch, and the lean path starts after it was accepted with the whole move.  An explicit
 ``teleport(batch=...)`` (or ``teleport()`` drawing ``batch_fn``'s batch) is checked every time: it takes the same
-checked lean path on its batch, whether or not the plan was verified.
+checked lean path on its batch (the closed form, never the near-balance step), whether or not the plan was
+verified.  A scheduled teleport the lean path left to the engine is not tried lean again
+(``TeleportRequest.lean``), and a ``watch_restore="snapshot"`` watch leaves every teleport to the engine.
 
 **All or nothing.** Every new value is computed before the first write, except a GL lane's moved moments
 (computed kind by kind at the write, so that no two kinds' moved copies are alive at once), so an exception
@@ -107,7 +111,7 @@ class BalanceCompanion:
         """Run ``owner``'s teleport on the lean path, call its hooks and return the report; ``None``: the engine's turn.
         ``draw``: the teleport batch (``batch_fn``'s) for the check of a plan's first teleport, drawn only then."""
         engine = owner._engine
-        off = not self.enabled or request.heldout is not None or request.closure is not None or request.loss is not None
+        off = not self.enabled or not request.lean or request.heldout is not None or request.closure is not None or request.loss is not None
         if off or (plan := self._plan(owner, engine)) is None:  # a loss: the caps may read it (the engine's)
             return None
         record = engine.record
@@ -123,16 +127,19 @@ class BalanceCompanion:
     def _checked(
         self, owner: Any, plan: BalancePlan, request: TeleportRequest, draw: Callable[[], Batch | None] | None
     ) -> TeleportReport | None:
-        """A plan's first teleport: lean, with the engine's output check around it (:mod:`~teleopt.teleport.lean_check`);
-        where the lean path cannot take it, the engine does (on the same batch) and lean starts if it accepts."""
+        """A plan's first scheduled teleport, or any explicit one (``request.batch``): lean, in closed form, with the
+        engine's output check around it (:mod:`~teleopt.teleport.lean_check`); where the lean path cannot take it,
+        the engine does (on the same batch) and, for an unverified plan, lean starts if it accepts."""
         record = owner._engine.record
         check = LeanCheck.of(owner, plan, request, draw() if draw is not None else request.batch)
-        report = None if check is None else lean_teleport(owner._engine, plan, request, self.near, check)
+        # the closed form, never the near-balance step: a checked teleport lands where the engine's does
+        report = None if check is None else lean_teleport(owner._engine, plan, request, False, check)
         if check is None or report is None:
             if not plan.verified:  # the engine checks this one; lean from the next if accepted
                 plan.checked_at, record.lean_check = record.step, (plan.signature, record.backoff, record.step, False, plan.lean_step)
             return None
-        plan.checked_at = record.step
+        if report.accepted:  # moved, then checked (a declined teleport checked nothing)
+            plan.checked_at = record.step
         return self._done(owner, check.verify(report))
 
     @staticmethod
@@ -155,6 +162,7 @@ class BalanceCompanion:
             and not cfg.sharded
             and cfg.safety.max_gain is None
             and cfg.safety.stability_margin is None  # the sharpness cap (Hessian-vector products): the engine's
+            and (cfg.safety.watch_steps <= 0 or cfg.safety.watch_restore == "inverse")  # a snapshot watch: the engine's
             and cfg.search.path in ("auto", "fast")
             and isinstance(cfg.search.strategy_for(objective, None), ClosedForm)
             and not owner._lookahead.is_lookahead
@@ -300,8 +308,11 @@ def _report(engine: TeleportEngine, plan: BalancePlan, norms: list[float]) -> Te
     return report
 
 
-def _watch(engine: TeleportEngine, plan: BalancePlan, elements: Sequence[Tensor], report: TeleportReport) -> Watch | None:
-    """The watch of the accepted teleport (its inverse move) joined to the open one, made before anything is written."""
+def _watch(
+    engine: TeleportEngine, plan: BalancePlan, elements: Sequence[Tensor], report: TeleportReport, loss: float | None
+) -> Watch | None:
+    """The watch of the accepted teleport (its inverse move) joined to the open one, made before anything is written;
+    ``loss``: the checked batch's loss before the move (the engine's ``report.loss_before``), else ``None``."""
     cfg, record = engine.config, engine.record
     if cfg.safety.watch_steps <= 0:
         return None
@@ -310,14 +321,14 @@ def _watch(engine: TeleportEngine, plan: BalancePlan, elements: Sequence[Tensor]
     recent = [v for t, v in record.recent if record.step - REFERENCE_STEPS <= t < record.step]  # take_recent, unmutated
     before, after = report.grad_norm_before, report.grad_norm_after
     gain = (after / before) ** 2 if before and after else 1.0
-    return Watch(move, record.step + cfg.safety.watch_steps, record.step, reference(before, after, recent), None).stack(record.watch, gain)
+    return Watch(move, record.step + cfg.safety.watch_steps, record.step, reference(before, after, recent), loss).stack(record.watch, gain)
 
 
 def lean_teleport(
     engine: TeleportEngine, plan: BalancePlan, request: TeleportRequest, near: bool = True, check: LeanCheck | None = None
 ) -> TeleportReport | None:
     """One balance teleport on ``plan`` (module docs); ``None`` where the engine must take it.  ``check`` (a plan's
-    first teleport): a balanced point on the trust region's edge is bounded for round-off as the engine bounds it
+    first scheduled teleport, or an explicit one: each is checked): a balanced point on the trust region's edge is bounded for round-off as the engine bounds it
     (:meth:`LeanCheck.within_roundoff`) instead of going to the engine, and :meth:`LeanCheck.reference` runs once
     the move is decided, before its first write (the outputs before it and the caps at it; ``False``: the
     engine's turn).
@@ -369,7 +380,7 @@ def _lean(engine: TeleportEngine, plan: BalancePlan, objective: Balance, near: b
     report.elements = {s.name: e if e.dtype == torch.float64 else e.to(torch.float64) for s, e in zip(plan.sites, elements)}
     report.state_decisions = dict(plan.counts)
     report.accepted, report.reason = True, "accepted"
-    watch = _watch(engine, plan, elements, report)
+    watch = _watch(engine, plan, elements, report, None if check is None else check.loss_before)
     lean_moves.write(writes, plan, elements)
     # the commit: Python assignments only, after the writes
     record.accepted += 1

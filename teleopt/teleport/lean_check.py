@@ -1,18 +1,18 @@
-"""The output check of a balance plan's first lean teleport: the engine's verify phase, without the engine.
+"""The output check of a checked lean balance teleport: the engine's verify phase, without the engine.
 
 Balance on certified exact sites changes no output (ENorm, Stock et al. 2019; Zhao 2026, Prop. 4.5.1), so
-the lean path (:mod:`~teleopt.teleport.companion`) checks once per plan, on its first teleport.  That teleport
-takes the lean move and around it the check :class:`~teleopt.teleport.engine.TeleportEngine` runs
-(:mod:`~teleopt.teleport.check`, :mod:`~teleopt.teleport.verdict`): the model's outputs and loss before and
-after, on the first :data:`~teleopt.teleport.check.PROBE_ROWS` rows of the teleport batch (``batch_fn``'s), else on
-the probe inputs, both forwards under ``no_grad``, a forked RNG with one seed and the module's buffers restored;
+the lean path (:mod:`~teleopt.teleport.companion`) checks a plan's first scheduled teleport, and every explicit
+one.  That teleport takes the lean move and around it the check :class:`~teleopt.teleport.engine.TeleportEngine`
+runs (:mod:`~teleopt.teleport.check`, :mod:`~teleopt.teleport.verdict`): the model's outputs and loss before and
+after, on the whole teleport batch (``batch_fn``'s or the explicit one, as the engine's: the predicted-decrease
+cap, the report and the watch read that loss), else on the probe inputs, both forwards under ``no_grad``, a forked RNG with one seed and the module's buffers restored;
 the same tolerance table, the same float64 re-run of an inconclusive check below float64.
 
 A check that fails undoes the move by the inverse elements (gradients, then optimizer state and parameters:
 exact up to round-off, one product by g and one by g^-1) and puts back the counters and the watch, and the
 report says ``"rolled back: ..."`` as the engine's would.  An exception after the move (an interrupt in the
 forward after it) undoes it the same way before it propagates.  A check that passes verifies the plan: its
-later teleports run lean and unchecked.
+later scheduled teleports run lean and unchecked (an explicit teleport is checked again).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from teleopt.functional import Batch, FunctionalModel
 from teleopt.numerics import all_finite_sums
 from teleopt.sharding import write_
 from teleopt.teleport.balance_plan import BalancePlan
-from teleopt.teleport.check import OutputCheck, first_rows
+from teleopt.teleport.check import OutputCheck
 from teleopt.teleport.context import TeleportContext
 from teleopt.teleport.coordinates import within_roundoff
 from teleopt.teleport.engine import TeleportEngine, TeleportRequest
@@ -61,7 +61,7 @@ class _Originals:
 
 @dataclass
 class LeanCheck:
-    """One plan's first lean teleport under check: the outputs before it, and the counters to put back."""
+    """One checked lean teleport: the outputs and the batch loss before it, and the counters to put back."""
 
     owner: Any
     plan: BalancePlan
@@ -73,16 +73,16 @@ class LeanCheck:
 
     @classmethod
     def of(cls, owner: Any, plan: BalancePlan, request: TeleportRequest, batch: Batch | None) -> LeanCheck | None:
-        """The check of ``owner``'s lean teleport on ``batch``'s first rows, else the probe inputs; ``None`` with
-        neither (the engine declines it, saying why)."""
+        """The check of ``owner``'s lean teleport on ``batch`` (all of it, as the engine's: its outputs and its
+        loss, which the cap, the report and the watch read), else the probe inputs; ``None`` with neither (the
+        engine declines it, saying why)."""
         engine: TeleportEngine = owner._engine
         probe, source = owner._probe_inputs()
-        rows = None if batch is None else first_rows(batch)
-        request = replace(request, batch=rows, probe=probe, probe_source=source, precision=owner._precision.training())
+        request = replace(request, batch=batch, probe=probe, probe_source=source, precision=owner._precision.training())
         check = engine.plan_check(plan.sites, request)
         if check is None:
             return None
-        fmodel = None if rows is None else FunctionalModel(engine.config.module, engine.config.loss_fn)
+        fmodel = None if batch is None else FunctionalModel(engine.config.module, engine.config.loss_fn)
         record = engine.record
         kept = (record.accepted, record.watch, list(record.recent), record.lean_check, plan.lean_step)
         return cls(owner, plan, request, check, fmodel, None, kept)
@@ -91,18 +91,18 @@ class LeanCheck:
         """The outputs (and loss) before the move, once it is decided and before its first write, then the caps at
         ``coords`` (:meth:`caps_hold`); ``False`` where the engine must take the teleport (probe inputs the model
         does not take, or a cap that binds: the engine's bisection shrinks the move)."""
-        owner, rows = self.owner, self.request.batch
+        owner, batch = self.owner, self.request.batch
         engine: TeleportEngine = owner._engine
         if owner._keywords is not None:
             owner._keywords.warn_if_different(stacklevel=6)
-        try:  # nothing is written yet: a model that rejects the check's rows leaves the teleport to the engine
+        try:  # nothing is written yet: a forward that raises here leaves the teleport to the engine
             with owner._probe.pause(), owner._precision.pause(), full_precision():
                 out = engine._reference(self.check, self.request)
         except Exception:  # noqa: BLE001 - the engine runs on the whole batch and reports what fails there
             return False
         if isinstance(out, str):
             return False
-        self.loss_before = None if self.fmodel is None or rows is None else engine._loss_value(self.fmodel, out, rows)
+        self.loss_before = None if self.fmodel is None or batch is None else engine._loss_value(self.fmodel, out, batch)
         return self.caps_hold(coords, report)
 
     def within_roundoff(self, coords: list[Tensor]) -> list[Tensor]:
@@ -120,7 +120,7 @@ class LeanCheck:
         holds at the lean point: the base optimizer's modelled next step from g . w decreases the loss, to first
         order, by at most ``max_predicted_decrease`` times the loss (or what the current point has), evaluated
         once, as the engine's first bisection round does (a closed-form bound where one exists, else one modelled
-        update).  Off (``True``) without a loss on the check's rows, below ``loss_floor`` or for an optimizer the
+        update).  Off (``True``) without a loss on the check's batch, below ``loss_floor`` or for an optimizer the
         model does not know, as in the engine; ``False`` where some member has no gradient."""
         engine = self.owner._engine
         cfg, loss0 = engine.config, self.loss_before
@@ -164,9 +164,9 @@ class LeanCheck:
         """The engine's post-conditions (``TeleportEngine.verify``): finite moved tensors, loss and outputs."""
         engine, plan, check, safety = self.owner._engine, self.plan, self.check, self.owner._engine.config.safety
         out = engine.check_forward(check)
-        rows = self.request.batch
-        if self.fmodel is not None and rows is not None:
-            report.loss_after = engine._loss_value(self.fmodel, out, rows)
+        batch = self.request.batch
+        if self.fmodel is not None and batch is not None:
+            report.loss_after = engine._loss_value(self.fmodel, out, batch)
         members = list({id(s.param): s.param for s in plan.slots}.values())
         after = report.grad_norm_after
         if not all_finite_sums(members) or after is None or not math.isfinite(after):

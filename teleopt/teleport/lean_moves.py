@@ -206,6 +206,9 @@ def _chain_squares(writes: Writes, rows: int = 1 << 18) -> None:
     """Each chain gradient's squared norm after the move (times its factors), ``rows`` elements at a time."""
     squares = []
     for grad, factors in writes.chain:
+        if grad.ndim == 0:  # no rows to chunk (a 0-d gradient; its factors are 0-d too)
+            grad = grad.reshape(1)
+            factors = [f.reshape(1) for f in factors]
         step = max(1, rows // max(1, grad[0].numel()))  # a factor has its gradient's dimensions (1 where broadcast)
         for i in range(0, grad.shape[0], step):
             part = grad[i : i + step]

@@ -62,7 +62,7 @@ class TeleportRequest:
     """One call for a teleport: the loss at w (from the closure, if any), the closure to re-run after it, the teleport
     batch and the held-out batch; for the check (:mod:`~teleopt.teleport.check`) the probe inputs and where they came
     from, the RNG seed of its forwards and the closure's output leaves at w; the sites left out and why; the precision
-    the model trains in."""
+    the model trains in; whether the lean balance path (:mod:`~teleopt.teleport.companion`) may still take it."""
 
     loss: Any
     closure: Callable[[], Any] | None
@@ -74,6 +74,7 @@ class TeleportRequest:
     closure_outputs: list[Tensor] | None = None
     skipped: dict[str, str] = field(default_factory=dict)
     precision: Precision = field(default_factory=Precision)
+    lean: bool = True  # False: the lean balance path already declined it (a scheduled teleport's fallback)
 
 
 class PhaseEngine(Protocol):

@@ -40,12 +40,13 @@ class _Draw:
 def scheduled_teleports(owner: Any, loss: Any) -> None:
     """Run ``owner``'s (a ``Teleport``) due teleport(s): ``schedule.batches`` of them, each lean where it can be."""
     for _ in range(owner._schedule.batches):
-        draw = _Draw(owner)
-        if owner._batch_fn is not None and loss is None:
+        draw, tried = _Draw(owner), owner._batch_fn is not None and loss is None
+        if tried:
             request = TeleportRequest(None, None, None, owner._heldout, seed=owner._check_seed())
             lean = BalanceCompanion.of(owner).teleport(owner, request, draw)
             owner._record.read = None  # this step's ||grad||^2, read by the watch, is the first teleport's only
             if lean is not None:
                 continue
         # the closure already ran once (torch's contract: at most once per step)
-        owner._teleport_now(TeleportRequest(loss, None, draw(), owner._heldout, seed=owner._check_seed()))
+        # the lean path, tried above, is not tried again on the engine's request
+        owner._teleport_now(TeleportRequest(loss, None, draw(), owner._heldout, seed=owner._check_seed(), lean=not tried))
