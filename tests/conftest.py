@@ -68,6 +68,16 @@ def products_raise(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             yield
 
 
+def steps_then_backward(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, steps: int) -> None:
+    """``steps`` full-batch MSE training steps, then one more backward: ``.grad`` is the gradient a teleport reads."""
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from conftest import steps_then_backward
 from torch import nn
 
 from teleopt.teleport import Teleport, fast_path
@@ -31,12 +32,7 @@ def _setup(base: str) -> tuple[nn.Module, Teleport, torch.Tensor, torch.Tensor]:
     opt = Teleport(
         opt_cls(model.parameters()), model, "auto", example_inputs=x[:4], loss_fn=nn.functional.mse_loss, batch_fn=lambda: (x, y)
     )
-    for _ in range(3):  # optimizer state exists, then the gradient the teleport reads
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    opt.zero_grad()
-    nn.functional.mse_loss(model(x), y).backward()
+    steps_then_backward(model, opt, x, y, 3)  # optimizer state exists, then the gradient the teleport reads
     return model, opt, x, y
 
 

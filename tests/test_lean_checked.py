@@ -108,6 +108,16 @@ def _close(a: Tensor, b: Tensor) -> float:
     return float((a - b).abs().max()) / scale
 
 
+def _same_tensors(model: nn.Module, opt: Teleport, twin: nn.Module, twin_opt: Teleport) -> None:
+    """Parameters, gradients and tensor moments of ``model`` equal ``twin``'s to 1e-12 (relative)."""
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert _close(p.detach(), q.detach()) <= 1e-12, name
+        assert p.grad is not None and q.grad is not None and _close(p.grad, q.grad) <= 1e-12, name
+        for key, value in opt.state[p].items():
+            if isinstance(value, Tensor) and value.ndim:
+                assert _close(value, twin_opt.state[q][key]) <= 1e-12, (name, key)
+
+
 def _everything(model: nn.Module, opt: Teleport) -> list[Tensor]:
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
@@ -135,12 +145,7 @@ def test_the_first_scheduled_balance_teleport_runs_lean_and_is_checked_on_batch_
     assert report.loss_before is not None and report.loss_after == pytest.approx(report.loss_before, rel=1e-12)
     assert max(report.coordinate_norms.values()) > 1e-3  # it moved the weights
     assert report.coordinate_norms == pytest.approx(engine.coordinate_norms, rel=1e-9)
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        assert _close(p.detach(), q.detach()) <= 1e-12, name
-        assert p.grad is not None and q.grad is not None and _close(p.grad, q.grad) <= 1e-12, name
-        for key, value in opt.state[p].items():
-            if isinstance(value, Tensor) and value.ndim:
-                assert _close(value, twin_opt.state[q][key]) <= 1e-12, (name, key)
+    _same_tensors(model, opt, twin, twin_opt)
     assert opt.record.accepted == twin_opt.record.accepted and opt.record.watch is not None
     assert opt.record.lean_check is not None and opt.record.lean_check[2:4] == (opt.record.step - 1, True)
     # the plan is verified: the next scheduled teleport runs lean without a check or a batch_fn call

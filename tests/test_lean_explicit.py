@@ -14,7 +14,8 @@ import copy
 
 import pytest
 import torch
-from test_lean_checked import _close, _engine_runs, _everything, _mlp, _readme
+from conftest import steps_then_backward
+from test_lean_checked import _close, _engine_runs, _everything, _mlp, _readme, _same_tensors
 from torch import Tensor, nn
 
 from teleopt.teleport import SafetyConfig, Teleport
@@ -27,12 +28,7 @@ def _trained(tanh: bool = False, safety: SafetyConfig | None = None, rows: int =
     """Two training steps (before the schedule's first teleport), then a backward: the explicit teleport's point."""
     model, sites, x, y = _mlp(rows=rows, tanh=tanh)
     opt = _readme(model, sites, x, y, [0], safety)
-    for _ in range(2):
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    opt.zero_grad()
-    nn.functional.mse_loss(model(x), y).backward()
+    steps_then_backward(model, opt, x, y, 2)
     return model, opt, x, y
 
 
@@ -40,15 +36,6 @@ def _twin(model: nn.Module, opt: Teleport) -> tuple[nn.Module, Teleport]:
     twin, twin_opt = copy.deepcopy((model, opt))
     BalanceCompanion.of(twin_opt).enabled = False
     return twin, twin_opt
-
-
-def _same_tensors(model: nn.Module, opt: Teleport, twin: nn.Module, twin_opt: Teleport) -> None:
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        assert _close(p.detach(), q.detach()) <= 1e-12, name
-        assert p.grad is not None and q.grad is not None and _close(p.grad, q.grad) <= 1e-12, name
-        for key, value in opt.state[p].items():
-            if isinstance(value, Tensor) and value.ndim:
-                assert _close(value, twin_opt.state[q][key]) <= 1e-12, (name, key)
 
 
 @pytest.mark.parametrize("argument", [True, False], ids=["batch-argument", "batch-fn"])
