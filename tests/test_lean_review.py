@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_lean_checked import _mlp, _readme
+from test_lean_checked import _mlp, _readme, _train_to_due
 from test_lean_explicit import _trained, _twin
 from torch import nn
 
@@ -155,3 +155,35 @@ def test_the_lean_watch_keeps_each_element_in_its_sites_dtype_as_the_engine() ->
     params = dict(model.named_parameters())
     assert {s.site for s in plan.slots} != set(range(len(plan.sites)))  # some site has no lean slot
     assert plan.watch_dtypes == [params[s.tensor_names[0]].dtype for s in plan.sites] == [torch.float32] * len(plan.sites)
+
+
+def test_after_new_storage_the_scheduled_teleports_engine_turn_takes_it_lean_with_a_check() -> None:
+    # new storage (p.data = ...) drops the plan: the scheduled call finds none and makes no lean attempt, so the
+    # engine's turn may plan again and take the teleport lean with its check (not the engine, then a second check)
+    model, sites, x, y = _mlp()
+    opt = _readme(model, sites, x, y, [0])
+    for _ in range(5):  # the first scheduled teleport (step 3) verifies the plan
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    for p in model.parameters():
+        p.data = p.data.clone()
+    _train_to_due(model, opt, x, y)
+    before = len(opt.reports)
+    attempts: list[bool] = []
+    real = BalanceCompanion.teleport
+
+    def spy(self, owner, request, draw=None):  # type: ignore[no-untyped-def]
+        report = real(self, owner, request, draw)
+        attempts.append(self.tried)
+        return report
+
+    BalanceCompanion.teleport = spy  # type: ignore[method-assign]
+    try:
+        opt.step()  # the due step
+    finally:
+        BalanceCompanion.teleport = real  # type: ignore[method-assign]
+    report = opt.reports[-1]
+    assert len(opt.reports) == before + 1
+    assert attempts == [False, True], attempts  # no plan on the scheduled call; planned again on the engine's turn
+    assert report.accepted and report.check == "batch" and "lean" in report.check_detail, (report.check, report.reason)

@@ -95,9 +95,10 @@ class BalanceCompanion:
         self.plan: BalancePlan | None = None
         self.key: tuple[Any, ...] | None = None
         self.builds = 0  # how many plans were built (tests read it)
+        self.tried = False  # whether the last call reached a plan (a scheduled teleport's engine turn skips lean then)
 
     def __getstate__(self) -> dict[str, Any]:  # a copy rebuilds its plan (views of its own parameters)
-        return {"enabled": self.enabled, "near": self.near, "plan": None, "key": None, "builds": 0}
+        return {"enabled": self.enabled, "near": self.near, "plan": None, "key": None, "builds": 0, "tried": False}
 
     @staticmethod
     def of(owner: Any) -> BalanceCompanion:
@@ -111,13 +112,15 @@ class BalanceCompanion:
         """Run ``owner``'s teleport on the lean path, call its hooks and return the report; ``None``: the engine's turn.
         ``draw``: the teleport batch (``batch_fn``'s) for the check of a plan's first teleport, drawn only then."""
         engine = owner._engine
+        self.tried = False
         off = not self.enabled or not request.lean or request.heldout is not None or request.closure is not None or request.loss is not None
         if off or (plan := self._plan(owner, engine)) is None:  # a loss: the caps may read it (the engine's)
             return None
-        record = engine.record
-        if not plan.verified or request.batch is not None:  # an explicit teleport(batch=...): checked, verified or not
+        self.tried, record = True, engine.record  # a plan: the lean path runs (the engine's turn after it does not)
+        explicit = request.batch is not None  # teleport(batch=...) or batch_fn's batch: checked, verified or not
+        if not plan.verified or explicit:
             last = record.last  # (step, accepted, whole move) of the last report, saved with the record
-            if request.batch is not None or last is None or plan.checked_at != last[0] or not (last[1] and last[2]):
+            if explicit or last is None or plan.checked_at != last[0] or not (last[1] and last[2]):
                 return self._checked(owner, plan, request, draw)  # not after the engine's accepted whole move
             plan.verified = True  # the engine checked and accepted this plan's first teleport (a fallback below)
             record.lean_check = (plan.signature, record.backoff, plan.checked_at, True, plan.lean_step)

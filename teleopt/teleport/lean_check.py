@@ -1,8 +1,8 @@
 """The output check of a checked lean balance teleport: the engine's verify phase, without the engine.
 
 Balance on certified exact sites changes no output (ENorm, Stock et al. 2019; Zhao 2026, Prop. 4.5.1), so
-the lean path (:mod:`~teleopt.teleport.companion`) checks a plan's first scheduled teleport, and every explicit
-one.  That teleport takes the lean move and around it the check :class:`~teleopt.teleport.engine.TeleportEngine`
+the lean path (:mod:`~teleopt.teleport.companion`) checks a plan's first scheduled teleport, and every one with
+a teleport batch (``teleport(batch=...)``, or ``teleport()`` drawing ``batch_fn``'s).  That teleport takes the lean move and around it the check :class:`~teleopt.teleport.engine.TeleportEngine`
 runs (:mod:`~teleopt.teleport.check`, :mod:`~teleopt.teleport.verdict`): the model's outputs and loss before and
 after, on the whole teleport batch (``batch_fn``'s or the explicit one, as the engine's: the predicted-decrease
 cap, the report and the watch read that loss), else on the probe inputs, both forwards under ``no_grad``, a forked RNG with one seed and the module's buffers restored;
@@ -12,7 +12,8 @@ A check that fails undoes the move by the inverse elements (gradients, then opti
 exact up to round-off, one product by g and one by g^-1) and puts back the counters and the watch, and the
 report says ``"rolled back: ..."`` as the engine's would.  An exception after the move (an interrupt in the
 forward after it) undoes it the same way before it propagates.  A check that passes verifies the plan: its
-later scheduled teleports run lean and unchecked (an explicit teleport is checked again).
+later scheduled teleports run lean and unchecked (a teleport with a batch is checked again; an explicit
+``teleport()`` with neither a batch nor ``batch_fn`` runs unchecked on a verified plan, as a scheduled one).
 """
 
 from __future__ import annotations

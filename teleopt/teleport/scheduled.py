@@ -4,7 +4,7 @@
 (:mod:`~teleopt.teleport.companion`) can take needs no batch: the closed-form balance reads only the weights
 (ENorm, Stock et al. 2019; BaLoRA, Castin et al. 2026), so ``batch_fn`` is not called for it, except for the
 first teleport of each balance plan, whose output check (:mod:`~teleopt.teleport.lean_check`) runs on the
-batch's first rows.  Every other teleport takes ``batch_fn``'s batch as before (one call per teleport: the
+whole batch, as the engine's.  Every other teleport takes ``batch_fn``'s batch as before (one call per teleport: the
 engine reuses the batch a check drew).  A closure passed to ``step`` (a loss) never comes here
 without a batch: it always goes through the engine with its check.  The first lean teleport of a step
 takes ||grad||^2 before its move from the step's watch (``TeleportRecord.read``); a later one (``batches`` > 1)
@@ -40,10 +40,12 @@ class _Draw:
 def scheduled_teleports(owner: Any, loss: Any) -> None:
     """Run ``owner``'s (a ``Teleport``) due teleport(s): ``schedule.batches`` of them, each lean where it can be."""
     for _ in range(owner._schedule.batches):
-        draw, tried = _Draw(owner), owner._batch_fn is not None and loss is None
-        if tried:
+        draw, tried = _Draw(owner), False
+        if owner._batch_fn is not None and loss is None:
             request = TeleportRequest(None, None, None, owner._heldout, seed=owner._check_seed())
-            lean = BalanceCompanion.of(owner).teleport(owner, request, draw)
+            companion = BalanceCompanion.of(owner)
+            lean = companion.teleport(owner, request, draw)
+            tried = companion.tried  # no plan (new storage: planned again): the engine's turn may take it lean
             owner._record.read = None  # this step's ||grad||^2, read by the watch, is the first teleport's only
             if lean is not None:
                 continue
