@@ -16,6 +16,7 @@ import functools
 import math
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,7 +33,7 @@ from teleopt.teleport.decrease_bound import decrease_bound
 from teleopt.teleport.distributed import is_distributed
 from teleopt.teleport.gradient_norm import GradientNormModel, _diagonal, _plain, _plan, member_tensors
 from teleopt.teleport.state_policy import StatePolicy
-from teleopt.teleport.transport import transport, transport_
+from teleopt.teleport.transport import TensorKind, _identity_matrix, transport, transport_
 
 __all__ = ["GradientNormModel", "FastEvaluator", "fast_path_eligible", "member_tensors"]
 
@@ -349,9 +350,13 @@ class FastEvaluator:
         """Gradients of the site members at g . w."""
         return transport(self.sites, self._placed(elements), self.grads, self.like, "covector")[0]
 
-    def site_params(self, elements: Sequence[Tensor]) -> dict[str, Tensor]:
-        """Site members at g . w."""
-        return transport(self.sites, self._placed(elements), self.like, self.like, "params")[0]
+    def site_params(self, elements: Sequence[Tensor], names: Sequence[str] | None = None) -> dict[str, Tensor]:
+        """Site members at g . w; with ``names``, those alone, moved in copies along the sites of the
+        ``elements`` given (``_Along``: the sites that move them, their elements placed)."""
+        if names is None:
+            return transport(self.sites, self._placed(elements), self.like, self.like, "params")[0]
+        assert isinstance(elements, _Along)
+        return _moved(elements.sites, elements, {n: self.like[n] for n in names}, self.like, "params")
 
     @torch.no_grad()
     def next_step_point(self, elements: Sequence[Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -409,12 +414,63 @@ class FastEvaluator:
 
         For plain SGD (no momentum, no weight decay) u = lr grad, so this is the
         learning-rate-weighted gradient norm and reuses the reduced model; otherwise
-        the gradients, parameters and state are transported explicitly.
+        the gradients, parameters and state are transported explicitly: a run of site
+        tensors at a time (moved in copies, reduced and freed: extra memory a few times
+        the larger of the largest site tensor and 1/16 of them all, not the model's)
+        where the elements are outside autograd, the tensors unsharded and no moving
+        site's covector rule reads the point; else all together.  The same sum, in the
+        same order, either way.
         """
-        ctx = self.ctx
         lrs = self._plain_sgd_lrs()
         if lrs is not None:
             return self.norm_model.value(elements, lrs) + self.other_decrease
+        placed = self._placed(elements)
+        moving = [i for i, g in enumerate(placed) if not _identity_matrix(g)]  # idle sites move nothing
+        if (
+            any(e.requires_grad for e in placed)
+            or any(self.sites[i].action.transport_reads_params for i in moving)
+            or any(is_sharded(t) for t in self.live.values())
+        ):
+            return self._decrease_together(elements)
+        total = torch.zeros((), dtype=torch.float64) + self.other_decrease
+        with torch.no_grad():  # constant in the elements: no graph through the parameters either, alive to the end
+            for names in self._batches():
+                index = [i for i in moving if any(n in self.sites[i].members for n in names)]
+                total = self._decrease_of(names, _Along([placed[i] for i in index], [self.sites[i] for i in index]), total)
+        return total
+
+    def _batches(self) -> list[list[str]]:
+        """The site tensors with a gradient in order, in runs of at most 1/16 of their bytes (or one tensor)."""
+        sizes = {n: g.numel() * g.element_size() for n, g in self.grads.items()}
+        batches: list[list[str]] = []
+        budget, used = sum(sizes.values()) // 16, math.inf
+        for name, size in sizes.items():
+            if used + size > budget:
+                batches.append([])
+                used = 0
+            batches[-1].append(name)
+            used += size
+        return batches
+
+    def _decrease_of(self, names: list[str], along: _Along, total: Tensor) -> Tensor:
+        """``total`` plus <grad, u> at g . w of the site tensors ``names`` in order, their gradients and
+        state moved in copies along the sites that move them."""
+        ctx = self.ctx
+        grads = _moved(along.sites, along, {n: self.grads[n] for n in names}, self.like, "covector")
+        # the modelled update reads the parameters' values only through weight decay (else their shapes)
+        decays = [n for n in names if float(ctx.groups[n].get("weight_decay", 0.0))]
+        params = {**self.like, **self.site_params(along, decays)} if decays else self.like
+        states = {n: _copied(self.states[n]) for n in names if n in self.states}
+        moved = ctx.policy.move(ctx.optimizer, along.sites, along, states, self.like, ctx.groups, in_place=True)
+        for name, g in grads.items():
+            u = ctx.model.update(ctx.groups[name], params[name], g, moved.values.get(name, {}))
+            total = total + (g.to(torch.float64) * u.to(torch.float64)).sum()
+        return total
+
+    def _decrease_together(self, elements: Sequence[Tensor]) -> Tensor:
+        """:meth:`first_order_decrease` with every site tensor moved at once (under autograd, on shards, or
+        along a site whose covector rule reads the point)."""
+        ctx = self.ctx
         grads = self.transported_grads(elements)
         # the modelled updates read the parameters' values only through weight decay (else their shapes)
         decays = any(float(ctx.groups[n].get("weight_decay", 0.0)) for n in grads)
@@ -429,6 +485,31 @@ class FastEvaluator:
             # sharded: one scalar all-reduce, differentiable in the elements (DTensor autograd; full() is not)
             total = total + (part.full_tensor() if is_sharded(part) else part)
         return total
+
+
+class _Along(list[Tensor]):
+    """Placed elements of the sites that move one tensor (``sites``, in composition order)."""
+
+    def __init__(self, elements: Sequence[Tensor], sites: Sequence[Site]) -> None:
+        super().__init__(elements)
+        self.sites = list(sites)
+
+
+def _moved(
+    sites: Sequence[Site], elements: Sequence[Tensor], values: dict[str, Tensor], like: Mapping[str, Tensor], kind: TensorKind
+) -> dict[str, Tensor]:
+    """``values`` moved along ``sites``: in place in copies where :func:`transport_` can (bitwise
+    :func:`transport`'s result, with no zeros made for members absent from ``values``), else by :func:`transport`."""
+    work = {n: v.clone() for n, v in values.items()}
+    if transport_(sites, elements, work, like, kind):
+        return work
+    del work
+    return transport(sites, elements, values, like, kind)[0]
+
+
+def _copied(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A parameter's optimizer state with its tensors copied (moved in place by the state policy)."""
+    return {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
 
 
 def _stacked_exps(groups: Sequence[Group], coords: Sequence[Tensor], own: Sequence[bool]) -> dict[int, Tensor]:
