@@ -16,6 +16,7 @@ import functools
 import math
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from torch import Tensor
 from teleopt.actions.axis import AxisAction
 from teleopt.actions.base import GroupAction
 from teleopt.groups import Group, validated
+from teleopt.groups.cache import GroupCache, active_cache
 from teleopt.groups.matrix import remembering_placements
 from teleopt.numerics import read_together
 from teleopt.sharding import full, is_sharded, replicate_like, sharded_dims, write_
@@ -350,13 +352,12 @@ class FastEvaluator:
         """Gradients of the site members at g . w."""
         return transport(self.sites, self._placed(elements), self.grads, self.like, "covector")[0]
 
-    def site_params(self, elements: Sequence[Tensor], names: Sequence[str] | None = None) -> dict[str, Tensor]:
-        """Site members at g . w; with ``names``, those alone, moved in copies along the sites of the
-        ``elements`` given (``_Along``: the sites that move them, their elements placed)."""
-        if names is None:
+    def site_params(self, elements: Sequence[Tensor], only: tuple[Sequence[Site], list[str]] | None = None) -> dict[str, Tensor]:
+        """Site members at g . w; with ``only`` = (sites, names), those names alone, moved in copies along
+        those sites (the ones moving them, ``elements`` theirs, placed)."""
+        if only is None:
             return transport(self.sites, self._placed(elements), self.like, self.like, "params")[0]
-        assert isinstance(elements, _Along)
-        return _moved(elements.sites, elements, {n: self.like[n] for n in names}, self.like, "params")
+        return _moved(only[0], elements, {n: self.like[n] for n in only[1]}, self.like, "params")
 
     @torch.no_grad()
     def next_step_point(self, elements: Sequence[Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -433,10 +434,12 @@ class FastEvaluator:
         ):
             return self._decrease_together(elements)
         total = torch.zeros((), dtype=torch.float64) + self.other_decrease
-        with torch.no_grad():  # constant in the elements: no graph through the parameters either, alive to the end
+        # constant in the elements: no graph through the parameters, alive to the end; each GL element's
+        # contragredient solved once for all runs (a teleport's own cache where one is active)
+        with torch.no_grad(), nullcontext() if active_cache() is not None else GroupCache().active():
             for names in self._batches():
                 index = [i for i in moving if any(n in self.sites[i].members for n in names)]
-                total = self._decrease_of(names, _Along([placed[i] for i in index], [self.sites[i] for i in index]), total)
+                total = self._decrease_of(names, [self.sites[i] for i in index], [placed[i] for i in index], total)
         return total
 
     def _batches(self) -> list[list[str]]:
@@ -452,16 +455,16 @@ class FastEvaluator:
             used += size
         return batches
 
-    def _decrease_of(self, names: list[str], along: _Along, total: Tensor) -> Tensor:
+    def _decrease_of(self, names: list[str], sites: list[Site], elements: list[Tensor], total: Tensor) -> Tensor:
         """``total`` plus <grad, u> at g . w of the site tensors ``names`` in order, their gradients and
-        state moved in copies along the sites that move them."""
+        state moved in copies along ``sites`` (those moving them, with their placed ``elements``)."""
         ctx = self.ctx
-        grads = _moved(along.sites, along, {n: self.grads[n] for n in names}, self.like, "covector")
+        grads = _moved(sites, elements, {n: self.grads[n] for n in names}, self.like, "covector")
         # the modelled update reads the parameters' values only through weight decay (else their shapes)
         decays = [n for n in names if float(ctx.groups[n].get("weight_decay", 0.0))]
-        params = {**self.like, **self.site_params(along, decays)} if decays else self.like
-        states = {n: _copied(self.states[n]) for n in names if n in self.states}
-        moved = ctx.policy.move(ctx.optimizer, along.sites, along, states, self.like, ctx.groups, in_place=True)
+        params = {**self.like, **self.site_params(elements, (sites, decays))} if decays else self.like
+        states = {n: _copied(self.states[n]) if sites else self.states[n] for n in names if n in self.states}
+        moved = ctx.policy.move(ctx.optimizer, sites, elements, states, self.like, ctx.groups, in_place=True)
         for name, g in grads.items():
             u = ctx.model.update(ctx.groups[name], params[name], g, moved.values.get(name, {}))
             total = total + (g.to(torch.float64) * u.to(torch.float64)).sum()
@@ -479,20 +482,11 @@ class FastEvaluator:
         moved = ctx.policy.move(ctx.optimizer, self.sites, self._placed(elements), states, self.like, ctx.groups)
         total = torch.zeros((), dtype=torch.float64) + self.other_decrease
         for name, g in grads.items():
-            state = moved.values.get(name, {})
-            u = ctx.model.update(ctx.groups[name], params[name], g, state)
+            u = ctx.model.update(ctx.groups[name], params[name], g, moved.values.get(name, {}))
             part = (g.to(torch.float64) * u.to(torch.float64)).sum()
             # sharded: one scalar all-reduce, differentiable in the elements (DTensor autograd; full() is not)
             total = total + (part.full_tensor() if is_sharded(part) else part)
         return total
-
-
-class _Along(list[Tensor]):
-    """Placed elements of the sites that move one tensor (``sites``, in composition order)."""
-
-    def __init__(self, elements: Sequence[Tensor], sites: Sequence[Site]) -> None:
-        super().__init__(elements)
-        self.sites = list(sites)
 
 
 def _moved(
@@ -500,6 +494,8 @@ def _moved(
 ) -> dict[str, Tensor]:
     """``values`` moved along ``sites``: in place in copies where :func:`transport_` can (bitwise
     :func:`transport`'s result, with no zeros made for members absent from ``values``), else by :func:`transport`."""
+    if not sites:  # nothing moves them
+        return dict(values)
     work = {n: v.clone() for n, v in values.items()}
     if transport_(sites, elements, work, like, kind):
         return work
