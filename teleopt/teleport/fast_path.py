@@ -16,6 +16,8 @@ import functools
 import math
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
+from contextlib import nullcontext
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,6 +25,7 @@ from torch import Tensor
 from teleopt.actions.axis import AxisAction
 from teleopt.actions.base import GroupAction
 from teleopt.groups import Group, validated
+from teleopt.groups.cache import GroupCache, active_cache
 from teleopt.groups.matrix import remembering_placements
 from teleopt.numerics import read_together
 from teleopt.sharding import full, is_sharded, replicate_like, sharded_dims, write_
@@ -32,7 +35,7 @@ from teleopt.teleport.decrease_bound import decrease_bound
 from teleopt.teleport.distributed import is_distributed
 from teleopt.teleport.gradient_norm import GradientNormModel, _diagonal, _plain, _plan, member_tensors
 from teleopt.teleport.state_policy import StatePolicy
-from teleopt.teleport.transport import transport, transport_
+from teleopt.teleport.transport import TensorKind, _identity_matrix, transport, transport_
 
 __all__ = ["GradientNormModel", "FastEvaluator", "fast_path_eligible", "member_tensors"]
 
@@ -349,9 +352,12 @@ class FastEvaluator:
         """Gradients of the site members at g . w."""
         return transport(self.sites, self._placed(elements), self.grads, self.like, "covector")[0]
 
-    def site_params(self, elements: Sequence[Tensor]) -> dict[str, Tensor]:
-        """Site members at g . w."""
-        return transport(self.sites, self._placed(elements), self.like, self.like, "params")[0]
+    def site_params(self, elements: Sequence[Tensor], only: tuple[Sequence[Site], list[str]] | None = None) -> dict[str, Tensor]:
+        """Site members at g . w; with ``only`` = (sites, names), those names alone, moved in copies along
+        those sites (the ones moving them, ``elements`` theirs, placed)."""
+        if only is None:
+            return transport(self.sites, self._placed(elements), self.like, self.like, "params")[0]
+        return _moved(only[0], elements, {n: self.like[n] for n in only[1]}, self.like, "params")
 
     @torch.no_grad()
     def next_step_point(self, elements: Sequence[Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -409,12 +415,65 @@ class FastEvaluator:
 
         For plain SGD (no momentum, no weight decay) u = lr grad, so this is the
         learning-rate-weighted gradient norm and reuses the reduced model; otherwise
-        the gradients, parameters and state are transported explicitly.
+        the gradients, parameters and state are transported explicitly: a run of site
+        tensors at a time (moved in copies, reduced and freed: extra memory a few times
+        the larger of the largest site tensor and 1/16 of them all, not the model's)
+        where the elements are outside autograd, the tensors unsharded and no moving
+        site's covector rule reads the point; else all together.  The same sum, in the
+        same order, either way.
         """
-        ctx = self.ctx
         lrs = self._plain_sgd_lrs()
         if lrs is not None:
             return self.norm_model.value(elements, lrs) + self.other_decrease
+        placed = self._placed(elements)
+        moving = [i for i, g in enumerate(placed) if not _identity_matrix(g)]  # idle sites move nothing
+        if (
+            any(e.requires_grad for e in placed)
+            or any(self.sites[i].action.transport_reads_params for i in moving)
+            or any(is_sharded(t) for t in self.live.values())
+        ):
+            return self._decrease_together(elements)
+        total = torch.zeros((), dtype=torch.float64) + self.other_decrease
+        # constant in the elements: no graph through the parameters, alive to the end; each GL element's
+        # contragredient solved once for all runs (a teleport's own cache where one is active)
+        with torch.no_grad(), nullcontext() if active_cache() is not None else GroupCache().active():
+            for names in self._batches():
+                index = [i for i in moving if any(n in self.sites[i].members for n in names)]
+                total = self._decrease_of(names, [self.sites[i] for i in index], [placed[i] for i in index], total)
+        return total
+
+    def _batches(self) -> list[list[str]]:
+        """The site tensors with a gradient in order, in runs of at most 1/16 of their bytes (or one tensor)."""
+        sizes = {n: g.numel() * g.element_size() for n, g in self.grads.items()}
+        batches: list[list[str]] = []
+        budget, used = sum(sizes.values()) // 16, math.inf
+        for name, size in sizes.items():
+            if used + size > budget:
+                batches.append([])
+                used = 0
+            batches[-1].append(name)
+            used += size
+        return batches
+
+    def _decrease_of(self, names: list[str], sites: list[Site], elements: list[Tensor], total: Tensor) -> Tensor:
+        """``total`` plus <grad, u> at g . w of the site tensors ``names`` in order, their gradients and
+        state moved in copies along ``sites`` (those moving them, with their placed ``elements``)."""
+        ctx = self.ctx
+        grads = _moved(sites, elements, {n: self.grads[n] for n in names}, self.like, "covector")
+        # the modelled update reads the parameters' values only through weight decay (else their shapes)
+        decays = [n for n in names if float(ctx.groups[n].get("weight_decay", 0.0))]
+        params = {**self.like, **self.site_params(elements, (sites, decays))} if decays else self.like
+        states = {n: _copied(self.states[n]) if sites else self.states[n] for n in names if n in self.states}
+        moved = ctx.policy.move(ctx.optimizer, sites, elements, states, self.like, ctx.groups, in_place=True)
+        for name, g in grads.items():
+            u = ctx.model.update(ctx.groups[name], params[name], g, moved.values.get(name, {}))
+            total = total + (g.to(torch.float64) * u.to(torch.float64)).sum()
+        return total
+
+    def _decrease_together(self, elements: Sequence[Tensor]) -> Tensor:
+        """:meth:`first_order_decrease` with every site tensor moved at once (under autograd, on shards, or
+        along a site whose covector rule reads the point)."""
+        ctx = self.ctx
         grads = self.transported_grads(elements)
         # the modelled updates read the parameters' values only through weight decay (else their shapes)
         decays = any(float(ctx.groups[n].get("weight_decay", 0.0)) for n in grads)
@@ -423,12 +482,30 @@ class FastEvaluator:
         moved = ctx.policy.move(ctx.optimizer, self.sites, self._placed(elements), states, self.like, ctx.groups)
         total = torch.zeros((), dtype=torch.float64) + self.other_decrease
         for name, g in grads.items():
-            state = moved.values.get(name, {})
-            u = ctx.model.update(ctx.groups[name], params[name], g, state)
+            u = ctx.model.update(ctx.groups[name], params[name], g, moved.values.get(name, {}))
             part = (g.to(torch.float64) * u.to(torch.float64)).sum()
             # sharded: one scalar all-reduce, differentiable in the elements (DTensor autograd; full() is not)
             total = total + (part.full_tensor() if is_sharded(part) else part)
         return total
+
+
+def _moved(
+    sites: Sequence[Site], elements: Sequence[Tensor], values: dict[str, Tensor], like: Mapping[str, Tensor], kind: TensorKind
+) -> dict[str, Tensor]:
+    """``values`` moved along ``sites``: in place in copies where :func:`transport_` can (bitwise
+    :func:`transport`'s result, with no zeros made for members absent from ``values``), else by :func:`transport`."""
+    if not sites:  # nothing moves them
+        return dict(values)
+    work = {n: v.clone() for n, v in values.items()}
+    if transport_(sites, elements, work, like, kind):
+        return work
+    del work
+    return transport(sites, elements, values, like, kind)[0]
+
+
+def _copied(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A parameter's optimizer state with its tensors copied (moved in place by the state policy)."""
+    return {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
 
 
 def _stacked_exps(groups: Sequence[Group], coords: Sequence[Tensor], own: Sequence[bool]) -> dict[int, Tensor]:
