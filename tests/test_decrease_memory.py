@@ -13,13 +13,11 @@ The sum is the one the joint transport gives, in the same order: equal bit for b
 from __future__ import annotations
 
 import math
-import weakref
 
 import pytest
 import torch
+from conftest import load_benchmark
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from teleopt import Site, get_action
 from teleopt.teleport.context import TeleportContext
@@ -31,32 +29,9 @@ F64 = torch.float64
 WIDTH, LAYERS = 32, 8
 
 
-class NewBytes(TorchDispatchMode):
-    """Peak bytes of storages created under the mode and still alive (op outputs that are not their inputs)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
-
-    def _free(self, key: int, nbytes: int) -> None:
-        self._seen.discard(key)
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            key, nbytes = storage.data_ptr(), storage.nbytes()
-            if nbytes and key not in inputs and key not in self._seen:
-                self._seen.add(key)
-                self.live += nbytes
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(storage, self._free, key, nbytes)
-        return out
+def _live_bytes():  # type: ignore[no-untyped-def]
+    """The benchmark's counter of new storages still alive (``peak``: the most at once)."""
+    return load_benchmark("teleport_cost").LiveBytes()
 
 
 def chain(optimizer: str) -> tuple[FastEvaluator, list[torch.Tensor]]:
@@ -93,7 +68,7 @@ def chain(optimizer: str) -> tuple[FastEvaluator, list[torch.Tensor]]:
 def test_the_simulated_decrease_holds_a_few_times_the_largest_site_tensor(optimizer):
     evaluator, coords = chain(optimizer)
     elements = evaluator.elements(coords)
-    counter = NewBytes()
+    counter = _live_bytes()
     with counter:
         evaluator.first_order_decrease(elements)
     largest = max(t.numel() * t.element_size() for t in evaluator.like.values())
