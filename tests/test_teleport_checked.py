@@ -629,3 +629,37 @@ def test_probe_inputs_the_model_does_not_take_decline_the_teleport():
     assert not report.accepted and report.check == "none"
     assert report.reason.startswith("declined: the probe inputs (example_inputs) do not run through the model (RuntimeError")
     assert_bitwise(model, saved)
+
+
+def test_the_check_keeps_the_output_leaves_and_not_the_whole_output() -> None:
+    # a model output can carry more than its tensor leaves (a transformers KV cache object): the check compares
+    # leaves only, so it keeps nothing else alive between its two forwards (the whole batch's, since the lean
+    # check reads it)
+    import gc
+    import weakref
+
+    from teleopt.functional import as_batch
+    from teleopt.teleport.check import OutputCheck
+
+    class Cache:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+    class WithCache(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+            self.last: weakref.ref[Cache] | None = None
+
+        def forward(self, x: torch.Tensor) -> dict[str, object]:
+            cache = Cache(x.repeat(4, 1))
+            self.last = weakref.ref(cache)
+            return {"logits": self.lin(x), "cache": cache}
+
+    model = WithCache()
+    check = OutputCheck("batch", as_batch((torch.randn(5, 3), None)), False, 0)
+    out = check.reference(model)
+    assert len(check.before) == 1 and model.last is not None and model.last() is not None
+    del out
+    gc.collect()
+    assert model.last() is None

@@ -330,7 +330,6 @@ class OutputCheck:
     translation: bool = False
     source: str = ""
     before: list[Tensor] = field(default_factory=list)
-    output_before: Any = None
     precision: Precision = field(default_factory=Precision)
     trained_before: list[Tensor] = field(default_factory=list)
     trained_after: list[Tensor] = field(default_factory=list)
@@ -352,7 +351,6 @@ class OutputCheck:
     def reference(self, module: nn.Module) -> Any:
         """Record the outputs before the teleport; returns the model output."""
         out = self.run(module)
-        self.output_before = out
         self.before = output_leaves(out)
         self.trained_before, self.trained_after = self.trained_after, []
         return out
